@@ -1,0 +1,155 @@
+"""One exception tree for the worker.
+
+Every error the worker raises derives from :class:`HordeChatError`. The I/O
+edges (``horde.py``, ``backend.py``, ``fetch.py``) translate ``requests``
+exceptions and HTTP statuses into these classes, so no ``requests`` exception
+escapes them. Each class says whether trying the same call again may help
+(``retryable``). Messages never contain the Horde API key or a password.
+
+Seed sections: "7. Fault a job" and "Submit refusals".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HordeChatError(Exception):
+    """Base class. ``retryable`` is True when the same call may succeed later."""
+
+    retryable: bool = False
+
+
+class ConfigError(HordeChatError):
+    """The worker cannot start with these settings (bad flag, protected backend...)."""
+
+
+# --- the Horde ---------------------------------------------------------------
+
+
+class HordeError(HordeChatError):
+    """An answer from the Horde other than success.
+
+    Attributes:
+        status: HTTP status, or 0 when no response arrived.
+        rc: the Horde's return code (``"ChatSubmitInvalid"``...), or ``""``.
+        message: the Horde's ``message`` text (shortened), or a description.
+        job_id: the job the call was about, when there is one.
+        body: the decoded JSON body of the response, when it was a JSON object.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 0,
+        rc: str = "",
+        job_id: str | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.rc = rc
+        self.job_id = job_id
+        self.body = body if body is not None else {}
+
+    def __str__(self) -> str:
+        parts = [f"status={self.status}"]
+        if self.rc:
+            parts.append(f"rc={self.rc}")
+        if self.job_id:
+            parts.append(f"job={self.job_id}")
+        return f"{self.message} ({', '.join(parts)})"
+
+
+class HordeRefusal(HordeError):
+    """A definitive 4xx answer (400, 401, 403, 404, 409, 413...). Not retryable."""
+
+
+class HordeUnavailable(HordeError):
+    """5xx, 429 or a network failure (status 0). Retryable.
+
+    ``retry_after_s`` holds the Horde's ``Retry-After`` in seconds when it sent one.
+    ``sent`` is False when the request certainly did not reach the Horde
+    (connection refused), True or None otherwise.
+    """
+
+    retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 0,
+        rc: str = "",
+        job_id: str | None = None,
+        body: dict[str, Any] | None = None,
+        retry_after_s: float | None = None,
+        sent: bool | None = None,
+    ) -> None:
+        super().__init__(message, status=status, rc=rc, job_id=job_id, body=body)
+        self.retry_after_s = retry_after_s
+        self.sent = sent
+
+
+# --- koboldcpp -----------------------------------------------------------------
+
+
+class BackendError(HordeChatError):
+    """koboldcpp failed: connection refused, timeout, 5xx, invalid JSON...
+
+    Attributes:
+        status: HTTP status, or 0 when no response arrived.
+        detail: a short description (never a password).
+    """
+
+    retryable = True
+
+    def __init__(self, detail: str, *, status: int = 0) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+
+
+class BackendUnauthorized(BackendError):
+    """koboldcpp answered 401, or masks the model name: the password is missing or wrong."""
+
+    retryable = False
+
+
+class BackendBusy(BackendError):
+    """koboldcpp answered 503 "Server is busy"."""
+
+
+# --- inputs --------------------------------------------------------------------
+
+
+class FetchError(HordeChatError):
+    """A ``messages_url`` or image URL could not be fetched, was too large or invalid.
+
+    The job is faulted without ``fault_reason`` (seed: "Fetch offloaded messages").
+    """
+
+
+class PayloadError(HordeChatError):
+    """A popped job's payload is malformed.
+
+    Attributes:
+        path: where, as a JSON path such as ``"payload.messages[2].role"``.
+        job_id: the job id when the pop carried one (so the job can be faulted).
+    """
+
+    def __init__(self, path: str, problem: str, *, job_id: str | None = None) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+        self.job_id = job_id
+
+
+class ReplyError(HordeChatError):
+    """The backend's reply cannot be submitted as a structured reply.
+
+    For example finish reason ``error``, an unknown finish reason, or a malformed
+    tool call. The job is faulted without ``fault_reason`` (seed: worked example).
+    """

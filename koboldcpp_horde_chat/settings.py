@@ -1,0 +1,91 @@
+"""Every knob of the worker, in one frozen dataclass.
+
+Built by ``cli.py`` (standalone, from flags and the running koboldcpp) or by
+``kcpp_hook.py`` (inside koboldcpp, from its ``args`` and globals). Units are in
+the field names. The API key and the koboldcpp password are kept out of
+``repr`` so that a settings object can be logged.
+
+Seed sections: "1. Declare chat on pop" and "Worked example: koboldcpp's
+embedded worker".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from . import BRIDGE_AGENT
+
+DEFAULT_HORDE_URL = "https://aihorde.net"
+DEFAULT_KCPP_URL = "http://127.0.0.1:5001"
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The worker's configuration.
+
+    Attributes (tokens unless said otherwise):
+        api_key: the Horde API key; sent only to ``horde_url``'s host.
+        worker_name: the Horde worker name (``--hordeworkername``).
+        model_id: the model name popped for and declared as ``model_id``,
+            e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``.
+        backend_max_context_length: koboldcpp's loaded context size.
+        horde_max_context_length: ``--hordemaxctx``; 0 means the backend's.
+        max_length: ``--hordegenlen``, the most tokens generated for one job.
+        horde_url: the Horde's base URL.
+        kcpp_url: koboldcpp's base URL.
+        kcpp_password: koboldcpp's ``--password``, sent as a Bearer token to it only.
+        vision: koboldcpp has a multimodal projector loaded and reports vision.
+        image_url_transport: declare the ``url`` image transport beside ``base64``.
+        prompt_jobs: serve text jobs too (False with ``--chat-only``).
+        chat_withhold: features and guarantees the operator withholds.
+        trusted: the worker is trusted by the Horde (its progress lease cap is
+            600 s from pop instead of 200 s).
+        threads: koboldcpp's parallel worker threads (sent as ``threads`` when > 1).
+        local_idle_s: seconds to wait after a local user's generation before popping.
+        pop_timeout_s, submit_timeout_s, progress_timeout_s: read timeouts, seconds.
+        connect_timeout_s: connect timeout for every call, seconds.
+        messages_max_bytes: cap on a decoded ``messages_url`` body, bytes.
+        lease_s: a job's base lease when the pop has no ``ttl``, seconds.
+    """
+
+    api_key: str = field(repr=False)
+    worker_name: str
+    model_id: str
+    backend_max_context_length: int
+    horde_max_context_length: int = 0
+    max_length: int = 1024
+    horde_url: str = DEFAULT_HORDE_URL
+    kcpp_url: str = DEFAULT_KCPP_URL
+    kcpp_password: str = field(default="", repr=False)
+    vision: bool = False
+    image_url_transport: bool = True
+    prompt_jobs: bool = True
+    chat_withhold: frozenset[str] = frozenset()
+    trusted: bool = False
+    threads: int = 1
+    bridge_agent: str = BRIDGE_AGENT
+    local_idle_s: float = 20.0
+    pop_timeout_s: float = 40.0
+    submit_timeout_s: float = 30.0
+    progress_timeout_s: float = 10.0
+    connect_timeout_s: float = 10.0
+    messages_max_bytes: int = 36 * MIB
+    lease_s: float = 150.0
+
+    @property
+    def max_context_length(self) -> int:
+        """The context advertised to the Horde: ``min(backend, --hordemaxctx or backend)``."""
+        backend = self.backend_max_context_length
+        horde = self.horde_max_context_length
+        return min(backend, horde) if horde > 0 else backend
+
+    @property
+    def lease_cap_s(self) -> float:
+        """How far progress posts can extend a lease, in seconds from pop."""
+        return 600.0 if self.trusted else 200.0
+
+    def replace(self, **changes: object) -> WorkerSettings:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
