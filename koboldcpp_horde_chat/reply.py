@@ -5,8 +5,15 @@ Seed sections: "6. Submit the reply", "Submit refusals", "7. Fault a job".
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import ReplyError
+from .reasoning import split_reasoning
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,3 +37,302 @@ class BackendReply:
     native_finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+
+
+# --- constants ------------------------------------------------------------------
+
+FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
+"""The finish reasons the Horde accepts in a structured submit."""
+
+FAULT_PROMPT_OVERFLOW = "prompt_overflow"
+FAULT_REPLY_REFUSED = "reply_refused"
+REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
+"""Return codes of a refused reply: the job is then faulted with ``reply_refused``."""
+
+NATIVE_FINISH_REASON_MAX_CHARS = 32
+REASONING_MAX_BYTES = 1024 * 1024
+"""``reasoning_content`` is capped at 1 MiB of UTF-8."""
+TOKEN_COUNT_MAX = 10_000_000
+"""Token counts outside 0..10,000,000 are refused by the Horde, so they are left out."""
+
+
+# --- koboldcpp's answers ----------------------------------------------------------
+
+
+def _optional_count(usage: dict[str, Any], key: str) -> int | None:
+    value = usage.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def parse_chat_completion(body: object) -> BackendReply:
+    """Read koboldcpp's ``/v1/chat/completions`` answer.
+
+    Args:
+        body: the decoded JSON, e.g. ``{"choices": [{"message": {"role":
+            "assistant", "content": "Blue.", "tool_calls": [],
+            "reasoning_content": "..."}, "finish_reason": "stop"}], "usage":
+            {"prompt_tokens": 21, "completion_tokens": 3}}``.
+
+    Returns:
+        A :class:`BackendReply` with the first choice's content, reasoning,
+        tool calls (as sent) and finish reason, and the usage counts when they
+        are integers.
+
+    Raises:
+        ReplyError: no first choice, no message object, or a field of the wrong type.
+    """
+    if not isinstance(body, dict):
+        raise ReplyError("the chat completion is not a JSON object")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ReplyError("the chat completion has no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise ReplyError("choices[0] is not an object")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ReplyError("choices[0].message is not an object")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ReplyError("choices[0].message.content is not a string or null")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ReplyError("choices[0].message.reasoning_content is not a string or null")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is None:
+        tool_calls = []
+    if not isinstance(tool_calls, list):
+        raise ReplyError("choices[0].message.tool_calls is not a list")
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise ReplyError("choices[0].finish_reason is not a string or null")
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        usage = {}
+    return BackendReply(
+        content=content,
+        reasoning_content=reasoning,
+        tool_calls=tool_calls,
+        native_finish_reason=finish,
+        prompt_tokens=_optional_count(usage, "prompt_tokens"),
+        completion_tokens=_optional_count(usage, "completion_tokens"),
+    )
+
+
+def map_finish_reason(
+    native: str | None,
+    *,
+    has_tool_calls: bool,
+    completion_tokens: int | None,
+    max_length: int,
+) -> str:
+    """Map koboldcpp's finish reason onto the Horde's four.
+
+    - ``"length"``: koboldcpp reports it for the budget and also for a stop
+      sequence hit or an abort (facts §4.9), so it stays ``"length"`` only when
+      ``completion_tokens`` is None or reached ``max_length``; else ``"stop"``.
+    - ``"stop"`` gives ``"stop"``; ``"content_filter"`` gives itself.
+    - ``"tool_calls"`` gives ``"tool_calls"`` when there are calls, else ``"stop"``.
+    - Calls with ``"stop"`` or ``"length"`` keep the mapped reason (a forced
+      ``tool_choice`` may finish with stop and calls).
+
+    Raises:
+        ReplyError: ``"error"``, None or any other value (the job is faulted
+            without a reason; seed worked example).
+    """
+    if native == "length":
+        if completion_tokens is None or completion_tokens >= max_length:
+            return "length"
+        return "stop"
+    if native == "stop":
+        return "stop"
+    if native == "tool_calls":
+        return "tool_calls" if has_tool_calls else "stop"
+    if native == "content_filter":
+        return "content_filter"
+    raise ReplyError(f"unusable finish reason {native!r}")
+
+
+def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
+    """The backend's tool calls in the submit's shape.
+
+    Each call becomes ``{"id": str, "type": "function", "function": {"name":
+    str, "arguments": str}}``: non-string ``arguments`` are JSON-encoded
+    (missing ones become ``"{}"``), a missing ``type`` is ``"function"``, a
+    missing or empty ``id`` is minted as ``call_<n>``. An id that collides with
+    an earlier call's id gets a ``_<n>`` suffix; other ids are kept as the
+    backend minted them. Other keys (such as ``index``) are dropped.
+
+    Raises:
+        ReplyError: ``raw`` is not a list (None is an empty list), a call is not
+            an object, its type is not ``function``, or its function has no name.
+    """
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ReplyError("tool_calls is not a list")
+    parsed: list[tuple[str | None, str, str]] = []
+    for i, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise ReplyError(f"tool_calls[{i}] is not an object")
+        kind = call.get("type", "function")
+        if kind is not None and kind != "function":
+            raise ReplyError(f"tool_calls[{i}].type is {kind!r}, not 'function'")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ReplyError(f"tool_calls[{i}].function is not an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ReplyError(f"tool_calls[{i}].function.name is missing")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = "{}"
+        elif not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ReplyError(f"tool_calls[{i}].id is not a string")
+        parsed.append((call_id or None, name, arguments))
+
+    given = {call_id for call_id, _, _ in parsed if call_id}
+    used: set[str] = set()
+    result: list[dict[str, Any]] = []
+    for i, (call_id, name, arguments) in enumerate(parsed):
+        if call_id is not None and call_id not in used:
+            final_id = call_id
+        else:
+            base, n = (f"{call_id}_", 2) if call_id is not None else ("call_", i + 1)
+            while f"{base}{n}" in used or f"{base}{n}" in given:
+                n += 1
+            final_id = f"{base}{n}"
+        used.add(final_id)
+        result.append(
+            {"id": final_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+    return result
+
+
+def _cap_utf8(text: str, max_bytes: int) -> str:
+    encoded = text.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def _count_ok(value: int | None, name: str) -> bool:
+    if value is None:
+        return False
+    if 0 <= value <= TOKEN_COUNT_MAX:
+        return True
+    log.warning("leaving out %s=%d: outside 0..%d", name, value, TOKEN_COUNT_MAX)
+    return False
+
+
+# --- submit bodies ------------------------------------------------------------------
+
+
+def chat_submit(
+    job_id: str, model_id: str, reply: BackendReply, *, max_length: int
+) -> dict[str, Any]:
+    """The structured submit body of a served chat job.
+
+    Returns ``{"id", "message": {"role": "assistant", "content", optional
+    "reasoning_content", optional "tool_calls"}, "finish_reason", optional
+    "native_finish_reason" (at most 32 characters), optional "prompt_tokens"
+    and "completion_tokens" (only when reported and within 0..10,000,000),
+    "model_id", "state": "ok"}``, e.g. the seed's ``{"id": "<job-id>",
+    "message": {"role": "assistant", "content": "Blue."}, "finish_reason":
+    "stop", "native_finish_reason": "stop", "prompt_tokens": 21,
+    "completion_tokens": 3, "model_id": "<model-name>", "state": "ok"}``.
+
+    Reasoning tags left in the content are split off (:func:`split_reasoning`);
+    a block that never closed becomes ``reasoning_content`` with the content
+    before it (usually ``""``). ``reasoning_content`` is cut to 1 MiB of UTF-8
+    on a character boundary and left out when empty. ``content`` is null only
+    when there are tool calls and no text; otherwise ``""`` is a valid reply.
+
+    Args:
+        job_id: the job.
+        model_id: the job's assigned model (the declaration's ``model_id``).
+        reply: what koboldcpp returned.
+        max_length: the job's budget in tokens, to tell a real ``length`` apart.
+
+    Raises:
+        ReplyError: an unusable finish reason or a malformed tool call; the job
+            is then faulted without a reason.
+
+    Seed: "6. Submit the reply", "Submit refusals".
+    """
+    calls = normalise_tool_calls(reply.tool_calls)
+    finish_reason = map_finish_reason(
+        reply.native_finish_reason,
+        has_tool_calls=bool(calls),
+        completion_tokens=reply.completion_tokens,
+        max_length=max_length,
+    )
+    split = split_reasoning(reply.content, reply.reasoning_content)
+    content: str | None = split.content
+    if calls and not (content or "").strip():
+        content = None
+    elif content is None:
+        content = ""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if split.reasoning:
+        reasoning = _cap_utf8(split.reasoning, REASONING_MAX_BYTES)
+        if len(reasoning) < len(split.reasoning):
+            log.warning("job %s: reasoning_content cut to %d bytes", job_id, REASONING_MAX_BYTES)
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    body: dict[str, Any] = {"id": job_id, "message": message, "finish_reason": finish_reason}
+    if reply.native_finish_reason:
+        body["native_finish_reason"] = reply.native_finish_reason[:NATIVE_FINISH_REASON_MAX_CHARS]
+    if _count_ok(reply.prompt_tokens, "prompt_tokens"):
+        body["prompt_tokens"] = reply.prompt_tokens
+    if _count_ok(reply.completion_tokens, "completion_tokens"):
+        body["completion_tokens"] = reply.completion_tokens
+    body["model_id"] = model_id
+    body["state"] = "ok"
+    return body
+
+
+def fault_submit(job_id: str, model_id: str, fault_reason: str | None = None) -> dict[str, Any]:
+    """The faulted submit body: ``{"id", "state": "faulted", "model_id"}``.
+
+    ``fault_reason`` (``"prompt_overflow"``, ``"reply_refused"``...) is added
+    only when given; a failed fetch or generation faults without one. The
+    ``model_id`` marks the body as a chat submit, which needs no generation.
+
+    Seed: "7. Fault a job".
+    """
+    body: dict[str, Any] = {"id": job_id, "state": "faulted", "model_id": model_id}
+    if fault_reason:
+        body["fault_reason"] = fault_reason
+    return body
+
+
+def text_submit(job_id: str, generation: str) -> dict[str, Any]:
+    """A text job's submit body: ``{"id", "generation", "state": "ok"}`` (seed step 8)."""
+    return {"id": job_id, "generation": generation, "state": "ok"}
+
+
+def text_generation(body: object) -> str:
+    """The generated text of koboldcpp's ``/api/v1/generate`` answer.
+
+    Args:
+        body: ``{"results": [{"text": str, ...}]}``.
+
+    Raises:
+        ReplyError: the body does not have that shape.
+    """
+    if not isinstance(body, dict):
+        raise ReplyError("the generate answer is not a JSON object")
+    results = body.get("results")
+    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+        raise ReplyError("the generate answer has no results")
+    text = results[0].get("text")
+    if not isinstance(text, str):
+        raise ReplyError("results[0].text is not a string")
+    return text

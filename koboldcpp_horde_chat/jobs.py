@@ -1,0 +1,390 @@
+"""Popped jobs, and the koboldcpp request bodies built from them (pure; no I/O).
+
+Seed sections: "2. Recognise a chat job", "4. Serve tools and structured
+output" and "8. Keep serving text jobs".
+
+A pop response with ``"chat": true`` at the top level is a chat job; any
+other job is a text job, whose payload is forwarded to koboldcpp unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PayloadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 150.0
+"""The job's base lease when the pop has no usable ``ttl``, seconds (seed: "Streaming progress")."""
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""The message roles a chat payload carries (a client's developer message arrives as system)."""
+
+SAMPLER_KEYS = (
+    "temperature",
+    "top_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "rep_pen",
+    "top_k",
+    "min_p",
+)
+"""Sampler fields always present in a chat payload; forwarded exactly as sent."""
+
+PASSTHROUGH_KEYS = (
+    "seed",
+    "reasoning_effort",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+)
+"""Optional chat payload fields forwarded unchanged when present."""
+
+OBJECT_JSON_GRAMMAR = r"""root ::= object
+value ::= object | array | string | number | literal
+object ::= "{" ws ( member ( "," ws member )* )? "}" ws
+member ::= string ":" ws value
+array ::= "[" ws ( value ( "," ws value )* )? "]" ws
+literal ::= ( "true" | "false" | "null" ) ws
+string ::= "\"" char* "\"" ws
+char ::= [^"\\\x00-\x1f] | "\\" escape
+escape ::= ["\\/bfnrt] | "u" hex hex hex hex
+hex ::= [0-9a-fA-F]
+number ::= "-"? integer fraction? exponent? ws
+integer ::= "0" | [1-9] [0-9]*
+fraction ::= "." [0-9]+
+exponent ::= [eE] [-+]? [0-9]+
+ws ::= ( [ \t\n] [ \t]{0,16} )?
+"""
+"""A llama.cpp GBNF grammar whose root is one JSON object.
+
+Sent as ``grammar`` in place of ``response_format: {"type": "json_object"}``,
+which koboldcpp 1.116/1.117 roots at an array (facts §4.4, §9). Whitespace
+runs are bounded so that a small model cannot loop on spaces.
+"""
+
+_HTTP_URL = re.compile(r"^https?://[^\s/?#]+", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class TextJob:
+    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged.
+
+    Attributes:
+        id: the job id.
+        payload: the pop's ``payload`` as sent.
+        ttl_s: the job's lease, seconds.
+        model: the pop's ``model``, or None.
+    """
+
+    id: str
+    payload: dict[str, Any]
+    ttl_s: float
+    model: str | None
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A chat job (the pop had ``"chat": true``).
+
+    Attributes:
+        id: the job id.
+        payload: the pop's ``payload`` as sent.
+        ttl_s: the job's lease, seconds.
+        model: the pop's ``model``, or None.
+        messages: the validated conversation, or None when it is offloaded.
+        messages_url: the http(s) URL of the offloaded messages, or None.
+        max_length: the most tokens to generate (reasoning and answer together).
+        max_context_length: the context to render and generate within, tokens.
+        stream_progress: the client streams the reply, so progress is posted.
+    """
+
+    id: str
+    payload: dict[str, Any]
+    ttl_s: float
+    model: str | None
+    messages: list[dict[str, Any]] | None
+    messages_url: str | None
+    max_length: int
+    max_context_length: int
+    stream_progress: bool
+
+    @property
+    def has_tools(self) -> bool:
+        """True when the payload offers tools (then the reply is generated whole)."""
+        tools = self.payload.get("tools")
+        return isinstance(tools, list) and len(tools) > 0
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """The payload's ``stop_sequence`` as a tuple of non-empty strings."""
+        stop = self.payload.get("stop_sequence")
+        if isinstance(stop, str):
+            return (stop,) if stop else ()
+        if isinstance(stop, list):
+            return tuple(s for s in stop if isinstance(s, str) and s)
+        return ()
+
+
+def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
+    value = payload.get(key)
+    if value is None:
+        raise PayloadError(f"payload.{key}", "missing", job_id=job_id)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PayloadError(f"payload.{key}", f"not a positive integer: {value!r}", job_id=job_id)
+    return value
+
+
+def _ttl(pop: dict[str, Any], default_ttl_s: float) -> float:
+    ttl = pop.get("ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+        return default_ttl_s
+    return float(ttl)
+
+
+def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
+    stop = payload.get("stop_sequence")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list):
+            raise PayloadError("payload.stop_sequence", "not a list", job_id=job_id)
+        for i, item in enumerate(stop):
+            if not isinstance(item, str):
+                raise PayloadError(f"payload.stop_sequence[{i}]", "not a string", job_id=job_id)
+    tools = payload.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise PayloadError("payload.tools", "not a list", job_id=job_id)
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise PayloadError(f"payload.tools[{i}]", "not an object", job_id=job_id)
+    response_format = payload.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise PayloadError("payload.response_format", "not an object", job_id=job_id)
+        if not isinstance(response_format.get("type"), str):
+            raise PayloadError("payload.response_format.type", "not a string", job_id=job_id)
+
+
+def parse_pop(
+    pop: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S
+) -> TextJob | ChatJob | None:
+    """Turn a pop response into a job.
+
+    Args:
+        pop: the JSON object ``POST /api/v2/generate/text/pop`` returned, e.g.
+            ``{"payload": {...}, "id": "<job-id>", "ttl": 150, "model": "...",
+            "chat": true, ...}``.
+        default_ttl_s: the lease, seconds, when ``ttl`` is missing or not positive.
+
+    Returns:
+        None when the pop returned no job (``id`` missing, null or empty); a
+        :class:`ChatJob` when the top-level ``chat`` is true, else a :class:`TextJob`.
+        A chat job's inline ``messages`` are validated; when the payload has
+        no non-empty inline messages, its ``messages_url`` is used (fetch it,
+        then call :func:`validate_messages`).
+
+    Raises:
+        PayloadError: the job is malformed; ``path`` names the field (such as
+            ``"payload.messages[1].role"``) and ``job_id`` the job to fault, when
+            the pop carried a usable id.
+
+    Seed: "2. Recognise a chat job", "8. Keep serving text jobs".
+    """
+    if not isinstance(pop, dict):
+        raise PayloadError("$", "the pop response is not an object")
+    job_id = pop.get("id")
+    if job_id is None or job_id == "":
+        return None
+    if not isinstance(job_id, str):
+        raise PayloadError("id", f"not a string: {job_id!r}")
+    ttl_s = _ttl(pop, default_ttl_s)
+    model = pop.get("model") if isinstance(pop.get("model"), str) else None
+    payload = pop.get("payload")
+    if not isinstance(payload, dict):
+        raise PayloadError("payload", "missing or not an object", job_id=job_id)
+    log.debug("job %s: chat=%r, payload keys %s", job_id, pop.get("chat"), sorted(payload))
+    if pop.get("chat") is not True:
+        return TextJob(id=job_id, payload=payload, ttl_s=ttl_s, model=model)
+
+    messages: list[dict[str, Any]] | None = None
+    messages_url: str | None = None
+    inline = payload.get("messages")
+    url = payload.get("messages_url")
+    if isinstance(inline, list) and inline:
+        messages = validate_messages(inline, job_id=job_id)
+    elif url is not None:
+        if not isinstance(url, str) or not _HTTP_URL.match(url):
+            raise PayloadError("payload.messages_url", "not an http(s) URL", job_id=job_id)
+        messages_url = url
+    elif inline is not None:
+        messages = validate_messages(inline, job_id=job_id)
+    else:
+        raise PayloadError("payload.messages", "missing (and no messages_url)", job_id=job_id)
+
+    max_length = _positive_int(payload, "max_length", job_id)
+    max_context_length = _positive_int(payload, "max_context_length", job_id)
+    stream_progress = payload.get("stream_progress", False)
+    if stream_progress is None:
+        stream_progress = False
+    if not isinstance(stream_progress, bool):
+        raise PayloadError("payload.stream_progress", "not a boolean", job_id=job_id)
+    _check_optional_fields(payload, job_id)
+    return ChatJob(
+        id=job_id,
+        payload=payload,
+        ttl_s=ttl_s,
+        model=model,
+        messages=messages,
+        messages_url=messages_url,
+        max_length=max_length,
+        max_context_length=max_context_length,
+        stream_progress=stream_progress,
+    )
+
+
+def _validate_content(content: object, path: str, job_id: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise PayloadError(path, "not a string, null or a list of parts", job_id=job_id)
+    for j, part in enumerate(content):
+        part_path = f"{path}[{j}]"
+        if not isinstance(part, dict):
+            raise PayloadError(part_path, "not an object", job_id=job_id)
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise PayloadError(f"{part_path}.text", "not a string", job_id=job_id)
+        elif kind == "image_url":
+            image = part.get("image_url")
+            if not isinstance(image, dict):
+                raise PayloadError(f"{part_path}.image_url", "not an object", job_id=job_id)
+            if not isinstance(image.get("url"), str):
+                raise PayloadError(f"{part_path}.image_url.url", "not a string", job_id=job_id)
+        else:
+            raise PayloadError(f"{part_path}.type", f"unknown part type {kind!r}", job_id=job_id)
+
+
+def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
+    if not isinstance(calls, list):
+        raise PayloadError(path, "not a list", job_id=job_id)
+    for k, call in enumerate(calls):
+        call_path = f"{path}[{k}]"
+        if not isinstance(call, dict):
+            raise PayloadError(call_path, "not an object", job_id=job_id)
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise PayloadError(f"{call_path}.function", "not an object", job_id=job_id)
+        if not isinstance(function.get("name"), str):
+            raise PayloadError(f"{call_path}.function.name", "not a string", job_id=job_id)
+
+
+def validate_messages(
+    messages: object, *, job_id: str, path: str = "payload.messages"
+) -> list[dict[str, Any]]:
+    """Check a conversation's shape and return it unchanged.
+
+    Each message is an object with ``role`` system, user, assistant or tool and
+    ``content`` a string, null (or absent), or a list of parts
+    ``{"type": "text", "text": str}`` / ``{"type": "image_url", "image_url":
+    {"url": str}}``. An assistant message may carry ``tool_calls``, a list of
+    ``{"function": {"name": str, ...}, ...}``; a tool message needs a string
+    ``tool_call_id``.
+
+    Args:
+        messages: the inline ``payload.messages`` or the fetched ``messages_url`` body.
+        job_id: the job, named in the error.
+        path: the JSON path used in errors.
+
+    Raises:
+        PayloadError: naming the first bad field, e.g. ``payload.messages[2].role``.
+
+    Seed: "2. Recognise a chat job".
+    """
+    if not isinstance(messages, list):
+        raise PayloadError(path, "not a list", job_id=job_id)
+    if not messages:
+        raise PayloadError(path, "empty", job_id=job_id)
+    for i, message in enumerate(messages):
+        msg_path = f"{path}[{i}]"
+        if not isinstance(message, dict):
+            raise PayloadError(msg_path, "not an object", job_id=job_id)
+        role = message.get("role")
+        if role not in ROLES:
+            raise PayloadError(f"{msg_path}.role", f"unknown role {role!r}", job_id=job_id)
+        _validate_content(message.get("content"), f"{msg_path}.content", job_id)
+        if role == "assistant" and message.get("tool_calls") is not None:
+            _validate_tool_calls(message["tool_calls"], f"{msg_path}.tool_calls", job_id)
+        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise PayloadError(f"{msg_path}.tool_call_id", "not a string", job_id=job_id)
+    return messages
+
+
+def _is_json_object_format(response_format: object) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") == "json_object"
+
+
+def chat_request_body(
+    job: ChatJob, messages: list[dict[str, Any]], *, genkey: str, stream: bool
+) -> dict[str, Any]:
+    """The body for koboldcpp's ``POST /v1/chat/completions``.
+
+    ``{"messages", "max_tokens": job.max_length, "max_context_length",
+    <sampler fields as sent>, "stop": <stop_sequence>, "seed",
+    "reasoning_effort", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "genkey", "stream"}`` (optional fields only when the
+    payload has them), plus ``"stream_options": {"include_usage": true}`` when
+    streaming. ``response_format: {"type": "json_object"}`` is replaced by
+    ``"grammar": OBJECT_JSON_GRAMMAR``. Unknown payload keys (``n``...) are not
+    forwarded.
+
+    Args:
+        job: the chat job.
+        messages: the conversation (inline or fetched), image parts ready for koboldcpp.
+        genkey: koboldcpp's generation key; starts with ``HORDEREQ_`` so that the
+            request does not count as local use.
+        stream: ask koboldcpp for Server-Sent Events.
+
+    Seed: "2. Recognise a chat job" (apply samplers as sent), "4. Serve tools
+    and structured output".
+    """
+    payload = job.payload
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": job.max_length,
+        "max_context_length": job.max_context_length,
+    }
+    for key in SAMPLER_KEYS:
+        if key in payload:
+            body[key] = payload[key]
+    if payload.get("stop_sequence") is not None:
+        body["stop"] = payload["stop_sequence"]
+    for key in PASSTHROUGH_KEYS:
+        if key in payload and payload[key] is not None:
+            body[key] = payload[key]
+    if _is_json_object_format(body.get("response_format")):
+        del body["response_format"]
+        body["grammar"] = OBJECT_JSON_GRAMMAR
+    body["genkey"] = genkey
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def text_request_body(job: TextJob, *, genkey: str) -> dict[str, Any]:
+    """The body for koboldcpp's ``POST /api/v1/generate``: the payload with ``genkey`` set.
+
+    The payload is forwarded unchanged, as koboldcpp's own worker does; the
+    job's payload itself is not modified.
+
+    Seed: "8. Keep serving text jobs".
+    """
+    body = dict(job.payload)
+    body["genkey"] = genkey
+    return body
