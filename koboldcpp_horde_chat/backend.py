@@ -1,0 +1,527 @@
+"""The koboldcpp client: the worker's only door to the local koboldcpp (I/O edge).
+
+:class:`KoboldClient` wraps koboldcpp's HTTP API: readiness and capability
+probes, ``/api/extra/perf``, tokencount, chat completions (whole or as a raw
+Server-Sent Events byte stream), abort by genkey and the Kobold text generate.
+Every ``requests`` or ``urllib3`` exception and every unwanted HTTP status is
+translated into :class:`~koboldcpp_horde_chat.errors.BackendError` or a
+subclass here, so none escapes:
+
+* 401 -> :class:`~koboldcpp_horde_chat.errors.BackendUnauthorized` (the
+  ``--password`` is missing or wrong);
+* 503 -> :class:`~koboldcpp_horde_chat.errors.BackendBusy` (koboldcpp's
+  "Server is busy", facts §5.8);
+* any other non-2xx, a body that is not a JSON object, a body over the size
+  cap, a connection failure, a timeout or a reset -> ``BackendError``
+  (``status`` 0 when no response arrived).
+
+``Authorization: Bearer <password>`` is sent only when a password is set, and
+only to koboldcpp; the Horde API key is never sent here. Error messages never
+contain the password.
+
+One :class:`requests.Session` per client: sessions are not documented as
+thread-safe, so use one client per thread (a :class:`BackendStream` may be
+closed from another thread, see there).
+
+Seed section: "Worked example: koboldcpp's embedded worker" (the worker
+generates through koboldcpp's local ``/v1/chat/completions`` and
+``/api/v1/generate``, aborts by genkey, and yields to local users).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import requests
+import urllib3.exceptions
+
+from .errors import BackendBusy, BackendError, BackendUnauthorized
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "PROTECTED_MODEL_NAME",
+    "BackendInfo",
+    "BackendStream",
+    "KoboldClient",
+]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The most bytes read from one JSON answer (64 MiB)."""
+
+PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
+"""What ``/api/v1/model`` says on a protected koboldcpp without the right bearer (facts §5.4)."""
+
+STREAM_READ_BYTES = 65536
+"""The most bytes one :meth:`BackendStream.read_chunk` returns."""
+
+_PROBE_TIMEOUT_S = 10.0
+_DETAIL_CHARS = 200
+
+# Exceptions that reading a response body may raise besides requests' own.
+_READ_ERRORS: tuple[type[BaseException], ...] = (
+    requests.RequestException,
+    urllib3.exceptions.HTTPError,
+    OSError,
+    ValueError,
+)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the running koboldcpp reports about itself.
+
+    Attributes:
+        model_name: ``/api/v1/model`` ``result``, e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``
+            (``"inactive"`` when no text model is loaded).
+        max_context_length: ``/api/extra/true_max_context_length``, tokens
+            (``--contextsize``).
+        vision: ``/api/extra/version`` ``vision`` (a multimodal projector is loaded).
+        version: ``/api/extra/version`` ``version``, e.g. ``"1.116.1"`` ("" if absent).
+        protected: ``/api/extra/version`` ``protected`` (``--password`` is set).
+        jinja: ``/api/extra/version`` ``jinja`` (``--jinja``).
+    """
+
+    model_name: str
+    max_context_length: int
+    vision: bool
+    version: str
+    protected: bool
+    jinja: bool
+
+
+class BackendStream:
+    """An open ``text/event-stream`` answer from ``/v1/chat/completions``.
+
+    koboldcpp streams over HTTP/1.0 without chunked encoding and closes the
+    connection at the end (facts §4.8), so the body is read as raw bytes:
+    :meth:`read_chunk` returns whatever has arrived (up to 64 KiB) as soon as
+    anything arrives, and ``b""`` at the end of the stream. Decode the bytes
+    with ``sse.SSEDecoder``.
+
+    :meth:`close` may be called from another thread while :meth:`read_chunk`
+    blocks: it shuts the socket down, which wakes the reader; ``read_chunk``
+    then returns ``b""``. Usable as a context manager.
+    """
+
+    def __init__(self, response: requests.Response, *, password: str = "") -> None:
+        self._response = response
+        self._password = password
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sock = _socket_of(response)
+
+    @property
+    def status(self) -> int:
+        """The HTTP status (200)."""
+        return int(self._response.status_code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers (as received)."""
+        return dict(self._response.headers)
+
+    def read_chunk(self) -> bytes:
+        """The next bytes of the stream, ``b""`` at its end or after :meth:`close`.
+
+        Returns as soon as at least one byte has arrived, never waiting to fill
+        a fixed size. Raises ``BackendError`` (status 0) on a read timeout (the
+        client's ``read_timeout_s`` without a byte), a reset or a broken
+        connection.
+        """
+        if self._closed.is_set():
+            return b""
+        raw = self._response.raw
+        try:
+            read1 = getattr(raw, "read1", None)
+            if read1 is not None:
+                data = read1(STREAM_READ_BYTES)
+            else:  # urllib3 < 2: read the http.client response directly
+                fp = getattr(raw, "_fp", None)
+                data = fp.read1(STREAM_READ_BYTES) if fp is not None else b""
+        except Exception as exc:  # a close() from another thread races with this read
+            if self._closed.is_set():
+                return b""
+            raise BackendError(_describe(exc, "reading the chat stream", self._password)) from None
+        if self._closed.is_set():
+            return b""
+        return bytes(data or b"")
+
+    def close(self) -> None:
+        """Close the connection; safe to call twice and from another thread."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        # Shut the socket down first: a close() alone does not wake a reader
+        # blocked in recv() on another thread.
+        try:
+            self._response.raw.shutdown()
+        except Exception:  # urllib3 < 2.3 has no shutdown(); older ones raise
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            self._response.close()
+        except Exception:  # closing under a concurrent read may trip http.client
+            log.debug("closing the chat stream raised", exc_info=True)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed.is_set()
+
+    def __enter__(self) -> BackendStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class KoboldClient:
+    """A client for one koboldcpp at ``base_url`` (e.g. ``"http://127.0.0.1:5001"``).
+
+    Args:
+        base_url: koboldcpp's base URL, without a trailing path.
+        password: koboldcpp's ``--password``; "" for an open instance. Sent as
+            ``Authorization: Bearer <password>`` only when set.
+        connect_timeout_s: the connect timeout of every call, seconds.
+        session: a ``requests.Session`` to use (one is created otherwise).
+        max_body_bytes: the most bytes read from one JSON answer.
+
+    Every call uses a ``(connect_timeout_s, read timeout)`` pair; the read
+    timeout bounds each wait for bytes (koboldcpp sends nothing until a whole
+    generation is done, so a generation's read timeout is its whole budget).
+    One client per thread.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        password: str = "",
+        *,
+        connect_timeout_s: float = 10.0,
+        session: requests.Session | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._password = password
+        self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._session = session if session is not None else requests.Session()
+
+    def __repr__(self) -> str:
+        return f"KoboldClient({self.base_url!r}, protected={bool(self._password)})"
+
+    def close(self) -> None:
+        """Close the session's pooled connections."""
+        self._session.close()
+
+    # --------------------------------------------------------------- probes
+
+    def ready(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
+        """True when ``GET /api/v1/info/version`` answers JSON with a truthy ``result``.
+
+        koboldcpp's own worker uses this probe (facts §2.3). Never raises.
+        """
+        try:
+            body = self._get("/api/v1/info/version", timeout_s)
+        except BackendError:
+            return False
+        return bool(body.get("result"))
+
+    def info(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> BackendInfo:
+        """Read the model name, context size and capabilities.
+
+        Calls ``GET /api/v1/model``, ``/api/extra/true_max_context_length`` and
+        ``/api/extra/version``. On a protected koboldcpp it also checks the
+        password: the model name reads ``"koboldcpp/protected-model"`` without
+        the right bearer (facts §5.4), and ``POST /api/extra/tokencount`` of
+        ``""`` answers 401.
+
+        Raises:
+            BackendUnauthorized: koboldcpp is protected and the password is
+                missing or wrong.
+            BackendError: koboldcpp does not answer, or answers unexpectedly.
+        """
+        model = self._get("/api/v1/model", timeout_s)
+        ctx = self._get("/api/extra/true_max_context_length", timeout_s)
+        version = self._get("/api/extra/version", timeout_s)
+        model_name = model.get("result")
+        if not isinstance(model_name, str):
+            raise BackendError("/api/v1/model: no model name in the answer", status=200)
+        max_ctx = ctx.get("value")
+        if not isinstance(max_ctx, int) or isinstance(max_ctx, bool) or max_ctx <= 0:
+            raise BackendError(
+                "/api/extra/true_max_context_length: no positive integer value", status=200
+            )
+        protected = version.get("protected") is True
+        if protected:
+            if model_name == PROTECTED_MODEL_NAME:
+                raise BackendUnauthorized(
+                    "koboldcpp is password protected and the password is "
+                    + ("wrong" if self._password else "missing")
+                    + " (/api/v1/model is masked)",
+                    status=200,
+                )
+            self.tokencount("", timeout_s=timeout_s)
+        return BackendInfo(
+            model_name=model_name,
+            max_context_length=max_ctx,
+            vision=version.get("vision") is True,
+            version=str(version.get("version") or ""),
+            protected=protected,
+            jinja=version.get("jinja") is True,
+        )
+
+    def perf(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
+        """``GET /api/extra/perf``: koboldcpp's statistics (facts §5.6).
+
+        Keys include ``idle`` (0 while generating), ``queue`` (requests
+        waiting), ``idletime`` (seconds since the last generation request),
+        ``total_gens``, ``stop_reason``. Raises ``BackendError``.
+        """
+        return self._get("/api/extra/perf", timeout_s)
+
+    # ----------------------------------------------------------- generation
+
+    def tokencount(self, prompt: str, *, timeout_s: float) -> int:
+        """Tokens of ``prompt`` by koboldcpp's tokenizer, BOS included (facts §5.1).
+
+        Sends ``POST /api/extra/tokencount {"prompt": prompt}`` and nothing else:
+        never ``messages``, whose rendering may run a tool-choice generation
+        (seed step 3: the fit check must not run side effects).
+
+        Raises ``BackendUnauthorized``, ``BackendError`` (also for a missing or
+        negative ``value``).
+        """
+        body = self._post("/api/extra/tokencount", {"prompt": prompt}, timeout_s)
+        value = body.get("value")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BackendError("/api/extra/tokencount: no token count in the answer", status=200)
+        return value
+
+    def chat_completion(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """``POST /v1/chat/completions`` and return the decoded JSON object.
+
+        ``body`` is sent as it is (``stream`` should be false or absent).
+        ``timeout_s`` bounds the wait for the answer, seconds: koboldcpp sends
+        nothing until the generation ends.
+
+        Raises ``BackendUnauthorized`` (401), ``BackendBusy`` (503),
+        ``BackendError`` (other statuses, invalid JSON, a non-object, a body
+        over the cap, network failures and timeouts).
+        """
+        return self._post("/v1/chat/completions", body, timeout_s)
+
+    def open_chat_stream(self, body: dict[str, Any], *, read_timeout_s: float) -> BackendStream:
+        """``POST /v1/chat/completions`` with ``"stream": true`` and return the open stream.
+
+        ``read_timeout_s`` bounds each wait for bytes, including the prompt
+        processing before the first token, when koboldcpp sends only headers
+        (facts §4.8). The answer's status and ``content-type`` are checked: a
+        JSON answer where a stream was asked for raises ``BackendError``.
+
+        Raises ``BackendUnauthorized`` (401), ``BackendBusy`` (503),
+        ``BackendError`` (other statuses, not an event stream, network failures).
+        """
+        payload = dict(body)
+        payload["stream"] = True
+        path = "/v1/chat/completions"
+        response = self._request(
+            "POST",
+            path,
+            payload,
+            read_timeout_s,
+            extra_headers={"Accept": "text/event-stream", "Accept-Encoding": "identity"},
+        )
+        status = response.status_code
+        content_type = response.headers.get("content-type", "")
+        if 200 <= status < 300 and "text/event-stream" in content_type.lower():
+            return BackendStream(response, password=self._password)
+        try:
+            if not 200 <= status < 300:
+                self._decode(response, path)  # raises the mapped error
+            decoded = self._decode(response, path)
+            keys = ", ".join(sorted(decoded)[:8])
+            raise BackendError(
+                f"{path}: a whole JSON answer (keys: {keys}) instead of an event stream",
+                status=status,
+            )
+        finally:
+            response.close()
+
+    def abort(self, genkey: str, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
+        """``POST /api/extra/abort {"genkey"}``: stop the generation with this genkey.
+
+        True when koboldcpp answers ``"success": "true"`` (a string, facts
+        §5.2; a boolean true is accepted too). False means the genkey was not
+        running (or was remembered as a pending abort: ``"done": "false"``).
+        Raises ``BackendUnauthorized``, ``BackendError``.
+        """
+        body = self._post("/api/extra/abort", {"genkey": genkey}, timeout_s)
+        success = body.get("success")
+        return success is True or success == "true"
+
+    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """``POST /api/v1/generate`` (Kobold API) and return the decoded JSON object.
+
+        The answer is ``{"results": [{"text", "finish_reason", ...}]}``
+        (facts §5.7). Raises like :meth:`chat_completion`.
+        """
+        return self._post("/api/v1/generate", payload, timeout_s)
+
+    # -------------------------------------------------------------- helpers
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._password:
+            headers["Authorization"] = f"Bearer {self._password}"
+        return headers
+
+    def _get(self, path: str, timeout_s: float) -> dict[str, Any]:
+        response = self._request("GET", path, None, timeout_s)
+        try:
+            return self._decode(response, path)
+        finally:
+            response.close()
+
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        response = self._request("POST", path, body, timeout_s)
+        try:
+            return self._decode(response, path)
+        finally:
+            response.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout_s: float,
+        *,
+        extra_headers: dict[str, str] | None = None,
+    ) -> requests.Response:
+        headers = self._headers()
+        if method == "GET":
+            headers.pop("Content-Type")
+        headers.update(extra_headers or {})
+        data = None
+        if body is not None:
+            try:
+                data = json.dumps(body).encode("utf-8")
+            except (TypeError, ValueError) as exc:
+                raise BackendError(f"{path}: the request body is not JSON: {exc}") from None
+        try:
+            return self._session.request(
+                method,
+                self.base_url + path,
+                data=data,
+                headers=headers,
+                timeout=(self.connect_timeout_s, timeout_s),
+                stream=True,
+                allow_redirects=False,
+            )
+        except _READ_ERRORS as exc:
+            raise BackendError(_describe(exc, f"{method} {path}", self._password)) from None
+
+    def _decode(self, response: requests.Response, path: str) -> dict[str, Any]:
+        """Read a capped body and map the status; returns the JSON object."""
+        status = response.status_code
+        raw = self._read_capped(response, path)
+        if status == 401:
+            raise BackendUnauthorized(
+                f"{path}: 401 {_detail(raw)} (koboldcpp's password is "
+                + ("wrong" if self._password else "missing")
+                + ")",
+                status=401,
+            )
+        if status == 503:
+            raise BackendBusy(f"{path}: 503 {_detail(raw)}", status=503)
+        if not 200 <= status < 300:
+            raise BackendError(f"{path}: HTTP {status} {_detail(raw)}", status=status)
+        try:
+            decoded = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise BackendError(f"{path}: the answer is not JSON", status=status) from None
+        if not isinstance(decoded, dict):
+            raise BackendError(
+                f"{path}: the answer is a JSON {type(decoded).__name__}, not an object",
+                status=status,
+            )
+        return decoded
+
+    def _read_capped(self, response: requests.Response, path: str) -> bytes:
+        cap = self.max_body_bytes
+        parts: list[bytes] = []
+        total = 0
+        try:
+            for part in response.iter_content(65536):
+                total += len(part)
+                if total > cap:
+                    raise BackendError(
+                        f"{path}: the answer is larger than {cap} bytes",
+                        status=response.status_code,
+                    )
+                parts.append(part)
+        except BackendError:
+            raise
+        except _READ_ERRORS as exc:
+            raise BackendError(
+                _describe(exc, f"reading {path}", self._password),
+                status=response.status_code,
+            ) from None
+        return b"".join(parts)
+
+
+def _socket_of(response: requests.Response) -> socket.socket | None:
+    """The socket under a streamed response, when urllib3 exposes it."""
+    raw = response.raw
+    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+    sock = getattr(connection, "sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _detail(raw: bytes) -> str:
+    """A short description of an error body: koboldcpp's ``detail.msg`` when present."""
+    try:
+        decoded = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return repr(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
+    if isinstance(decoded, dict):
+        detail = decoded.get("detail")
+        if isinstance(detail, dict) and isinstance(detail.get("msg"), str):
+            return str(detail["msg"])[:_DETAIL_CHARS]
+        if isinstance(decoded.get("message"), str):
+            return str(decoded["message"])[:_DETAIL_CHARS]
+    return json.dumps(decoded)[:_DETAIL_CHARS]
+
+
+def _describe(exc: BaseException, what: str, password: str) -> str:
+    """``"<what>: <ExceptionType>: <message>"`` with the password masked."""
+    if isinstance(exc, requests.Timeout) or isinstance(
+        exc, urllib3.exceptions.TimeoutError | TimeoutError
+    ):
+        kind = "timed out"
+    elif isinstance(exc, requests.ConnectionError):
+        kind = "connection failed"
+    else:
+        kind = "failed"
+    message = f"{what} {kind}: {type(exc).__name__}: {exc}"
+    if password:
+        message = message.replace(password, "***")
+    return message[:500]

@@ -1,0 +1,306 @@
+"""``koboldcpp-horde-chat demo``: the whole path on this machine, in one command.
+
+Starts the dev Horde on 127.0.0.1, uses the koboldcpp at ``--kcpp-url`` when
+one answers and the devkit's scripted koboldcpp otherwise (said plainly),
+runs the real standalone worker against them, sends requests as a client
+would, prints each request's final status as the requester sees it, and exits
+0 when every request reached its expected end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .backend import KoboldClient
+from .errors import BackendError
+from .settings import DEFAULT_KCPP_URL
+
+DEMO_KEY = "demo-key-0000"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+Check = Callable[[dict[str, Any]], bool]
+
+
+@dataclass
+class DemoCase:
+    """One client request and the end the requester should see."""
+
+    name: str
+    kind: str  # "chat" or "text"
+    body: dict[str, Any]
+    expect: str  # a short description printed beside the outcome
+    check: Check
+    max_attempts: int = 3
+    request_id: str = ""
+
+
+def _done(status: dict[str, Any]) -> bool:
+    return bool(status.get("done")) and not status.get("faulted")
+
+
+def _content(status: dict[str, Any]) -> str:
+    message = status.get("message") or {}
+    value = message.get("content") if isinstance(message, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def demo_cases(context: int, *, scripted: bool) -> list[DemoCase]:
+    """The requests the demo sends; ``context`` is the worker's chat context in tokens."""
+    strict = scripted  # a real small model may miss a strict rule; the scripted one must not
+    overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
+    tool_history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_12345",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
+    ]
+    return [
+        DemoCase(
+            "plain chat",
+            "chat",
+            {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 32},
+            "done with a reply",
+            lambda s: _done(s) and bool(_content(s).strip()),
+        ),
+        DemoCase(
+            "system prompt",
+            "chat",
+            {
+                "messages": [
+                    {"role": "system", "content": "You are a terse assistant."},
+                    {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
+                ],
+                "temperature": 0.5,
+                "max_tokens": 32,
+            },
+            "done with a reply",
+            lambda s: _done(s) and bool(_content(s).strip()),
+        ),
+        DemoCase(
+            "tool call",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "max_tokens": 128,
+            },
+            "done with a get_weather call",
+            lambda s: _done(s)
+            and any(
+                c.get("function", {}).get("name") == "get_weather"
+                for c in (s.get("message") or {}).get("tool_calls") or []
+            ),
+        ),
+        DemoCase(
+            "tool-history follow-up",
+            "chat",
+            {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
+            "done with an answer",
+            _done,
+        ),
+        DemoCase(
+            "json_object",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
+                "response_format": {"type": "json_object"},
+                "max_tokens": 64,
+            },
+            "done with a JSON object",
+            lambda s: _done(s) and (_is_json_object(_content(s)) or not strict),
+        ),
+        DemoCase(
+            "reasoning reply",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Think first: what is 2 + 2?"}],
+                "max_tokens": 128,
+            },
+            "done, reasoning apart from the answer" if scripted else "done",
+            lambda s: _done(s)
+            and (not strict or bool((s.get("message") or {}).get("reasoning_content"))),
+        ),
+        DemoCase(
+            "does not fit",
+            "chat",
+            {"messages": [{"role": "user", "content": overflow_text}], "max_tokens": 64},
+            "faulted with prompt_overflow",
+            lambda s: bool(s.get("faulted"))
+            and "prompt_overflow" in (s.get("fault_reasons") or []),
+            max_attempts=1,
+        ),
+        DemoCase(
+            "streamed reply",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Tell me a short story about a fox."}],
+                "max_tokens": 96,
+                "stream": True,
+            },
+            "done, streamed in pieces",
+            lambda s: _done(s) and len(s.get("stream") or []) >= 1,
+        ),
+        DemoCase(
+            "text job",
+            "text",
+            {"prompt": "The capital of France is", "max_length": 24},
+            "done with a generation",
+            lambda s: bool(s.get("done")) and isinstance(s.get("generation"), str),
+        ),
+    ]
+
+
+def _describe(case: DemoCase, status: dict[str, Any]) -> str:
+    if case.kind == "text":
+        return f"generation={str(status.get('generation'))[:60]!r}"
+    if status.get("faulted"):
+        return f"faulted, fault_reasons={status.get('fault_reasons')}"
+    message = status.get("message") or {}
+    parts = [f"finish_reason={status.get('finish_reason')}"]
+    if message.get("tool_calls"):
+        calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
+        parts.append(f"tool_calls={calls}")
+    if message.get("reasoning_content"):
+        parts.append(f"reasoning={message['reasoning_content'][:40]!r}")
+    parts.append(f"content={str(message.get('content'))[:60]!r}")
+    if status.get("stream"):
+        parts.append(f"progress posts={len(status['stream'])}")
+    return ", ".join(parts)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Run the demo; returns 0 when every request reached its expected end."""
+    parser = argparse.ArgumentParser(prog="koboldcpp-horde-chat demo")
+    parser.add_argument("--kcpp-url", default=DEFAULT_KCPP_URL, help="a running koboldcpp to use")
+    parser.add_argument("--kcpp-password", default="")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait in all")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper)
+    args = parser.parse_args(list(argv))
+    from .cli import configure_logging, run_standalone
+    from .devkit.horde import DevHorde
+    from .devkit.kcpp import ScriptedKoboldcpp
+
+    configure_logging(args.log_level)
+    scripted_kcpp: ScriptedKoboldcpp | None = None
+    kcpp_url = args.kcpp_url.rstrip("/")
+    probe = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0)
+    try:
+        real = probe.ready()
+    except BackendError:
+        real = False
+    if real:
+        print(f"Using the koboldcpp at {kcpp_url}.")
+    else:
+        scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02)
+        scripted_kcpp.start()
+        kcpp_url = scripted_kcpp.url
+        print(
+            f"No koboldcpp answers at {args.kcpp_url}: using the devkit's SCRIPTED koboldcpp "
+            f"at {kcpp_url} (canned replies, real koboldcpp response shapes)."
+        )
+    horde = DevHorde(api_keys=(DEMO_KEY,))
+    horde.start()
+    print(f"Dev Horde at {horde.url}")
+    stop = threading.Event()
+    result: dict[str, int] = {}
+    worker_args = [
+        "--hordekey",
+        DEMO_KEY,
+        "--hordeworkername",
+        "demo-worker",
+        "--horde-url",
+        horde.url,
+        "--kcpp-url",
+        kcpp_url,
+        "--hordegenlen",
+        "256",
+        "--log-level",
+        args.log_level,
+    ]
+    if args.kcpp_password:
+        worker_args += ["--kcpp-password", args.kcpp_password]
+    thread = threading.Thread(
+        target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
+        name="demo-worker",
+        daemon=True,
+    )
+    try:
+        info = KoboldClient(kcpp_url, args.kcpp_password).info()
+        cases = demo_cases(info.max_context_length, scripted=scripted_kcpp is not None)
+        for case in cases:
+            if case.kind == "chat":
+                case.request_id = horde.send_chat(
+                    case.body, best_effort=True, max_attempts=case.max_attempts
+                )
+            else:
+                case.request_id = horde.send_text(
+                    case.body["prompt"], max_length=case.body["max_length"]
+                )
+        print(f"Sent {len(cases)} requests; starting the worker.\n")
+        thread.start()
+        finished = horde.wait([c.request_id for c in cases], timeout_s=args.timeout)
+        ok = finished
+        for case in cases:
+            status = horde.status(case.request_id)
+            passed = case.check(status)
+            ok = ok and passed
+            mark = "ok  " if passed else "FAIL"
+            print(
+                f"[{mark}] {case.name:<24} expected: {case.expect:<36} "
+                f"got: {_describe(case, status)}"
+            )
+        if not finished:
+            print(f"\nNot every request finished within {args.timeout:.0f} s.")
+        print("\nLedger (every job's terminal action):")
+        for entry in horde.ledger:
+            reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
+            print(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}")
+        print("\nDemo " + ("passed." if ok else "FAILED."))
+        return 0 if ok else 1
+    finally:
+        stop.set()
+        thread.join(timeout=10) if thread.is_alive() else None
+        horde.stop()
+        if scripted_kcpp is not None:
+            scripted_kcpp.stop()
+        time.sleep(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    logging.basicConfig()
+    raise SystemExit(main())

@@ -1,0 +1,333 @@
+"""Accumulate koboldcpp's streamed chat completion (pure; no I/O).
+
+Input: the ``data`` of each SSE event of koboldcpp's ``/v1/chat/completions``
+stream (see :mod:`.sse`), in order. koboldcpp sends (facts §4.8):
+
+* chunks ``{"id", "object": "chat.completion.chunk", "created", "model",
+  "choices": [{"index": 0, "finish_reason": null|"stop"|"length"|...,
+  "delta": {"role": "assistant", "content": "...", "reasoning_content": "..."}}]}``;
+  the last chunk carries the finish reason and an empty delta text;
+* with ``stream_options.include_usage``, a chunk with ``"choices": []`` and
+  ``"usage": {"prompt_tokens", "completion_tokens", "total_tokens"}``;
+* for tool requests, a "fake stream" after generation: a chunk per call with
+  ``tool_calls: [{"index", "id", "type", "function": {"name", "arguments": ""}}]``,
+  then a chunk per call with ``tool_calls: [{"index", "function": {"arguments": "<json>"}}]``,
+  then the finish chunk;
+* ``[DONE]`` at the end.
+
+Each event yields a :class:`StreamDelta` of *client-visible* text: content goes
+through :class:`.reasoning.StreamSplitter`, which moves reasoning tags' contents
+to the reasoning, holds back a tail that could still be a tag or a stop
+sequence, and ends the content at a stop sequence. ``reasoning_content`` that
+koboldcpp split off itself is passed through as reasoning.
+
+An in-band error (an object with ``error`` or ``detail``) or a data line that is
+not a JSON object sets ``error``; ``result()`` then raises ``ReplyError`` and
+later events are ignored.
+
+Seed sections: "Streaming progress" (what is posted: content without reasoning
+blocks or stop sequences, reasoning apart) and "6. Submit the reply" (the reply
+submitted after the stream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ReplyError
+from .reasoning import StreamSplitter
+from .reply import BackendReply
+
+log = logging.getLogger(__name__)
+
+_ERROR_TEXT_MAX = 300
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """New client-visible text released by one event or by ``flush()``.
+
+    Attributes:
+        content: answer text (no reasoning tags, no stop sequence), may be ``""``.
+        reasoning: reasoning text, may be ``""``.
+    """
+
+    content: str = ""
+    reasoning: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+
+_EMPTY = StreamDelta()
+
+
+@dataclass
+class _ToolCall:
+    id: str | None = None
+    type: str | None = None
+    name: str | None = None
+    arguments: list[str] | None = None
+
+
+class ChatStreamAccumulator:
+    """The state of one streamed chat completion.
+
+    Args:
+        stop_sequences: the job's stop sequences; content ends at the first one.
+        start_in_reasoning: the prompt opened a reasoning block, so content
+            text starts as reasoning until an end tag.
+
+    Attributes:
+        done: ``[DONE]`` arrived.
+        error: a description of the in-band error or malformed event, or None.
+        native_finish_reason: the last ``finish_reason`` koboldcpp sent, or None.
+        prompt_tokens, completion_tokens: from the usage chunk, or None.
+        events: events fed so far.
+    """
+
+    def __init__(
+        self, *, stop_sequences: Iterable[str] = (), start_in_reasoning: bool = False
+    ) -> None:
+        self._splitter = StreamSplitter(
+            stop_sequences=tuple(stop_sequences), start_in_reasoning=start_in_reasoning
+        )
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._saw_content = False
+        self._tool_calls: dict[int, _ToolCall] = {}
+        self._flushed = False
+        self.done = False
+        self.error: str | None = None
+        self.native_finish_reason: str | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.events = 0
+
+    # --- input ---------------------------------------------------------------------
+
+    def feed_event(self, data: str) -> StreamDelta:
+        """Take one SSE event's data.
+
+        Args:
+            data: the event's data string: a chunk's JSON text or ``"[DONE]"``.
+
+        Returns:
+            The client-visible text this event released (often empty: a held-back
+            tail, a usage chunk, a tool-call chunk, ``[DONE]``).
+
+        Never raises: a malformed event or an in-band error sets ``error``, and
+        every event after ``[DONE]`` or an error is ignored.
+        """
+        if self.done or self.error is not None:
+            return _EMPTY
+        self.events += 1
+        if data.strip() == "[DONE]":
+            self.done = True
+            return _EMPTY
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return self._fail(f"event data is not JSON: {data[:80]!r}")
+        if not isinstance(chunk, dict):
+            return self._fail(f"event data is not a JSON object: {data[:80]!r}")
+        if chunk.get("error") is not None or chunk.get("detail") is not None:
+            return self._fail(f"koboldcpp reported an error: {_error_text(chunk)}")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usage(usage)
+        choices = chunk.get("choices")
+        if choices is None:
+            return _EMPTY
+        if not isinstance(choices, list):
+            return self._fail("chunk choices is not a list")
+        if not choices:
+            return _EMPTY
+        choice = next(
+            (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), choices[0]
+        )
+        if not isinstance(choice, dict):
+            return self._fail("chunk choice is not an object")
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str):
+            self.native_finish_reason = finish
+        delta = choice.get("delta")
+        if delta is None:
+            return _EMPTY
+        if not isinstance(delta, dict):
+            return self._fail("chunk delta is not an object")
+        tool_calls = delta.get("tool_calls")
+        if tool_calls is not None:
+            problem = self._add_tool_calls(tool_calls)
+            if problem:
+                return self._fail(problem)
+        reasoning = delta.get("reasoning_content")
+        reasoning = reasoning if isinstance(reasoning, str) else ""
+        content = delta.get("content")
+        split_reasoning = split_content = ""
+        if isinstance(content, str):
+            self._saw_content = True
+            if content:
+                split_reasoning, split_content = self._splitter.feed(content)
+        return self._emit(split_content, reasoning + split_reasoning)
+
+    def flush(self) -> StreamDelta:
+        """Release the text held back at the end of the stream.
+
+        Returns the released text; a second call returns an empty delta.
+        """
+        if self._flushed:
+            return _EMPTY
+        self._flushed = True
+        reasoning, content = self._splitter.flush()
+        return self._emit(content, reasoning)
+
+    # --- output --------------------------------------------------------------------
+
+    @property
+    def content_so_far(self) -> str:
+        """The client-visible content released so far."""
+        return "".join(self._content)
+
+    @property
+    def reasoning_so_far(self) -> str:
+        """The reasoning released so far."""
+        return "".join(self._reasoning)
+
+    @property
+    def stopped_on_sequence(self) -> bool:
+        """True when a stop sequence ended the content (later content was dropped)."""
+        return self._splitter.stopped
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The calls accumulated so far, in index order.
+
+        Each is ``{"id", "type", "function": {"name", "arguments"}}``: id, type and
+        name from the first fragment that carried them, arguments concatenated
+        from every fragment (``""`` when none came). Validation is left to
+        :func:`.reply.normalise_tool_calls`.
+        """
+        calls: list[dict[str, Any]] = []
+        for index in sorted(self._tool_calls):
+            call = self._tool_calls[index]
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": call.type if call.type is not None else "function",
+                    "function": {
+                        "name": call.name,
+                        "arguments": "".join(call.arguments or ()),
+                    },
+                }
+            )
+        return calls
+
+    def result(self) -> BackendReply:
+        """The whole reply, held-back text included (this calls ``flush()``).
+
+        Returns:
+            ``BackendReply`` with ``content`` (None when no content field came and
+            there are tool calls, ``""`` when none came otherwise),
+            ``reasoning_content`` (None when empty), ``tool_calls``,
+            ``native_finish_reason`` (None if the stream ended without one) and the
+            usage counts (None when not reported).
+
+        Raises:
+            ReplyError: the stream carried an in-band error or a malformed event.
+        """
+        if self.error is not None:
+            raise ReplyError(self.error)
+        self.flush()
+        calls = self.tool_calls()
+        content: str | None = "".join(self._content)
+        if not content and not self._saw_content and calls:
+            content = None
+        reasoning = "".join(self._reasoning)
+        return BackendReply(
+            content=content,
+            reasoning_content=reasoning or None,
+            tool_calls=calls,
+            native_finish_reason=self.native_finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+        )
+
+    # --- internals -----------------------------------------------------------------
+
+    def _emit(self, content: str, reasoning: str) -> StreamDelta:
+        if not content and not reasoning:
+            return _EMPTY
+        if content:
+            self._content.append(content)
+        if reasoning:
+            self._reasoning.append(reasoning)
+        return StreamDelta(content, reasoning)
+
+    def _fail(self, problem: str) -> StreamDelta:
+        log.warning("chat stream failed: %s", problem)
+        self.error = problem
+        return _EMPTY
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        for key in ("prompt_tokens", "completion_tokens"):
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                setattr(self, key, value)
+
+    def _add_tool_calls(self, raw: object) -> str | None:
+        if not isinstance(raw, list):
+            return "delta tool_calls is not a list"
+        for item in raw:
+            if not isinstance(item, dict):
+                return "a tool_calls fragment is not an object"
+            index = item.get("index")
+            if not isinstance(index, int) or isinstance(index, bool):
+                # No index: a fragment with an id starts a call, one without
+                # continues the latest call.
+                if item.get("id") is not None or not self._tool_calls:
+                    index = max(self._tool_calls, default=-1) + 1
+                else:
+                    index = max(self._tool_calls)
+            call = self._tool_calls.setdefault(index, _ToolCall())
+            if call.id is None and isinstance(item.get("id"), str):
+                call.id = item["id"]
+            if call.type is None and isinstance(item.get("type"), str):
+                call.type = item["type"]
+            function = item.get("function")
+            if function is None:
+                continue
+            if not isinstance(function, dict):
+                return "a tool_calls fragment's function is not an object"
+            if call.name is None and isinstance(function.get("name"), str):
+                call.name = function["name"]
+            arguments = function.get("arguments")
+            if arguments is None:
+                continue
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            if call.arguments is None:
+                call.arguments = []
+            call.arguments.append(arguments)
+        return None
+
+
+def _error_text(chunk: dict[str, Any]) -> str:
+    value = chunk.get("error")
+    if value is None:
+        value = chunk.get("detail")
+    if isinstance(value, dict):
+        for key in ("message", "msg", "error", "type"):
+            text = value.get(key)
+            if isinstance(text, str) and text:
+                break
+        else:
+            text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, ensure_ascii=False)
+    return text[:_ERROR_TEXT_MAX]
