@@ -28,8 +28,10 @@ def horde(request: pytest.FixtureRequest) -> Iterator[DevHorde]:
 
 
 @pytest.fixture
-def kcpp() -> Iterator[ScriptedKoboldcpp]:
-    k = ScriptedKoboldcpp(max_context_length=4096)
+def kcpp(request: pytest.FixtureRequest) -> Iterator[ScriptedKoboldcpp]:
+    """A scripted koboldcpp; parametrize it indirectly with keyword arguments."""
+    options = {"max_context_length": 4096, **(getattr(request, "param", {}) or {})}
+    k = ScriptedKoboldcpp(**options)
     k.start()
     try:
         yield k
