@@ -60,7 +60,7 @@ class WorkerSettings:
     kcpp_url: str = DEFAULT_KCPP_URL
     kcpp_password: str = field(default="", repr=False)
     vision: bool = False
-    image_url_transport: bool = False
+    image_url_transport: bool = True
     prompt_jobs: bool = True
     chat_withhold: frozenset[str] = frozenset()
     trusted: bool = False

@@ -1,0 +1,283 @@
+"""The hook inside koboldcpp: run our pop loop in place of koboldcpp's embedded worker.
+
+koboldcpp starts its embedded AI Horde worker, ``run_horde_worker(args, api_key,
+worker_name, worker_id, parallel_batching_threads)`` in ``koboldcpp.py``, in one
+daemon thread per worker (``--parallelrequests`` of them when above 1) once the
+model is loaded, when ``--hordekey`` and ``--hordeworkername`` are both set. The
+patches in ``patches/`` add a guarded import at the top of that function: when
+this package imports, koboldcpp calls :func:`run_horde_worker` below with its own
+module object and returns; when the import raises ``ImportError``, koboldcpp's
+own worker runs as before. Any other error is not caught by the patch.
+
+This is the only module that knows koboldcpp's module globals and ``args``
+(facts sheet §1-3). It reads, once at start:
+
+- ``friendlymodelname``: the model name koboldcpp registers, already built by
+  its rule from ``--hordemodelname``, ``--debugmode``, ``--gendefaults`` and the
+  model file (:func:`declaration.koboldcpp_model_name` is the same rule);
+- ``maxctx`` (``--contextsize``), ``maxhordectx`` (``--hordemaxctx``, 0 = ``maxctx``)
+  and ``maxhordelen`` (``--hordegenlen``), in tokens;
+- ``args.mmproj`` and ``has_vision_support``: vision only when a projector is
+  loaded and it reads images;
+- ``password`` (``--password``), sent to koboldcpp only;
+- ``args.host``, ``args.port`` (``args.proxy_port`` in router mode) and
+  ``sslvalid``: the local URL, the way koboldcpp's ``get_my_epurl`` builds it;
+
+and, on every pass of the loop, its live state (:class:`KcppManners`):
+``last_non_horde_req_time``, ``modelbusy`` and ``exitcounter``.
+
+The Horde URL comes from the ``AI_HORDE_URL`` environment variable, else
+``https://aihorde.net`` (koboldcpp hard-codes the latter).
+
+This module never writes koboldcpp's globals: ``exitcounter``,
+``punishcounter`` and the kudos statistics stay koboldcpp's own.
+
+Seed: "Worked example: koboldcpp's embedded worker"; seed 004 (the embedded
+worker declares the ``messages_url`` and ``base64`` transports).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from . import worker as _worker
+from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
+from .errors import ConfigError
+from .settings import DEFAULT_HORDE_URL, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+HORDE_URL_ENV = "AI_HORDE_URL"
+"""Environment variable naming the Horde's base URL (e.g. a local dev Horde)."""
+
+KCPP_SHUTDOWN_EXITCOUNTER = 100
+"""koboldcpp sets ``exitcounter`` to 999 when it shuts down; 100 and above means closing."""
+
+LOG_FORMAT = "[%(asctime)s] %(threadName)s %(levelname)s: %(message)s"
+LOG_DATEFMT = "%H:%M:%S"
+"""koboldcpp prints ``[HH:MM:SS] text``; our lines add the worker thread and level."""
+
+_LOGGING_LOCK = threading.Lock()
+_logging_configured = False
+
+
+def _get(obj: object, name: str, default: Any = None) -> Any:
+    """``obj.name``, or ``default`` when koboldcpp has no such attribute."""
+    return getattr(obj, name, default)
+
+
+def _as_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            return int(str(value))
+        except ValueError:
+            raise ConfigError(f"koboldcpp's {what} is not an integer: {value!r}") from None
+    return value
+
+
+def horde_url_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The Horde's base URL without a trailing slash.
+
+    ``AI_HORDE_URL`` when set and not empty, else ``"https://aihorde.net"``.
+    Raises ConfigError when the variable is not an ``http://`` or ``https://`` URL.
+    """
+    env = os.environ if environ is None else environ
+    url = env.get(HORDE_URL_ENV, "").strip()
+    if not url:
+        return DEFAULT_HORDE_URL
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{HORDE_URL_ENV} must be an http:// or https:// URL, not {url!r}")
+    return url.rstrip("/")
+
+
+def kcpp_url(kcpp: types.ModuleType, args: object) -> str:
+    """koboldcpp's own base URL, as its ``get_my_epurl`` builds it (facts §2.3).
+
+    ``https`` when ``sslvalid`` else ``http``; the port is ``args.proxy_port`` when
+    set (router mode) else ``args.port``; the host is ``args.host`` when set, else
+    ``localhost``. An IPv6 literal host is put in brackets (koboldcpp does not).
+    Example: ``--host 192.168.1.5 --port 6000`` gives ``http://192.168.1.5:6000``.
+    """
+    scheme = "https" if _get(kcpp, "sslvalid", False) else "http"
+    proxy_port = _get(args, "proxy_port", None)
+    port = _as_int(proxy_port if proxy_port else _get(args, "port", 5001), "port")
+    host = str(_get(args, "host", "") or "") or "localhost"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def settings_from_kcpp(
+    kcpp: types.ModuleType,
+    args: object,
+    api_key: str,
+    worker_name: str,
+    parallel_batching_threads: int,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> WorkerSettings:
+    """Read koboldcpp's globals and ``args`` into :class:`WorkerSettings`.
+
+    Fields set (tokens unless said otherwise): ``model_id`` =
+    ``friendlymodelname``; ``backend_max_context_length`` = ``maxctx``;
+    ``horde_max_context_length`` = ``maxhordectx`` (negative read as 0);
+    ``max_length`` = ``maxhordelen``; ``vision`` = ``bool(args.mmproj) and
+    has_vision_support``; ``kcpp_password`` = ``password``; ``kcpp_url`` from
+    :func:`kcpp_url`; ``horde_url`` from :func:`horde_url_from_env`; ``threads``
+    = ``parallel_batching_threads``. Everything else keeps its default (text
+    jobs served, nothing withheld, not trusted, and with vision the ``url``
+    image transport beside ``base64``: issue 7 goes beyond seed 004's embedded
+    worker there, and the standalone CLI declares the same).
+
+    Raises ConfigError for a non-integer limit or a bad ``AI_HORDE_URL``.
+    """
+    horde_max_ctx = _as_int(_get(kcpp, "maxhordectx", 0), "maxhordectx")
+    vision = bool(_get(args, "mmproj", "")) and bool(_get(kcpp, "has_vision_support", False))
+    return WorkerSettings(
+        api_key=api_key,
+        worker_name=worker_name,
+        model_id=str(_get(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+        backend_max_context_length=_as_int(_get(kcpp, "maxctx", 0), "maxctx"),
+        horde_max_context_length=max(0, horde_max_ctx),
+        max_length=_as_int(_get(kcpp, "maxhordelen", 1024), "maxhordelen"),
+        horde_url=horde_url_from_env(environ),
+        kcpp_url=kcpp_url(kcpp, args),
+        kcpp_password=str(_get(kcpp, "password", "") or ""),
+        vision=vision,
+        threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
+    )
+
+
+def capabilities(settings: WorkerSettings) -> BackendCapabilities:
+    """The capabilities behind the declaration: vision as read, offloaded messages
+    fetched, the ``url`` image transport only when ``settings.image_url_transport``.
+
+    Built the same way as the standalone CLI's, so the same settings give the
+    same pop body (:func:`declaration.pop_body`).
+    """
+    return BackendCapabilities(vision=settings.vision, image_url=settings.image_url_transport)
+
+
+class KcppManners:
+    """The loop's manners, read live from koboldcpp's module globals.
+
+    Args:
+        kcpp: koboldcpp's module object.
+        check_busy: consult ``modelbusy``; koboldcpp's own worker skips that check
+            with batching (``parallel_batching_threads > 1``), since batched
+            requests release the lock at once (facts §2.6).
+    """
+
+    def __init__(self, kcpp: types.ModuleType, *, check_busy: bool = True) -> None:
+        self._kcpp = kcpp
+        self._check_busy = check_busy
+
+    def last_local_request_time(self) -> float | None:
+        """``last_non_horde_req_time`` (epoch seconds), read anew on each call.
+
+        koboldcpp refreshes it for every text generation whose ``genkey`` does
+        not start with ``HORDEREQ_``. None when it is missing or not a number.
+        """
+        value = _get(self._kcpp, "last_non_horde_req_time", None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        return float(value)
+
+    def model_busy(self) -> bool:
+        """``modelbusy.locked()``: koboldcpp is generating (False when not checked)."""
+        if not self._check_busy:
+            return False
+        lock = _get(self._kcpp, "modelbusy", None)
+        locked = _get(lock, "locked", None)
+        return bool(locked()) if callable(locked) else False
+
+    def should_stop(self) -> bool:
+        """koboldcpp is shutting down: ``exitcounter >= 100`` (it sets 999 when
+        closing), the interpreter is finalising, or koboldcpp's main thread ended."""
+        counter = _get(self._kcpp, "exitcounter", -1)
+        if isinstance(counter, int) and counter >= KCPP_SHUTDOWN_EXITCOUNTER:
+            return True
+        return sys.is_finalizing() or not threading.main_thread().is_alive()
+
+
+def configure_logging(*, debug: bool = False) -> bool:
+    """Print this package's logs to stdout like koboldcpp's own lines, once.
+
+    Only when the root logger has no handlers (koboldcpp configures none) and
+    this package's logger has none yet: one ``StreamHandler`` on the
+    ``koboldcpp_horde_chat`` logger with :data:`LOG_FORMAT`, level INFO (DEBUG
+    with ``--debugmode 1``). Returns True when it added the handler. Safe to
+    call from several worker threads at once.
+    """
+    global _logging_configured
+    with _LOGGING_LOCK:
+        if _logging_configured:
+            return False
+        _logging_configured = True
+        package_logger = logging.getLogger(__package__ or "koboldcpp_horde_chat")
+        if logging.getLogger().handlers or package_logger.handlers:
+            return False
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.DEBUG if debug else logging.INFO)
+        package_logger.propagate = False
+        return True
+
+
+def run_horde_worker(
+    kcpp: types.ModuleType,
+    args: object,
+    api_key: str,
+    worker_name: str,
+    worker_id: int,
+    parallel_batching_threads: int,
+) -> None:
+    """Serve Horde chat and text jobs in this koboldcpp worker thread until koboldcpp stops.
+
+    Called by the patched ``koboldcpp.run_horde_worker`` as
+    ``run_horde_worker(sys.modules[__name__], args, api_key, worker_name,
+    worker_id, parallel_batching_threads)``: ``kcpp`` is koboldcpp's module,
+    ``worker_id`` counts from 1, ``parallel_batching_threads`` is how many worker
+    threads koboldcpp started. Each thread runs its own pop loop with its own
+    HTTP sessions; the thread is renamed ``horde-worker-<worker_id>`` and every
+    log line carries that name.
+
+    Blocks until koboldcpp shuts down (:meth:`KcppManners.should_stop`) or the
+    loop ends (the Horde refused the API key or the declaration). Returns None;
+    errors are logged, never raised, so koboldcpp's other threads carry on.
+    """
+    threading.current_thread().name = f"horde-worker-{worker_id}"
+    configure_logging(debug=_get(args, "debugmode", 0) == 1)
+    try:
+        settings = settings_from_kcpp(kcpp, args, api_key, worker_name, parallel_batching_threads)
+    except ConfigError as exc:
+        log.error("worker %d: not started: %s", worker_id, exc)
+        return
+    if settings.model_id == INACTIVE_MODEL_NAME:
+        log.error("worker %d: not started: koboldcpp has no text model loaded", worker_id)
+        return
+    for warning in model_id_warnings(settings.model_id):
+        log.warning("worker %d: %s", worker_id, warning)
+    log.info(
+        "worker %d: serving chat and text jobs for %s from %s via %s",
+        worker_id,
+        settings.model_id,
+        settings.horde_url,
+        settings.kcpp_url,
+    )
+    manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
+    try:
+        code = _worker.run_worker(
+            settings, manners=manners, caps=capabilities(settings), worker_id=worker_id
+        )
+    except Exception:
+        log.exception("worker %d: stopped by an unexpected error", worker_id)
+        return
+    log.info("worker %d: finished with exit code %d", worker_id, code)

@@ -1,0 +1,286 @@
+"""The koboldcpp hook end to end, over real HTTP on 127.0.0.1.
+
+A stand-in koboldcpp module (the globals and ``args`` the real koboldcpp has
+when it starts its Horde worker) points at the scripted koboldcpp; the hook
+runs the real worker against the dev Horde, as a patched koboldcpp would.
+
+Opt-in checks against a real koboldcpp source tree (skipped unless set):
+
+* ``KOBOLDCPP_SRC=<tree>``: the patch for that tree's release applies with
+  ``patch -p1 --dry-run`` and ``git apply --check``, and the patched file compiles;
+* plus ``KOBOLDCPP_MODEL=<file.gguf>`` with a built ``koboldcpp_default.so`` in
+  the tree: a patched koboldcpp serves a chat job and a text job from the dev Horde.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from koboldcpp_horde_chat import kcpp_hook
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+
+ROOT = Path(__file__).resolve().parents[2]
+PATCH_DIR = ROOT / "patches"
+WORKER_NAME = "kcpp-hook-worker"
+
+
+class _LiveBusy:
+    """``modelbusy`` as the hook sees it: locked while the scripted koboldcpp generates."""
+
+    def __init__(self, kcpp: ScriptedKoboldcpp) -> None:
+        self._kcpp = kcpp
+
+    def locked(self) -> bool:
+        return self._kcpp.generating
+
+
+class _LiveKoboldcpp(types.ModuleType):
+    """koboldcpp's module whose ``last_non_horde_req_time`` follows the scripted server."""
+
+    scripted: ScriptedKoboldcpp
+    started_at: float
+
+    @property
+    def last_non_horde_req_time(self) -> float:
+        last = self.scripted.last_non_horde_request_time
+        return self.started_at if last is None else last
+
+
+def stand_in_koboldcpp(kcpp: ScriptedKoboldcpp, *, started_ago_s: float = 3600.0) -> Any:
+    """The koboldcpp module as its main leaves it for ``--port <kcpp.port> --host 127.0.0.1
+    --contextsize 4096 --hordegenlen 512 --hordekey ... --hordeworkername ...``."""
+    module = _LiveKoboldcpp("koboldcpp")
+    module.scripted = kcpp
+    module.started_at = time.time() - started_ago_s
+    module.friendlymodelname = kcpp.model_name
+    module.password = kcpp.password
+    module.maxctx = kcpp.max_context_length
+    module.maxhordectx = 0
+    module.maxhordelen = 512
+    module.modelbusy = _LiveBusy(kcpp)
+    module.exitcounter = -1
+    module.punishcounter = 0
+    module.has_vision_support = False
+    module.sslvalid = False
+    module.nocertify = False
+    module.args = argparse.Namespace(
+        model_param="/m/scripted-model.gguf",
+        host="127.0.0.1",
+        port=kcpp.port,
+        proxy_port=None,
+        mmproj="",
+        hordemodelname="",
+        hordeworkername=WORKER_NAME,
+        hordekey="",
+        hordemaxctx=0,
+        hordegenlen=512,
+        debugmode=-1,
+        gendefaults="",
+        parallelrequests=1,
+    )
+    return module
+
+
+@pytest.fixture
+def hooked(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """The hook running in a worker thread, as koboldcpp's worker 1; shut down after."""
+    monkeypatch.setenv("AI_HORDE_URL", horde.url)
+    module = stand_in_koboldcpp(kcpp)
+    api_key = sorted(horde.api_keys)[0]
+    module.args.hordekey = api_key
+    thread = threading.Thread(
+        target=kcpp_hook.run_horde_worker,
+        args=(module, module.args, api_key, WORKER_NAME, 1, 1),
+        daemon=True,
+    )
+    thread.start()
+    module.thread = thread
+    yield module
+    module.exitcounter = 999
+    thread.join(10.0)
+    assert not thread.is_alive(), "the hooked worker outlived koboldcpp's shutdown"
+
+
+def wait_for(predicate: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_hooked_koboldcpp_serves_a_chat_job_and_a_text_job(
+    hooked: Any, horde: DevHorde, kcpp: ScriptedKoboldcpp
+) -> None:
+    chat = horde.send_chat(
+        {
+            "messages": [
+                {"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
+            ],
+            "max_tokens": 32,
+        }
+    )
+    text = horde.send_text("The capital of France is", max_length=32)
+    assert horde.wait([chat, text], timeout_s=30.0), "the jobs were not served"
+
+    chat_status = horde.status(chat)
+    assert chat_status["state"] == "done"
+    assert chat_status["message"]["role"] == "assistant"
+    assert chat_status["message"]["content"] == "Blue."
+    assert chat_status["model"] == "koboldcpp/scripted-model"
+    assert chat_status["worker"] == WORKER_NAME
+    text_status = horde.status(text)
+    assert text_status["state"] == "done"
+    assert isinstance(text_status["generation"], str) and text_status["generation"]
+
+    pop = horde.pops[0]["body"]
+    assert pop["models"] == ["koboldcpp/scripted-model"]
+    assert pop["model_id"] == "koboldcpp/scripted-model"
+    assert pop["max_length"] == 512 and pop["max_context_length"] == 4096
+    assert pop["chat_limits"]["max_context_length"] == 4096
+    assert pop["image_transports"] == ["messages_url"]
+    assert "threads" not in pop
+    # The worker's own generations do not count as local use (HORDEREQ_ genkeys).
+    assert kcpp.generations and all(g["genkey"].startswith("HORDEREQ_") for g in kcpp.generations)
+    assert kcpp.last_non_horde_request_time is None
+
+
+def test_a_local_users_generation_pauses_the_hooked_worker(
+    hooked: Any, horde: DevHorde, kcpp: ScriptedKoboldcpp
+) -> None:
+    assert wait_for(lambda: len(horde.pops) >= 1, 10.0), "the worker never popped"
+    local = kcpp.local_generate(1.0)
+    assert wait_for(lambda: kcpp.generating, 2.0)
+    time.sleep(1.2)  # a pop already in flight when the local request started may still land
+    paused_at = len(horde.pops)
+    local.join(5.0)
+    time.sleep(2.0)  # koboldcpp's worker waits 20 s after a local generation ends
+    assert len(horde.pops) == paused_at, "popped while a local user was active"
+
+
+def test_the_hooked_worker_stops_when_koboldcpp_shuts_down(hooked: Any, horde: DevHorde) -> None:
+    assert wait_for(lambda: len(horde.pops) >= 1, 10.0)
+    hooked.exitcounter = 999
+    hooked.thread.join(5.0)
+    assert not hooked.thread.is_alive()
+
+
+# ----------------------------------------------------------- a real koboldcpp tree
+
+
+def _release_of(tree: Path) -> str:
+    text = (tree / "koboldcpp.py").read_text(encoding="utf-8")
+    m = re.search(r'^KcppVersion = "([0-9.]+)"', text, re.MULTILINE)
+    assert m, "no KcppVersion in koboldcpp.py"
+    return m.group(1)
+
+
+@pytest.fixture
+def koboldcpp_src() -> Path:
+    src = os.environ.get("KOBOLDCPP_SRC", "")
+    if not src:
+        pytest.skip("set KOBOLDCPP_SRC to a koboldcpp source tree to check the patch against it")
+    tree = Path(src)
+    patch = PATCH_DIR / f"koboldcpp-{_release_of(tree)}.patch"
+    if not patch.exists():
+        pytest.fail(f"no patch for koboldcpp {_release_of(tree)} in {PATCH_DIR}")
+    return tree
+
+
+def _patched_copy(tree: Path, dest: Path) -> Path:
+    """``dest`` mirrors ``tree`` by symlinks, with a patched copy of koboldcpp.py."""
+    dest.mkdir()
+    for entry in tree.iterdir():
+        if entry.name != "koboldcpp.py":
+            (dest / entry.name).symlink_to(entry)
+    shutil.copy2(tree / "koboldcpp.py", dest / "koboldcpp.py")
+    patch = PATCH_DIR / f"koboldcpp-{_release_of(tree)}.patch"
+    with patch.open("rb") as f:
+        subprocess.run(["patch", "-p1", "--quiet"], cwd=dest, stdin=f, check=True)
+    return dest
+
+
+def test_the_patch_applies_to_the_koboldcpp_tree(koboldcpp_src: Path, tmp_path: Path) -> None:
+    patch = PATCH_DIR / f"koboldcpp-{_release_of(koboldcpp_src)}.patch"
+    with patch.open("rb") as f:
+        dry = subprocess.run(
+            ["patch", "-p1", "--dry-run"], cwd=koboldcpp_src, stdin=f, capture_output=True
+        )
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert b"fuzz" not in dry.stdout
+    check = subprocess.run(
+        ["git", "apply", "--check", str(patch)], cwd=koboldcpp_src, capture_output=True
+    )
+    assert check.returncode == 0, check.stderr
+    patched = _patched_copy(koboldcpp_src, tmp_path / "kcpp")
+    source = (patched / "koboldcpp.py").read_text(encoding="utf-8")
+    compile(source, "koboldcpp.py", "exec")
+    original = (koboldcpp_src / "koboldcpp.py").read_text(encoding="utf-8").splitlines()
+    assert len(source.splitlines()) == len(original) + 7
+
+
+@pytest.mark.slow
+def test_a_patched_koboldcpp_serves_chat_and_text_jobs(
+    koboldcpp_src: Path, horde: DevHorde, tmp_path: Path
+) -> None:
+    model = os.environ.get("KOBOLDCPP_MODEL", "")
+    if not model or not (koboldcpp_src / "koboldcpp_default.so").exists():
+        pytest.skip("set KOBOLDCPP_MODEL and build koboldcpp_default.so in KOBOLDCPP_SRC")
+    patched = _patched_copy(koboldcpp_src, tmp_path / "kcpp")
+    api_key = sorted(horde.api_keys)[0]
+    env = dict(os.environ, AI_HORDE_URL=horde.url, PYTHONPATH=str(ROOT))
+    command = [
+        sys.executable, "koboldcpp.py",
+        "--model", model,
+        "--host", "127.0.0.1", "--port", "0",
+        "--contextsize", "2048", "--threads", "2",
+        "--hordekey", api_key, "--hordeworkername", WORKER_NAME,
+        "--hordegenlen", "48", "--skiplauncher", "--quiet",
+    ]  # fmt: skip
+    port = _free_port()
+    command[command.index("--port") + 1] = str(port)
+    log_path = tmp_path / "koboldcpp.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            command, cwd=patched, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+        try:
+            assert wait_for(lambda: len(horde.pops) >= 1, 180.0), log_path.read_text()
+            chat = horde.send_chat(
+                {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 24}
+            )
+            text = horde.send_text("The capital of France is", max_length=24)
+            assert horde.wait([chat, text], timeout_s=240.0), log_path.read_text()
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    assert horde.status(chat)["state"] == "done"
+    assert horde.status(text)["state"] == "done"
+    assert "chat_jobs" in horde.pops[0]["body"]
+    assert "horde-worker-1" in log_path.read_text()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

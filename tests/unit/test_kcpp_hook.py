@@ -1,0 +1,667 @@
+"""The koboldcpp hook: settings read from koboldcpp's globals, live manners, the patches.
+
+A stand-in koboldcpp module object carries the globals and ``args`` that the
+real koboldcpp 1.116.1 has at the moment it starts its Horde worker threads
+(facts sheet §1-3: names, types and the values koboldcpp derives from its flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import re
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import koboldcpp_horde_chat
+from koboldcpp_horde_chat import cli, declaration, kcpp_hook
+from koboldcpp_horde_chat import worker as worker_mod
+from koboldcpp_horde_chat.declaration import pop_body
+from koboldcpp_horde_chat.settings import WorkerSettings
+
+PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
+RELEASES = ("1.116.1", "1.117.1")
+SEED_FEATURES = [
+    "seed",
+    "presence_penalty",
+    "tools",
+    "json_object",
+    "json_schema",
+    "reasoning_effort",
+    "prompt_overflow_refused",
+]
+API_KEY = "horde-key-0123456789"
+PASSWORD = "kcpp-secret-pw"
+
+
+def make_kcpp(**globals_: Any) -> types.ModuleType:
+    """A stand-in ``koboldcpp`` module as koboldcpp's main leaves it before the worker starts.
+
+    Defaults: a model file ``/m/Qwen3-8B-Q4_K_M.gguf`` (so ``friendlymodelname``
+    is ``koboldcpp/Qwen3-8B-Q4_K_M``), ``--contextsize 12288``, no horde limits,
+    horde flags set (so koboldcpp forced ``debugmode`` to -1), no local request
+    for an hour. Keyword arguments override module globals; ``args_`` overrides
+    entries of ``args``.
+    """
+    arg_values: dict[str, Any] = {
+        "model_param": "/m/Qwen3-8B-Q4_K_M.gguf",
+        "host": "",
+        "port": 5001,
+        "port_param": 5001,
+        "proxy_port": None,
+        "ssl": None,
+        "nocertify": False,
+        "mmproj": "",
+        "hordemodelname": "",
+        "hordeworkername": "my-worker",
+        "hordekey": API_KEY,
+        "hordemaxctx": 0,
+        "hordegenlen": 0,
+        "debugmode": -1,
+        "gendefaults": "",
+        "parallelrequests": 1,
+        "contextsize": 12288,
+        "password": None,
+    }
+    arg_values.update(globals_.pop("args_", {}))
+    kcpp = types.ModuleType("koboldcpp")
+    defaults: dict[str, Any] = {
+        "KcppVersion": "1.116.1",
+        "friendlymodelname": "koboldcpp/Qwen3-8B-Q4_K_M",
+        "password": "",
+        "maxctx": 12288,
+        "maxhordectx": 0,
+        "maxhordelen": 1024,
+        "modelbusy": threading.Lock(),
+        "requestsinqueue": 0,
+        "exitcounter": -1,
+        "punishcounter": 0,
+        "rewardcounter": 0,
+        "session_kudos_earned": 0,
+        "session_jobs": 0,
+        "has_vision_support": False,
+        "has_audio_support": False,
+        "sslvalid": False,
+        "nocertify": False,
+        "last_req_time": time.time() - 3600,
+        "last_non_horde_req_time": time.time() - 3600,
+        "args": argparse.Namespace(**arg_values),
+    }
+    defaults.update(globals_)
+    for name, value in defaults.items():
+        setattr(kcpp, name, value)
+    return kcpp
+
+
+def hook_settings(kcpp: types.ModuleType, threads: int = 1, **env: str) -> WorkerSettings:
+    return kcpp_hook.settings_from_kcpp(
+        kcpp, kcpp.args, kcpp.args.hordekey, kcpp.args.hordeworkername, threads, environ=env
+    )
+
+
+# --------------------------------------------------------------------- settings
+
+
+def test_settings_take_koboldcpp_globals_and_flags() -> None:
+    kcpp = make_kcpp(maxctx=8192, maxhordectx=4096, maxhordelen=512, password=PASSWORD)
+    s = hook_settings(kcpp)
+    assert s.api_key == API_KEY
+    assert s.worker_name == "my-worker"
+    assert s.model_id == "koboldcpp/Qwen3-8B-Q4_K_M"
+    assert s.backend_max_context_length == 8192
+    assert s.max_context_length == 4096
+    assert s.max_length == 512
+    assert s.kcpp_password == PASSWORD
+    assert s.kcpp_url == "http://localhost:5001"
+    assert s.horde_url == "https://aihorde.net"
+    assert s.vision is False
+    assert s.threads == 1
+    assert s.prompt_jobs is True
+    assert PASSWORD not in repr(s) and API_KEY not in repr(s)
+
+
+@pytest.mark.parametrize(
+    ("maxctx", "maxhordectx", "advertised"),
+    [(12288, 0, 12288), (8192, 4096, 4096), (4096, 16384, 4096), (4096, -5, 4096)],
+)
+def test_context_is_the_smaller_of_maxctx_and_hordemaxctx(
+    maxctx: int, maxhordectx: int, advertised: int
+) -> None:
+    """koboldcpp pops with min(maxctx, maxctx if maxhordectx == 0 else maxhordectx)."""
+    s = hook_settings(make_kcpp(maxctx=maxctx, maxhordectx=maxhordectx))
+    body = pop_body(s, kcpp_hook.capabilities(s))
+    assert body["max_context_length"] == advertised
+    assert body["chat_limits"]["max_context_length"] == advertised
+
+
+@pytest.mark.parametrize(
+    ("args", "friendlymodelname"),
+    [
+        ({}, "koboldcpp/Qwen3-8B-Q4_K_M"),
+        ({"hordemodelname": "Foo"}, "koboldcpp/Foo"),
+        ({"hordemodelname": "Foo", "debugmode": 1}, "koboldcpp/debug-Foo"),
+        ({"hordemodelname": "Foo", "gendefaults": '{"temperature": 0.5}'}, "koboldcpp/debug-Foo"),
+        ({"hordemodelname": "koboldcpp/Foo", "debugmode": 1}, "koboldcpp/debug-koboldcpp/Foo"),
+        ({"gendefaults": '{"temperature": 0.5}'}, "koboldcpp/Qwen3-8B-Q4_K_M"),
+        ({"model_param": "/m/My Model (v2).gguf"}, "koboldcpp/MyModelv2"),
+    ],
+)
+def test_model_id_is_koboldcpps_friendlymodelname(
+    args: dict[str, Any], friendlymodelname: str
+) -> None:
+    """The hook takes the name koboldcpp registered; it follows the naming rule of facts §2.8."""
+    kcpp = make_kcpp(friendlymodelname=friendlymodelname, args_=args)
+    s = hook_settings(kcpp)
+    assert s.model_id == friendlymodelname
+    assert s.model_id == declaration.koboldcpp_model_name(
+        hordemodelname=kcpp.args.hordemodelname,
+        model_path=kcpp.args.model_param,
+        debugmode=kcpp.args.debugmode,
+        gendefaults=kcpp.args.gendefaults,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "sslvalid", "url"),
+    [
+        ({}, False, "http://localhost:5001"),
+        ({"host": "192.168.1.5", "port": 6000}, False, "http://192.168.1.5:6000"),
+        ({}, True, "https://localhost:5001"),
+        ({"port": 15001, "proxy_port": 5001}, False, "http://localhost:5001"),
+        ({"host": "::1"}, False, "http://[::1]:5001"),
+    ],
+)
+def test_local_url_mirrors_get_my_epurl(args: dict[str, Any], sslvalid: bool, url: str) -> None:
+    """Scheme from sslvalid, port from --port (or the router's proxy port), host or localhost."""
+    assert hook_settings(make_kcpp(sslvalid=sslvalid, args_=args)).kcpp_url == url
+
+
+def test_horde_url_comes_from_ai_horde_url() -> None:
+    kcpp = make_kcpp()
+    assert hook_settings(kcpp).horde_url == "https://aihorde.net"
+    assert hook_settings(kcpp, AI_HORDE_URL="").horde_url == "https://aihorde.net"
+    assert (
+        hook_settings(kcpp, AI_HORDE_URL="http://127.0.0.1:7001/").horde_url
+        == "http://127.0.0.1:7001"
+    )
+    with pytest.raises(kcpp_hook.ConfigError, match="AI_HORDE_URL"):
+        hook_settings(kcpp, AI_HORDE_URL="aihorde.net")
+
+
+@pytest.mark.parametrize(
+    ("mmproj", "has_vision_support", "vision"),
+    [
+        ("/m/mmproj.gguf", True, True),
+        ("/m/mmproj-audio.gguf", False, False),  # a projector that reads audio only
+        ("", False, False),
+        ("", True, False),
+    ],
+)
+def test_vision_needs_a_projector_that_reads_images(
+    mmproj: str, has_vision_support: bool, vision: bool
+) -> None:
+    kcpp = make_kcpp(has_vision_support=has_vision_support, args_={"mmproj": mmproj})
+    s = hook_settings(kcpp)
+    assert s.vision is vision
+    body = pop_body(s, kcpp_hook.capabilities(s))
+    assert ("vision" in body["chat_features"]) is vision
+    # Seed 004's messages_url, plus base64 and (issue 7) url with vision.
+    assert body["image_transports"] == (
+        ["messages_url", "base64", "url"] if vision else ["messages_url"]
+    )
+
+
+def test_pop_body_is_koboldcpps_plus_the_seed_declaration() -> None:
+    """The text fields are koboldcpp's own pop fields; the declaration is the worked example's."""
+    kcpp = make_kcpp(maxctx=8192, maxhordectx=4096, maxhordelen=512)
+    s = hook_settings(kcpp, threads=3)
+    body = pop_body(s, kcpp_hook.capabilities(s))
+    assert body == {
+        "name": "my-worker",
+        "models": ["koboldcpp/Qwen3-8B-Q4_K_M"],
+        "max_length": 512,
+        "max_context_length": 4096,
+        "priority_usernames": [],
+        "softprompts": [],
+        "bridge_agent": koboldcpp_horde_chat.BRIDGE_AGENT,
+        "threads": 3,
+        "chat_jobs": True,
+        "chat_features": SEED_FEATURES,
+        "chat_limits": {
+            "max_context_length": 4096,
+            "max_length": 512,
+            "tools_max_temperature": 1.0,
+        },
+        "model_id": "koboldcpp/Qwen3-8B-Q4_K_M",
+        "image_transports": ["messages_url"],
+    }
+
+
+def _cli_pop_body(flags: list[str], info: Any) -> dict[str, Any]:
+    class Backend:
+        def info(self) -> Any:
+            return info
+
+    args = cli.build_parser().parse_args(flags)
+    settings, caps = cli.settings_from_args(args, Backend())  # type: ignore[arg-type]
+    return pop_body(settings, caps)
+
+
+def test_same_declaration_as_the_standalone_cli_for_the_same_settings() -> None:
+    """koboldcpp --hordegenlen 512 --hordemaxctx 4096 --contextsize 8192 --password ...
+    and the standalone worker beside that koboldcpp pop with the same body."""
+    kcpp = make_kcpp(maxctx=8192, maxhordectx=4096, maxhordelen=512, password=PASSWORD)
+    hook = hook_settings(kcpp, AI_HORDE_URL="http://127.0.0.1:7001")
+    flags = [
+        "--hordekey", API_KEY,
+        "--hordeworkername", "my-worker",
+        "--hordegenlen", "512",
+        "--hordemaxctx", "4096",
+        "--kcpp-url", "http://localhost:5001",
+        "--kcpp-password", PASSWORD,
+        "--horde-url", "http://127.0.0.1:7001",
+    ]  # fmt: skip
+    info = types.SimpleNamespace(
+        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=8192, vision=False
+    )
+    assert pop_body(hook, kcpp_hook.capabilities(hook)) == _cli_pop_body(flags, info)
+
+
+def test_with_vision_the_same_declaration_as_the_standalone_cli() -> None:
+    """--mmproj with a projector that reads images: both declare vision and the
+    messages_url, base64 and url transports (the worker fetches signed URLs itself)."""
+    kcpp = make_kcpp(has_vision_support=True, args_={"mmproj": "/m/mmproj.gguf"})
+    hook = pop_body(hook_settings(kcpp), kcpp_hook.capabilities(hook_settings(kcpp)))
+    flags = ["--hordekey", API_KEY, "--hordeworkername", "my-worker"]
+    info = types.SimpleNamespace(
+        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=12288, vision=True
+    )
+    standalone = _cli_pop_body(flags, info)
+    assert hook == standalone
+    assert hook["chat_features"] == [*SEED_FEATURES, "vision"]
+    assert hook["image_transports"] == ["messages_url", "base64", "url"]
+
+
+# ---------------------------------------------------------------------- manners
+
+
+def test_manners_read_last_non_horde_req_time_live() -> None:
+    kcpp = make_kcpp(last_non_horde_req_time=1000.0)
+    manners = kcpp_hook.KcppManners(kcpp)
+    assert manners.last_local_request_time() == 1000.0
+    kcpp.last_non_horde_req_time = 2000.5  # koboldcpp refreshed it for a local request
+    assert manners.last_local_request_time() == 2000.5
+    del kcpp.last_non_horde_req_time
+    assert manners.last_local_request_time() is None
+
+
+def test_manners_report_modelbusy_unless_batching() -> None:
+    kcpp = make_kcpp()
+    single = kcpp_hook.KcppManners(kcpp, check_busy=True)
+    batched = kcpp_hook.KcppManners(kcpp, check_busy=False)
+    assert single.model_busy() is False
+    with kcpp.modelbusy:
+        assert single.model_busy() is True
+        assert batched.model_busy() is False
+    assert single.model_busy() is False
+
+
+@pytest.mark.parametrize(
+    ("exitcounter", "stop"),
+    [(-1, False), (0, False), (9, False), (10, False), (100, True), (999, True)],
+)
+def test_manners_stop_when_koboldcpp_closes(exitcounter: int, stop: bool) -> None:
+    """koboldcpp sets exitcounter to 999 when it shuts down; below 100 it is its worker's error count."""
+    assert kcpp_hook.KcppManners(make_kcpp(exitcounter=exitcounter)).should_stop() is stop
+
+
+# ------------------------------------------------------------ the loop, in place
+
+
+class FakeHorde:
+    """Answers every pop with "no job" and records when it was asked."""
+
+    def __init__(self) -> None:
+        self.pops: list[tuple[float, dict[str, Any]]] = []
+        self.popped = threading.Event()
+
+    def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        self.pops.append((time.monotonic(), body))
+        self.popped.set()
+        return {"id": None, "ids": [], "payload": {}, "skipped": {}}
+
+
+class FakeBackend:
+    def ready(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def real_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Replace ``run_worker`` by one that runs the real ``Worker`` loop with fake clients."""
+    seen: dict[str, Any] = {"horde": FakeHorde(), "calls": []}
+
+    def run_worker(settings: WorkerSettings, **kw: Any) -> int:
+        seen["calls"].append(
+            {"settings": settings, "thread": threading.current_thread().name, **kw}
+        )
+        w = worker_mod.Worker(
+            settings,
+            horde=seen["horde"],
+            backend=FakeBackend(),  # type: ignore[arg-type]
+            stop_event=kw.get("stop_event"),
+            manners=kw["manners"],
+            caps=kw["caps"],
+            worker_id=kw["worker_id"],
+        )
+        return w.run()
+
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    yield seen
+
+
+def start_hook(kcpp: types.ModuleType, worker_id: int = 1, threads: int = 1) -> threading.Thread:
+    t = threading.Thread(
+        target=kcpp_hook.run_horde_worker,
+        args=(kcpp, kcpp.args, API_KEY, "my-worker", worker_id, threads),
+        daemon=True,
+    )
+    t.start()
+    return t
+
+
+def shut_down(kcpp: types.ModuleType, thread: threading.Thread) -> None:
+    kcpp.exitcounter = 999
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_yields_while_a_local_request_is_recent(real_loop: dict[str, Any]) -> None:
+    kcpp = make_kcpp(last_non_horde_req_time=time.time() - 5.0)  # a local user 5 s ago
+    thread = start_hook(kcpp)
+    try:
+        assert not real_loop["horde"].popped.wait(1.5), "popped within 20 s of a local request"
+        kcpp.last_non_horde_req_time = time.time() - 21.0  # koboldcpp quiet for 21 s now
+        assert real_loop["horde"].popped.wait(3.0), "did not pop once the local user was gone"
+    finally:
+        shut_down(kcpp, thread)
+
+
+def test_waits_while_modelbusy_is_held(real_loop: dict[str, Any]) -> None:
+    kcpp = make_kcpp()
+    kcpp.modelbusy.acquire()  # koboldcpp is generating for someone
+    thread = start_hook(kcpp)
+    try:
+        assert not real_loop["horde"].popped.wait(1.0), "popped while the model was busy"
+        kcpp.modelbusy.release()
+        assert real_loop["horde"].popped.wait(2.0), "did not pop once the model was free"
+    finally:
+        shut_down(kcpp, thread)
+
+
+def test_with_batching_it_pops_while_modelbusy_is_held(real_loop: dict[str, Any]) -> None:
+    """koboldcpp skips the busy check when --parallelrequests > 1 (facts §2.6)."""
+    kcpp = make_kcpp()
+    kcpp.modelbusy.acquire()
+    thread = start_hook(kcpp, threads=2)
+    try:
+        assert real_loop["horde"].popped.wait(2.0)
+        assert real_loop["horde"].pops[0][1]["threads"] == 2
+    finally:
+        kcpp.modelbusy.release()
+        shut_down(kcpp, thread)
+
+
+def test_stops_when_koboldcpp_shuts_down(real_loop: dict[str, Any]) -> None:
+    kcpp = make_kcpp()
+    thread = start_hook(kcpp)
+    assert real_loop["horde"].popped.wait(2.0)
+    kcpp.exitcounter = 999  # what koboldcpp does on Ctrl+C or /api/extra/shutdown
+    thread.join(5.0)
+    assert not thread.is_alive(), "the worker thread outlived koboldcpp's shutdown"
+    count = len(real_loop["horde"].pops)
+    time.sleep(1.2)
+    assert len(real_loop["horde"].pops) == count
+    assert kcpp.exitcounter == 999  # the hook never writes koboldcpp's globals
+
+
+def test_each_worker_thread_runs_its_own_loop_named_after_its_id(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def run_worker(settings: WorkerSettings, **kw: Any) -> int:
+        logging.getLogger("koboldcpp_horde_chat.worker").info("loop of %d", kw["worker_id"])
+        with lock:
+            calls.append({"settings": settings, "thread": threading.current_thread().name, **kw})
+        return 0
+
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    kcpp = make_kcpp(args_={"parallelrequests": 2})
+    kcpp.modelbusy.acquire()
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
+    threads = [start_hook(kcpp, worker_id=i, threads=2) for i in (1, 2)]
+    for t in threads:
+        t.join(5.0)
+    assert sorted((c["worker_id"], c["thread"]) for c in calls) == [
+        (1, "horde-worker-1"),
+        (2, "horde-worker-2"),
+    ]
+    assert calls[0]["manners"] is not calls[1]["manners"]
+    for c in calls:
+        assert c["settings"].threads == 2
+        assert c["manners"].model_busy() is False  # batching: koboldcpp skips the check
+    loop_lines = {r.threadName: r.getMessage() for r in caplog.records if r.msg == "loop of %d"}
+    assert loop_lines == {"horde-worker-1": "loop of 1", "horde-worker-2": "loop of 2"}
+    assert API_KEY not in caplog.text
+
+
+def test_a_bad_horde_url_or_no_model_does_not_start_the_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    started: list[int] = []
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: started.append(1) or 0)
+    monkeypatch.setenv("AI_HORDE_URL", "ftp://example.invalid")
+    kcpp_hook.run_horde_worker(make_kcpp(), make_kcpp().args, API_KEY, "w", 1, 1)
+    assert "AI_HORDE_URL must be an http:// or https:// URL" in caplog.text
+    monkeypatch.delenv("AI_HORDE_URL")
+    kcpp_hook.run_horde_worker(
+        make_kcpp(friendlymodelname="inactive"), make_kcpp().args, API_KEY, "w", 1, 1
+    )
+    assert "no text model loaded" in caplog.text
+    assert started == []
+
+
+def test_an_error_in_the_loop_is_logged_not_raised_into_koboldcpp(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def run_worker(settings: WorkerSettings, **kw: Any) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    kcpp = make_kcpp(password=PASSWORD)
+    assert kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "w", 3, 1) is None
+    assert "worker 3: stopped by an unexpected error" in caplog.text
+    assert PASSWORD not in caplog.text and API_KEY not in caplog.text
+
+
+# ---------------------------------------------------------------------- logging
+
+
+@pytest.fixture
+def bare_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+    """The package logger without handlers and not yet configured; restored after.
+
+    A test clears the root logger's handlers itself (pytest adds its capture
+    handler to the root logger after fixtures are set up).
+    """
+    package_logger = logging.getLogger("koboldcpp_horde_chat")
+    saved = (list(package_logger.handlers), package_logger.level, package_logger.propagate)
+    monkeypatch.setattr(kcpp_hook, "_logging_configured", False)
+    package_logger.handlers = []
+    yield package_logger
+    package_logger.handlers, package_logger.level, package_logger.propagate = (
+        saved[0],
+        saved[1],
+        saved[2],
+    )
+
+
+def test_logging_is_configured_once_with_koboldcpp_like_timestamps(
+    bare_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # koboldcpp configures no logging
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    results: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(kcpp_hook.configure_logging()))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False, False, True]
+    assert len(bare_logging.handlers) == 1
+
+    def emit() -> None:
+        threading.current_thread().name = "horde-worker-2"
+        logging.getLogger("koboldcpp_horde_chat.worker").info("job=%s kind=chat received", "j1")
+
+    t = threading.Thread(target=emit)
+    t.start()
+    t.join()
+    assert re.fullmatch(
+        r"\[\d\d:\d\d:\d\d\] horde-worker-2 INFO: job=j1 kind=chat received\n", out.getvalue()
+    )
+
+
+def test_logging_is_left_alone_when_the_host_configured_it(
+    bare_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    assert kcpp_hook.configure_logging() is False
+    assert bare_logging.handlers == []
+
+
+# ---------------------------------------------------------------------- patches
+
+
+def parse_patch(text: str) -> tuple[list[str], list[tuple[int, int, int, int, list[str]]]]:
+    """(file headers, hunks as (old_start, old_len, new_start, new_len, lines))."""
+    headers: list[str] = []
+    hunks: list[tuple[int, int, int, int, list[str]]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("--- ", "+++ ")):
+            headers.append(line)
+        m = re.match(r"@@ -(\d+),(\d+) \+(\d+),(\d+) @@", line)
+        if m:
+            old_start, old_len, new_start, new_len = map(int, m.groups())
+            body: list[str] = []
+            i += 1
+            while i < len(lines) and lines[i][:1] in (" ", "+", "-", "\\"):
+                body.append(lines[i])
+                i += 1
+            hunks.append((old_start, old_len, new_start, new_len, body))
+            continue
+        i += 1
+    return headers, hunks
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str) -> None:
+    text = (PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8")
+    headers, hunks = parse_patch(text)
+    assert headers == ["--- a/koboldcpp.py", "+++ b/koboldcpp.py"]
+    assert len(hunks) == 1
+    old_start, old_len, new_start, new_len, body = hunks[0]
+    removed = [line for line in body if line.startswith("-")]
+    added = [line[1:] for line in body if line.startswith("+")]
+    context = [line[1:] for line in body if line.startswith(" ")]
+    assert removed == []
+    assert old_len == len(context) and new_len == len(context) + len(added)
+    assert old_start == new_start
+    # The added lines sit between the function's global statement and its first line.
+    kinds = "".join(line[:1] for line in body)
+    assert kinds == " " * 3 + "+" * len(added) + " " * 3
+    assert context[1] == (
+        "def run_horde_worker(args, api_key, worker_name, worker_id, parallel_batching_threads):"
+    )
+    assert context[2].startswith("    global friendlymodelname")
+    assert context[3] == "    epurl = get_my_epurl()"
+    assert all(line.startswith("    ") for line in added)
+    code = "\n".join(added)
+    assert "from koboldcpp_horde_chat import kcpp_hook" in code
+    assert "except ImportError:" in code
+    assert (
+        "kcpp_hook.run_horde_worker(sys.modules[__name__], args, api_key, worker_name, "
+        "worker_id, parallel_batching_threads)" in code
+    )
+
+
+def test_both_releases_carry_the_same_change() -> None:
+    """The worker code is identical in 1.116.1 and 1.117.1; only the line numbers differ."""
+    bodies = [
+        parse_patch((PATCH_DIR / f"koboldcpp-{r}.patch").read_text(encoding="utf-8"))[1][0][4]
+        for r in RELEASES
+    ]
+    assert bodies[0] == bodies[1]
+
+
+def patched_function(release: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """koboldcpp's ``run_horde_worker`` head with the patch applied, up to its first own line.
+
+    ``get_my_epurl`` stands for koboldcpp's own worker: reaching it means the
+    patch fell back to koboldcpp's loop.
+    """
+    body = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))[1][
+        0
+    ][4]
+    new_side = [line[1:] for line in body if line[:1] in (" ", "+")]
+    end = new_side.index("    epurl = get_my_epurl()")
+    source = "\n".join(new_side[: end + 1]) + "\n    return ('koboldcpp loop', epurl)\n"
+    module = types.ModuleType("patched_koboldcpp")
+    module.__dict__["get_my_epurl"] = lambda: "http://localhost:5001"
+    module.__dict__["sys"] = sys
+    exec(compile(source, f"koboldcpp-{release}.patch", "exec"), module.__dict__)  # noqa: S102
+    monkeypatch.setitem(sys.modules, "patched_koboldcpp", module)
+    return module.run_horde_worker  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patched_koboldcpp_hands_its_worker_to_the_hook(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: calls.append(a))
+    run = patched_function(release, monkeypatch)
+    args = argparse.Namespace(port=5001)
+    assert run(args, API_KEY, "my-worker", 2, 3) is None
+    assert calls == [(sys.modules["patched_koboldcpp"], args, API_KEY, "my-worker", 2, 3)]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patched_koboldcpp_runs_its_own_worker_when_the_package_is_missing(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
+    monkeypatch.delattr(koboldcpp_horde_chat, "kcpp_hook")
+    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp_hook", None)  # import fails
+    run = patched_function(release, monkeypatch)
+    assert run(argparse.Namespace(), API_KEY, "my-worker", 1, 1) == (
+        "koboldcpp loop",
+        "http://localhost:5001",
+    )
