@@ -4,7 +4,8 @@ Starts the dev Horde on 127.0.0.1, uses the koboldcpp at ``--kcpp-url`` when
 one answers and the devkit's scripted koboldcpp otherwise (said plainly),
 runs the real standalone worker against them, sends requests as a client
 would, prints each request's final status as the requester sees it, and exits
-0 when every request reached its expected end.
+0 when every request reached its expected end. An image request is included
+when the backend reports vision (the scripted koboldcpp does).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ WEATHER_TOOL = {
         },
     },
 }
+
+#: An 8x8 baseline JPEG of a colour pattern (542 bytes), sent when the backend reports vision.
+DEMO_IMAGE_DATA_URL = "data:image/jpeg;base64," + (
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE"
+    "BAQEBAQEBAQEBAQEBAQEBAQEBAQEBAT/wAARCAAIAAgDAREAAhEAAxEA/8QAHwAAAAAMAAAAAAAAAAAAAAAAAAEC"
+    "AwQFBgcICQoL/8QAtRAAAAAAAAAAogAAAAAAAAAAAPABAgMEBQYHCAkKERITFBUWFxgZGiEiIyQlJicoKSoxMjM0"
+    "NTY3ODk6QUJDREVGR0hJSlFSU1RVVldYWVphYmNkZWZnaGlqcXJzdHV2d3h5eoGCg4SFhoeIiYqRkpOUlZaXmJma"
+    "oaKjpKWmp6ipqrGys7S1tre4ubrBwsPExcbHyMnK0dLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/9oADAMB"
+    "AAIAAwAAPwBKBhAyQZgZB2gOA4FMHZAoJAKBAXQICAEAEB1QfICgaCMDQKHgL4HjEAgFDAZAgvAcLAOBKBwEDUDQ"
+    "1A0DRhjA4DAaIGglBYBbBbBCDRBKDSBKCMEAGgwAYAGg2QYoHgqgzgVQPA4FgDQKC2C2BQNAwEYHgcCMDgPBGBAK"
+    "CwCwBQICIFgGoCwCIPYFYPcFUFcCgUGceB1gXwXgwDjgaBoLINsCAYBAKDWDqCUQ8DuBsB4HDRxdA0XAKLRaLAIL"
+    "QIBgEAoZAoZA4Ci//9k="
+)
 
 Check = Callable[[dict[str, Any]], bool]
 
@@ -69,8 +83,13 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def demo_cases(context: int, *, scripted: bool) -> list[DemoCase]:
-    """The requests the demo sends; ``context`` is the worker's chat context in tokens."""
+def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
+    """The requests the demo sends; ``context`` is the worker's chat context in tokens.
+
+    With ``vision`` (koboldcpp's ``/api/extra/version`` reports it) an image
+    request is included: the dev Horde stores the JPEG, the worker fetches it by
+    its signed URL and hands it to koboldcpp as a data URL (seed 000 step 5).
+    """
     strict = scripted  # a real small model may miss a strict rule; the scripted one must not
     overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
     tool_history = [
@@ -88,7 +107,7 @@ def demo_cases(context: int, *, scripted: bool) -> list[DemoCase]:
         },
         {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
     ]
-    return [
+    cases = [
         DemoCase(
             "plain chat",
             "chat",
@@ -183,6 +202,28 @@ def demo_cases(context: int, *, scripted: bool) -> list[DemoCase]:
             lambda s: bool(s.get("done")) and isinstance(s.get("generation"), str),
         ),
     ]
+    if vision:
+        cases.append(
+            DemoCase(
+                "image",
+                "chat",
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "text", "text": "What is in this picture?"},
+                                {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+                            ],
+                        }
+                    ],
+                    "max_tokens": 64,
+                },
+                "done, the image seen" if scripted else "done with a reply",
+                lambda s: _done(s) and (not strict or "1 image" in _content(s)),
+            )
+        )
+    return cases
 
 
 def _describe(case: DemoCase, status: dict[str, Any]) -> str:
@@ -226,7 +267,7 @@ def main(argv: Sequence[str] = ()) -> int:
     if real:
         print(f"Using the koboldcpp at {kcpp_url}.")
     else:
-        scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02)
+        scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
         scripted_kcpp.start()
         kcpp_url = scripted_kcpp.url
         print(
@@ -261,7 +302,9 @@ def main(argv: Sequence[str] = ()) -> int:
     )
     try:
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
-        cases = demo_cases(info.max_context_length, scripted=scripted_kcpp is not None)
+        cases = demo_cases(
+            info.max_context_length, scripted=scripted_kcpp is not None, vision=info.vision
+        )
         for case in cases:
             if case.kind == "chat":
                 case.request_id = horde.send_chat(

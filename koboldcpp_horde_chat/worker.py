@@ -13,16 +13,17 @@ reason is logged in one line with ``job=<id>``.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import fit, jobs, reply
+from . import fit, guard, images, jobs, reply
 from .backend import BackendStream, KoboldClient
 from .backoff import Backoff, EmptyPopBackoff
 from .declaration import BackendCapabilities, pop_body
@@ -37,7 +38,8 @@ from .errors import (
     PayloadError,
     ReplyError,
 )
-from .fetch import fetch_messages
+from .fetch import fetch_image, fetch_messages
+from .guard import MaintenanceGuard, RefusalGuard, refusal_features
 from .horde import HordeClient
 from .progress import ProgressAction, ProgressPoster
 from .reply import BackendReply
@@ -53,8 +55,14 @@ CREDENTIAL_RCS = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
 SUBMIT_MARGIN_S = 5.0
 #: Seconds between pops while the Horde keeps the worker in maintenance.
 MAINTENANCE_POLL_S = 60.0
+#: Read timeout of an abort, seconds: best effort, and the fault must still fit the lease.
+ABORT_TIMEOUT_S = 2.0
+#: Seconds between readiness probes while koboldcpp does not answer.
+BACKEND_PROBE_S = 3.0
+#: Image URLs fetched at once for one job (seed 004: url transport).
+IMAGE_FETCH_THREADS = 4
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
-HORDE_FAULT_LIMIT_PER_HOUR = 20
+HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
 
 
 class LocalManners(Protocol):
@@ -201,7 +209,12 @@ class Worker:
         self.chat_enabled = True
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
-        self._fault_times: deque[float] = deque(maxlen=HORDE_FAULT_LIMIT_PER_HOUR * 4)
+        self.maintenance_guard = MaintenanceGuard()
+        self.refusal_guard = RefusalGuard()
+        self._key_refused = False
+        self._settled_job: str | None = None
+        self._backend_suspect = False
+        self._backend_down_logged = False
         self._last_pop_body: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ loop
@@ -248,7 +261,12 @@ class Worker:
         if self.manners.model_busy():
             self.stop_event.wait(0.2)
             return False
-        self._update_chat_withdrawal()
+        if not self._backend_answers():
+            self.stop_event.wait(BACKEND_PROBE_S)
+            return False
+        if not self._update_chat_withdrawal():
+            self.stop_event.wait(MAINTENANCE_POLL_S)
+            return False
         body = pop_body(
             self.settings, self.caps, withhold=self.withheld, chat_jobs=self.chat_enabled
         )
@@ -265,15 +283,51 @@ class Worker:
             return False
         popped_at = self.clock()
         self._error_backoff.reset()
+        raw_id = pop.get("id")
+        job_id = raw_id if isinstance(raw_id, str) and raw_id else None
+        self._settled_job = None
+        try:
+            return self._serve_popped(pop, popped_at)
+        except Exception:
+            if job_id is None or self._settled_job == job_id:
+                raise
+            # Whatever went wrong, a popped job is answered: never left to expire.
+            log.exception("job=%s unexpected error while serving it; faulting it", job_id)
+            lease = self._pop_lease(pop, popped_at)
+            if pop.get("chat") is True:
+                self._fault_chat(job_id, None, lease, "internal error")
+            else:
+                self._fault_text(job_id, lease, "internal error")
+            return True
+        except BaseException:
+            # A forced exit (a second SIGINT or SIGTERM): one quick fault, then go.
+            if job_id is not None and self._settled_job != job_id:
+                self._fault_once(job_id, chat=pop.get("chat") is True)
+            raise
+
+    def _fault_once(self, job_id: str, *, chat: bool) -> None:
+        """Fault a job with a single short submit attempt (the process is exiting)."""
+        body = (
+            reply.fault_submit(job_id, self.settings.model_id)
+            if chat
+            else {"id": job_id, "generation": "", "state": "faulted"}
+        )
+        try:
+            self.horde.submit(body, timeout_s=min(5.0, self.settings.submit_timeout_s))
+            log.warning("job=%s faulted: the worker is exiting now", job_id)
+        except HordeError as exc:
+            log.warning("job=%s left to expire: the worker is exiting now (%s)", job_id, exc)
+
+    def _serve_popped(self, pop: dict[str, Any], popped_at: float) -> bool:
+        """Parse a pop answer and serve its job, if any. True when a job was served."""
         try:
             job = jobs.parse_pop(pop, default_ttl_s=self.settings.lease_s)
         except PayloadError as exc:
             self._empty_backoff.reset()
             if exc.job_id:
                 log.warning("job=%s malformed payload at %s: %s", exc.job_id, exc.path, exc.problem)
-                lease = _Lease(popped_at, popped_at + self.settings.lease_s)
-                kind_chat = bool(pop.get("chat")) if isinstance(pop, dict) else True
-                if kind_chat:
+                lease = self._pop_lease(pop, popped_at)
+                if pop.get("chat") is True:  # the same test as jobs.parse_pop's
                     self._fault_chat(exc.job_id, None, lease, "malformed payload")
                 else:
                     self._fault_text(exc.job_id, lease, "malformed payload")
@@ -284,22 +338,35 @@ class Worker:
             self.stop_event.wait(self._empty_backoff.next_delay())
             return False
         self._empty_backoff.reset()
-        lease = _Lease(popped_at, popped_at + job.ttl_s)
+        # A lease never runs past the cap progress posts could extend it to.
+        lease = _Lease(popped_at, popped_at + min(job.ttl_s, self.settings.lease_cap_s))
         if isinstance(job, jobs.ChatJob):
             self._serve_chat(job, lease)
         else:
             self._serve_text(job, lease)
         return True
 
+    def _pop_lease(self, pop: dict[str, Any], popped_at: float) -> _Lease:
+        """The lease of a job whose pop could not be parsed: its ``ttl`` when that is a
+        usable number of seconds, else ``settings.lease_s``; never past the lease cap."""
+        ttl = pop.get("ttl")
+        seconds = self.settings.lease_s
+        if isinstance(ttl, int | float) and not isinstance(ttl, bool):
+            try:
+                value = float(ttl)
+            except OverflowError:
+                value = math.inf
+            if value > 0 and not math.isnan(value):
+                seconds = value
+        return _Lease(popped_at, popped_at + min(seconds, self.settings.lease_cap_s))
+
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         if exc.rc == "ChatDeclarationInvalid":
             log.error("the Horde refused the chat declaration: %s; stopping", exc.message)
             self.exit_code = 2
             self.stop_event.set()
-        elif exc.status in (401, 403) and (exc.rc in CREDENTIAL_RCS or exc.status == 401):
-            log.error("the Horde refused the API key (%s): check your API key; stopping", exc.rc)
-            self.exit_code = 3
-            self.stop_event.set()
+        elif self._is_key_refusal(exc):
+            self._stop_for_key(exc)
         elif exc.rc == "WorkerMaintenance" or exc.status == 403:
             log.warning("the Horde keeps this worker in maintenance: %s", exc.message)
             self.stop_event.wait(MAINTENANCE_POLL_S)
@@ -308,25 +375,85 @@ class Worker:
             log.warning("pop refused: %s; retrying in %.1f s", exc, delay)
             self.stop_event.wait(delay)
 
+    def _note_backend_failure(self, exc: Exception) -> None:
+        """After koboldcpp failed a job, check it is up before the next pop.
+
+        A killed koboldcpp shows as no answer, a reset or a stream cut short
+        (a ``ReplyError``); the probe is one cheap GET, so any failure counts.
+        """
+        if isinstance(exc, BackendError | ReplyError):
+            self._backend_suspect = True
+
+    def _backend_answers(self) -> bool:
+        """False while koboldcpp, which failed a job without answering, still does not answer.
+
+        A crashed or restarting koboldcpp would otherwise fault every job
+        popped meanwhile (each one an aborted job on the Horde, on the way to
+        maintenance). The probe is koboldcpp's own readiness GET.
+        """
+        if not self._backend_suspect:
+            return True
+        if self.backend.ready():
+            self._backend_suspect = False
+            if self._backend_down_logged:
+                self._backend_down_logged = False
+                log.info("koboldcpp at %s answers again: popping", self.settings.kcpp_url)
+            return True
+        if not self._backend_down_logged:
+            self._backend_down_logged = True
+            log.warning(
+                "koboldcpp at %s does not answer: not popping until it does",
+                self.settings.kcpp_url,
+            )
+        return False
+
+    @staticmethod
+    def _is_key_refusal(exc: HordeRefusal) -> bool:
+        """401, or 403 with a credentials ``rc``: the API key is wrong (by status and rc only)."""
+        return exc.status == 401 or (exc.status == 403 and exc.rc in CREDENTIAL_RCS)
+
+    def _stop_for_key(self, exc: HordeRefusal) -> None:
+        """Say "check your API key" once, stop popping, and exit with code 3."""
+        if not self._key_refused:
+            self._key_refused = True
+            log.error(
+                "the Horde refused the API key (HTTP %d %s): check your API key; stopping",
+                exc.status,
+                exc.rc or "no rc",
+            )
+        self.exit_code = 3
+        self.stop_event.set()
+
     # ------------------------------------------------------- maintenance guard
 
-    def _update_chat_withdrawal(self) -> None:
-        """Withdraw the chat declaration before the Horde's 20 faults an hour."""
+    def _update_chat_withdrawal(self) -> bool:
+        """Withdraw the chat declaration before the Horde's 20 faults an hour.
+
+        The counting is ``guard.MaintenanceGuard``'s: withdrawn at 15 faults
+        in the last hour, declared again below 10. A worker that also serves
+        text jobs keeps popping without the declaration; a chat-only worker
+        (``prompt_jobs`` False) cannot pop without it, so it pauses popping.
+        Returns False when the next pop must be skipped.
+        """
         now = self.clock()
-        while self._fault_times and now - self._fault_times[0] > 3600.0:
-            self._fault_times.popleft()
-        recent = len(self._fault_times)
-        if self.chat_enabled and recent >= HORDE_FAULT_LIMIT_PER_HOUR - 5:
-            if self.settings.prompt_jobs:
-                self.chat_enabled = False
-                log.warning(
-                    "%d faults in the last hour: withdrawing the chat declaration "
-                    "(text jobs continue) until the hour is quiet",
-                    recent,
-                )
-        elif not self.chat_enabled and recent < HORDE_FAULT_LIMIT_PER_HOUR // 2:
-            self.chat_enabled = True
+        mguard = self.maintenance_guard
+        change = mguard.update(now)
+        recent = mguard.recent(now)
+        if change == "withdraw":
+            log.warning(
+                "%d faults in the last hour (the Horde puts a worker into maintenance "
+                "after %d): withdrawing the chat declaration%s until fewer than %d "
+                "faults remain in the hour",
+                recent,
+                HORDE_FAULT_LIMIT_PER_HOUR,
+                " (text jobs continue)" if self.settings.prompt_jobs else
+                " and pausing pops (chat-only worker)",
+                mguard.restore_below,
+            )
+        elif change == "restore":
             log.info("faults have quietened (%d in the last hour): declaring chat again", recent)
+        self.chat_enabled = mguard.chat_enabled
+        return self.chat_enabled or self.settings.prompt_jobs
 
     # -------------------------------------------------------------- text jobs
 
@@ -350,6 +477,7 @@ class Worker:
             )
             generation = reply.text_generation(body)
         except (BackendError, ReplyError) as exc:
+            self._note_backend_failure(exc)
             self._fault_text(job.id, lease, f"backend failed: {exc}")
             return
         self._submit(
@@ -359,7 +487,9 @@ class Worker:
             kind="text",
             started=started,
             detail=f"{len(generation)} chars",
-            on_refused=None,
+            on_refused=lambda exc: self._fault_text(
+                job.id, lease, f"reply refused ({exc.rc or exc.status}): {exc.message}"
+            ),
         )
 
     # -------------------------------------------------------------- chat jobs
@@ -368,7 +498,7 @@ class Worker:
         """Seed steps 2 to 7 for one chat job."""
         model_id = str(self._last_pop_body.get("model_id") or self.settings.model_id)
         started = self.clock()
-        payload_keys = ",".join(sorted(job.payload))
+        payload_keys = _keys(job.payload)
         log.info(
             "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s keys=%s",
             job.id,
@@ -396,18 +526,28 @@ class Worker:
         except PayloadError as exc:
             self._fault_chat(job.id, model_id, lease, f"malformed messages at {exc.path}")
             return
-        if fit.count_images(messages) and not self.caps.vision:
-            self._fault_chat(job.id, model_id, lease, "images sent to a worker without vision")
-            return
+        if fit.count_images(messages):
+            if not self.caps.vision:
+                self._fault_chat(job.id, model_id, lease, "images sent to a worker without vision")
+                return
+            try:
+                messages = self._prepare_images(messages, lease)
+            except FetchError as exc:
+                self._fault_chat(job.id, model_id, lease, f"image unusable: {exc}")
+                return
         # Fit check (seed step 3): count JSON text, never render.
         tools = job.payload.get("tools")
         response_format = job.payload.get("response_format")
         try:
             counted = self.backend.tokencount(
                 fit.fit_prompt(messages, tools, response_format),
-                timeout_s=max(1.0, min(60.0, lease.remaining(self.clock()))),
+                # The fault that follows a failure must still land within the lease.
+                timeout_s=max(
+                    1.0, min(60.0, lease.remaining(self.clock()) - SUBMIT_MARGIN_S)
+                ),
             )
         except BackendError as exc:
+            self._note_backend_failure(exc)
             self._fault_chat(job.id, model_id, lease, f"tokencount failed: {exc}")
             return
         limit = min(job.max_context_length, self.settings.max_context_length)
@@ -432,6 +572,7 @@ class Worker:
             if stream:
                 outcome = self._generate_streamed(job, model_id, backend_body, genkey, lease)
                 if outcome is None:
+                    self._settled_job = job.id
                     return  # ended: cancelled, aborted or faulted
                 backend_reply = outcome
             else:
@@ -445,6 +586,7 @@ class Worker:
                 job.id, model_id, backend_reply, max_length=job.max_length
             )
         except (BackendError, ReplyError) as exc:
+            self._note_backend_failure(exc)
             self._fault_chat(job.id, model_id, lease, f"generation failed: {exc}")
             return
         message = submit_body.get("message", {})
@@ -460,14 +602,86 @@ class Worker:
             kind="chat",
             started=started,
             detail=detail,
-            on_refused=lambda exc: self._fault_chat(
-                job.id,
-                model_id,
-                lease,
-                f"reply refused ({exc.rc}): {exc.message}",
-                fault_reason=reply.FAULT_REPLY_REFUSED,
-            ),
+            on_refused=lambda exc: self._on_reply_refused(job, model_id, lease, exc),
         )
+
+    def _on_reply_refused(
+        self, job: jobs.ChatJob, model_id: str, lease: _Lease, exc: HordeRefusal
+    ) -> None:
+        """Seed "Submit refusals": fault the refused job; never resubmit the reply.
+
+        The fault carries ``reply_refused`` after ``ChatSubmitInvalid``,
+        ``ChatSubmitNonconformant`` or ``ChatModelMismatch`` (worked example),
+        and no reason after any other refusal (such as 400 for a token count
+        out of range), which would otherwise leave the job to expire.
+
+        A ``ChatSubmitNonconformant`` refusal is counted against the declared
+        guarantee or feature the request used (``guard.refusal_features``); at
+        ``guard.REFUSALS_TO_WITHDRAW`` in an hour that name is withdrawn from
+        every later pop's ``chat_features`` until the worker restarts. The
+        fault that follows it does not count toward maintenance: the Horde
+        counts it as a nonconformant reply, not an aborted job.
+        """
+        nonconformant = exc.rc == "ChatSubmitNonconformant"
+        if nonconformant:
+            declared = self._last_pop_body.get("chat_features")
+            names = refusal_features(job.payload, declared if isinstance(declared, list) else [])
+            if not names:
+                log.warning(
+                    "job=%s nonconformant reply not attributable to a declared guarantee "
+                    "or feature (payload keys %s)",
+                    job.id,
+                    _keys(job.payload),
+                )
+            for name in self.refusal_guard.record(names, self.clock()):
+                self.withheld = self.withheld | {name}
+                log.warning(
+                    "withdrawing %r from the chat declaration: the Horde refused %d replies "
+                    "as ChatSubmitNonconformant for it within an hour; restart the worker "
+                    "(after fixing the model, its chat template or koboldcpp) to declare it again",
+                    name,
+                    self.refusal_guard.threshold,
+                )
+        self._fault_chat(
+            job.id,
+            model_id,
+            lease,
+            f"reply refused ({exc.rc or exc.status}): {exc.message}",
+            fault_reason=reply.FAULT_REPLY_REFUSED if exc.rc in reply.REFUSAL_RCS else None,
+            counts=not nonconformant,
+        )
+
+    def _prepare_images(
+        self, messages: list[dict[str, Any]], lease: _Lease
+    ) -> list[dict[str, Any]]:
+        """Seed step 5 and seed 004: every image reaches koboldcpp as a checked data URL.
+
+        Signed image URLs are fetched (without credentials, bounded, in
+        parallel up to ``IMAGE_FETCH_THREADS``) and data URLs decoded; each
+        image's media type is taken from its bytes, and one koboldcpp cannot
+        decode raises ``images.ImageError`` (a ``FetchError``): the job is then
+        faulted without ``fault_reason`` instead of answered without the image.
+        """
+        plan = images.plan_images(messages)
+        fetched: dict[tuple[int, int], bytes] = {}
+        if plan.to_fetch:
+            timeout = max(1.0, min(60.0, lease.remaining(self.clock()) - SUBMIT_MARGIN_S))
+            workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
+            try:
+                futures = {
+                    (i, j): pool.submit(
+                        fetch_image, url, timeout_s=timeout, max_bytes=images.MAX_IMAGE_BYTES
+                    )
+                    for i, j, url in plan.to_fetch
+                }
+                for key, future in futures.items():
+                    fetched[key] = future.result()
+            finally:
+                # A failed fetch faults the job at once: queued fetches are cancelled
+                # and those under way end by their own deadline.
+                pool.shutdown(wait=False, cancel_futures=True)
+        return images.finish_images(messages, plan, fetched)
 
     def _note_own_request(self) -> None:
         note = getattr(self.manners, "note_own_request", None)
@@ -506,8 +720,10 @@ class Worker:
         threading.Event().wait(seconds)
 
     def _abort_quietly(self, genkey: str) -> None:
+        """Best-effort abort of the local generation, quick enough to leave the lease's
+        margin to the fault that usually follows (koboldcpp answers in about 0.1 s)."""
         try:
-            self.backend.abort(genkey)
+            self.backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
         except BackendError as exc:
             log.debug("abort of %s failed: %s", genkey, exc)
 
@@ -523,9 +739,23 @@ class Worker:
     ) -> BackendReply | None:
         """Seed "Streaming progress": relay koboldcpp's SSE stream as progress posts.
 
+        koboldcpp is opened and read on a thread of its own (its answer's
+        headers wait for koboldcpp's model lock, and it sends nothing during
+        prompt processing), so this loop keeps the job's lease: every 0.1 s at
+        most it posts what is due and checks the deadline, which each accepted
+        post with new text moves to 150 s after the post (up to the cap from
+        pop). The stream's read timeout is only a backstop at the latest end the
+        lease can reach, so neither a silent prompt processing nor a pause in a
+        stream whose lease the posts extended is cut short by it. When the lease
+        would end within ``SUBMIT_MARGIN_S``, the generation is aborted and the
+        job faulted rather than submitted late.
+
         Returns the whole reply to submit, or None when the job ended here
         (cancelled, ChatJobAborted, or faulted because the lease ran out).
-        Raises BackendError or ReplyError for the caller to fault.
+        Raises BackendError or ReplyError for the caller to fault (the local
+        generation is aborted first): a failed stream, an in-band error (without
+        waiting for the stream's end), or a stream that ended without a finish
+        reason.
         """
         stop = job.payload.get("stop_sequence")
         stop_sequences = tuple(s for s in stop if isinstance(s, str) and s) if isinstance(
@@ -540,64 +770,87 @@ class Worker:
         )
         accumulator = ChatStreamAccumulator(stop_sequences=stop_sequences)
         decoder = SSEDecoder()
-        backend_stream = self._open_stream(backend_body, lease, genkey)
+        slot = _StreamSlot()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
         reader = threading.Thread(
-            target=_pump, args=(backend_stream, chunks), name=f"kcpp-stream-{job.id}", daemon=True
+            target=_pump,
+            args=(lambda: self._open_stream(backend_body, lease, slot), slot, chunks),
+            name=f"kcpp-stream-{job.id}",
+            daemon=True,
         )
         reader.start()
-        ended = False
         try:
-            while not ended:
+            while True:
                 now = self.clock()
                 lease.deadline = max(lease.deadline, poster.lease_deadline)
                 if lease.remaining(now) <= SUBMIT_MARGIN_S:
-                    self._close_and_abort(backend_stream, genkey)
+                    self._close_and_abort(slot, genkey)
                     self._fault_chat(job.id, model_id, lease, "the lease ran out while streaming")
                     return None
                 try:
                     item = chunks.get(timeout=0.1)
                 except queue.Empty:
-                    item = b""
-                    if not self._post_due(poster, job, backend_stream, genkey, lease):
+                    if not self._post_due(poster, job, slot, genkey, lease):
                         return None
                     continue
                 if item is None:
                     for event in decoder.close():
                         self._feed(accumulator, poster, event.data)
-                    ended = True
-                elif isinstance(item, BaseException):
+                    break
+                if isinstance(item, BaseException):
+                    self._close_and_abort(slot, genkey)
                     if isinstance(item, BackendError):
                         raise item
                     raise BackendError(f"stream failed: {item!r}")
-                else:
-                    for event in decoder.feed(item):
-                        self._feed(accumulator, poster, event.data)
-                    if accumulator.done:
-                        ended = True
-                if not self._post_due(poster, job, backend_stream, genkey, lease):
+                for event in decoder.feed(item):
+                    self._feed(accumulator, poster, event.data)
+                    if accumulator.done or accumulator.error is not None:
+                        break
+                if accumulator.error is not None:
+                    # Abort at once: what koboldcpp sends after an error is not used.
+                    self._close_and_abort(slot, genkey)
+                    raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
+                if accumulator.done:
+                    break
+                if not self._post_due(poster, job, slot, genkey, lease):
                     return None
+            if accumulator.error is not None:
+                raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
+            if accumulator.native_finish_reason is None:
+                raise ReplyError(
+                    "the stream ended without a finish reason"
+                    + ("" if accumulator.done else " (and without [DONE]: cut off)")
+                )
             tail = accumulator.flush()
             poster.add(tail.content, tail.reasoning)
-            final = poster.pending_final()
-            if final is not None and not self._post(poster, final, job, backend_stream, genkey):
+            final = poster.pending_final(self.clock())
+            if final is not None and not self._post(poster, final, job, slot, genkey, lease):
                 return None
             return accumulator.result()
         finally:
-            backend_stream.close()
+            slot.close()
 
     def _open_stream(
-        self, body: dict[str, Any], lease: _Lease, genkey: str
+        self, body: dict[str, Any], lease: _Lease, slot: _StreamSlot
     ) -> BackendStream:
+        """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.
+
+        The read timeout is a backstop at the latest end the lease can reach
+        (the pop's ttl or the lease cap from pop, whichever is later): the job
+        thread enforces the lease itself and closes the stream. Raises
+        BackendError when the job ended (the slot was closed) while koboldcpp
+        was busy, and whatever ``open_chat_stream`` raises otherwise.
+        """
         while True:
-            remaining = lease.remaining(self.clock()) - SUBMIT_MARGIN_S
-            if remaining <= 1.0:
-                raise BackendError("the lease ran out before koboldcpp answered")
+            now = self.clock()
+            latest_end = max(lease.deadline, lease.popped_at + self.settings.lease_cap_s)
             try:
-                return self.backend.open_chat_stream(body, read_timeout_s=remaining)
+                return self.backend.open_chat_stream(
+                    body, read_timeout_s=max(1.0, latest_end - now)
+                )
             except BackendBusy:
-                if self.stop_event.wait(min(2.0, max(0.0, remaining - 1.0))):
-                    raise BackendError("stopping while koboldcpp was busy") from None
+                if slot.closed.wait(2.0):
+                    raise BackendError("the job ended while koboldcpp was busy") from None
 
     @staticmethod
     def _feed(accumulator: ChatStreamAccumulator, poster: ProgressPoster, data: str) -> None:
@@ -609,7 +862,7 @@ class Worker:
         self,
         poster: ProgressPoster,
         job: jobs.ChatJob,
-        backend_stream: BackendStream,
+        slot: _StreamSlot,
         genkey: str,
         lease: _Lease,
     ) -> bool:
@@ -617,49 +870,65 @@ class Worker:
         body = poster.due(self.clock())
         if body is None:
             return True
-        return self._post(poster, body, job, backend_stream, genkey)
+        return self._post(poster, body, job, slot, genkey, lease)
 
     def _post(
         self,
         poster: ProgressPoster,
         body: dict[str, Any],
         job: jobs.ChatJob,
-        backend_stream: BackendStream,
+        slot: _StreamSlot,
         genkey: str,
+        lease: _Lease,
     ) -> bool:
         """Post one progress body, retrying as the state machine says.
+
+        A lost answer (no answer, a reset, or a 2xx answer that could not be
+        read: the post may have been processed) is retried with the identical
+        body; 429 and 5xx are answers for ``on_response``. Retries stop when the
+        lease nears its end (the caller then faults the job).
 
         Returns False when the job ended (cancelled or ChatJobAborted): the
         local generation is then aborted and nothing is submitted.
         """
         while True:
+            room = lease.remaining(self.clock()) - SUBMIT_MARGIN_S
+            timeout = max(1.0, min(self.settings.progress_timeout_s, room))
             try:
-                answer = self.horde.progress(body, timeout_s=self.settings.progress_timeout_s)
+                answer = self.horde.progress(body, timeout_s=timeout)
                 action = poster.on_response(200, answer, self.clock())
             except HordeRefusal as exc:
                 action = poster.on_response(exc.status, exc.body or {"rc": exc.rc}, self.clock())
             except HordeUnavailable as exc:
-                if exc.status:
+                if exc.status == 429 or exc.status >= 500:
                     action = poster.on_response(
                         exc.status, exc.body or {"rc": exc.rc}, self.clock()
                     )
                 else:
+                    log.info("job=%s progress seq %s: answer lost (%s)", job.id, body["seq"], exc)
                     action = poster.on_lost(self.clock())
             if action is ProgressAction.RETRY:
                 body = poster.retry_body()
-                if self.stop_event.wait(0.5):
-                    return True
+                lease.deadline = max(lease.deadline, poster.lease_deadline)
+                if lease.remaining(self.clock()) - SUBMIT_MARGIN_S <= 0.5:
+                    return True  # the caller's lease check aborts and faults the job
+                self._pause(0.5)
                 continue
             if action is ProgressAction.STOP_GENERATING:
                 log.info("job=%s cancelled or ended by the Horde: not submitted", job.id)
-                self._close_and_abort(backend_stream, genkey)
+                self._close_and_abort(slot, genkey)
                 return False
             if action is ProgressAction.STOP_POSTING:
                 log.info("job=%s progress posts stopped; the job goes on to its submit", job.id)
             return True
 
-    def _close_and_abort(self, backend_stream: BackendStream, genkey: str) -> None:
-        backend_stream.close()
+    def _close_and_abort(self, slot: _StreamSlot, genkey: str) -> None:
+        """Stop the local generation: close the stream, then abort by ``genkey``.
+
+        The abort also covers a request still queued for koboldcpp's model lock
+        (koboldcpp keeps one pending abort key, facts §5.2).
+        """
+        slot.close()
         self._abort_quietly(genkey)
 
     # ---------------------------------------------------------------- submits
@@ -678,10 +947,12 @@ class Worker:
     ) -> None:
         """Send one submit, retrying lost responses with the same body while the lease lasts.
 
-        A refusal with a ``REFUSAL_RCS`` code calls ``on_refused`` (which faults
-        the job with ``reply_refused``); ``DuplicateGen`` means it was already
-        settled and ``AbortedGen`` or 404 that the job ended: both are logged
-        and dropped. The reply is never sent twice after a definitive answer.
+        ``DuplicateGen`` means it was already settled and ``AbortedGen`` or 404
+        that the job ended: both are logged and dropped (not counted as
+        faults). A refusal of the API key stops the worker. Any other refusal
+        of a reply (``REFUSAL_RCS``, or e.g. 400 for a token count out of
+        range) calls ``on_refused``, which faults the job; a refused fault is
+        dropped. The reply is never sent twice after a definitive answer.
         """
         attempts = 0
         while True:
@@ -689,12 +960,18 @@ class Worker:
             try:
                 answer = self.horde.submit(body, timeout_s=self.settings.submit_timeout_s)
             except HordeRefusal as exc:
+                self._settled_job = job_id
                 if exc.rc == "DuplicateGen":
                     log.info("job=%s already settled (DuplicateGen): nothing more to send", job_id)
+                elif self._is_key_refusal(exc):
+                    self.stats.dropped += 1
+                    self._stop_for_key(exc)
                 elif exc.rc == "AbortedGen" or exc.status == 404:
                     self.stats.dropped += 1
                     log.warning("job=%s ended on the Horde before the submit (%s)", job_id, exc.rc)
-                elif on_refused is not None and exc.rc in reply.REFUSAL_RCS:
+                elif on_refused is not None:
+                    # Any other definitive refusal of a reply: the job is still
+                    # open on the Horde, so fault it now rather than let it expire.
                     log.warning("job=%s reply refused: %s", job_id, exc)
                     on_refused(exc)
                 else:
@@ -704,7 +981,10 @@ class Worker:
             except HordeUnavailable as exc:
                 remaining = lease.remaining(self.clock())
                 if attempts >= 3 and remaining <= 0:
+                    self._settled_job = job_id
                     self.stats.dropped += 1
+                    if not fault:  # the job expires on the Horde: an aborted job there
+                        self.maintenance_guard.record_fault(self.clock())
                     log.error("job=%s submit failed (%s), the lease is over; dropped", job_id, exc)
                     return
                 delay = min(max(1.0, exc.retry_after_s or 0.0) * attempts, 10.0)
@@ -714,8 +994,8 @@ class Worker:
             except HordeError as exc:  # pragma: no cover - the two subclasses above cover all
                 log.error("job=%s submit failed: %s", job_id, exc)
                 return
-            reward = answer.get("reward", 0)
-            kudos = float(reward) if isinstance(reward, (int, float)) else 0.0
+            self._settled_job = job_id
+            kudos = _kudos(answer.get("reward", 0))
             seconds = self.clock() - started
             if fault:
                 log.info("job=%s kind=%s fault accepted (%.1f s)", job_id, kind, seconds)
@@ -741,10 +1021,17 @@ class Worker:
         why: str,
         *,
         fault_reason: str | None = None,
+        counts: bool = True,
     ) -> None:
-        """Seed step 7: submit a chat fault (with ``fault_reason`` when one applies)."""
+        """Seed step 7: submit a chat fault (with ``fault_reason`` when one applies).
+
+        ``counts`` is False for a fault that follows a ``ChatSubmitNonconformant``
+        refusal: the Horde counts it apart (``nonconformant_replies``), not as an
+        aborted job, so it does not count toward maintenance either.
+        """
         self.stats.faults += 1
-        self._fault_times.append(self.clock())
+        if counts:
+            self.maintenance_guard.record_fault(self.clock())
         model = model_id or self.settings.model_id
         log.warning(
             "job=%s kind=chat faulted%s: %s",
@@ -765,7 +1052,7 @@ class Worker:
 
     def _fault_text(self, job_id: str, lease: _Lease, why: str) -> None:
         self.stats.faults += 1
-        self._fault_times.append(self.clock())
+        self.maintenance_guard.record_fault(self.clock())
         log.warning("job=%s kind=text faulted: %s", job_id, why)
         self._submit(
             job_id,
@@ -779,9 +1066,46 @@ class Worker:
         )
 
 
-def _pump(stream: BackendStream, out: queue.Queue[bytes | BaseException | None]) -> None:
-    """Read a backend stream into a queue: bytes chunks, then None or the error."""
+class _StreamSlot:
+    """A job's koboldcpp stream, shared by the job thread and its reader thread.
+
+    ``close()`` may come before the stream is open (koboldcpp still waiting
+    for its model lock): the reader then closes the stream as soon as it opens.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: BackendStream | None = None
+        self.closed = threading.Event()
+
+    def attach(self, stream: BackendStream) -> bool:
+        """Keep the opened stream; False (and the stream closed) after ``close()``."""
+        with self._lock:
+            if not self.closed.is_set():
+                self._stream = stream
+                return True
+        stream.close()
+        return False
+
+    def close(self) -> None:
+        """Close the stream (now or when it opens); safe to call twice, from any thread."""
+        with self._lock:
+            self.closed.set()
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+
+
+def _pump(
+    open_stream: Callable[[], BackendStream],
+    slot: _StreamSlot,
+    out: queue.Queue[bytes | BaseException | None],
+) -> None:
+    """Open a backend stream and read it into a queue: bytes chunks, then None or the error."""
     try:
+        stream = open_stream()
+        if not slot.attach(stream):
+            return
         while True:
             chunk = stream.read_chunk()
             if not chunk:
@@ -791,6 +1115,24 @@ def _pump(stream: BackendStream, out: queue.Queue[bytes | BaseException | None])
         out.put(exc)
         return
     out.put(None)
+
+
+def _keys(obj: dict[str, Any], limit: int = 32) -> str:
+    """``"a,b,c"``: an object's keys for a log line, at most ``limit`` and 40 characters each."""
+    keys = sorted(str(k)[:40] for k in obj)
+    more = f",... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return ",".join(keys[:limit]) + more
+
+
+def _kudos(reward: object) -> float:
+    """The submit answer's ``reward`` as kudos; 0.0 when it is not a finite number."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        return 0.0
+    try:
+        kudos = float(reward)
+    except OverflowError:
+        return 0.0
+    return kudos if math.isfinite(kudos) else 0.0
 
 
 def _genkey() -> str:

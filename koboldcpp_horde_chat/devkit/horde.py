@@ -34,7 +34,22 @@ chat-completions body plus ``"horde": {"best_effort": bool}``) and
 
 A second port (``storage_url``) plays object storage: signed URLs for offloaded
 messages (valid 120 s, optionally gzipped) and for images (valid max(ttl, 600)
-s). Both ports log every request to :attr:`DevHorde.requests_log`.
+s; an expired URL or a bad signature answers 403). Both ports log every request
+to :attr:`DevHorde.requests_log`.
+
+Images (seed 004): at :meth:`DevHorde.send_chat` each ``image_url`` part, a
+base64 data URL or an http(s) URL on 127.0.0.1 (fetched then, at most 3
+redirects), is checked against the caps (10 MiB per image, 27 MiB per request,
+as sent and as stored) and stored as JPEG on the storage port; the request keeps
+only a key. The real Horde re-encodes every image as JPEG (longest side at most
+2048); without an image library the dev Horde cannot, so it stores a JPEG whose
+longest side is at most 2048 as sent and hands anything else to the
+``image_converter`` hook, refusing the request (``ValueError``; 400
+``ChatRequestInvalid`` over HTTP) when there is none. At pop a worker declaring
+``url`` receives signed URLs, one declaring only ``base64`` receives
+``data:image/jpeg;base64,`` URLs, and offloaded messages carry data URLs inline.
+A request with images goes only to a worker declaring ``vision`` and ``url`` or
+``base64``.
 
 Leases are checked lazily: a job whose lease passed is expired at the next call
 that looks at state (any HTTP route, :meth:`status`, :meth:`wait`).
@@ -48,6 +63,7 @@ import copy
 import gzip
 import hashlib
 import hmac
+import http.client
 import importlib
 import json
 import logging
@@ -61,6 +77,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeGuard
+from urllib.parse import urljoin, urlsplit
 
 from koboldcpp_horde_chat.devkit._http import JSONServer, Request, Response
 
@@ -119,6 +136,15 @@ LEASE_CAP_TRUSTED_S = 600.0
 LEASE_CAP_UNTRUSTED_S = 200.0
 MESSAGES_URL_S = 120.0
 MIN_IMAGE_URL_S = 600.0
+#: The longest image side the Horde stores, pixels (seed 004: "longest side at most 2048").
+MAX_IMAGE_SIDE = 2048
+#: Per-image cap, bytes, on the image as sent and as stored (the worker's cap too).
+MAX_IMAGE_BYTES = 10 * 1024 * 1024
+#: Per-request cap on all images together, bytes, as sent and as stored.
+MAX_REQUEST_IMAGE_BYTES = 27 * 1024 * 1024
+#: Redirects followed when fetching an http(s) image URL at submit (seed 004).
+IMAGE_FETCH_REDIRECTS = 3
+IMAGE_FETCH_TIMEOUT_S = 10.0
 PROGRESS_MAX_POSTS = 1000
 PROGRESS_BYTES_PER_TOKEN = 16
 MAX_TOKEN_COUNT = 10_000_000
@@ -131,11 +157,83 @@ _FINAL_STATES = frozenset({"done", "faulted", "cancelled"})
 _IMAGE_MARK = "devhorde-image:"
 
 ImageConverter = Callable[[bytes, str], bytes]
+"""``hook(data, declared_media_type) -> JPEG bytes``: the Horde's re-encoding step.
+
+``declared_media_type`` is the data URL's label (``""`` for a fetched URL); the
+result must be a JPEG whose longest side is at most :data:`MAX_IMAGE_SIDE`.
+"""
+
+_JPEG_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def _identity_image(data: bytes, media_type: str) -> bytes:
-    """The default image hook: store the bytes as given (JPEG conversion is left out)."""
-    return data
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` in pixels from a JPEG's frame header, or None when ``data``
+    is not a JPEG (no ``FF D8 FF`` start) or no frame header precedes the first scan."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length field
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # EOI or a scan before any frame header
+            return None
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if length < 2:
+            return None
+        if marker in _JPEG_SOF_MARKERS:
+            if pos + 9 > len(data) or length < 7:
+                return None
+            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
+            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
+            return width, height
+        pos += 2 + length
+    return None
+
+
+def _storable_jpeg(data: bytes) -> bool:
+    size = jpeg_size(data)
+    return size is not None and 0 < max(size) <= MAX_IMAGE_SIDE and min(size) > 0
+
+
+def _fetch_local_image(url: str, cap: int) -> bytes:
+    """GET an http(s) image URL on 127.0.0.1 (at most 3 redirects, at most ``cap``
+    bytes). Raises ``ValueError`` for another host, a failure or an oversized body."""
+    for _ in range(IMAGE_FETCH_REDIRECTS + 1):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or parts.hostname != "127.0.0.1":
+            raise ValueError("the dev Horde fetches image URLs from 127.0.0.1 only")
+        conn_cls = (
+            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        )
+        conn = conn_cls("127.0.0.1", parts.port, timeout=IMAGE_FETCH_TIMEOUT_S)
+        try:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            conn.request("GET", target, headers={"Accept": "image/*"})
+            resp = conn.getresponse()
+            if resp.status in (301, 302, 303, 307, 308):
+                location = resp.getheader("Location")
+                if not location:
+                    raise ValueError(f"image URL redirect {resp.status} without Location")
+                url = urljoin(url, location)
+                continue
+            if resp.status != 200:
+                raise ValueError(f"image URL answered HTTP {resp.status}")
+            data = resp.read(cap + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            raise ValueError(f"image URL could not be fetched: {exc}") from None
+        finally:
+            conn.close()
+        if len(data) > cap:
+            raise ValueError(f"an image is over the cap of {cap} bytes")
+        return data
+    raise ValueError(f"image URL redirected more than {IMAGE_FETCH_REDIRECTS} times")
 
 
 class _ApiError(Exception):
@@ -389,8 +487,14 @@ class DevHorde:
         lease_cap_s: the longest lease counted from the pop, in seconds; None
             uses 600 (trusted) or 200 (untrusted).
         messages_url_s: how long a ``messages_url`` stays valid, 120 s.
-        image_converter: ``hook(data: bytes, media_type: str) -> bytes`` applied to
-            each image at submit (the real Horde stores JPEG); identity by default.
+        image_converter: ``hook(data: bytes, media_type: str) -> bytes`` turning an
+            image that is not a JPEG of longest side at most 2048 into one (see
+            :data:`ImageConverter`). The real Horde converts every image; without
+            a hook the dev Horde refuses such an image (``send_chat`` raises
+            ``ValueError``, HTTP 400 ``ChatRequestInvalid``).
+        image_url_s: how long a signed image URL stays valid, seconds; None (the
+            contract) is max(``ttl_s``, 600). A test hook: a negative value signs
+            URLs that have already expired.
     """
 
     def __init__(
@@ -406,6 +510,7 @@ class DevHorde:
         lease_cap_s: float | None = None,
         messages_url_s: float = MESSAGES_URL_S,
         image_converter: ImageConverter | None = None,
+        image_url_s: float | None = None,
     ) -> None:
         self.api_keys = frozenset(api_keys)
         self.trusted = trusted
@@ -418,7 +523,8 @@ class DevHorde:
             else (LEASE_CAP_TRUSTED_S if trusted else LEASE_CAP_UNTRUSTED_S)
         )
         self.messages_url_s = float(messages_url_s)
-        self.image_converter: ImageConverter = image_converter or _identity_image
+        self.image_converter: ImageConverter | None = image_converter
+        self.image_url_s = None if image_url_s is None else float(image_url_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._secret = secrets.token_bytes(32)
@@ -440,6 +546,37 @@ class DevHorde:
         """Bind both ports and serve. Raises ``OSError`` when a bind fails."""
         self._storage.start()
         self._horde.start()
+        # Keep the ports: refuse_connections() / accept_connections() rebind them.
+        self._storage._port = self._storage.port
+        self._horde._port = self._horde.port
+
+    def expire_leases(self) -> list[str]:
+        """End the lease of every job still open now, as if its ttl had passed.
+
+        Returns their ids. Each is recorded ``expired`` in the ledger and its
+        request goes back to the queue (or faults after ``max_attempts``), so a
+        test of a lost job need not wait out a real lease.
+        """
+        with self._lock:
+            now = time.monotonic()
+            ids = [job.id for job in self._jobs.values() if job.action is None]
+            for job_id in ids:
+                self._jobs[job_id].lease_until = now - 1e-3
+            self._expire_locked()
+        return ids
+
+    def refuse_connections(self, port: str = "horde") -> None:
+        """Close the ``"horde"`` or ``"storage"`` port: connections are refused.
+
+        State (requests, jobs, leases, ledger) is kept; :meth:`accept_connections`
+        opens the same port again. Fault injection for a Horde or object store
+        that is down.
+        """
+        (self._horde if port == "horde" else self._storage).stop()
+
+    def accept_connections(self, port: str = "horde") -> None:
+        """Open the port closed by :meth:`refuse_connections` again, on the same number."""
+        (self._horde if port == "horde" else self._storage).start()
 
     def stop(self) -> None:
         """Stop both servers and close their connections."""
@@ -461,11 +598,15 @@ class DevHorde:
     @property
     def url(self) -> str:
         """The Horde's base URL, ``http://127.0.0.1:<port>`` (no ``/api``)."""
+        if not self._horde.running and self._horde._port:  # during refuse_connections()
+            return f"http://{self._horde._host}:{self._horde._port}"
         return self._horde.url
 
     @property
     def storage_url(self) -> str:
         """The storage port's base URL."""
+        if not self._storage.running and self._storage._port:  # during refuse_connections()
+            return f"http://{self._storage._host}:{self._storage._port}"
         return self._storage.url
 
     # -- recorded history ------------------------------------------------------------
@@ -496,7 +637,8 @@ class DevHorde:
     @property
     def requests_log(self) -> list[dict[str, Any]]:
         """Every HTTP request on both ports: ``{"port": "horde"|"storage", "method",
-        "path", "query", "headers" (lower-case names), "body": bytes}``."""
+        "path", "query", "headers" (lower-case names), "body": bytes, "at":
+        time.monotonic() when the request was read}``."""
         with self._lock:
             return copy.deepcopy(self._requests_log)
 
@@ -534,7 +676,9 @@ class DevHorde:
         ``route`` is ``"pop"``, ``"submit"``, ``"progress"`` or ``"storage"``. Each
         response is used once, in order, then normal service resumes:
 
-        * ``(status, json_body)``: answered as is; the call is not processed;
+        * ``(status, json_body)`` or ``(status, json_body, headers)``: answered as
+          is (with those extra headers, e.g. ``{"Retry-After": "2"}``); the call
+          is not processed;
         * ``"reset"``: the connection is closed without an answer; not processed;
         * ``"hang:<seconds>"``: sleep, then process and answer normally;
         * ``"truncate"``: process normally, send half the JSON body;
@@ -547,8 +691,14 @@ class DevHorde:
             raise ValueError(f"unknown route {route!r}; use one of {sorted(self._scripts)}")
         for item in responses:
             if isinstance(item, tuple):
-                if len(item) != 2 or not _is_int(item[0]):
-                    raise ValueError(f"a scripted answer is (status, json_body), not {item!r}")
+                if (
+                    len(item) not in (2, 3)
+                    or not _is_int(item[0])
+                    or (len(item) == 3 and not isinstance(item[2], dict))
+                ):
+                    raise ValueError(
+                        f"a scripted answer is (status, json_body[, headers]), not {item!r}"
+                    )
             elif isinstance(item, str):
                 if item.startswith("hang:"):
                     float(item[5:])
@@ -573,7 +723,10 @@ class DevHorde:
         ``stream``, ``model`` (a ``model_id`` to require), plus the Horde's
         optional ``max_context_length`` (tokens). ``best_effort`` opts out of
         strict conformance. The request faults for good after ``max_attempts``
-        faulted or expired jobs. Raises ``ValueError`` naming an invalid field.
+        faulted or expired jobs. Raises ``ValueError`` naming an invalid field,
+        or an image the dev Horde cannot store (see the module docstring: a data
+        URL or an http(s) URL on 127.0.0.1, within the caps, a JPEG of longest
+        side at most 2048 or converted by ``image_converter``).
         """
         _validate_chat_body(body)
         if max_attempts < 1:
@@ -782,17 +935,92 @@ class DevHorde:
         return spec
 
     def _store_images(self, spec: _ChatSpec) -> None:
-        """Store each data URL image (through the converter) and mark its part."""
-        for part in _image_parts(spec.messages):
-            parsed = _parse_data_url(_part_url(part))
-            if parsed is None:
-                continue  # an http(s) URL is delivered unchanged: the dev Horde fetches nothing
-            media_type, data = parsed
+        """Seed 004 at submit: check, convert to JPEG, store each image and mark its part.
+
+        Every image is checked before any is stored. Raises ``ValueError`` for a
+        URL that is neither a base64 data URL nor http(s) on 127.0.0.1, a failed
+        fetch, an image over the caps, or one that is not a JPEG of longest side
+        at most 2048 when no ``image_converter`` is set (or the converter does not
+        return one).
+        """
+        parts = list(_image_parts(spec.messages))
+        sent: list[bytes] = []
+        stored: list[bytes] = []
+        for k, part in enumerate(parts):
+            url = _part_url(part)
+            scheme = url.split(":", 1)[0].lower()
+            if scheme == "data":
+                parsed = _parse_data_url(url)
+                if parsed is None:
+                    raise ValueError(f"image {k + 1}: not a base64 data URL")
+                media_type, data = parsed
+            elif scheme in ("http", "https"):
+                media_type, data = "", _fetch_local_image(url, MAX_IMAGE_BYTES)
+            else:
+                raise ValueError(f"image {k + 1}: the url must be a data URL or http(s)")
+            sent.append(data)
+            if _storable_jpeg(data):
+                jpeg = data
+            elif self.image_converter is None:
+                raise ValueError(
+                    f"image {k + 1}: the dev Horde stores JPEGs of longest side at most "
+                    f"{MAX_IMAGE_SIDE} as sent and needs an image_converter for the rest"
+                )
+            else:
+                jpeg = self.image_converter(data, media_type)
+                if not _storable_jpeg(jpeg):
+                    raise ValueError(
+                        f"image {k + 1}: the image_converter did not return a JPEG of "
+                        f"longest side at most {MAX_IMAGE_SIDE}"
+                    )
+            stored.append(jpeg)
+        for what, images in (("sent", sent), ("stored", stored)):
+            for k, data in enumerate(images):
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise ValueError(
+                        f"image {k + 1} ({what}) is over the cap of {MAX_IMAGE_BYTES} bytes"
+                    )
+            if sum(len(d) for d in images) > MAX_REQUEST_IMAGE_BYTES:
+                raise ValueError(
+                    f"the images ({what}) are over the cap of {MAX_REQUEST_IMAGE_BYTES} "
+                    "bytes per request"
+                )
+        for part, jpeg in zip(parts, stored, strict=True):
             key = f"img-{uuid.uuid4().hex}"
-            stored = self.image_converter(data, media_type)
             with self._lock:
-                self._objects[key] = (stored, {"Content-Type": "application/octet-stream"})
+                self._objects[key] = (jpeg, {"Content-Type": "application/octet-stream"})
             _set_part_url(part, _IMAGE_MARK + key)
+
+    def _image_keys(self, request_id: str) -> list[str]:
+        spec = self._requests[request_id].chat
+        if spec is None:
+            return []
+        return [
+            _part_url(part)[len(_IMAGE_MARK) :]
+            for part in _image_parts(spec.messages)
+            if _part_url(part).startswith(_IMAGE_MARK)
+        ]
+
+    def stored_images(self, request_id: str) -> list[bytes]:
+        """The JPEG bytes stored for a chat request's images, in message order.
+
+        Raises ``KeyError`` for an unknown request id.
+        """
+        with self._lock:
+            return [self._objects[key][0] for key in self._image_keys(request_id)]
+
+    def replace_stored_image(self, request_id: str, index: int, data: bytes) -> None:
+        """A test hook: swap the stored bytes of a request's ``index``-th image (from 0).
+
+        Simulates a storage object that is not what the Horde stored (a WebP, an
+        object over the caps, a damaged file). Later signed URLs and base64
+        payloads serve ``data``; messages already offloaded keep their copy.
+        Raises ``KeyError`` for an unknown request and ``IndexError`` for an
+        unknown image.
+        """
+        with self._lock:
+            key = self._image_keys(request_id)[index]
+            self._objects[key] = (bytes(data), dict(self._objects[key][1]))
 
     def _inline_images(
         self, messages: list[dict[str, Any]], transport: str
@@ -805,7 +1033,10 @@ class DevHorde:
                 continue
             key = url[len(_IMAGE_MARK) :]
             if transport == "url":
-                _set_part_url(part, self._sign(key, max(self.ttl_s, MIN_IMAGE_URL_S)))
+                lifetime = self.image_url_s
+                if lifetime is None:
+                    lifetime = max(self.ttl_s, MIN_IMAGE_URL_S)
+                _set_part_url(part, self._sign(key, lifetime))
             else:
                 data = self._objects[key][0]
                 _set_part_url(
@@ -849,6 +1080,7 @@ class DevHorde:
                     "query": req.raw_query,
                     "headers": dict(req.headers),
                     "body": req.body,
+                    "at": time.monotonic(),
                 }
             )
 
@@ -867,7 +1099,8 @@ class DevHorde:
             return serve()
         on_scripted(script)
         if isinstance(script, tuple):
-            return Response.json(script[0], script[1])
+            headers = script[2] if len(script) == 3 else None
+            return Response.json(script[0], script[1], headers)
         if script == "reset":
             return Response.close_without_answer()
         if script.startswith("hang:"):

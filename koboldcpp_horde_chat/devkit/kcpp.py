@@ -56,6 +56,7 @@ images beyond a fixed token cost, batching, logprobs and the tool-decision poll.
 
 from __future__ import annotations
 
+import binascii
 import json
 import logging
 import random
@@ -218,8 +219,14 @@ class ScriptedReply:
 
 
 Fault = tuple[int, Any] | str
-"""An injected answer: ``(status, body)``, ``"reset"``, ``"hang:<s>"``, ``"truncate"``
-or ``"stream_cut"`` (see :meth:`ScriptedKoboldcpp.inject`)."""
+"""An injected answer: ``(status, body)``, ``"reset"``, ``"hang:<s>"``, ``"truncate"``,
+``"stream_cut"``, ``"stream_error"``, ``"no_finish"`` or ``"stall:<s>"`` (see
+:meth:`ScriptedKoboldcpp.inject`)."""
+
+STREAM_ERROR_EVENT: dict[str, Any] = {
+    "error": {"message": "scripted in-band error", "type": "server_error", "code": 500}
+}
+"""The in-band error object a ``"stream_error"`` fault sends as one event's data."""
 
 
 # ----------------------------------------------------------------- tokenizer
@@ -302,6 +309,37 @@ def _content_text(content: Any) -> tuple[str, int]:
                     images += 1
                     texts.append(f"\n(Attached Image {images})\n")
     return "".join(texts), images
+
+
+def _received_images(messages: Any) -> dict[str, Any] | None:
+    """The image parts of a chat body as koboldcpp takes them (see ``images``), or
+    None when there are none. koboldcpp uses a url only when it starts with
+    ``data:image`` and base64-decodes the text after the first comma (facts §3)."""
+    if not isinstance(messages, list):
+        return None
+    data_urls: list[str] = []
+    decoded: list[bytes | None] = []
+    dropped: list[str] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:image"):
+                dropped.append(str(url))
+                continue
+            data_urls.append(url)
+            try:
+                decoded.append(binascii.a2b_base64(url.split(",", 1)[1].encode("ascii")))
+            except (IndexError, UnicodeEncodeError, binascii.Error):
+                decoded.append(None)
+    if not data_urls and not dropped:
+        return None
+    return {"genkey": "", "data_urls": data_urls, "decoded": decoded, "dropped": dropped}
 
 
 def _render_chat(messages: list[Any], tools: list[Any] | None) -> tuple[str, int]:
@@ -522,7 +560,7 @@ class OaiStreamSplitter:
     def step(self, piece: str) -> list[tuple[dict[str, Any], str | None]]:
         return self._poll(piece, done=False, reason=None)
 
-    def finish(self, reason: str) -> list[tuple[dict[str, Any], str | None]]:
+    def finish(self, reason: str | None) -> list[tuple[dict[str, Any], str | None]]:
         return self._poll("", done=True, reason=reason)
 
     def _poll(
@@ -693,6 +731,8 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], kcpp: ScriptedKoboldcpp) -> None:
         self.kcpp = kcpp
+        self.open_sockets: set[socket.socket] = set()
+        self.sockets_lock = threading.Lock()
         super().__init__(address, _Handler)
 
 
@@ -703,6 +743,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
         log.debug("scripted koboldcpp: " + format, *args)
+
+    def setup(self) -> None:
+        super().setup()
+        server = cast(_Server, self.server)
+        with server.sockets_lock:
+            server.open_sockets.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            server = cast(_Server, self.server)
+            with server.sockets_lock:
+                server.open_sockets.discard(self.connection)
 
     def _dispatch(self) -> None:
         cast(_Server, self.server).kcpp._handle(self)
@@ -727,6 +781,7 @@ class _Exchange:
         self.body = body
         self.raw = raw
         self.cut: str | None = None  # "truncate" or "stream_cut"
+        self.stream_fault: str | None = None  # "stream_error", "no_finish" or "stall:<s>"
 
     @property
     def sock(self) -> socket.socket:
@@ -826,11 +881,23 @@ class ScriptedKoboldcpp:
             "stream", "prompt_tokens", "completion_tokens", "finish_reason",
             "aborted", "client_gone", "overflow"}`` (plus ``"cut": True`` after a
             ``stream_cut`` fault).
+        images: one dict per chat completion whose messages hold image parts:
+            ``{"genkey": str, "data_urls": [str, ...] (the urls starting with
+            "data:image", in order: what koboldcpp reads), "decoded": [bytes |
+            None, ...] (each one's text after the first comma base64-decoded;
+            None when that fails), "dropped": [str, ...] (other image urls,
+            ignored as koboldcpp ignores http URLs)}``.
         tokencount_messages: bodies of tokencount calls that sent ``messages``
             (the real server would render them and may run a tool poll).
         last_non_horde_request_time: ``time.time()`` of the last local user's
             generation (start and end), or None.
         busy: when True every generation answers 503 "Server is busy".
+        hold_stop_sequences: True (koboldcpp's way, facts §4.8): a stream holds
+            back text that could start a stop sequence and trims the one that
+            ended generation. False streams a stop sequence as generated (a
+            backend that does not trim), so the client side must strip it.
+        chunk_log: with ``log_chunks = True``, ``(time.monotonic(), delta)`` of
+            every streamed chat chunk just before it is written (for benches).
     """
 
     def __init__(
@@ -870,8 +937,12 @@ class ScriptedKoboldcpp:
         self.aborts: list[str] = []
         self.generations: list[dict[str, Any]] = []
         self.tokencount_messages: list[dict[str, Any]] = []
+        self.images: list[dict[str, Any]] = []
         self.last_non_horde_request_time: float | None = None
         self.busy = False
+        self.hold_stop_sequences = True
+        self.log_chunks = False
+        self.chunk_log: list[tuple[float, dict[str, Any]]] = []
 
         self._script: Callable[[dict[str, Any]], ScriptedReply | None] | None = None
         self._faults: dict[str, deque[Fault]] = {}
@@ -941,6 +1012,26 @@ class ScriptedKoboldcpp:
         if thread is not None:
             thread.join(timeout=5.0)
 
+    def kill(self) -> None:
+        """Die like a killed koboldcpp process: no answer to anything in flight.
+
+        Every open connection is reset (TCP RST) before a byte more is written,
+        running generations end, and the port closes. A new
+        ``ScriptedKoboldcpp(port=<the same port>)`` then plays the restarted one.
+        """
+        server = self._server
+        if server is None:
+            return
+        with server.sockets_lock:
+            socks = list(server.open_sockets)
+        for sock in socks:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.stop()
+
     def __enter__(self) -> ScriptedKoboldcpp:
         return self.start()
 
@@ -989,7 +1080,16 @@ class ScriptedKoboldcpp:
           only half the body, then close (a stream is cut like ``stream_cut``);
         * ``"stream_cut"``: a stream stops after half its tokens, in the middle
           of a ``data:`` line, and the connection closes (no ``[DONE]``); on a
-          JSON route it acts like ``"truncate"``.
+          JSON route it acts like ``"truncate"``;
+        * ``"stream_error"``: after half its tokens a chat stream sends an
+          in-band error event (:data:`STREAM_ERROR_EVENT`) and then goes on
+          generating and streaming as if nothing happened;
+        * ``"no_finish"``: a chat stream's final chunk carries
+          ``finish_reason: null``; usage and ``[DONE]`` follow as usual;
+        * ``"stall:<s>"``: a chat stream goes silent for ``s`` seconds after
+          half its tokens, then carries on.
+
+        The last three apply to streamed chat completions only.
 
         Raises ValueError for an unknown route or fault.
         """
@@ -1001,7 +1101,9 @@ class ScriptedKoboldcpp:
                     raise ValueError(f"a fault tuple is (status, body), got {fault!r}")
             elif fault.startswith("hang:"):
                 float(fault[5:])
-            elif fault not in ("reset", "truncate", "stream_cut"):
+            elif fault.startswith("stall:"):
+                float(fault[6:])
+            elif fault not in ("reset", "truncate", "stream_cut", "stream_error", "no_finish"):
                 raise ValueError(f"unknown fault {fault!r}")
         with self._lock:
             self._faults.setdefault(route, deque()).extend(responses)
@@ -1093,6 +1195,8 @@ class ScriptedKoboldcpp:
                 return
         elif fault in ("truncate", "stream_cut"):
             ex.cut = fault
+        elif isinstance(fault, str):
+            ex.stream_fault = fault
         try:
             getattr(self, "_route_" + route)(ex)
         except _ClientGone:
@@ -1536,6 +1640,11 @@ class ScriptedKoboldcpp:
         )
 
     def _chat(self, ex: _Exchange, body: dict[str, Any], run: _Run) -> None:
+        received = _received_images(body.get("messages"))
+        if received is not None:
+            received["genkey"] = run.genkey
+            with self._lock:
+                self.images.append(received)
         plan = self._plan_chat(body)
         budget, ctx = self._budget(body, chat=True)
         stops = _stop_list(body.get("stop"))
@@ -1655,9 +1764,15 @@ class ScriptedKoboldcpp:
         record: dict[str, Any],
     ) -> None:
         chunk_id = f"chatcmpl-A{random.randint(100000, 999999)}"
-        splitter = OaiStreamSplitter(stops, encapsulate_thinking=encapsulate)
+        splitter = OaiStreamSplitter(
+            stops if self.hold_stop_sequences else [], encapsulate_thinking=encapsulate
+        )
         ex.start_sse()
-        cut_after = max(1, len(outcome.pieces) // 2) if ex.cut is not None else -1
+        half = max(1, len(outcome.pieces) // 2)
+        cut_after = half if ex.cut is not None else -1
+        fault = ex.stream_fault or ""
+        error_after = half if fault == "stream_error" else -1
+        stall_after = half if fault.startswith("stall:") else -1
         if not self._wait(ex, run, self.prompt_delay_s, watch=True):
             outcome.pieces, outcome.completion_tokens = [], 0
             outcome.stop_reason = STOP_OUT_OF_TOKENS
@@ -1674,7 +1789,15 @@ class ScriptedKoboldcpp:
                 run.partial += piece
                 sent += 1
                 for delta, finish in splitter.step(piece):
+                    self._log_chunk(delta)
                     ex.write(self._chunk(chunk_id, delta, finish))
+                if sent == error_after:
+                    ex.write(b"data: " + json.dumps(STREAM_ERROR_EVENT).encode("utf-8") + b"\n\n")
+                    record["error_sent"] = True
+                if sent == stall_after and not self._wait(ex, run, float(fault[6:]), watch=True):
+                    outcome.stop_reason = STOP_OUT_OF_TOKENS
+                    record["aborted"] = True
+                    break
                 if sent == cut_after:
                     partial = self._chunk(chunk_id, {"role": "assistant", "content": "x"}, None)
                     ex.write(partial[: len(partial) // 2])
@@ -1684,7 +1807,8 @@ class ScriptedKoboldcpp:
             if sent < len(outcome.pieces):
                 outcome.pieces, outcome.completion_tokens = outcome.pieces[:sent], sent
         reason = _finish_reason(outcome.stop_reason)
-        for delta, finish in splitter.finish(reason):
+        for delta, finish in splitter.finish(None if fault == "no_finish" else reason):
+            self._log_chunk(delta)
             ex.write(self._chunk(chunk_id, delta, finish))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
@@ -1703,6 +1827,10 @@ class ScriptedKoboldcpp:
             }
             ex.write(b"data: " + json.dumps(usage_event).encode("utf-8") + b"\n\n")
         ex.write(b"data: [DONE]\n\n")
+
+    def _log_chunk(self, delta: dict[str, Any]) -> None:
+        if self.log_chunks:
+            self.chunk_log.append((time.monotonic(), dict(delta)))
 
     def _write_fake_stream(self, ex: _Exchange, message: dict[str, Any], finish: str) -> None:
         """koboldcpp's tool fake-stream: whole reply after generation, id "koboldcpp"."""

@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from koboldcpp_horde_chat.devkit.horde import FAULT_REASON_SENTENCES, DevHorde
+from tests.unit.test_images import jpeg
 
 KEY = "devkey-0123"
 MODEL = "koboldcpp/test-model"
@@ -346,16 +347,14 @@ def test_a_request_goes_only_to_a_worker_within_its_limits_and_features(
 # --- images and offload ------------------------------------------------------------------
 
 
-PNG = base64.b64decode(
-    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
-)
+JPEG = jpeg(4, 4)
 IMAGE_REQUEST = {
     "messages": [
         {
             "role": "user",
             "content": [
                 {"type": "text", "text": "What is this?"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}},
+                {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()}},
             ],
         }
     ]
@@ -370,14 +369,14 @@ def test_images_go_by_the_declared_transport(horde: DevHorde, w: Worker) -> None
     b64 = w.pop(decl("w3", features=["vision"], image_transports=["base64"]))["payload"]
     url = b64["messages"][0]["content"][1]["image_url"]["url"]
     assert url.startswith("data:image/jpeg;base64,")
-    assert base64.b64decode(url.split(",", 1)[1]) == PNG
+    assert base64.b64decode(url.split(",", 1)[1]) == JPEG
     signed = w.pop(decl("w4", features=["vision"], image_transports=["base64", "url"]))["payload"]
     url = signed["messages"][0]["content"][1]["image_url"]["url"]
     assert url.startswith(horde.storage_url + "/")
     expires = float(url.split("exp=")[1].split("&")[0])
     assert expires - time.time() > 590
     r = requests.get(url, timeout=5)
-    assert r.status_code == 200 and r.content == PNG
+    assert r.status_code == 200 and r.content == JPEG
     assert "apikey" not in horde.requests_log[-1]["headers"]
 
 
