@@ -34,6 +34,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -41,7 +42,8 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from .errors import BackendBusy, BackendError, BackendUnauthorized
+from .errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
+from .fetch import read_body
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +344,7 @@ class KoboldClient:
         payload = dict(body)
         payload["stream"] = True
         path = "/v1/chat/completions"
+        deadline = self._deadline(read_timeout_s)
         response = self._request(
             "POST",
             path,
@@ -355,8 +358,8 @@ class KoboldClient:
             return BackendStream(response, password=self._password)
         try:
             if not 200 <= status < 300:
-                self._decode(response, path)  # raises the mapped error
-            decoded = self._decode(response, path)
+                self._decode(response, path, deadline)  # raises the mapped error
+            decoded = self._decode(response, path, deadline)
             keys = ", ".join(sorted(decoded)[:8])
             raise BackendError(
                 f"{path}: a whole JSON answer (keys: {keys}) instead of an event stream",
@@ -393,17 +396,23 @@ class KoboldClient:
             headers["Authorization"] = f"Bearer {self._password}"
         return headers
 
+    def _deadline(self, timeout_s: float) -> float:
+        """When a whole call must be over: connect, wait and body, on the monotonic clock."""
+        return time.monotonic() + self.connect_timeout_s + timeout_s
+
     def _get(self, path: str, timeout_s: float) -> dict[str, Any]:
+        deadline = self._deadline(timeout_s)
         response = self._request("GET", path, None, timeout_s)
         try:
-            return self._decode(response, path)
+            return self._decode(response, path, deadline)
         finally:
             response.close()
 
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        deadline = self._deadline(timeout_s)
         response = self._request("POST", path, body, timeout_s)
         try:
-            return self._decode(response, path)
+            return self._decode(response, path, deadline)
         finally:
             response.close()
 
@@ -439,10 +448,10 @@ class KoboldClient:
         except _READ_ERRORS as exc:
             raise BackendError(_describe(exc, f"{method} {path}", self._password)) from None
 
-    def _decode(self, response: requests.Response, path: str) -> dict[str, Any]:
-        """Read a capped body and map the status; returns the JSON object."""
+    def _decode(self, response: requests.Response, path: str, deadline: float) -> dict[str, Any]:
+        """Read a capped body by ``deadline`` and map the status; returns the JSON object."""
         status = response.status_code
-        raw = self._read_capped(response, path)
+        raw = self._read_capped(response, path, deadline)
         if status == 401:
             raise BackendUnauthorized(
                 f"{path}: 401 {_detail(raw)} (koboldcpp's password is "
@@ -465,27 +474,24 @@ class KoboldClient:
             )
         return decoded
 
-    def _read_capped(self, response: requests.Response, path: str) -> bytes:
+    def _read_capped(self, response: requests.Response, path: str, deadline: float) -> bytes:
+        """The body, at most ``max_body_bytes`` decoded, read by ``deadline``.
+
+        The read timeout bounds each wait for bytes; the deadline bounds the
+        whole call, so an answer that trickles in cannot outlast the job's lease.
+        """
         cap = self.max_body_bytes
-        parts: list[bytes] = []
-        total = 0
         try:
-            for part in response.iter_content(65536):
-                total += len(part)
-                if total > cap:
-                    raise BackendError(
-                        f"{path}: the answer is larger than {cap} bytes",
-                        status=response.status_code,
-                    )
-                parts.append(part)
-        except BackendError:
-            raise
-        except _READ_ERRORS as exc:
-            raise BackendError(
-                _describe(exc, f"reading {path}", self._password),
-                status=response.status_code,
-            ) from None
-        return b"".join(parts)
+            return read_body(response, max_bytes=cap, deadline=deadline, max_raw_bytes=cap)
+        except FetchError as exc:
+            problem = str(exc)
+            if "exceeds" in problem:
+                problem = f"the answer is larger than {cap} bytes"
+            elif "in time" in problem:
+                problem = f"the answer was not received in time ({problem})"
+            if self._password:
+                problem = problem.replace(self._password, "***")
+            raise BackendError(f"{path}: {problem}"[:500], status=response.status_code) from None
 
 
 def _socket_of(response: requests.Response) -> socket.socket | None:

@@ -207,7 +207,13 @@ def parse_pop(
     payload = pop.get("payload")
     if not isinstance(payload, dict):
         raise PayloadError("payload", "missing or not an object", job_id=job_id)
-    log.debug("job %s: chat=%r, payload keys %s", job_id, pop.get("chat"), sorted(payload))
+    log.debug(
+        "job %s: chat=%r, %d payload keys %s",
+        job_id,
+        pop.get("chat"),
+        len(payload),
+        sorted(str(k) for k in payload)[:40],
+    )
     if pop.get("chat") is not True:
         return TextJob(id=job_id, payload=payload, ttl_s=ttl_s, model=model)
 
@@ -315,8 +321,10 @@ def validate_messages(
         if not isinstance(message, dict):
             raise PayloadError(msg_path, "not an object", job_id=job_id)
         role = message.get("role")
-        if role not in ROLES:
-            raise PayloadError(f"{msg_path}.role", f"unknown role {role!r}", job_id=job_id)
+        if not isinstance(role, str) or role not in ROLES:
+            raise PayloadError(
+                f"{msg_path}.role", f"unknown role {str(role)[:40]!r}", job_id=job_id
+            )
         _validate_content(message.get("content"), f"{msg_path}.content", job_id)
         if role == "assistant" and message.get("tool_calls") is not None:
             _validate_tool_calls(message["tool_calls"], f"{msg_path}.tool_calls", job_id)

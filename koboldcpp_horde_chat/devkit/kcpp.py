@@ -1670,6 +1670,7 @@ class ScriptedKoboldcpp:
             "overflow": overflow,
         }
         finish = "length"
+        recorded = False
         try:
             if stream and plan.tool_path:
                 ex.start_sse()
@@ -1682,6 +1683,9 @@ class ScriptedKoboldcpp:
             else:
                 record["aborted"] = not self._run_tokens(ex, run, outcome, watch=False)
                 message, finish = self._chat_message(plan, outcome, stops, encapsulate)
+                # Recorded before the answer leaves, so a client that reads
+                # ``generations`` right after the answer always finds it.
+                recorded = self._record_generation(record, outcome, finish, prompt_tokens)
                 ex.send_json(
                     200,
                     {
@@ -1710,10 +1714,18 @@ class ScriptedKoboldcpp:
             finish = "length"
             raise
         finally:
-            record["completion_tokens"] = outcome.completion_tokens
-            record["finish_reason"] = finish
-            self._finish_stats(prompt_tokens, outcome.completion_tokens, outcome.stop_reason)
-            self.generations.append(record)
+            if not recorded:
+                self._record_generation(record, outcome, finish, prompt_tokens)
+
+    def _record_generation(
+        self, record: dict[str, Any], outcome: _Outcome, finish: str, prompt_tokens: int
+    ) -> bool:
+        """Finish a generation record, update the perf figures and keep the record."""
+        record["completion_tokens"] = outcome.completion_tokens
+        record["finish_reason"] = finish
+        self._finish_stats(prompt_tokens, outcome.completion_tokens, outcome.stop_reason)
+        self.generations.append(record)
+        return True
 
     def _chat_message(
         self, plan: _Plan, outcome: _Outcome, stops: list[str], encapsulate: bool

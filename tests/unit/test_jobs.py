@@ -211,6 +211,8 @@ def test_a_full_conversation_is_valid_and_returned_unchanged() -> None:
         (["hi"], "payload.messages[0]"),
         ([{"role": "developer", "content": "x"}], "payload.messages[0].role"),
         ([{"content": "x"}], "payload.messages[0].role"),
+        ([{"role": ["user"], "content": "x"}], "payload.messages[0].role"),
+        ([{"role": {"a": 1}, "content": "x"}], "payload.messages[0].role"),
         ([{"role": "user", "content": 5}], "payload.messages[0].content"),
         ([{"role": "user", "content": ["x"]}], "payload.messages[0].content[0]"),
         ([{"role": "user", "content": [{"type": "text"}]}], "payload.messages[0].content[0].text"),

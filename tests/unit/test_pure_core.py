@@ -18,6 +18,7 @@ PURE_CORE = (
     "progress",
     "sse",
     "backoff",
+    "guard",
     "images",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}

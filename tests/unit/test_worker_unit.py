@@ -1,0 +1,435 @@
+"""The pop loop's decisions, with in-process fakes of the Horde and koboldcpp.
+
+Error classes by status and rc (seed "7. Fault a job", "Submit refusals"),
+maintenance avoidance, guarantee withdrawal, and "every popped job ends in one
+terminal action" even when something unexpected breaks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import pytest
+
+from koboldcpp_horde_chat.errors import HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.worker import MAINTENANCE_POLL_S, Worker
+from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
+
+KEY = "unit-key-5f2e9c"
+MODEL = "koboldcpp/fake"
+
+
+def make(
+    pops: list[Any],
+    *,
+    submit_script: tuple[str, ...] = (),
+    backend: FakeBackend | None = None,
+    **settings: Any,
+) -> tuple[Worker, FakeHorde, FakeBackend, FakeClock]:
+    clock = FakeClock()
+    horde = FakeHorde(clock, pops=pops, submit_script=submit_script)
+    backend = backend or FakeBackend()
+    options: dict[str, Any] = {"max_length": 512}
+    options.update(settings)
+    worker = Worker(
+        WorkerSettings(
+            api_key=KEY,
+            worker_name="unit-worker",
+            model_id=MODEL,
+            backend_max_context_length=4096,
+            **options,
+        ),
+        horde=cast(Any, horde),
+        backend=cast(Any, backend),
+        stop_event=FakeStopEvent(clock),
+        clock=clock,
+        wall=clock,
+    )
+    return worker, horde, backend, clock
+
+
+def chat_pop(job_id: str, **payload: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Name one colour."}],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "rep_pen": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_length": 64,
+        "max_context_length": 2048,
+        "n": 1,
+    }
+    body.update(payload)
+    return {
+        "payload": body,
+        "id": job_id,
+        "ids": [job_id],
+        "messages": [],
+        "ttl": 150,
+        "skipped": {},
+        "model": MODEL,
+        "chat": True,
+    }
+
+
+def text_pop(job_id: str) -> dict[str, Any]:
+    return {
+        "payload": {"prompt": "Once", "max_length": 40, "max_context_length": 1024},
+        "id": job_id,
+        "ids": [job_id],
+        "ttl": 150,
+        "model": MODEL,
+    }
+
+
+def run(worker: Worker, passes: int) -> None:
+    for _ in range(passes):
+        if worker.stop_event.is_set():
+            break
+        worker.run_once()
+
+
+def log_text(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+# --- error classes on pop --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "rc"),
+    [(401, "InvalidAPIKey"), (401, ""), (403, "WrongCredentials"), (403, "InvalidAPIKey")],
+)
+def test_a_refused_key_says_check_your_api_key_once_and_stops_with_code_3(
+    status: int, rc: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    refusal = HordeRefusal("No user matching sent API Key.", status=status, rc=rc)
+    worker, horde, _, _ = make([refusal, refusal, chat_pop("j1")])
+    caplog.set_level(logging.DEBUG)
+    assert worker.run() == 3
+    assert horde.pop_calls == 1  # stopped popping at once
+    assert log_text(caplog).count("check your API key") == 1
+    assert not horde.jobs
+
+
+def test_maintenance_is_logged_with_the_hordes_message_and_polled_slowly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    maintenance = HordeRefusal(
+        "Worker is in maintenance: too many aborted jobs", status=403, rc="WorkerMaintenance"
+    )
+    worker, horde, _, clock = make([maintenance, maintenance, chat_pop("j1")])
+    caplog.set_level(logging.INFO)
+    start = clock()
+    run(worker, 2)
+    assert clock() - start >= 2 * MAINTENANCE_POLL_S
+    assert not worker.stop_event.is_set() and worker.exit_code == 0
+    text = log_text(caplog)
+    assert "Worker is in maintenance: too many aborted jobs" in text
+    assert "API key" not in text
+    run(worker, 1)
+    assert horde.verdicts() == {"j1": "submitted"}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        HordeUnavailable("pop: HTTP 502", status=502),
+        HordeUnavailable("pop: HTTP 503", status=503, rc="ServiceUnavailable"),
+        HordeUnavailable("pop: HTTP 429", status=429, retry_after_s=None),
+        HordeUnavailable("pop: could not connect", status=0, sent=False),
+        HordeUnavailable("pop: TLS failure; REQUESTS_CA_BUNDLE", status=0, sent=None),
+    ],
+)
+def test_server_and_network_errors_back_off_with_jitter_and_never_blame_the_key(
+    error: HordeUnavailable, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker, horde, _, clock = make([error] * 8 + [chat_pop("j1")])
+    caplog.set_level(logging.DEBUG)
+    waits = []
+    for _ in range(8):
+        before = clock()
+        worker.run_once()
+        waits.append(clock() - before)
+    assert waits == sorted(waits) or len(set(waits)) > 1  # grows, and is not one fixed value
+    assert len({round(w, 6) for w in waits}) == len(waits)  # jitter: no two waits equal
+    assert 0.5 <= waits[0] <= 1.0 and waits[-1] > 20.0
+    assert max(waits) <= 60.0
+    text = log_text(caplog)
+    assert "API key" not in text and worker.exit_code == 0
+    run(worker, 1)
+    assert horde.verdicts() == {"j1": "submitted"}
+    # A success resets the schedule.
+    assert worker._error_backoff.attempts == 0
+
+
+def test_a_429_waits_at_least_its_retry_after() -> None:
+    limited = HordeUnavailable("pop: HTTP 429", status=429, retry_after_s=37.0)
+    worker, _, _, clock = make([limited])
+    before = clock()
+    worker.run_once()
+    assert clock() - before >= 37.0
+
+
+# --- error classes on submit -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["not_found", "AbortedGen"])
+def test_a_job_the_horde_ended_is_dropped_without_counting_as_a_fault(outcome: str) -> None:
+    worker, horde, _, clock = make([chat_pop("j1")], submit_script=(outcome,))
+    run(worker, 1)
+    assert horde.verdicts() == {"j1": "ended"}
+    assert horde.jobs["j1"].attempts == 1  # dropped: no retry, no fault submit
+    assert worker.stats.faults == 0
+    assert worker.maintenance_guard.recent(clock()) == 0
+
+
+def test_a_key_refused_at_submit_stops_the_worker(caplog: pytest.LogCaptureFixture) -> None:
+    worker, horde, backend, _ = make([chat_pop("j1"), chat_pop("j2")])
+
+    def refuse(body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        raise HordeRefusal("No user matching sent API Key.", status=401, rc="InvalidAPIKey")
+
+    horde.submit = refuse  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO)
+    run(worker, 3)
+    assert worker.exit_code == 3 and worker.stop_event.is_set()
+    assert horde.pop_calls == 1
+    assert log_text(caplog).count("check your API key") == 1
+
+
+@pytest.mark.parametrize(
+    ("outcome", "reason"),
+    [
+        ("ChatSubmitInvalid", "reply_refused"),
+        ("ChatModelMismatch", "reply_refused"),
+        ("ChatSubmitNonconformant", "reply_refused"),
+        ("bad_request", None),
+    ],
+)
+def test_a_refused_reply_is_faulted_once_and_never_resent(
+    outcome: str, reason: str | None
+) -> None:
+    worker, horde, _, _ = make([chat_pop("j1")], submit_script=(outcome,))
+    run(worker, 1)
+    job = horde.jobs["j1"]
+    assert horde.verdicts() == {"j1": "faulted"}
+    assert [b.get("state") for b in job.bodies] == ["ok", "faulted"]
+    assert job.bodies[1].get("fault_reason") == reason
+    assert job.late_submits == 0
+
+
+def test_a_refused_text_reply_is_faulted_rather_than_left_to_expire() -> None:
+    worker, horde, _, _ = make([text_pop("t1")], submit_script=("bad_request",))
+    run(worker, 1)
+    assert horde.verdicts() == {"t1": "faulted"}
+    assert horde.jobs["t1"].bodies[-1] == {"id": "t1", "generation": "", "state": "faulted"}
+
+
+@pytest.mark.parametrize("outcome", ["lost_before", "unavailable", "rate_limited"])
+def test_a_submit_not_answered_is_retried_with_the_same_body(outcome: str) -> None:
+    worker, horde, _, _ = make([chat_pop("j1")], submit_script=(outcome, outcome))
+    run(worker, 1)
+    job = horde.jobs["j1"]
+    assert horde.verdicts() == {"j1": "submitted"}
+    assert len(job.bodies) == 3 and job.bodies[0] == job.bodies[1] == job.bodies[2]
+
+
+def test_a_lost_submit_answer_is_retried_and_the_duplicate_is_not_a_second_submit() -> None:
+    worker, horde, _, _ = make([chat_pop("j1")], submit_script=("lost_after",))
+    run(worker, 1)
+    job = horde.jobs["j1"]
+    assert horde.verdicts() == {"j1": "submitted"}
+    assert job.accepted == 1 and job.attempts == 2
+
+
+def test_a_submit_that_never_gets_through_gives_up_when_the_lease_is_over() -> None:
+    worker, horde, _, clock = make([chat_pop("j1")], submit_script=("unavailable",) * 500)
+    run(worker, 1)
+    job = horde.jobs["j1"]
+    assert horde.verdicts() == {"j1": "expired"}
+    assert job.attempts < 60  # paced, not hammered
+    assert clock() - job.popped_at < job.ttl_s + 30
+
+
+def test_an_absurd_reward_is_not_a_crash() -> None:
+    worker, horde, _, _ = make([chat_pop("j1")], submit_script=("garbage_reward",))
+    assert worker.run_once() is True
+    assert horde.verdicts() == {"j1": "submitted"}
+    assert worker.stats.kudos == 0.0
+
+
+# --- every popped job gets an answer ---------------------------------------------------
+
+
+def test_an_unexpected_error_while_serving_faults_the_job_instead_of_leaving_it() -> None:
+    backend = FakeBackend()
+    backend.tokencounts.append(RuntimeError("a bug"))
+    worker, horde, _, _ = make([chat_pop("j1")], backend=backend)
+    assert worker.run_once() is True
+    assert horde.verdicts() == {"j1": "faulted"}
+
+
+def test_a_ttl_too_large_for_a_float_is_answered() -> None:
+    pop = chat_pop("j1")
+    pop["ttl"] = 10**400
+    worker, horde, _, _ = make([pop])
+    worker.run_once()
+    assert horde.verdicts()["j1"] in ("submitted", "faulted")
+
+
+def test_a_huge_ttl_does_not_stretch_backend_timeouts_past_the_lease_cap() -> None:
+    pop = chat_pop("j1")
+    pop["ttl"] = 1e9
+    worker, horde, backend, _ = make([pop])
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "submitted"}
+    assert backend.last_timeout_s["chat"] <= worker.settings.lease_cap_s
+    assert backend.last_timeout_s["tokencount"] <= 60.0
+
+
+def test_a_malformed_text_job_is_faulted_as_a_text_job() -> None:
+    pop = text_pop("t1")
+    pop["payload"] = "not an object"
+    pop["chat"] = "yes"  # not true: a text job by the seed's rule
+    worker, horde, _, _ = make([pop])
+    worker.run_once()
+    assert horde.jobs["t1"].bodies == [{"id": "t1", "generation": "", "state": "faulted"}]
+
+
+# --- maintenance avoidance -------------------------------------------------------------
+
+
+def failing_backend(n: int) -> FakeBackend:
+    backend = FakeBackend()
+    backend.chats.extend({"choices": []} for _ in range(n))  # a reply that cannot be read
+    return backend
+
+
+def test_chat_is_withdrawn_before_the_hordes_twenty_faults_and_restored_after_a_quiet_hour(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pops = [chat_pop(f"j{i}") for i in range(15)]
+    worker, horde, _, clock = make(pops, backend=failing_backend(15))
+    caplog.set_level(logging.INFO)
+    run(worker, 15)
+    assert [horde.verdict(j) for j in horde.jobs.values()] == ["faulted"] * 15
+    assert all(b.get("chat_jobs") is True for b in horde.pop_bodies)
+    worker.run_once()  # the 16th pop: no declaration, text jobs only
+    last = horde.pop_bodies[-1]
+    assert "chat_jobs" not in last and "chat_features" not in last
+    assert last["max_length"] == 512 and last["models"] == [MODEL]
+    withdrawals = [r for r in caplog.records if "withdrawing the chat declaration" in r.getMessage()]
+    assert len(withdrawals) == 1 and "15 faults in the last hour" in withdrawals[0].getMessage()
+    clock.advance(3600.0)
+    worker.run_once()
+    assert horde.pop_bodies[-1].get("chat_jobs") is True
+    assert "declaring chat again" in log_text(caplog)
+
+
+def test_a_chat_only_worker_pauses_pops_while_chat_is_withdrawn() -> None:
+    pops = [chat_pop(f"j{i}") for i in range(15)]
+    worker, horde, _, clock = make(pops, backend=failing_backend(15), prompt_jobs=False)
+    run(worker, 15)
+    calls = horde.pop_calls
+    before = clock()
+    worker.run_once()
+    assert horde.pop_calls == calls  # no pop without the declaration
+    assert clock() - before >= MAINTENANCE_POLL_S
+
+
+def test_faults_after_nonconformant_refusals_do_not_count_toward_maintenance() -> None:
+    pops = [chat_pop(f"j{i}") for i in range(20)]
+    worker, horde, _, clock = make(pops, submit_script=("ChatSubmitNonconformant", "ok") * 20)
+    run(worker, 20)
+    assert all(horde.verdict(j) == "faulted" for j in horde.jobs.values())
+    assert worker.maintenance_guard.recent(clock()) == 0
+    assert all(b.get("chat_jobs") is True for b in horde.pop_bodies)
+
+
+# --- guarantee and feature withdrawal --------------------------------------------------
+
+
+def schema_pop(job_id: str) -> dict[str, Any]:
+    return chat_pop(
+        job_id,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object"}},
+        },
+    )
+
+
+def test_three_nonconformant_refusals_withdraw_the_feature_the_requests_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pops = [schema_pop("s1"), schema_pop("s2"), chat_pop("plain", tools=[]), schema_pop("s3")]
+    script = ("ChatSubmitNonconformant", "ok") * 2 + ("ok",) + ("ChatSubmitNonconformant", "ok")
+    worker, horde, _, _ = make(pops, submit_script=script)
+    caplog.set_level(logging.INFO)
+    run(worker, 5)
+    features = [b["chat_features"] for b in horde.pop_bodies]
+    assert all("json_schema" in f for f in features[:4])
+    assert "json_schema" not in features[4]
+    assert "json_object" in features[4] and "tools" in features[4]
+    lines = [r.getMessage() for r in caplog.records if "withdrawing 'json_schema'" in r.getMessage()]
+    assert len(lines) == 1
+    assert "restart the worker" in lines[0]
+    # Each refused reply was faulted with reply_refused, never resubmitted.
+    for job_id in ("s1", "s2", "s3"):
+        bodies = horde.jobs[job_id].bodies
+        assert [b["state"] for b in bodies] == ["ok", "faulted"]
+        assert bodies[1]["fault_reason"] == "reply_refused"
+
+
+def test_a_withdrawn_feature_stays_withdrawn_and_operator_withholds_stay_too() -> None:
+    pops = [chat_pop(f"t{i}", tools=[], tool_choice="required") for i in range(3)]
+    script = ("ChatSubmitNonconformant", "ok") * 3
+    worker, horde, _, clock = make(
+        pops, submit_script=script, chat_withhold=frozenset({"seed"})
+    )
+    run(worker, 3)
+    clock.advance(10 * 3600.0)
+    run(worker, 2)
+    last = horde.pop_bodies[-1]["chat_features"]
+    assert "tools" not in last and "seed" not in last
+    assert "json_schema" in last
+
+
+def test_refusals_of_other_kinds_withdraw_nothing() -> None:
+    pops = [schema_pop(f"s{i}") for i in range(4)]
+    worker, horde, _, _ = make(pops, submit_script=("ChatSubmitInvalid", "ok") * 4)
+    run(worker, 5)
+    assert "json_schema" in horde.pop_bodies[-1]["chat_features"]
+
+
+# --- bounded -----------------------------------------------------------------------------
+
+
+def test_a_payload_with_a_huge_number_of_keys_makes_short_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pop = chat_pop("j1")
+    pop["payload"].update({f"extra_key_{i}": 0 for i in range(100_000)})
+    worker, horde, _, _ = make([pop])
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat.worker")
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "submitted"}
+    lines = [r.getMessage() for r in caplog.records if r.name == "koboldcpp_horde_chat.worker"]
+    assert lines and max(len(line) for line in lines) < 2000
+
+
+def test_an_abort_after_a_timeout_is_quick_enough_to_leave_room_for_the_fault() -> None:
+    from koboldcpp_horde_chat.errors import BackendError
+
+    backend = FakeBackend()
+    backend.chats.append(BackendError("timed out", status=0))
+    worker, horde, backend, _ = make([chat_pop("j1")], backend=backend)
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "faulted"}
+    assert backend.last_timeout_s["abort"] <= 2.0
