@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
+from urllib.parse import urlsplit
 
-from . import __version__
+from . import BRIDGE_AGENT, __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
@@ -144,13 +145,28 @@ def parse_withhold(text: str) -> frozenset[str]:
     return names
 
 
-def settings_from_args(
-    args: argparse.Namespace, backend: KoboldClient, *, wait_s: float = 0.0
-) -> tuple[WorkerSettings, BackendCapabilities]:
-    """Read the running koboldcpp and the flags into settings.
+def normalise_url(value: str, flag: str) -> str:
+    """``value`` as a base URL without a trailing slash.
 
-    Waits up to ``wait_s`` seconds for koboldcpp to answer. Raises ConfigError
-    for a missing key or name, an unreachable or protected koboldcpp, or no model.
+    A Horde URL given with the API path (``https://aihorde.net/api/v2``) is cut
+    back to its base. Raises ConfigError for anything but an http(s) URL.
+    """
+    url = value.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{flag} needs an http:// or https:// URL, not {value!r}")
+    for suffix in ("/api/v2", "/api"):
+        if flag == "--horde-url" and parts.path.endswith(suffix):
+            url = url[: -len(suffix)]
+            log.warning("%s: using %s (the worker adds the /api/v2 routes itself)", flag, url)
+            break
+    return url
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Check the flags that need no koboldcpp; normalises the URLs in ``args``.
+
+    Raises ConfigError with a message naming the flag.
     """
     if not args.hordekey:
         raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
@@ -158,21 +174,53 @@ def settings_from_args(
         raise ConfigError("--hordeworkername is required")
     if args.hordegenlen < 0 or args.hordemaxctx < 0:
         raise ConfigError("--hordegenlen and --hordemaxctx must not be negative")
+    parse_withhold(args.chat_withhold)
+    args.horde_url = normalise_url(args.horde_url, "--horde-url")
+    args.kcpp_url = normalise_url(args.kcpp_url, "--kcpp-url")
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+    backend: KoboldClient,
+    *,
+    wait_s: float | None = 0.0,
+    stop_event: threading.Event | None = None,
+) -> tuple[WorkerSettings, BackendCapabilities]:
+    """Read the running koboldcpp and the flags into settings.
+
+    Waits for koboldcpp to answer: up to ``wait_s`` seconds, or until
+    ``stop_event`` is set when ``wait_s`` is None, logging every 30 s. Raises
+    ConfigError for a bad flag, an unreachable (within ``wait_s``) or
+    protected koboldcpp, a refused password, or no model loaded.
+    """
+    check_flags(args)
     withhold = parse_withhold(args.chat_withhold)
-    deadline = time.monotonic() + wait_s
+    stopper = stop_event if stop_event is not None else threading.Event()
+    started = time.monotonic()
+    next_note = started
     while True:
         try:
             info = backend.info()
             break
         except BackendUnauthorized:
+            if args.kcpp_password:
+                raise ConfigError(
+                    f"koboldcpp at {args.kcpp_url} refused the password given with "
+                    "--kcpp-password (or KCPP_PASSWORD)"
+                ) from None
             raise ConfigError(
                 f"koboldcpp at {args.kcpp_url} is password protected: pass its password "
                 "with --kcpp-password or KCPP_PASSWORD"
             ) from None
         except BackendError as exc:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if wait_s is not None and now - started >= wait_s:
                 raise ConfigError(f"koboldcpp at {args.kcpp_url} does not answer: {exc}") from None
-            time.sleep(3.0)
+            if now >= next_note:
+                log.info("waiting for koboldcpp at %s (%s)", args.kcpp_url, exc.detail)
+                next_note = now + 30.0
+            if stopper.wait(3.0):
+                raise ConfigError("stopped while waiting for koboldcpp") from None
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
     model_id = standalone_model_id(info.model_name, args.hordemodelname)
@@ -185,8 +233,8 @@ def settings_from_args(
         backend_max_context_length=info.max_context_length,
         horde_max_context_length=args.hordemaxctx,
         max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
-        horde_url=args.horde_url.rstrip("/"),
-        kcpp_url=args.kcpp_url.rstrip("/"),
+        horde_url=args.horde_url,
+        kcpp_url=args.kcpp_url,
         kcpp_password=args.kcpp_password,
         vision=info.vision,
         prompt_jobs=not args.chat_only,
@@ -200,17 +248,13 @@ def settings_from_args(
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
     """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
 
+    Waits for koboldcpp for as long as it takes (a signal ends the wait).
     Exit codes: 0 after a requested stop, 2 for a configuration error or a
-    declaration the Horde refused, 3 for an API key the Horde refused.
+    declaration the Horde refused, 3 for an API key the Horde refused, 130
+    after a second signal.
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    backend = KoboldClient(args.kcpp_url.rstrip("/"), args.kcpp_password)
-    try:
-        settings, caps = settings_from_args(args, backend, wait_s=60.0)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
     if stop_event is None:
         stop_event = threading.Event()
     stopper = stop_event
@@ -227,12 +271,17 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         signal.signal(signal.SIGTERM, on_signal)
     from .horde import HordeClient
 
-    horde = HordeClient(
-        settings.horde_url,
-        settings.api_key,
-        bridge_agent=settings.bridge_agent,
-        connect_timeout_s=settings.connect_timeout_s,
-    )
+    try:
+        check_flags(args)
+        horde = HordeClient(args.horde_url, args.hordekey, bridge_agent=BRIDGE_AGENT)
+        backend = KoboldClient(args.kcpp_url, args.kcpp_password)
+        settings, caps = settings_from_args(args, backend, wait_s=None, stop_event=stop_event)
+    except ConfigError as exc:
+        if stop_event.is_set():
+            log.info("%s", exc)
+            return 0
+        log.error("%s", exc)
+        return 2
     worker = Worker(
         settings,
         horde=horde,

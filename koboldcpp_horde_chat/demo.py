@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -149,7 +150,7 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
             "tool-history follow-up",
             "chat",
             {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
-            "done with an answer",
+            "done with an answer" if scripted else "done",
             _done,
         ),
         DemoCase(
@@ -247,8 +248,16 @@ def _describe(case: DemoCase, status: dict[str, Any]) -> str:
 def main(argv: Sequence[str] = ()) -> int:
     """Run the demo; returns 0 when every request reached its expected end."""
     parser = argparse.ArgumentParser(prog="koboldcpp-horde-chat demo")
-    parser.add_argument("--kcpp-url", default=DEFAULT_KCPP_URL, help="a running koboldcpp to use")
-    parser.add_argument("--kcpp-password", default="")
+    parser.add_argument(
+        "--kcpp-url",
+        default=None,
+        help=f"a running koboldcpp to use (default {DEFAULT_KCPP_URL}, or KCPP_URL; "
+        "when none answers there the scripted koboldcpp is used)",
+    )
+    parser.add_argument(
+        "--scripted", action="store_true", help="use the scripted koboldcpp even if one runs"
+    )
+    parser.add_argument("--kcpp-password", default=os.environ.get("KCPP_PASSWORD", ""))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait in all")
     parser.add_argument("--log-level", default="WARNING", type=str.upper)
     args = parser.parse_args(list(argv))
@@ -258,12 +267,20 @@ def main(argv: Sequence[str] = ()) -> int:
 
     configure_logging(args.log_level)
     scripted_kcpp: ScriptedKoboldcpp | None = None
-    kcpp_url = args.kcpp_url.rstrip("/")
-    probe = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0)
-    try:
-        real = probe.ready()
-    except BackendError:
-        real = False
+    explicit = args.kcpp_url is not None
+    kcpp_url = (args.kcpp_url or os.environ.get("KCPP_URL") or DEFAULT_KCPP_URL).rstrip("/")
+    real = False
+    if not args.scripted:
+        try:
+            real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
+        except BackendError:
+            real = False
+        if not real and explicit:
+            print(
+                f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
+                "--scripted to use the devkit's scripted koboldcpp."
+            )
+            return 2
     if real:
         print(f"Using the koboldcpp at {kcpp_url}.")
     else:
@@ -271,7 +288,7 @@ def main(argv: Sequence[str] = ()) -> int:
         scripted_kcpp.start()
         kcpp_url = scripted_kcpp.url
         print(
-            f"No koboldcpp answers at {args.kcpp_url}: using the devkit's SCRIPTED koboldcpp "
+            f"No koboldcpp answers at {kcpp_url}: using the devkit's SCRIPTED koboldcpp "
             f"at {kcpp_url} (canned replies, real koboldcpp response shapes)."
         )
     horde = DevHorde(api_keys=(DEMO_KEY,))

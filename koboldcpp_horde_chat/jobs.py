@@ -147,7 +147,32 @@ def _ttl(pop: dict[str, Any], default_ttl_s: float) -> float:
     return float(ttl)
 
 
+#: Sampler fields that must be numbers when present (seed step 2: always present).
+NUMERIC_SAMPLERS = (
+    "temperature",
+    "top_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "rep_pen",
+    "top_k",
+    "min_p",
+)
+
+
+def _check_samplers(payload: dict[str, Any], job_id: str) -> None:
+    for key in NUMERIC_SAMPLERS:
+        value = payload.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise PayloadError(f"payload.{key}", "not a number", job_id=job_id)
+    seed = payload.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise PayloadError("payload.seed", "not an integer", job_id=job_id)
+
+
 def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
+    _check_samplers(payload, job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, list):
@@ -215,6 +240,8 @@ def parse_pop(
         sorted(str(k) for k in payload)[:40],
     )
     if pop.get("chat") is not True:
+        if not isinstance(payload.get("prompt"), str):
+            raise PayloadError("payload.prompt", "missing or not a string", job_id=job_id)
         return TextJob(id=job_id, payload=payload, ttl_s=ttl_s, model=model)
 
     messages: list[dict[str, Any]] | None = None

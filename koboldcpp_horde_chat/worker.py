@@ -150,10 +150,11 @@ class WorkerStats:
     dropped: int = 0
 
     def summary(self, now: float) -> str:
-        hours = max((now - self.started_at) / 3600.0, 1e-9)
+        elapsed = now - self.started_at
+        # A rate over the first minutes says nothing: show it after ten.
+        rate = f"{self.kudos / (elapsed / 3600.0):.1f} kudos/h" if elapsed >= 600 else "n/a"
         return (
-            f"total kudos={self.kudos:.0f} jobs={self.jobs} faults={self.faults} "
-            f"rate={self.kudos / hours:.1f} kudos/h"
+            f"total kudos={self.kudos:.0f} jobs={self.jobs} faults={self.faults} rate={rate}"
         )
 
 
@@ -205,6 +206,7 @@ class Worker:
         self.worker_id = worker_id
         self.stats = WorkerStats(started_at=wall())
         self.exit_code = 0
+        self._current_genkey = ""
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.chat_enabled = True
         self._error_backoff = Backoff(1.0, 60.0)
@@ -225,10 +227,15 @@ class Worker:
         Returns the exit code: 0 after a requested stop, 2 when the Horde refused
         the declaration (ChatDeclarationInvalid), 3 when it refused the API key.
         """
-        log.info("worker %d: waiting for koboldcpp at %s", self.worker_id, self.settings.kcpp_url)
+        waited = 0
         while not self._stopping():
             if self.backend.ready():
                 break
+            if waited % 10 == 0:  # the first time, then every 30 s
+                log.info(
+                    "worker %d: waiting for koboldcpp at %s", self.worker_id, self.settings.kcpp_url
+                )
+            waited += 1
             self.stop_event.wait(3.0)
         if self._stopping():
             return self.exit_code
@@ -285,6 +292,7 @@ class Worker:
         self._error_backoff.reset()
         raw_id = pop.get("id")
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
+        self._current_genkey = ""
         self._settled_job = None
         try:
             return self._serve_popped(pop, popped_at)
@@ -300,10 +308,15 @@ class Worker:
                 self._fault_text(job_id, lease, "internal error")
             return True
         except BaseException:
-            # A forced exit (a second SIGINT or SIGTERM): one quick fault, then go.
+            # A forced exit (a second SIGINT or SIGTERM): stop koboldcpp's generation,
+            # one quick fault, then go.
+            if self._current_genkey:
+                self._abort_quietly(self._current_genkey)
             if job_id is not None and self._settled_job != job_id:
                 self._fault_once(job_id, chat=pop.get("chat") is True)
             raise
+        finally:
+            self._current_genkey = ""
 
     def _fault_once(self, job_id: str, *, chat: bool) -> None:
         """Fault a job with a single short submit attempt (the process is exiting)."""
@@ -466,7 +479,7 @@ class Worker:
             job.payload.get("max_context_length", "?"),
         )
         started = self.clock()
-        genkey = _genkey()
+        genkey = self._current_genkey = _genkey()
         try:
             body = self._with_busy_retry(
                 lambda timeout: self.backend.generate(
@@ -535,6 +548,17 @@ class Worker:
             except FetchError as exc:
                 self._fault_chat(job.id, model_id, lease, f"image unusable: {exc}")
                 return
+        if job.max_length > self.settings.max_length:
+            # The Horde validates budgets within chat_limits (seed step 2): a larger
+            # one is not ours to generate, and not a prompt overflow either.
+            self._fault_chat(
+                job.id,
+                model_id,
+                lease,
+                f"max_length {job.max_length} is above the declared chat_limits.max_length "
+                f"{self.settings.max_length}",
+            )
+            return
         # Fit check (seed step 3): count JSON text, never render.
         tools = job.payload.get("tools")
         response_format = job.payload.get("response_format")
@@ -564,7 +588,7 @@ class Worker:
                 fault_reason=reply.FAULT_PROMPT_OVERFLOW,
             )
             return
-        genkey = _genkey()
+        genkey = self._current_genkey = _genkey()
         stream = job.stream_progress and not job.has_tools
         backend_body = jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
         self._note_own_request()
@@ -700,6 +724,8 @@ class Worker:
             remaining = lease.remaining(self.clock()) - SUBMIT_MARGIN_S
             if remaining <= 1.0:
                 raise BackendError("the lease ran out before koboldcpp answered")
+            # Every generation request is the worker's own, not a local user's.
+            self._note_own_request()
             try:
                 return call(remaining)
             except BackendUnauthorized:

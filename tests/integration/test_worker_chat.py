@@ -8,6 +8,7 @@ action per job (seed: "The pop loop", steps 1-8, worked example).
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -430,3 +431,42 @@ def test_chat_only_pops_with_prompt_jobs_false(horde: DevHorde, start_worker: An
     rid = horde.send_chat({"messages": [{"role": "user", "content": "hi"}]})
     serve(horde, start_worker, [rid], "--chat-only")
     assert all((p["body"] if "body" in p else p).get("prompt_jobs") is False for p in horde.pops)
+
+
+def test_text_jobs_follow_each_other_without_the_local_user_pause(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
+) -> None:
+    """The worker's own /api/v1/generate calls are not a local user to yield to."""
+    worker = start_worker()
+    time.sleep(1.5)  # koboldcpp's last request is then clearly before the worker's first
+    ids = [horde.send_text(f"Story {i}:", max_length=16) for i in range(3)]
+    ids.append(horde.send_chat({"messages": [{"role": "user", "content": "hi"}]}))
+    try:
+        assert horde.wait(ids, timeout_s=12), [horde.status(i)["state"] for i in ids]
+    finally:
+        worker.stop()
+    assert [e["action"] for e in horde.ledger] == ["submitted"] * 4
+
+
+def test_a_job_over_the_declared_max_length_is_faulted_without_a_reason(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
+) -> None:
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "hi"}]}, max_attempts=2)
+    horde.inject(
+        "pop",
+        (
+            200,
+            {
+                "id": "big-job",
+                "ids": ["big-job"],
+                "chat": True,
+                "payload": {"messages": [{"role": "user", "content": "hi"}], "max_length": 10**12, "max_context_length": 4096},
+                "model": "koboldcpp/scripted-model",
+                "ttl": 150,
+            },
+        ),
+    )
+    serve(horde, start_worker, [rid])
+    bad = [json.loads(r["body"]) for r in horde.requests_log if r["path"].endswith("/submit") and b"big-job" in r["body"]]
+    assert bad == [{"id": "big-job", "state": "faulted", "model_id": "koboldcpp/scripted-model"}]
+    assert chat_requests(kcpp) and all(r["body"]["max_tokens"] < 10**12 for r in chat_requests(kcpp))

@@ -517,3 +517,38 @@ def test_the_grammar_accepts_json_objects(text: str) -> None:
 )
 def test_the_grammar_refuses_anything_but_one_object(text: str) -> None:
     assert not matches(text)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path"),
+    [
+        ("temperature", "NaN", "payload.temperature"),
+        ("top_p", "abc", "payload.top_p"),
+        ("presence_penalty", [1], "payload.presence_penalty"),
+        ("top_k", True, "payload.top_k"),
+        ("min_p", float("nan"), "payload.min_p"),
+        ("seed", "x", "payload.seed"),
+        ("seed", 1.5, "payload.seed"),
+    ],
+)
+def test_a_sampler_of_the_wrong_type_is_a_payload_error(field: str, value: object, path: str) -> None:
+    pop = {
+        "id": "j1",
+        "chat": True,
+        "payload": {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_length": 16,
+            "max_context_length": 1024,
+            field: value,
+        },
+    }
+    with pytest.raises(PayloadError) as info:
+        parse_pop(pop)
+    assert info.value.path == path and info.value.job_id == "j1"
+
+
+@pytest.mark.parametrize("payload", [{}, {"prompt": 42}, {"prompt": None}])
+def test_a_text_job_without_a_string_prompt_is_a_payload_error(payload: dict[str, object]) -> None:
+    with pytest.raises(PayloadError) as info:
+        parse_pop({"id": "t1", "payload": payload})
+    assert info.value.path == "payload.prompt" and info.value.job_id == "t1"

@@ -1,0 +1,136 @@
+"""Starting the standalone worker: flag mistakes are clear errors before any
+wait, the wait for koboldcpp is visible and ends cleanly on a signal, and a
+wrong koboldcpp password is told apart from a missing one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from koboldcpp_horde_chat.cli import build_parser, check_flags, normalise_url
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.errors import ConfigError
+
+from .conftest import API_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens there
+
+
+def run_cli(*args: str, timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, "--hordeworkername", "w", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("https://aihorde.net", "https://aihorde.net"),
+        ("https://aihorde.net/", "https://aihorde.net"),
+        ("https://aihorde.net/api/v2/", "https://aihorde.net"),
+        ("https://aihorde.net/api", "https://aihorde.net"),
+        ("http://127.0.0.1:7001", "http://127.0.0.1:7001"),
+    ],
+)
+def test_a_horde_url_is_cut_back_to_its_base(value: str, expected: str) -> None:
+    assert normalise_url(value, "--horde-url") == expected
+
+
+@pytest.mark.parametrize("value", ["aihorde.net", "htps://aihorde.net", "127.0.0.1:5001", "file:///x", ""])
+def test_a_url_without_an_http_scheme_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match="needs an http"):
+        normalise_url(value, "--kcpp-url")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--horde-url", "aihorde.net"], "--horde-url needs an http"),
+        (["--kcpp-url", "127.0.0.1:5001"], "--kcpp-url needs an http"),
+        (["--chat-withhold", "teleport"], "unknown name"),
+        (["--hordegenlen", "-1"], "must not be negative"),
+    ],
+)
+def test_flag_mistakes_exit_2_at_once_with_one_error_line(flags: list[str], message: str) -> None:
+    started = time.monotonic()
+    result = run_cli("--kcpp-url", DEAD_URL, *flags)  # a later flag wins
+    assert result.returncode == 2, result.stderr
+    assert time.monotonic() - started < 10  # no wait for koboldcpp first
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_flags_normalises_both_urls() -> None:
+    args = build_parser().parse_args(
+        ["--hordekey", "k", "--hordeworkername", "w", "--horde-url", "http://h:1/api/v2", "--kcpp-url", "http://k:2/"]
+    )
+    check_flags(args)
+    assert (args.horde_url, args.kcpp_url) == ("http://h:1", "http://k:2")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_waiting_for_koboldcpp_exits_0_without_a_traceback(signum: int) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, "--hordeworkername", "w",
+         "--kcpp-url", DEAD_URL, "--horde-url", DEAD_URL],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(2.0)
+        assert proc.poll() is None, "it should wait for koboldcpp"
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "waiting for koboldcpp at http://127.0.0.1:9" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_wrong_koboldcpp_password_is_told_apart_from_a_missing_one(horde: DevHorde) -> None:
+    with ScriptedKoboldcpp(password="secret") as locked:
+        wrong = run_cli("--kcpp-url", locked.url, "--horde-url", horde.url, "--kcpp-password", "guess")
+        missing = run_cli("--kcpp-url", locked.url, "--horde-url", horde.url)
+    assert wrong.returncode == missing.returncode == 2
+    assert "refused the password" in wrong.stderr
+    assert "is password protected" in missing.stderr
+    assert "guess" not in wrong.stderr and "secret" not in wrong.stderr
+    assert horde.pops == []
+
+
+def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any) -> None:
+    kcpp = ScriptedKoboldcpp()
+    kcpp.start()
+    url = kcpp.url
+    port = kcpp.port
+    kcpp.stop()
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "hi"}]})
+    worker = start_worker(kcpp_url=url)
+    try:
+        time.sleep(3.5)
+        assert horde.pops == []
+        late = ScriptedKoboldcpp(port=port)
+        late.start()
+        try:
+            assert horde.wait([rid], timeout_s=20)
+        finally:
+            late.stop()
+    finally:
+        worker.stop()
+    assert horde.ledger[0]["action"] == "submitted"
