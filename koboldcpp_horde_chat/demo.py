@@ -241,7 +241,8 @@ def _describe(case: DemoCase, status: dict[str, Any]) -> str:
         parts.append(f"reasoning={message['reasoning_content'][:40]!r}")
     parts.append(f"content={str(message.get('content'))[:60]!r}")
     if status.get("stream"):
-        parts.append(f"progress posts={len(status['stream'])}")
+        pieces = [str(d.get("content", ""))[:24] for d in status["stream"]]
+        parts.append(f"arrived in {len(pieces)} progress posts: {pieces}")
     return ", ".join(parts)
 
 
