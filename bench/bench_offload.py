@@ -24,8 +24,9 @@ Figures:
 
 Note: the request the worker sends is larger than 32 MiB, koboldcpp's default
 ``--maxrequestsize`` (32): koboldcpp answers such a body with 500 "Payload is
-too big". The scripted koboldcpp here plays one started with
-``--maxrequestsize 64``.
+too big", and the worker faults such a job without sending it. The scripted
+koboldcpp here plays one started with ``--maxrequestsize 64``, and the worker
+is told so (``--kcpp-max-request-mb 64``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def _child(horde_url: str, kcpp_url: str) -> int:
     configure_worker_logging()
     urls: Any = _Urls()
     urls.horde_url, urls.kcpp_url = horde_url, kcpp_url
-    worker, horde, backend = build_worker(urls, vision=True, ctx=CTX, manners="none")
+    worker, horde, backend = build_worker(
+        urls, vision=True, ctx=CTX, manners="none", max_request_mib=64
+    )
     rss_start = rss_bytes()
     maxrss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.monotonic()

@@ -17,8 +17,9 @@ What it measures (issue 6, benchmarks 2 and 3):
   at the Horde, while jobs are queued. Target: median at most 5 ms.
 
 The worker runs in this process exactly as ``koboldcpp-horde-chat`` builds it
-(``StandaloneManners``, so a ``GET /api/extra/perf`` precedes every pop, and
-INFO logging formatted and written to ``os.devnull``). The dev Horde and the
+(``StandaloneManners``, so a ``GET /api/extra/perf`` precedes a pop at most
+once a second while koboldcpp is idle, and INFO logging formatted and written
+to ``os.devnull``). The dev Horde and the
 scripted koboldcpp run in a separate server process (``--serve``), so their
 CPU does not share this process's GIL; both record request arrival and answer
 times on the shared monotonic clock. The clients are wrapped (subclasses of
@@ -536,7 +537,16 @@ class TimedKobold(KoboldClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
-        self.last_chat_body: dict[str, Any] | None = None
+        self._last_chat_body: dict[str, Any] | bytes | bytearray | None = None
+
+    @property
+    def last_chat_body(self) -> dict[str, Any] | None:
+        """The last chat body sent, decoded (the worker sends it encoded)."""
+        body = self._last_chat_body
+        if body is None or isinstance(body, dict):
+            return body
+        decoded: dict[str, Any] = json.loads(body)
+        return decoded
 
     def _timed(self, name: str, call: Callable[[], Any]) -> Any:
         t0 = time.monotonic()
@@ -555,15 +565,19 @@ class TimedKobold(KoboldClient):
         )
         return result
 
-    def chat_completion(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-        self.last_chat_body = body
+    def chat_completion(
+        self, body: dict[str, Any] | bytes | bytearray, *, timeout_s: float
+    ) -> dict[str, Any]:
+        self._last_chat_body = body
         result: dict[str, Any] = self._timed(
             "chat", lambda: super(TimedKobold, self).chat_completion(body, timeout_s=timeout_s)
         )
         return result
 
-    def open_chat_stream(self, body: dict[str, Any], *, read_timeout_s: float) -> BackendStream:
-        self.last_chat_body = body
+    def open_chat_stream(
+        self, body: dict[str, Any] | bytes | bytearray, *, read_timeout_s: float
+    ) -> BackendStream:
+        self._last_chat_body = body
         result: BackendStream = self._timed(
             "chat_stream",
             lambda: super(TimedKobold, self).open_chat_stream(body, read_timeout_s=read_timeout_s),
@@ -606,12 +620,14 @@ def build_worker(
     vision: bool = False,
     ctx: int = 4096,
     max_length: int = 512,
+    max_request_mib: int = 32,
 ) -> tuple[Worker, TimedHorde, TimedKobold]:
     """A ``Worker`` wired as ``koboldcpp-horde-chat`` wires it, with timed clients.
 
-    ``manners``: "standalone" (reads koboldcpp's /api/extra/perf before each
-    pop, as the CLI does) or "none" (as inside koboldcpp, where the hook reads
-    globals for free).
+    ``manners``: "standalone" (reads koboldcpp's /api/extra/perf before a pop,
+    at most once a second while it is idle, as the CLI does) or "none" (as inside koboldcpp, where the hook reads
+    globals for free). ``max_request_mib``: koboldcpp's ``--maxrequestsize``
+    (``--kcpp-max-request-mb``).
     """
     url = kcpp_url or servers.kcpp_url
     assert url is not None
@@ -624,6 +640,7 @@ def build_worker(
         horde_url=servers.horde_url,
         kcpp_url=url,
         vision=vision,
+        kcpp_max_request_bytes=max_request_mib * 1024 * 1024,
     )
     horde = TimedHorde(settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent)
     backend = TimedKobold(settings.kcpp_url)

@@ -21,7 +21,13 @@ contain the password.
 
 One :class:`requests.Session` per client: sessions are not documented as
 thread-safe, so use one client per thread (a :class:`BackendStream` may be
-closed from another thread, see there).
+closed from another thread, see there). A session the client makes itself does
+not read the environment on each call (``trust_env`` off): no proxy (koboldcpp
+is local), no ``.netrc`` credentials; ``REQUESTS_CA_BUNDLE`` or
+``CURL_CA_BUNDLE`` is read once, when the client is made.
+
+Request bodies are encoded by :func:`encode_json`, which copies a large image
+data URL once instead of three times.
 
 Seed section: "Worked example: koboldcpp's embedded worker" (the worker
 generates through koboldcpp's local ``/v1/chat/completions`` and
@@ -32,6 +38,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import socket
 import threading
 import time
@@ -50,9 +58,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "PROTECTED_MODEL_NAME",
+    "RAW_STRING_MIN_CHARS",
     "BackendInfo",
     "BackendStream",
     "KoboldClient",
+    "encode_json",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -64,8 +74,17 @@ PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
 STREAM_READ_BYTES = 65536
 """The most bytes one :meth:`BackendStream.read_chunk` returns."""
 
+RAW_STRING_MIN_CHARS = 64 * 1024
+"""Strings of at least this many characters that need no JSON escaping are
+spliced into an encoded body as they are (see :func:`encode_json`)."""
+
 _PROBE_TIMEOUT_S = 10.0
 _DETAIL_CHARS = 200
+
+# Bytes a JSON string may hold unescaped, as json.dumps (ensure_ascii) writes them:
+# printable ASCII but '"' and '\\'. Deleting these from a string's bytes leaves
+# the ones that need escaping.
+_UNESCAPED_JSON_BYTES = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
 
 # Exceptions that reading a response body may raise besides requests' own.
 _READ_ERRORS: tuple[type[BaseException], ...] = (
@@ -202,7 +221,10 @@ class KoboldClient:
         password: koboldcpp's ``--password``; "" for an open instance. Sent as
             ``Authorization: Bearer <password>`` only when set.
         connect_timeout_s: the connect timeout of every call, seconds.
-        session: a ``requests.Session`` to use (one is created otherwise).
+        session: a ``requests.Session`` to use, as it is. Otherwise the client
+            makes one that ignores proxy variables and ``.netrc`` (``trust_env``
+            off) and verifies TLS with ``REQUESTS_CA_BUNDLE`` or
+            ``CURL_CA_BUNDLE`` when set, read now (else requests' default).
         max_body_bytes: the most bytes read from one JSON answer.
 
     Every call uses a ``(connect_timeout_s, read timeout)`` pair; the read
@@ -224,7 +246,13 @@ class KoboldClient:
         self._password = password
         self.connect_timeout_s = connect_timeout_s
         self.max_body_bytes = max_body_bytes
-        self._session = session if session is not None else requests.Session()
+        if session is None:
+            session = requests.Session()
+            # requests would otherwise re-read proxies, .netrc and the CA bundle from
+            # the environment on every call (about 0.3 ms each); koboldcpp is local.
+            session.trust_env = False
+            session.verify = _ca_bundle_from_env()
+        self._session = session
 
     def __repr__(self) -> str:
         return f"KoboldClient({self.base_url!r}, protected={bool(self._password)})"
@@ -317,10 +345,13 @@ class KoboldClient:
             raise BackendError("/api/extra/tokencount: no token count in the answer", status=200)
         return value
 
-    def chat_completion(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    def chat_completion(
+        self, body: dict[str, Any] | bytes | bytearray, *, timeout_s: float
+    ) -> dict[str, Any]:
         """``POST /v1/chat/completions`` and return the decoded JSON object.
 
-        ``body`` is sent as it is (``stream`` should be false or absent).
+        ``body`` is sent as it is (``stream`` should be false or absent): a JSON
+        object, or one already encoded (by :func:`encode_json`), sent unchanged.
         ``timeout_s`` bounds the wait for the answer, seconds: koboldcpp sends
         nothing until the generation ends.
 
@@ -330,9 +361,14 @@ class KoboldClient:
         """
         return self._post("/v1/chat/completions", body, timeout_s)
 
-    def open_chat_stream(self, body: dict[str, Any], *, read_timeout_s: float) -> BackendStream:
+    def open_chat_stream(
+        self, body: dict[str, Any] | bytes | bytearray, *, read_timeout_s: float
+    ) -> BackendStream:
         """``POST /v1/chat/completions`` with ``"stream": true`` and return the open stream.
 
+        ``body`` is a JSON object (``"stream": true`` is added to a copy), or one
+        already encoded (by :func:`encode_json`), sent unchanged: it must then
+        hold ``"stream": true`` itself.
         ``read_timeout_s`` bounds each wait for bytes, including the prompt
         processing before the first token, when koboldcpp sends only headers
         (facts §4.8). The answer's status and ``content-type`` are checked: a
@@ -341,8 +377,12 @@ class KoboldClient:
         Raises ``BackendUnauthorized`` (401), ``BackendBusy`` (503),
         ``BackendError`` (other statuses, not an event stream, network failures).
         """
-        payload = dict(body)
-        payload["stream"] = True
+        payload: dict[str, Any] | bytes | bytearray
+        if isinstance(body, dict):
+            payload = dict(body)
+            payload["stream"] = True
+        else:
+            payload = body
         path = "/v1/chat/completions"
         deadline = self._deadline(read_timeout_s)
         response = self._request(
@@ -408,7 +448,9 @@ class KoboldClient:
         finally:
             response.close()
 
-    def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _post(
+        self, path: str, body: dict[str, Any] | bytes | bytearray, timeout_s: float
+    ) -> dict[str, Any]:
         deadline = self._deadline(timeout_s)
         response = self._request("POST", path, body, timeout_s)
         try:
@@ -420,7 +462,7 @@ class KoboldClient:
         self,
         method: str,
         path: str,
-        body: dict[str, Any] | None,
+        body: dict[str, Any] | bytes | bytearray | None,
         timeout_s: float,
         *,
         extra_headers: dict[str, str] | None = None,
@@ -429,17 +471,20 @@ class KoboldClient:
         if method == "GET":
             headers.pop("Content-Type")
         headers.update(extra_headers or {})
-        data = None
-        if body is not None:
+        data: bytes | bytearray | None = None
+        if isinstance(body, bytes | bytearray):
+            data = body
+        elif body is not None:
             try:
-                data = json.dumps(body).encode("utf-8")
-            except (TypeError, ValueError) as exc:
+                data = encode_json(body)
+            except (TypeError, ValueError, RecursionError) as exc:
                 raise BackendError(f"{path}: the request body is not JSON: {exc}") from None
         try:
             return self._session.request(
                 method,
                 self.base_url + path,
-                data=data,
+                # A bytearray goes out with its Content-Length, as one buffer.
+                data=data,  # type: ignore[arg-type]
                 headers=headers,
                 timeout=(self.connect_timeout_s, timeout_s),
                 stream=True,
@@ -492,6 +537,122 @@ class KoboldClient:
             if self._password:
                 problem = problem.replace(self._password, "***")
             raise BackendError(f"{path}: {problem}"[:500], status=response.status_code) from None
+
+
+def encode_json(body: Any) -> bytes | bytearray:
+    """``json.dumps(body)`` as bytes, with large strings copied only once.
+
+    The text is exactly ``json.dumps(body).encode("ascii")`` (``ensure_ascii``,
+    default separators), e.g. ``{"a": [1, "x"]}`` -> ``b'{"a": [1, "x"]}'``.
+    Strings of at least :data:`RAW_STRING_MIN_CHARS` characters that need no
+    escaping (printable ASCII without ``"`` or ``\\``, such as a base64 image
+    data URL) are swapped for a placeholder while ``json.dumps`` encodes the
+    rest, then spliced in as they are: the answer is then one ``bytearray``
+    holding each such string once, where ``json.dumps(...).encode()`` makes two
+    full copies of a 36 MiB conversation. ``requests`` sends either with a
+    ``Content-Length``, and urllib3 2.x sends a ``bytearray`` as one buffer.
+
+    Args:
+        body: a JSON value: dicts, lists, tuples, strings, numbers, booleans, None.
+
+    Returns:
+        The encoded body: ``bytes`` when no string was spliced, else a ``bytearray``.
+
+    Raises:
+        TypeError, ValueError: as ``json.dumps`` for a value it cannot encode.
+        RecursionError: a value nested too deeply, or one that contains itself.
+    """
+    raws: list[str] = []
+    marker = f"\x00{secrets.token_hex(16)}\x00"
+    skeleton = _swap_long_strings(body, raws, marker)
+    text = json.dumps(skeleton).encode("ascii")
+    if not raws:
+        return text
+    pieces = text.split(json.dumps(marker).encode("ascii"))
+    del text
+    if len(pieces) != len(raws) + 1:  # cannot happen: the marker is random
+        return json.dumps(body).encode("ascii")
+    # One buffer of the final size (it never grows, so it is never copied), filled
+    # 256 KiB at a time: no second whole copy of a long string is ever made.
+    out = bytearray(sum(map(len, pieces)) + sum(len(value) + 2 for value in raws))
+    out[: len(pieces[0])] = pieces[0]
+    pos = len(pieces[0])
+    for value, piece in zip(raws, pieces[1:], strict=True):
+        pos = _splice_string(out, pos, value)
+        out[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    return out
+
+
+_SPLICE_CHARS = 256 * 1024
+
+
+def _splice_string(out: bytearray, pos: int, value: str) -> int:
+    """Write ``value`` as a JSON string into ``out`` at ``pos`` (room is made for
+    ``len(value) + 2`` bytes); returns the position after it.
+
+    ``value`` is ASCII without ``"`` or ``\\``; when it holds a control
+    character after all, its escaped form replaces the room made for it.
+    """
+    start = pos
+    out[pos] = 0x22  # '"'
+    pos += 1
+    for offset in range(0, len(value), _SPLICE_CHARS):
+        chunk = value[offset : offset + _SPLICE_CHARS].encode("ascii")
+        if chunk.translate(None, _UNESCAPED_JSON_BYTES):  # a control character
+            escaped = json.dumps(value).encode("ascii")
+            out[start : start + len(value) + 2] = escaped
+            return start + len(escaped)
+        out[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    out[pos] = 0x22
+    return pos + 1
+
+
+def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
+    """``value`` with every long ASCII string without ``"`` or ``\\`` replaced by ``marker``.
+
+    The strings are appended to ``raws`` in the order ``json.dumps`` writes them
+    (dicts in insertion order, lists in order). Containers are copied only on
+    the path to a replaced string; the input is not modified.
+    """
+    if isinstance(value, str):
+        if (
+            len(value) >= RAW_STRING_MIN_CHARS
+            and value.isascii()
+            and '"' not in value
+            and "\\" not in value
+        ):
+            raws.append(value)
+            return marker
+        return value
+    if isinstance(value, dict):
+        copied: dict[Any, Any] | None = None
+        for key, item in value.items():
+            if isinstance(item, str | dict | list | tuple):
+                swapped = _swap_long_strings(item, raws, marker)
+                if swapped is not item:
+                    if copied is None:
+                        copied = dict(value)
+                    copied[key] = swapped
+        return value if copied is None else copied
+    if isinstance(value, list | tuple):
+        items: list[Any] | None = None
+        for index, item in enumerate(value):
+            if isinstance(item, str | dict | list | tuple):
+                swapped = _swap_long_strings(item, raws, marker)
+                if swapped is not item:
+                    if items is None:
+                        items = list(value)
+                    items[index] = swapped
+        return value if items is None else items
+    return value
+
+
+def _ca_bundle_from_env() -> str | bool:
+    """What requests itself would verify with: ``REQUESTS_CA_BUNDLE`` or
+    ``CURL_CA_BUNDLE`` when set and not empty, else True (its default bundle)."""
+    return os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
 
 
 def _socket_of(response: requests.Response) -> socket.socket | None:

@@ -26,7 +26,7 @@ from . import BRIDGE_AGENT, __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
-from .settings import DEFAULT_HORDE_URL, DEFAULT_KCPP_URL, WorkerSettings
+from .settings import DEFAULT_HORDE_URL, DEFAULT_KCPP_URL, MIB, WorkerSettings
 from .worker import StandaloneManners, Worker
 
 log = logging.getLogger("koboldcpp_horde_chat")
@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest context your worker accepts; 0 matches koboldcpp's context",
     )
     p.add_argument(
+        "--kcpp-max-request-mb",
+        type=int,
+        default=32,
+        metavar="MB",
+        help="koboldcpp's --maxrequestsize (default 32): a chat job whose request to "
+        "koboldcpp would be larger is faulted without sending it",
+    )
+    p.add_argument(
         "--chat-only", action="store_true", help="serve chat jobs only (pop with prompt_jobs false)"
     )
     p.add_argument(
@@ -174,6 +182,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--hordeworkername is required")
     if args.hordegenlen < 0 or args.hordemaxctx < 0:
         raise ConfigError("--hordegenlen and --hordemaxctx must not be negative")
+    if args.kcpp_max_request_mb < 1:
+        raise ConfigError("--kcpp-max-request-mb must be at least 1")
     parse_withhold(args.chat_withhold)
     args.horde_url = normalise_url(args.horde_url, "--horde-url")
     args.kcpp_url = normalise_url(args.kcpp_url, "--kcpp-url")
@@ -240,6 +250,7 @@ def settings_from_args(
         prompt_jobs=not args.chat_only,
         chat_withhold=withhold,
         trusted=args.trusted,
+        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
     )
     caps = BackendCapabilities(vision=info.vision, image_url=settings.image_url_transport)
     return settings, caps

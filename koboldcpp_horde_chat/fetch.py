@@ -461,7 +461,9 @@ def fetch_messages(
     )
     where = redact_url(url)
     try:
-        messages = json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
+        del data  # free the raw body (up to 36 MiB) before parsing makes the objects
+        messages = json.loads(text)
     except UnicodeDecodeError as exc:
         raise FetchError(f"messages_url {where}: body is not UTF-8 (byte {exc.start})") from None
     except json.JSONDecodeError as exc:

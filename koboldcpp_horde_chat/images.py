@@ -858,7 +858,7 @@ def check_decodable(data: bytes) -> str:
 
 # --- data URLs ---------------------------------------------------------------------
 
-_WHITESPACE: Final = re.compile(r"[ \t\r\n\f\v]+")
+_WHITESPACE_BYTES: Final = b" \t\r\n\f\v"
 _MEDIA_TYPE: Final = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*")
 
 
@@ -882,6 +882,14 @@ def parse_data_url(url: str) -> tuple[str, bytes]:
             reads only base64), a malformed media type, invalid base64, or no bytes.
             The message never quotes the URL.
     """
+    media_type, data, _canonical = _parse_data_url(url)
+    return media_type, data
+
+
+def _parse_data_url(url: str) -> tuple[str, bytes, bool]:
+    """:func:`parse_data_url`, plus whether ``url`` is already in the form
+    :func:`to_data_url` writes for its declared type: ``data:<type>;base64,`` in
+    lower case and base64 without whitespace."""
     if url[:5].lower() != "data:":
         raise ImageError("not a data: URL")
     comma = url.find(",", 5)
@@ -893,16 +901,25 @@ def parse_data_url(url: str) -> tuple[str, bytes]:
         raise ImageError("data: URL without ;base64 (koboldcpp reads only base64)")
     if media_type and not _MEDIA_TYPE.fullmatch(media_type):
         raise ImageError("malformed data: URL (media type)")
-    text = _WHITESPACE.sub("", url[comma + 1 :])
+    payload = url[comma + 1 :]
     try:
-        data = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
-    except UnicodeEncodeError:
-        raise ImageError("invalid base64 in data: URL (non-ASCII character)") from None
-    except binascii.Error as exc:
-        raise ImageError(f"invalid base64 in data: URL ({exc})") from None
+        # Most URLs are clean: decode the string as it is, without a copy.
+        data = binascii.a2b_base64(payload, strict_mode=True)
+        clean = True
+    except ValueError:  # whitespace, a non-ASCII character, invalid base64
+        try:
+            text = payload.encode("ascii").translate(None, _WHITESPACE_BYTES)
+        except UnicodeEncodeError:
+            raise ImageError("invalid base64 in data: URL (non-ASCII character)") from None
+        try:
+            data = binascii.a2b_base64(text, strict_mode=True)
+        except binascii.Error as exc:
+            raise ImageError(f"invalid base64 in data: URL ({exc})") from None
+        clean = False
     if not data:
         raise ImageError("empty image in data: URL")
-    return media_type, data
+    canonical = clean and url.startswith(f"data:{media_type};base64,")
+    return media_type, data, canonical
 
 
 def to_data_url(media_type: str, data: bytes) -> str:
@@ -1015,12 +1032,16 @@ class ImagePlan:
         inline: ``{(message index, part index): bytes}`` decoded from every
             ``data:`` URL (the ``base64`` transport and offloaded messages).
         declared: ``{(message index, part index): media type}`` as the data URLs
-            label them (for the log only; the bytes decide).
+            label them (the bytes decide the type sent to koboldcpp).
+        canonical: the data URLs already written as :func:`to_data_url` would
+            write them for their declared type; one whose declared type is also
+            the sniffed type is passed on as it is, not rebuilt.
     """
 
     to_fetch: list[tuple[int, int, str]] = field(default_factory=list)
     inline: dict[tuple[int, int], bytes] = field(default_factory=dict)
     declared: dict[tuple[int, int], str] = field(default_factory=dict)
+    canonical: set[tuple[int, int]] = field(default_factory=set)
 
     @property
     def count(self) -> int:
@@ -1053,11 +1074,13 @@ def plan_images(messages: Sequence[Any]) -> ImagePlan:
         scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
         if scheme == "data":
             try:
-                declared, data = parse_data_url(url)
+                declared, data, canonical = _parse_data_url(url)
             except ImageError as exc:
                 raise ImageError(f"{_where(i, j)}: {exc}") from None
             plan.inline[(i, j)] = data
             plan.declared[(i, j)] = declared
+            if canonical:
+                plan.canonical.add((i, j))
         elif scheme in ("http", "https"):
             plan.to_fetch.append((i, j, url))
         else:
@@ -1078,8 +1101,10 @@ def finish_images(
     :func:`check_decodable`, and replaces every image part's url by
     ``to_data_url(sniffed type, bytes)``: a PNG labelled ``image/jpeg`` becomes
     ``data:image/png;base64,...``; a fetched JPEG becomes
-    ``data:image/jpeg;base64,...`` whatever its ``Content-Type`` was. A job with
-    more than :data:`MAX_IMAGES` images is let through with a warning.
+    ``data:image/jpeg;base64,...`` whatever its ``Content-Type`` was. A data URL
+    already in that form (``plan.canonical``, labelled with its sniffed type) is
+    kept as it is: the same string, not a rebuilt copy. A job with more than
+    :data:`MAX_IMAGES` images is let through with a warning.
 
     Args:
         messages: the same conversation :func:`plan_images` was given (not modified).
@@ -1120,6 +1145,8 @@ def finish_images(
         except ImageError as exc:
             raise ImageError(f"{_where(i, j)}: {exc}") from None
         declared = plan.declared.get((i, j))
+        if declared == media_type and (i, j) in plan.canonical:
+            continue  # already what to_data_url would write: keep the string
         if declared is not None and declared != media_type:
             log.info(
                 "%s: data URL labelled %r holds %s; relabelled",

@@ -22,6 +22,8 @@ This is the only module that knows koboldcpp's module globals and ``args``
 - ``password`` (``--password``), sent to koboldcpp only;
 - ``args.host``, ``args.port`` (``args.proxy_port`` in router mode) and
   ``sslvalid``: the local URL, the way koboldcpp's ``get_my_epurl`` builds it;
+- ``args.maxrequestsize`` (``--maxrequestsize``, MB): the largest request body
+  koboldcpp accepts, so a larger chat request is faulted without sending it;
 
 and, on every pass of the loop, its live state (:class:`KcppManners`):
 ``last_non_horde_req_time``, ``modelbusy`` and ``exitcounter``.
@@ -49,12 +51,15 @@ from typing import Any
 from . import worker as _worker
 from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from .errors import ConfigError
-from .settings import DEFAULT_HORDE_URL, WorkerSettings
+from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 
 log = logging.getLogger(__name__)
 
 HORDE_URL_ENV = "AI_HORDE_URL"
 """Environment variable naming the Horde's base URL (e.g. a local dev Horde)."""
+
+KCPP_DEFAULT_MAX_REQUEST_MB = 32
+"""koboldcpp's ``--maxrequestsize`` default, MB."""
 
 KCPP_SHUTDOWN_EXITCOUNTER = 100
 """koboldcpp sets ``exitcounter`` to 999 when it shuts down; 100 and above means closing."""
@@ -130,7 +135,9 @@ def settings_from_kcpp(
     ``max_length`` = ``maxhordelen``; ``vision`` = ``bool(args.mmproj) and
     has_vision_support``; ``kcpp_password`` = ``password``; ``kcpp_url`` from
     :func:`kcpp_url`; ``horde_url`` from :func:`horde_url_from_env`; ``threads``
-    = ``parallel_batching_threads``. Everything else keeps its default (text
+    = ``parallel_batching_threads``; ``kcpp_max_request_bytes`` =
+    ``args.maxrequestsize`` MB (koboldcpp reads 0 or a missing value as 32)
+    times 1024 * 1024. Everything else keeps its default (text
     jobs served, nothing withheld, not trusted, and with vision the ``url``
     image transport beside ``base64``: issue 7 goes beyond seed 004's embedded
     worker there, and the standalone CLI declares the same).
@@ -151,7 +158,20 @@ def settings_from_kcpp(
         kcpp_password=str(_get(kcpp, "password", "") or ""),
         vision=vision,
         threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
+        kcpp_max_request_bytes=max_request_mb(args) * MIB,
     )
+
+
+def max_request_mb(args: object) -> int:
+    """koboldcpp's request body limit in MB (of 1024 * 1024 bytes), facts §5.8.
+
+    koboldcpp 1.116.1 defines ``--maxrequestsize`` as an int, default 32, and
+    answers a POST whose ``Content-Length`` is above ``maxrequestsize * 1024 *
+    1024`` with 500 "Payload is too big", reading 0 or None as 32. Raises
+    ConfigError for a value that is not an integer.
+    """
+    value = _get(args, "maxrequestsize", None)
+    return _as_int(value, "maxrequestsize") if value else KCPP_DEFAULT_MAX_REQUEST_MB
 
 
 def capabilities(settings: WorkerSettings) -> BackendCapabilities:

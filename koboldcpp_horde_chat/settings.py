@@ -47,6 +47,10 @@ class WorkerSettings:
         pop_timeout_s, submit_timeout_s, progress_timeout_s: read timeouts, seconds.
         connect_timeout_s: connect timeout for every call, seconds.
         messages_max_bytes: cap on a decoded ``messages_url`` body, bytes.
+        kcpp_max_request_bytes: the largest request body koboldcpp accepts, bytes:
+            its ``--maxrequestsize`` (MB, default 32) times 1024 * 1024; koboldcpp
+            answers a larger one with 500 "Payload is too big", so the worker
+            faults a chat job whose encoded request is larger without sending it.
         lease_s: a job's base lease when the pop has no ``ttl``, seconds.
     """
 
@@ -72,6 +76,7 @@ class WorkerSettings:
     progress_timeout_s: float = 10.0
     connect_timeout_s: float = 10.0
     messages_max_bytes: int = 36 * MIB
+    kcpp_max_request_bytes: int = 32 * MIB
     lease_s: float = 150.0
 
     @property

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import fit, guard, images, jobs, reply
-from .backend import BackendStream, KoboldClient
+from .backend import BackendStream, KoboldClient, encode_json
 from .backoff import Backoff, EmptyPopBackoff
 from .declaration import BackendCapabilities, pop_body
 from .errors import (
@@ -43,7 +43,7 @@ from .guard import MaintenanceGuard, RefusalGuard, refusal_features
 from .horde import HordeClient
 from .progress import ProgressAction, ProgressPoster
 from .reply import BackendReply
-from .settings import WorkerSettings
+from .settings import MIB, WorkerSettings
 from .sse import SSEDecoder
 from .stream import ChatStreamAccumulator
 
@@ -100,20 +100,50 @@ class StandaloneManners:
     ``idletime`` (seconds since the last generation request, ours included).
     A request that arrived after our own last one came from someone else: a
     local user, whom the worker yields to for ``local_idle_s``.
+
+    While koboldcpp is idle, ``/api/extra/perf`` is read at most once every
+    :attr:`PERF_IDLE_CACHE_S` (1 s) and the last answer is reused in between
+    (one GET less before most pops when jobs follow each other); after an
+    answer that said busy, or none, it is read again on every call. So a local
+    user who starts a generation is noticed up to 1 s later, and a pop in that
+    second waits in koboldcpp's queue behind them.
+
+    Args:
+        backend: the koboldcpp client.
+        clock: epoch seconds (``idletime`` is turned into a time with it).
+        monotonic: seconds, for the 1 s reuse (tests may pass fakes of both).
     """
 
-    def __init__(self, backend: KoboldClient, clock: Callable[[], float] = time.time) -> None:
+    PERF_IDLE_CACHE_S = 1.0
+    """Seconds an idle ``/api/extra/perf`` answer is reused."""
+
+    def __init__(
+        self,
+        backend: KoboldClient,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._backend = backend
         self._clock = clock
+        self._monotonic = monotonic
         self.last_own_request_time = 0.0
         self._baseline: float | None = None
         self._busy = False
+        # The last idle answer: when it was read (monotonic) and the epoch time
+        # of the last request it reported (None: no usable idletime).
+        self._idle_read_at: float | None = None
+        self._idle_last_request: float | None = None
 
     def note_own_request(self) -> None:
         """Record that the worker sent a generation request now."""
         self.last_own_request_time = self._clock()
 
     def last_local_request_time(self) -> float | None:
+        """Epoch seconds of a local user's last request, or None (see the class)."""
+        now = self._monotonic()
+        if self._idle_read_at is not None and now - self._idle_read_at < self.PERF_IDLE_CACHE_S:
+            return self._local(self._idle_last_request)
+        self._idle_read_at = None
         try:
             perf = self._backend.perf()
         except BackendError:
@@ -121,13 +151,22 @@ class StandaloneManners:
             return None
         self._busy = perf.get("idle") == 0 or bool(perf.get("queue"))
         idletime = perf.get("idletime")
-        if not isinstance(idletime, (int, float)) or isinstance(idletime, bool):
+        last_request: float | None = None
+        if isinstance(idletime, (int, float)) and not isinstance(idletime, bool):
+            last_request = self._clock() - float(idletime)
+            if self._baseline is None:
+                # Requests from before the worker started (koboldcpp's own start-up
+                # included) are not a local user to yield to.
+                self._baseline = last_request
+        if not self._busy:
+            self._idle_read_at = now
+            self._idle_last_request = last_request
+        return self._local(last_request)
+
+    def _local(self, last_request: float | None) -> float | None:
+        """``last_request`` when it came after the worker's own last request."""
+        if last_request is None or self._baseline is None:
             return None
-        last_request = self._clock() - float(idletime)
-        if self._baseline is None:
-            # Requests from before the worker started (koboldcpp's own start-up
-            # included) are not a local user to yield to.
-            self._baseline = last_request
         if last_request > max(self.last_own_request_time, self._baseline) + 1.0:
             return last_request
         return None
@@ -590,7 +629,21 @@ class Worker:
             return
         genkey = self._current_genkey = _genkey()
         stream = job.stream_progress and not job.has_tools
-        backend_body = jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
+        backend_body = encode_json(
+            jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
+        )
+        limit = self.settings.kcpp_max_request_bytes
+        if len(backend_body) > limit:
+            # koboldcpp would answer 500 "Payload is too big" (its --maxrequestsize).
+            self._fault_chat(
+                job.id,
+                model_id,
+                lease,
+                f"the chat request is {len(backend_body)} bytes, over koboldcpp's "
+                f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
+                "(start koboldcpp with a larger --maxrequestsize to serve such jobs)",
+            )
+            return
         self._note_own_request()
         try:
             if stream:
@@ -759,7 +812,7 @@ class Worker:
         self,
         job: jobs.ChatJob,
         model_id: str,
-        backend_body: dict[str, Any],
+        backend_body: bytes | bytearray,
         genkey: str,
         lease: _Lease,
     ) -> BackendReply | None:
@@ -857,7 +910,7 @@ class Worker:
             slot.close()
 
     def _open_stream(
-        self, body: dict[str, Any], lease: _Lease, slot: _StreamSlot
+        self, body: bytes | bytearray, lease: _Lease, slot: _StreamSlot
     ) -> BackendStream:
         """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.
 

@@ -114,7 +114,23 @@ BUSY_BODY: dict[str, Any] = {
     "detail": {"msg": "Server is busy; please try again later.", "type": "service_unavailable"}
 }
 BAD_INPUT_BODY: dict[str, Any] = {"detail": {"msg": "Error parsing input.", "type": "bad_input"}}
-TOO_BIG_BODY: dict[str, Any] = {"detail": {"msg": "Payload is too big", "type": "bad_input"}}
+
+
+def too_big_body(max_request_bytes: int) -> dict[str, Any]:
+    """koboldcpp's 500 answer to a body over ``--maxrequestsize`` (facts §5.8):
+    ``{"detail": {"msg": "Payload is too big. Max payload size is 32MB.", "type":
+    "bad_input"}}`` (a limit that is not whole MB is given in bytes)."""
+    mib = 1024 * 1024
+    size = (
+        f"{max_request_bytes // mib}MB"
+        if max_request_bytes % mib == 0
+        else f"{max_request_bytes} bytes"
+    )
+    message = f"Payload is too big. Max payload size is {size}."
+    return {"detail": {"msg": message, "type": "bad_input"}}
+
+
+TOO_BIG_BODY: dict[str, Any] = too_big_body(MAX_REQUEST_BYTES)
 
 THINK_PAIRS: tuple[tuple[str, str], ...] = (
     ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"),
@@ -871,6 +887,10 @@ class ScriptedKoboldcpp:
         horde_max_context_length: ``--hordemaxctx`` (0: the context size).
         abort_reply_delay_s: koboldcpp waits 0.1 s before answering an abort.
         host, port: where to listen (port 0: an ephemeral port).
+        max_request_bytes: ``--maxrequestsize`` in bytes (default
+            :data:`MAX_REQUEST_BYTES`, read when the object is made): a request
+            whose ``Content-Length`` is larger is answered 500 "Payload is too
+            big. Max payload size is 32MB." without reading its body.
 
     Public state, readable from tests (append-only lists):
         requests: ``{"method", "path", "headers" (lower-case names), "body"
@@ -917,8 +937,12 @@ class ScriptedKoboldcpp:
         abort_reply_delay_s: float = 0.1,
         host: str = "127.0.0.1",
         port: int = 0,
+        max_request_bytes: int | None = None,
     ) -> None:
         self.model_name = model_name
+        self.max_request_bytes = (
+            MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
+        )
         self.max_context_length = max_context_length
         self.vision = vision
         self.password = password
@@ -1158,10 +1182,10 @@ class ScriptedKoboldcpp:
             length = int(h.headers.get("content-length") or 0)
         except ValueError:
             length = 0
-        if length > MAX_REQUEST_BYTES:
+        if length > self.max_request_bytes:
             ex = _Exchange(h, "", None, b"")
             self._record(h, path, None)
-            ex.send_json(500, TOO_BIG_BODY)
+            ex.send_json(500, too_big_body(self.max_request_bytes))
             h.close_connection = True
             return
         raw = h.rfile.read(length) if length > 0 else b""

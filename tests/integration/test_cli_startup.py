@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat.cli import build_parser, check_flags, normalise_url
+from koboldcpp_horde_chat.backend import KoboldClient
+from koboldcpp_horde_chat.cli import build_parser, check_flags, normalise_url, settings_from_args
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
@@ -61,6 +62,7 @@ def test_a_url_without_an_http_scheme_is_a_config_error(value: str) -> None:
         (["--kcpp-url", "127.0.0.1:5001"], "--kcpp-url needs an http"),
         (["--chat-withhold", "teleport"], "unknown name"),
         (["--hordegenlen", "-1"], "must not be negative"),
+        (["--kcpp-max-request-mb", "0"], "--kcpp-max-request-mb must be at least 1"),
     ],
 )
 def test_flag_mistakes_exit_2_at_once_with_one_error_line(flags: list[str], message: str) -> None:
@@ -78,6 +80,14 @@ def test_check_flags_normalises_both_urls() -> None:
     )
     check_flags(args)
     assert (args.horde_url, args.kcpp_url) == ("http://h:1", "http://k:2")
+
+
+@pytest.mark.parametrize(("flags", "limit"), [([], 32 * 1024 * 1024), (["--kcpp-max-request-mb", "64"], 64 * 1024 * 1024)])
+def test_koboldcpps_maxrequestsize_is_given_in_mb_and_32_by_default(flags: list[str], limit: int) -> None:
+    with ScriptedKoboldcpp() as kcpp:
+        args = build_parser().parse_args(["--hordekey", "k", "--hordeworkername", "w", "--kcpp-url", kcpp.url, *flags])
+        settings, _caps = settings_from_args(args, KoboldClient(kcpp.url))
+    assert settings.kcpp_max_request_bytes == limit
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -520,3 +520,53 @@ def test_image_urls_are_signed_for_at_least_600_seconds_and_checked(horde: DevHo
     assert requests.get(url.replace("sig=", "sig=0"), timeout=5).status_code == 403
     later = url.replace(f"exp={parse_qs(urlsplit(url).query)['exp'][0]}", f"exp={exp + 1:.3f}")
     assert requests.get(later, timeout=5).status_code == 403  # the signature covers the expiry
+
+
+# --- koboldcpp's --maxrequestsize -------------------------------------------------------------
+
+BIG_PHOTO = jpeg(64, 64)  # about 12 kB, 16 kB as base64
+SMALL_LIMIT = 12_000  # koboldcpp started with a (tiny) --maxrequestsize, in bytes
+
+
+@pytest.mark.parametrize("kcpp", [{"vision": True, "max_request_bytes": SMALL_LIMIT}], indirect=True)
+def test_a_chat_request_koboldcpp_would_refuse_as_too_big_is_faulted_without_sending_it(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp
+) -> None:
+    """koboldcpp answers a body over --maxrequestsize with 500 "Payload is too big"
+    (facts §5.8). The image makes the chat request too big (the fit count sends no
+    image bytes, so it fits): the worker faults the job without a reason, and never
+    sends it; a small job afterwards is served."""
+    assert len(json.dumps(image_request(data_url("image/jpeg", BIG_PHOTO)))) > SMALL_LIMIT
+    big = horde.send_chat(image_request(data_url("image/jpeg", BIG_PHOTO)), max_attempts=1)
+    settings = WorkerSettings(
+        api_key=API_KEY,
+        worker_name="test-worker",
+        model_id=MODEL,
+        backend_max_context_length=kcpp.max_context_length,
+        max_length=512,
+        horde_url=horde.url,
+        kcpp_url=kcpp.url,
+        vision=True,
+        local_idle_s=0.0,
+        kcpp_max_request_bytes=SMALL_LIMIT,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=run_worker,
+        args=(settings,),
+        kwargs={"stop_event": stop, "caps": BackendCapabilities(vision=True, image_url=True)},
+        daemon=True,
+    )
+    thread.start()
+    try:
+        assert horde.wait([big], timeout_s=20)
+        the_single_fault_without_reason(horde, big)
+        small = horde.send_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        assert horde.wait([small], timeout_s=20)
+    finally:
+        stop.set()
+        thread.join(15)
+    assert [e["action"] for e in horde.ledger] == ["faulted", "submitted"]
+    assert len(tokencount_bodies(kcpp)) == 2  # both were fit-counted
+    chats = [r for r in kcpp.requests if r["path"] == "/v1/chat/completions"]
+    assert len(chats) == 1 and chats[0]["body"]["messages"][0]["content"] == "hi"

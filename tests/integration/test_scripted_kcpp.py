@@ -746,6 +746,36 @@ def test_busy_answers_503_for_every_generation(k: ScriptedKoboldcpp) -> None:
     assert k.generations == []
 
 
+def test_a_body_over_maxrequestsize_is_answered_500_payload_too_big_without_generating() -> None:
+    """koboldcpp 1.116.1 answers a Content-Length above ``--maxrequestsize`` MB with
+    500 and this body, before reading it (facts §5.8); the default is 32 MB."""
+    assert ScriptedKoboldcpp().max_request_bytes == 32 * 1024 * 1024
+    with ScriptedKoboldcpp(max_request_bytes=1024 * 1024) as k:
+        fits = {"messages": [{"role": "user", "content": "x" * (1024 * 1024 - 100)}], "max_tokens": 4}
+        size = len(json.dumps(fits).encode())
+        padded = dict(fits, genkey="g" * (1024 * 1024 - size - len(', "genkey": ""')))
+        assert len(json.dumps(padded).encode()) == 1024 * 1024
+        assert requests.post(k.url + "/v1/chat/completions", json=padded).status_code == 200
+        over = dict(padded, genkey=padded["genkey"] + "g")
+        answer = requests.post(k.url + "/v1/chat/completions", json=over)
+        assert answer.status_code == 500
+        assert answer.json() == {
+            "detail": {"msg": "Payload is too big. Max payload size is 1MB.", "type": "bad_input"}
+        }
+        assert len(k.generations) == 1
+        assert KoboldClient(k.url).tokencount("ok", timeout_s=5) > 0  # still serving
+
+
+def test_a_body_over_maxrequestsize_fails_the_client_call_with_status_500() -> None:
+    with ScriptedKoboldcpp(max_request_bytes=4096) as k:
+        with pytest.raises(BackendError) as caught:
+            KoboldClient(k.url).chat_completion(
+                {"messages": [{"role": "user", "content": "y" * 5000}]}, timeout_s=5
+            )
+        assert caught.value.status == 500
+        assert "Payload is too big. Max payload size is 4096 bytes." in str(caught.value)
+
+
 def test_generations_are_serialised_and_perf_shows_the_queue() -> None:
     with ScriptedKoboldcpp(token_delay_s=0.03) as k:
         story = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 10}

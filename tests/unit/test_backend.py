@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 import requests
 import responses
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from responses import matchers
 
 from koboldcpp_horde_chat.backend import (
     PROTECTED_MODEL_NAME,
+    RAW_STRING_MIN_CHARS,
     BackendInfo,
     BackendStream,
     KoboldClient,
+    encode_json,
 )
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, BackendUnauthorized
 
@@ -504,3 +511,157 @@ def test_the_base_url_trailing_slash_is_ignored(mocked: Any) -> None:
 
 def test_the_client_repr_hides_the_password() -> None:
     assert PASSWORD not in repr(KoboldClient(BASE, PASSWORD))
+
+
+# ----------------------------------------------------------- encode_json
+
+# Long strings around the 64 KiB threshold: a base64 data URL, and strings that
+# need escaping (quote, backslash, control characters, DEL, non-ASCII).
+LONG_UNITS = ["A", "iVBORw0KGgo+/=", "x\n", 'q"', "\\", "\u00e9", "\x7f", "\x00", "~ ", "\u2603b"]
+LONG_STRINGS = st.builds(
+    lambda head, unit, n, tail: head + unit * n + tail,
+    st.sampled_from(["", "data:image/png;base64,", "\t", "\u00fc"]),
+    st.sampled_from(LONG_UNITS),
+    st.sampled_from([RAW_STRING_MIN_CHARS - 1, RAW_STRING_MIN_CHARS, RAW_STRING_MIN_CHARS + 7]),
+    st.text(max_size=3),
+)
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | LONG_STRINGS,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(JSON_VALUES)
+def test_encode_json_round_trips_any_json_value(value: Any) -> None:
+    encoded = encode_json(value)
+    assert json.loads(encoded) == value
+    assert bytes(encoded) == json.dumps(value).encode("ascii")
+
+
+def test_a_long_clean_string_is_spliced_in_and_the_rest_encoded_by_json() -> None:
+    url = "data:image/jpeg;base64," + "/9j/4AAQ" * 20_000
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "caf\u00e9 \"quoted\"\n"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]}], "tools": ({"a": 1}, [url]), "n": 1.5}  # fmt: skip
+    encoded = encode_json(body)
+    assert isinstance(encoded, bytearray)
+    assert bytes(encoded) == json.dumps(body).encode("ascii")
+    assert body["messages"][0]["content"][1]["image_url"]["url"] is url  # not modified
+
+
+@pytest.mark.parametrize("at", [0, 300 * 1024, 600 * 1024 + 5])
+def test_a_control_character_deep_in_a_long_string_is_escaped(at: int) -> None:
+    text = "A" * at + "\n" + "B" * (700 * 1024 - at)
+    body = {"before": "x" * RAW_STRING_MIN_CHARS, "text": text, "after": ["y" * RAW_STRING_MIN_CHARS, 1]}
+    assert bytes(encode_json(body)) == json.dumps(body).encode("ascii")
+
+
+def test_encode_json_refuses_what_json_refuses() -> None:
+    with pytest.raises(TypeError):
+        encode_json({"a": object(), "b": "x" * RAW_STRING_MIN_CHARS})
+    looped: list[Any] = []
+    looped.append(looped)
+    with pytest.raises(RecursionError):
+        encode_json(looped)
+    with pytest.raises(BackendError, match="not JSON"):
+        KoboldClient(BASE).chat_completion({"messages": looped}, timeout_s=5)
+
+
+class RawServer:
+    """A local HTTP server keeping each request's headers and raw body; answers
+    every POST with a chat completion."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                outer.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                data = json.dumps(CHAT_BODY).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def raw_server() -> Iterator[RawServer]:
+    server = RawServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_a_large_chat_body_reaches_koboldcpp_whole_with_its_content_length(
+    raw_server: RawServer,
+) -> None:
+    images = ["data:image/png;base64," + "iVBORw0KGgo" * (9_000 + i) for i in range(3)]
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be terse. \u2603 \"ok\"\n"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What differs?"},
+                *({"type": "image_url", "image_url": {"url": u}} for u in images),
+            ]},
+        ],
+        "max_tokens": 64,
+        "genkey": "HORDEREQ_1",
+    }  # fmt: skip
+    client = KoboldClient(raw_server.url)
+    assert client.chat_completion(body, timeout_s=10) == CHAT_BODY
+    assert client.chat_completion(encode_json(body), timeout_s=10) == CHAT_BODY
+    for headers, raw in raw_server.received:
+        assert json.loads(raw) == body
+        assert headers["content-length"] == str(len(raw))
+        assert "transfer-encoding" not in headers
+    assert raw_server.received[0][1] == raw_server.received[1][1]
+
+
+def test_an_encoded_stream_body_is_sent_unchanged(mocked: Any) -> None:
+    mocked.add(
+        responses.POST, f"{BASE}/v1/chat/completions", body=b"data: [DONE]\n\n",
+        content_type="text/event-stream",
+    )
+    encoded = encode_json({"messages": [], "stream": True, "genkey": "HORDEREQ_2"})
+    KoboldClient(BASE).open_chat_stream(encoded, read_timeout_s=5).close()
+    assert mocked.calls[0].request.body == encoded
+
+
+# ------------------------------------------------------- the environment
+# (proxies, .netrc and CA bundles against local servers: tests/integration/test_http_env.py)
+
+
+def test_a_session_passed_in_is_used_as_it_is() -> None:
+    session = requests.Session()
+    KoboldClient(BASE, session=session)
+    assert session.trust_env is True and session.proxies == {}

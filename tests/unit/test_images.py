@@ -618,6 +618,18 @@ def test_whitespace_and_line_breaks_in_the_base64_are_tolerated() -> None:
     assert parse_data_url("data:image/png;base64,\r\n " + text) == ("image/png", data)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=1, max_size=200), st.lists(st.sampled_from(" \t\r\n\f\v"), max_size=6), st.data())
+def test_base64_with_or_without_whitespace_decodes_to_the_same_bytes(
+    data: bytes, spaces: list[str], draw: st.DataObject
+) -> None:
+    text = base64.b64encode(data).decode()
+    for space in spaces:
+        at = draw.draw(st.integers(0, len(text)))
+        text = text[:at] + space + text[at:]
+    assert parse_data_url("data:image/png;base64," + text) == ("image/png", data)
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [
@@ -733,6 +745,48 @@ def test_a_base64_job_gets_its_images_checked_and_relabelled_by_their_bytes() ->
         (0, 2, to_data_url("image/png", png_bytes)),
     ]
     assert result[0]["content"][0] == {"type": "text", "text": "What is this?"}
+
+
+def test_a_data_url_already_in_koboldcpps_form_is_passed_on_as_the_same_string() -> None:
+    """No second copy of a large image: the string the job brought is the one sent."""
+    jpeg_bytes, png_bytes = jpeg(), png()
+    canonical = to_data_url("image/jpeg", jpeg_bytes)
+    canonical_png = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
+    messages = [image_message(canonical, canonical_png)]
+    plan = plan_images(messages)
+    assert plan.canonical == {(0, 1), (0, 2)}
+    result = finish_images(messages, plan, {})
+    assert result[0]["content"][1]["image_url"]["url"] is canonical
+    assert result[0]["content"][2]["image_url"]["url"] is canonical_png
+    assert result[0]["content"][1] is not messages[0]["content"][1]  # still a copy around it
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "data:image/png;base64,",  # labelled PNG, holds a JPEG: relabelled
+        "DATA:image/jpeg;base64,",  # upper case
+        "data:Image/JPEG;base64,",
+        "data:image/jpeg;charset=binary;base64,",  # a parameter
+        "data:image/jpeg; base64,",
+        "data:image/jpg;base64,",  # not the sniffed type's name
+    ],
+)
+def test_any_other_data_url_is_rebuilt_in_koboldcpps_form(head: str) -> None:
+    data = jpeg()
+    messages = [image_message(head + base64.b64encode(data).decode())]
+    result = finish_images(messages, plan_images(messages), {})
+    assert image_urls(result) == [(0, 1, to_data_url("image/jpeg", data))]
+
+
+def test_a_data_url_with_line_breaks_is_rebuilt_without_them() -> None:
+    data = jpeg()
+    url = "data:image/jpeg;base64," + base64.encodebytes(data).decode()
+    assert "\n" in url
+    messages = [image_message(url)]
+    plan = plan_images(messages)
+    assert plan.canonical == set()
+    assert image_urls(finish_images(messages, plan, {})) == [(0, 1, to_data_url("image/jpeg", data))]
 
 
 def test_a_url_job_is_planned_fetched_and_finished_as_data_urls() -> None:

@@ -70,6 +70,7 @@ def make_kcpp(**globals_: Any) -> types.ModuleType:
         "parallelrequests": 1,
         "contextsize": 12288,
         "password": None,
+        "maxrequestsize": 32,
     }
     arg_values.update(globals_.pop("args_", {}))
     kcpp = types.ModuleType("koboldcpp")
@@ -140,6 +141,24 @@ def test_context_is_the_smaller_of_maxctx_and_hordemaxctx(
     body = pop_body(s, kcpp_hook.capabilities(s))
     assert body["max_context_length"] == advertised
     assert body["chat_limits"]["max_context_length"] == advertised
+
+
+@pytest.mark.parametrize(
+    ("maxrequestsize", "limit"),
+    [(32, 32 * 1024 * 1024), (64, 64 * 1024 * 1024), (0, 32 * 1024 * 1024), (None, 32 * 1024 * 1024)],
+)
+def test_the_request_size_limit_is_koboldcpps_maxrequestsize_in_mb(
+    maxrequestsize: int | None, limit: int
+) -> None:
+    """koboldcpp refuses a body over int(args.maxrequestsize) MB, reading 0 or None as 32."""
+    s = hook_settings(make_kcpp(args_={"maxrequestsize": maxrequestsize}))
+    assert s.kcpp_max_request_bytes == limit
+
+
+def test_a_koboldcpp_without_maxrequestsize_gets_its_default_limit() -> None:
+    kcpp = make_kcpp()
+    del kcpp.args.maxrequestsize
+    assert hook_settings(kcpp).kcpp_max_request_bytes == 32 * 1024 * 1024
 
 
 @pytest.mark.parametrize(

@@ -433,3 +433,162 @@ def test_an_abort_after_a_timeout_is_quick_enough_to_leave_room_for_the_fault() 
     worker.run_once()
     assert horde.verdicts() == {"j1": "faulted"}
     assert backend.last_timeout_s["abort"] <= 2.0
+
+
+# --- koboldcpp's --maxrequestsize ---------------------------------------------------------
+
+
+class SizeRecordingBackend(FakeBackend):
+    """Records the size of every chat body, as sent (the worker sends it encoded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def chat_completion(self, body: Any, *, timeout_s: float) -> Any:
+        self.sizes.append(len(body))
+        return super().chat_completion(body, timeout_s=timeout_s)
+
+    def open_chat_stream(self, body: Any, *, read_timeout_s: float) -> Any:
+        self.sizes.append(len(body))
+        return super().open_chat_stream(body, read_timeout_s=read_timeout_s)
+
+
+LONG_TEXT = "Describe this at length. " * 400  # 10,000 characters, about 2,500 tokens
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_chat_request_over_koboldcpps_maxrequestsize_is_faulted_without_sending_it(
+    streamed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """koboldcpp answers a body over --maxrequestsize with 500 "Payload is too big"
+    (facts §5.8): the worker faults the job at once, without a fault_reason."""
+    extra = {"stream_progress": True} if streamed else {}
+    pop = chat_pop(
+        "j1", messages=[{"role": "user", "content": LONG_TEXT}], max_context_length=4096, **extra
+    )
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat.worker")
+    worker, horde, backend, _ = make([pop], kcpp_max_request_bytes=8 * 1024)
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "faulted"}
+    assert horde.jobs["j1"].bodies == [{"id": "j1", "state": "faulted", "model_id": MODEL}]
+    assert "chat" not in backend.calls and "stream" not in backend.calls
+    assert "abort" not in backend.calls
+    line = next(r.getMessage() for r in caplog.records if "faulted" in r.getMessage())
+    assert "--maxrequestsize of 8192 bytes" in line and "job=j1" in line
+
+
+def test_a_chat_request_of_exactly_koboldcpps_limit_is_sent() -> None:
+    """koboldcpp refuses only a Content-Length above the limit."""
+    pop = chat_pop("j1", messages=[{"role": "user", "content": LONG_TEXT}], max_context_length=4096)
+    probe = SizeRecordingBackend()
+    worker, _, _, _ = make([pop], backend=probe)
+    worker.run_once()
+    size = probe.sizes[0]
+    assert size > 10_000
+
+    exact = SizeRecordingBackend()
+    worker, horde, _, _ = make([pop], backend=exact, kcpp_max_request_bytes=size)
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "submitted"} and exact.sizes == [size]
+
+    over = SizeRecordingBackend()
+    worker, horde, _, _ = make([pop], backend=over, kcpp_max_request_bytes=size - 1)
+    worker.run_once()
+    assert horde.verdicts() == {"j1": "faulted"} and over.sizes == []
+
+
+def test_the_default_limit_is_koboldcpps_default_of_32_mb() -> None:
+    settings = WorkerSettings(api_key=KEY, worker_name="w", model_id=MODEL, backend_max_context_length=4096)
+    assert settings.kcpp_max_request_bytes == 32 * 1024 * 1024
+
+
+# --- StandaloneManners: koboldcpp's /api/extra/perf ---------------------------------------
+
+
+class PerfBackend:
+    """koboldcpp's /api/extra/perf as a script: each read takes the next answer (the
+    last one repeats); ``reads`` counts the GETs."""
+
+    def __init__(self, *answers: dict[str, Any] | Exception) -> None:
+        self.answers = list(answers)
+        self.reads = 0
+
+    def perf(self, *, timeout_s: float = 10.0) -> dict[str, Any]:
+        self.reads += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return dict(answer)
+
+
+IDLE = {"idle": 1, "queue": 0, "idletime": 100.0}
+BUSY = {"idle": 0, "queue": 0, "idletime": 0.0}
+
+
+def standalone(backend: PerfBackend) -> tuple[Any, FakeClock]:
+    from koboldcpp_horde_chat.worker import StandaloneManners
+
+    clock = FakeClock()
+    return StandaloneManners(cast(Any, backend), clock=clock, monotonic=clock), clock
+
+
+def test_an_idle_koboldcpp_is_asked_for_perf_at_most_once_a_second() -> None:
+    backend = PerfBackend(IDLE)
+    manners, clock = standalone(backend)
+    for _ in range(5):  # five pops in a second, as jobs follow each other
+        assert manners.last_local_request_time() is None
+        assert manners.model_busy() is False
+        clock.advance(0.19)
+    assert backend.reads == 1
+    clock.advance(0.1)  # a second after the read
+    manners.last_local_request_time()
+    assert backend.reads == 2
+
+
+def test_after_a_busy_answer_perf_is_read_on_every_call() -> None:
+    backend = PerfBackend(BUSY)
+    manners, clock = standalone(backend)
+    for _ in range(3):
+        manners.last_local_request_time()
+        assert manners.model_busy() is True
+        clock.advance(0.2)
+    assert backend.reads == 3
+
+
+def test_a_failed_perf_read_is_not_kept() -> None:
+    from koboldcpp_horde_chat.errors import BackendError
+
+    backend = PerfBackend(BackendError("connection refused"), IDLE)
+    manners, _clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    assert manners.last_local_request_time() is None
+    assert backend.reads == 2
+
+
+def test_a_local_user_is_noticed_at_most_a_second_late() -> None:
+    """koboldcpp reports idletime 100 s at first; then a local user sends a request."""
+    backend = PerfBackend(IDLE)
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None  # the baseline: nobody since start
+    clock.advance(0.5)
+    user_at = clock()
+    backend.answers = [{"idle": 0, "queue": 0, "idletime": 0.5}]  # read 0.5 s later
+    assert manners.last_local_request_time() is None  # the idle answer is reused
+    assert manners.model_busy() is False
+    clock.advance(0.5)  # one second after the last read
+    assert manners.last_local_request_time() == user_at
+    assert manners.model_busy() is True
+    assert backend.reads == 2
+
+
+def test_the_workers_own_request_after_a_cached_answer_is_not_a_local_user() -> None:
+    backend = PerfBackend(IDLE)
+    manners, clock = standalone(backend)
+    manners.last_local_request_time()
+    clock.advance(0.3)
+    manners.note_own_request()  # the worker's generation, koboldcpp idle again after it
+    backend.answers = [{"idle": 1, "queue": 0, "idletime": 0.2}]
+    clock.advance(0.8)
+    assert manners.last_local_request_time() is None
+    assert backend.reads == 2
