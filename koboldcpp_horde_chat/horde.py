@@ -18,7 +18,7 @@ Errors are mapped by HTTP status and the Horde's ``rc``, never by message text:
 * no answer: :class:`HordeUnavailable` with status 0 and ``sent=False`` when the
   request certainly did not leave (connection refused, DNS failure, connect
   timeout), ``sent=None`` when it may have (read timeout, reset). A TLS failure
-  says so and points at ``REQUESTS_CA_BUNDLE`` / ``SSL_CERT_FILE``.
+  says so and points at ``REQUESTS_CA_BUNDLE`` (or ``CURL_CA_BUNDLE``).
 * an answer body over the cap (64 MiB for pop, which may carry base64 images;
   1 MiB for the others): :class:`HordeUnavailable`.
 
@@ -392,7 +392,7 @@ class HordeClient:
         if isinstance(exc, requests.exceptions.SSLError):
             what = (
                 f"TLS failure talking to {self._host}; if a proxy or private CA sits in "
-                "between, point REQUESTS_CA_BUNDLE (or SSL_CERT_FILE) at its CA bundle"
+                "between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
             )
             sent = None
         elif isinstance(exc, requests.exceptions.ConnectTimeout):

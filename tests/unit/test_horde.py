@@ -349,7 +349,7 @@ def test_tls_failure_names_tls_and_the_ca_bundle_variables() -> None:
         client().pop(POP_BODY, timeout_s=5)
     message = str(info.value)
     assert "TLS failure" in message
-    assert "REQUESTS_CA_BUNDLE" in message and "SSL_CERT_FILE" in message
+    assert "REQUESTS_CA_BUNDLE" in message and "CURL_CA_BUNDLE" in message
 
 
 @responses.activate
