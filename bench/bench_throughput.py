@@ -59,8 +59,9 @@ if str(PKG_ROOT) not in sys.path:
 from koboldcpp_horde_chat.backend import BackendStream, KoboldClient  # noqa: E402
 from koboldcpp_horde_chat.declaration import BackendCapabilities, pop_body  # noqa: E402
 from koboldcpp_horde_chat.horde import HordeClient  # noqa: E402
+from koboldcpp_horde_chat.manners import NoManners, StandaloneManners  # noqa: E402
 from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
-from koboldcpp_horde_chat.worker import NoManners, StandaloneManners, Worker  # noqa: E402
+from koboldcpp_horde_chat.worker import Worker  # noqa: E402
 
 API_KEY = "bench-key-0123456789"
 MODEL = "koboldcpp/bench-model"

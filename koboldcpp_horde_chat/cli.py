@@ -26,8 +26,9 @@ from . import BRIDGE_AGENT, __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
+from .manners import StandaloneManners
 from .settings import DEFAULT_HORDE_URL, DEFAULT_KCPP_URL, MIB, WorkerSettings
-from .worker import StandaloneManners, Worker
+from .worker import Worker
 
 log = logging.getLogger("koboldcpp_horde_chat")
 

@@ -153,3 +153,44 @@ class ReplyError(HordeChatError):
     For example finish reason ``error``, an unknown finish reason, or a malformed
     tool call. The job is faulted without ``fault_reason`` (seed: worked example).
     """
+
+
+# --- serving a job -----------------------------------------------------------------
+
+
+class JobFault(HordeChatError):
+    """A step of a job run cannot serve the job: fault it (seed "7. Fault a job").
+
+    Raised by the job runs and turned into the fault submit and its log line
+    in one place (the submit pipeline).
+
+    Attributes:
+        why: a one-line reason for the log (never a key or a password).
+        fault_reason: the seed's ``fault_reason`` (``"prompt_overflow"``,
+            ``"reply_refused"``), or None for a fault without one.
+        counts: False for a fault the Horde counts apart (after a
+            ``ChatSubmitNonconformant`` refusal): it does not count toward
+            maintenance.
+        backend_failed: koboldcpp failed the job (the loop then checks that it
+            still answers before the next pop).
+    """
+
+    def __init__(
+        self,
+        why: str,
+        *,
+        fault_reason: str | None = None,
+        counts: bool = True,
+        backend_failed: bool = False,
+    ) -> None:
+        super().__init__(why)
+        self.why = why
+        self.fault_reason = fault_reason
+        self.counts = counts
+        self.backend_failed = backend_failed
+
+
+class JobEnded(HordeChatError):
+    """The job ended without a submit: the client cancelled it or the Horde
+    ended it (``ChatJobAborted``). The local generation was aborted; nothing
+    more is sent for it (seed "Streaming progress")."""

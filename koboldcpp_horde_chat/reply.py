@@ -318,6 +318,12 @@ def text_submit(job_id: str, generation: str) -> dict[str, Any]:
     return {"id": job_id, "generation": generation, "state": "ok"}
 
 
+def text_fault_submit(job_id: str) -> dict[str, Any]:
+    """A text job's faulted submit body: ``{"id", "generation": "", "state": "faulted"}``
+    (seed step 8: a text job is submitted in its own kind's shape)."""
+    return {"id": job_id, "generation": "", "state": "faulted"}
+
+
 def text_generation(body: object) -> str:
     """The generated text of koboldcpp's ``/api/v1/generate`` answer.
 

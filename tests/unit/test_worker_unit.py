@@ -417,10 +417,10 @@ def test_a_payload_with_a_huge_number_of_keys_makes_short_log_lines(
     pop = chat_pop("j1")
     pop["payload"].update({f"extra_key_{i}": 0 for i in range(100_000)})
     worker, horde, _, _ = make([pop])
-    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat.worker")
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     worker.run_once()
     assert horde.verdicts() == {"j1": "submitted"}
-    lines = [r.getMessage() for r in caplog.records if r.name == "koboldcpp_horde_chat.worker"]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("koboldcpp_horde_chat.")]
     assert lines and max(len(line) for line in lines) < 2000
 
 
@@ -467,7 +467,7 @@ def test_a_chat_request_over_koboldcpps_maxrequestsize_is_faulted_without_sendin
     pop = chat_pop(
         "j1", messages=[{"role": "user", "content": LONG_TEXT}], max_context_length=4096, **extra
     )
-    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat.worker")
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     worker, horde, backend, _ = make([pop], kcpp_max_request_bytes=8 * 1024)
     worker.run_once()
     assert horde.verdicts() == {"j1": "faulted"}
@@ -527,7 +527,7 @@ BUSY = {"idle": 0, "queue": 0, "idletime": 0.0}
 
 
 def standalone(backend: PerfBackend) -> tuple[Any, FakeClock]:
-    from koboldcpp_horde_chat.worker import StandaloneManners
+    from koboldcpp_horde_chat.manners import StandaloneManners
 
     clock = FakeClock()
     return StandaloneManners(cast(Any, backend), clock=clock, monotonic=clock), clock

@@ -1,0 +1,246 @@
+"""A chat job run: the seed's steps for one chat job, in order.
+
+1. the conversation: ``payload.messages``, or the offloaded ``messages_url``
+   fetched right after the pop (seed "Fetch offloaded messages");
+2. its images, each made a checked data URL (step 5, seed 004);
+3. the fit check, counting JSON and never rendering (step 3);
+4. the generation through koboldcpp's ``/v1/chat/completions``, whole, or
+   streamed as progress posts when the client streams (``streamed.py``);
+5. the structured reply to submit (step 6).
+
+A step that cannot serve the job raises :class:`~errors.JobFault` with the
+fault reason (or none) and a one-line why; the loop hands it to the submit
+pipeline. A cancel raises :class:`~errors.JobEnded`.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import fit, images, jobs, reply
+from .backend import encode_json
+from .declaration import BackendCapabilities
+from .errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
+from .fetch import fetch_image, fetch_messages
+from .guard import refusal_features
+from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
+from .settings import MIB
+from .state import WorkerState
+from .streamed import generate_streamed
+from .submit import refused_reply_fault
+
+log = logging.getLogger(__name__)
+
+#: Image URLs fetched at once for one job (seed 004: url transport).
+IMAGE_FETCH_THREADS = 4
+#: The longest a ``messages_url`` fetch may take, seconds (the URL lives 120 s).
+MESSAGES_FETCH_MAX_S = 120.0
+#: The longest a tokencount or the image fetches may take, seconds.
+PREPARE_MAX_S = 60.0
+
+
+class ChatRun:
+    """Serve one chat job (see the module docstring).
+
+    Args:
+        edges: the I/O edges and clocks.
+        caps: what the backend implements (``vision``).
+        state: the worker's shared state (a nonconformant refusal is counted there).
+        job: the popped chat job.
+        ctx: the job in hand (lease, ``model_id``, genkey).
+    """
+
+    def __init__(
+        self,
+        edges: Edges,
+        caps: BackendCapabilities,
+        state: WorkerState,
+        job: jobs.ChatJob,
+        ctx: JobContext,
+    ) -> None:
+        self.edges = edges
+        self.caps = caps
+        self.state = state
+        self.job = job
+        self.ctx = ctx
+        self.settings = edges.settings
+        self.model_id = ctx.model_id(self.settings.model_id)
+
+    def serve(self) -> Reply:
+        """Seed steps 2 to 6. Returns the reply to submit.
+
+        Raises:
+            JobFault: the job cannot be served (the why says which step).
+            JobEnded: the client cancelled it or the Horde ended it.
+        """
+        job = self.job
+        log.info(
+            "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s keys=%s",
+            job.id,
+            job.max_length,
+            job.max_context_length,
+            job.stream_progress,
+            payload_keys(job.payload),
+        )
+        messages = self._messages()
+        if fit.count_images(messages):
+            messages = self._images(messages)
+        self._check_budget()
+        self._check_fit(messages)
+        return self._generate(messages)
+
+    def _prepare_timeout(self, cap_s: float) -> float:
+        """A step's timeout: at most ``cap_s``, and leaving the submit margin to the fault."""
+        room = self.ctx.lease.remaining(self.edges.clock()) - SUBMIT_MARGIN_S
+        return max(1.0, min(cap_s, room))
+
+    def _messages(self) -> list[dict[str, Any]]:
+        """The conversation, fetched when offloaded (seed "Fetch offloaded messages")."""
+        job = self.job
+        if job.messages is not None:
+            raw: object = job.messages
+        else:
+            assert job.messages_url is not None
+            try:
+                raw = fetch_messages(
+                    job.messages_url,
+                    timeout_s=self._prepare_timeout(MESSAGES_FETCH_MAX_S),
+                    max_bytes=self.settings.messages_max_bytes,
+                )
+            except FetchError as exc:
+                raise JobFault(f"messages_url fetch failed: {exc}") from None
+        try:
+            return jobs.validate_messages(raw, job_id=job.id)
+        except PayloadError as exc:
+            raise JobFault(f"malformed messages at {exc.path}") from None
+
+    def _images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Seed step 5 and seed 004: every image reaches koboldcpp as a checked data URL.
+
+        Signed image URLs are fetched (without credentials, bounded, in
+        parallel up to ``IMAGE_FETCH_THREADS``) and data URLs decoded; each
+        image's media type is taken from its bytes, and one koboldcpp cannot
+        decode faults the job without ``fault_reason`` instead of being
+        answered without the image.
+        """
+        if not self.caps.vision:
+            raise JobFault("images sent to a worker without vision")
+        plan = images.plan_images(messages)
+        fetched: dict[tuple[int, int], bytes] = {}
+        try:
+            if plan.to_fetch:
+                timeout = self._prepare_timeout(PREPARE_MAX_S)
+                workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
+                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
+                try:
+                    futures = {
+                        (i, j): pool.submit(
+                            fetch_image, url, timeout_s=timeout, max_bytes=images.MAX_IMAGE_BYTES
+                        )
+                        for i, j, url in plan.to_fetch
+                    }
+                    for key, future in futures.items():
+                        fetched[key] = future.result()
+                finally:
+                    # A failed fetch faults the job at once: queued fetches are cancelled
+                    # and those under way end by their own deadline.
+                    pool.shutdown(wait=False, cancel_futures=True)
+            return images.finish_images(messages, plan, fetched)
+        except FetchError as exc:
+            raise JobFault(f"image unusable: {exc}") from None
+
+    def _check_budget(self) -> None:
+        """The Horde validates budgets within chat_limits (seed step 2): a larger
+        one is not ours to generate, and not a prompt overflow either."""
+        if self.job.max_length > self.settings.max_length:
+            raise JobFault(
+                f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
+                f"{self.settings.max_length}"
+            )
+
+    def _check_fit(self, messages: list[dict[str, Any]]) -> None:
+        """Seed step 3: count the JSON of messages, tools and response_format; never render."""
+        job = self.job
+        prompt = fit.fit_prompt(
+            messages, job.payload.get("tools"), job.payload.get("response_format")
+        )
+        try:
+            counted = self.edges.backend.tokencount(
+                prompt,
+                # The fault that follows a failure must still land within the lease.
+                timeout_s=self._prepare_timeout(PREPARE_MAX_S),
+            )
+        except BackendError as exc:
+            raise JobFault(f"tokencount failed: {exc}", backend_failed=True) from None
+        limit = min(job.max_context_length, self.settings.max_context_length)
+        result = fit.check_fit(
+            counted, messages, max_length=job.max_length, max_context_length=limit
+        )
+        if not result.fits:
+            raise JobFault(
+                f"does not fit: estimate {result.estimate} + max_length {job.max_length} "
+                f"> {limit}",
+                fault_reason=reply.FAULT_PROMPT_OVERFLOW,
+            )
+
+    def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+        """Generate through ``/v1/chat/completions`` and build the structured submit."""
+        job, ctx, edges = self.job, self.ctx, self.edges
+        genkey = ctx.genkey = new_genkey()
+        stream = job.stream_progress and not job.has_tools
+        backend_body = encode_json(
+            jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
+        )
+        limit = self.settings.kcpp_max_request_bytes
+        if len(backend_body) > limit:
+            # koboldcpp would answer 500 "Payload is too big" (its --maxrequestsize).
+            raise JobFault(
+                f"the chat request is {len(backend_body)} bytes, over koboldcpp's "
+                f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
+                "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
+            )
+        edges.note_own_request()
+        try:
+            if stream:
+                backend_reply = generate_streamed(edges, job, ctx, backend_body)
+            else:
+                body = edges.with_busy_retry(
+                    lambda timeout: edges.backend.chat_completion(backend_body, timeout_s=timeout),
+                    ctx.lease,
+                    genkey,
+                )
+                backend_reply = reply.parse_chat_completion(body)
+            submit_body = reply.chat_submit(
+                job.id, self.model_id, backend_reply, max_length=job.max_length
+            )
+        except (BackendError, ReplyError) as exc:
+            raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
+        message = submit_body.get("message", {})
+        detail = (
+            f"finish={submit_body.get('finish_reason')} "
+            f"tokens={submit_body.get('completion_tokens', '?')} "
+            f"calls={len(message.get('tool_calls') or [])}"
+        )
+        return Reply(submit_body, detail, self._refusal_fault)
+
+    def _refusal_fault(self, exc: HordeRefusal) -> JobFault:
+        """Seed "Submit refusals": the fault that follows a refused reply.
+
+        A ``ChatSubmitNonconformant`` refusal is counted against the declared
+        guarantee or feature the request used (``guard.refusal_features``);
+        at ``guard.REFUSALS_TO_WITHDRAW`` in an hour that name is withdrawn
+        from every later pop's ``chat_features`` until the worker restarts.
+        """
+        if exc.rc == "ChatSubmitNonconformant":
+            names = refusal_features(self.job.payload, self.ctx.declared_features())
+            if not names:
+                log.warning(
+                    "job=%s nonconformant reply not attributable to a declared guarantee "
+                    "or feature (payload keys %s)",
+                    self.job.id,
+                    payload_keys(self.job.payload),
+                )
+            self.state.record_nonconformant(names, self.edges.clock())
+        return refused_reply_fault(exc)

@@ -1,0 +1,135 @@
+"""Manners toward local users: when the pop loop yields koboldcpp to someone else.
+
+koboldcpp's own worker waits 20 s after a local user's last generation and
+does not pop while the model is busy (facts §2.5). The loop asks a
+:class:`LocalManners` before each pop: inside koboldcpp the hook reads
+koboldcpp's globals (``kcpp_hook.KcppManners``); standalone,
+:class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf``.
+
+Seed: "The pop loop" (a worker keeps serving its local users) and "Worked
+example: koboldcpp's embedded worker".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from .backend import KoboldClient
+from .errors import BackendError
+
+
+class LocalManners(Protocol):
+    """What the host tells the loop about local use of koboldcpp.
+
+    ``last_local_request_time``: epoch seconds of the last local (non-Horde)
+    generation, or None when unknown. ``model_busy``: koboldcpp is generating.
+    ``should_stop``: the host is shutting down.
+    """
+
+    def last_local_request_time(self) -> float | None: ...
+
+    def model_busy(self) -> bool: ...
+
+    def should_stop(self) -> bool: ...
+
+
+class NoManners:
+    """Manners for a backend nobody else uses: never busy, never stopping."""
+
+    def last_local_request_time(self) -> float | None:
+        return None
+
+    def model_busy(self) -> bool:
+        return False
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class StandaloneManners:
+    """Manners read from a separate koboldcpp's ``/api/extra/perf``.
+
+    koboldcpp reports ``idle`` (0 while generating or with requests queued) and
+    ``idletime`` (seconds since the last generation request, ours included).
+    A request that arrived after our own last one came from someone else: a
+    local user, whom the worker yields to for ``local_idle_s``.
+
+    While koboldcpp is idle, ``/api/extra/perf`` is read at most once every
+    :attr:`PERF_IDLE_CACHE_S` (1 s) and the last answer is reused in between
+    (one GET less before most pops when jobs follow each other); after an
+    answer that said busy, or none, it is read again on every call. So a local
+    user who starts a generation is noticed up to 1 s later, and a pop in that
+    second waits in koboldcpp's queue behind them.
+
+    Args:
+        backend: the koboldcpp client.
+        clock: epoch seconds (``idletime`` is turned into a time with it).
+        monotonic: seconds, for the 1 s reuse (tests may pass fakes of both).
+    """
+
+    PERF_IDLE_CACHE_S = 1.0
+    """Seconds an idle ``/api/extra/perf`` answer is reused."""
+
+    def __init__(
+        self,
+        backend: KoboldClient,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._monotonic = monotonic
+        self.last_own_request_time = 0.0
+        self._baseline: float | None = None
+        self._busy = False
+        # The last idle answer: when it was read (monotonic) and the epoch time
+        # of the last request it reported (None: no usable idletime).
+        self._idle_read_at: float | None = None
+        self._idle_last_request: float | None = None
+
+    def note_own_request(self) -> None:
+        """Record that the worker sent a generation request now."""
+        self.last_own_request_time = self._clock()
+
+    def last_local_request_time(self) -> float | None:
+        """Epoch seconds of a local user's last request, or None (see the class)."""
+        now = self._monotonic()
+        if self._idle_read_at is not None and now - self._idle_read_at < self.PERF_IDLE_CACHE_S:
+            return self._local(self._idle_last_request)
+        self._idle_read_at = None
+        try:
+            perf = self._backend.perf()
+        except BackendError:
+            self._busy = False
+            return None
+        self._busy = perf.get("idle") == 0 or bool(perf.get("queue"))
+        idletime = perf.get("idletime")
+        last_request: float | None = None
+        if isinstance(idletime, (int, float)) and not isinstance(idletime, bool):
+            last_request = self._clock() - float(idletime)
+            if self._baseline is None:
+                # Requests from before the worker started (koboldcpp's own start-up
+                # included) are not a local user to yield to.
+                self._baseline = last_request
+        if not self._busy:
+            self._idle_read_at = now
+            self._idle_last_request = last_request
+        return self._local(last_request)
+
+    def _local(self, last_request: float | None) -> float | None:
+        """``last_request`` when it came after the worker's own last request."""
+        if last_request is None or self._baseline is None:
+            return None
+        if last_request > max(self.last_own_request_time, self._baseline) + 1.0:
+            return last_request
+        return None
+
+    def model_busy(self) -> bool:
+        return self._busy
+
+    def should_stop(self) -> bool:
+        return False
+
+

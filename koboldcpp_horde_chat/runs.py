@@ -1,0 +1,190 @@
+"""What every job run shares: the job in hand, its lease, and the backend calls.
+
+A job run (``chat_run``, ``text_run``) takes one popped job through the seed's
+steps and either returns the reply to submit or raises
+:class:`~errors.JobFault` (fault it) or :class:`~errors.JobEnded` (nothing to
+send). The loop hands the outcome to the submit pipeline (``submit.py``), the
+one place that sends terminal actions.
+
+- :class:`Lease`: a job's lease on the monotonic clock (seed "Streaming
+  progress": the pop's ``ttl``, extended by accepted progress posts).
+- :class:`JobContext`: the job in hand as it travels from the pop to its
+  terminal action: id, kind, ``model_id``, lease, genkey, settled flag.
+- :class:`Edges`: the I/O edges and clocks a run uses, with the backend
+  helpers every run needs (busy retries, a best-effort abort, pauses).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import KoboldClient
+from .errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
+from .horde import HordeClient
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+#: Seconds kept free at the end of a lease for the submit.
+SUBMIT_MARGIN_S = 5.0
+#: Read timeout of an abort, seconds: best effort, and the fault must still fit the lease.
+ABORT_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Lease:
+    """A job's lease on the monotonic clock (seed: "Streaming progress", lease).
+
+    Attributes:
+        popped_at: when the pop answered, monotonic seconds.
+        deadline: when the Horde stops taking the job's submit, monotonic
+            seconds; accepted progress posts move it later.
+    """
+
+    popped_at: float
+    deadline: float
+
+    def remaining(self, now: float) -> float:
+        """Seconds left at monotonic time ``now`` (negative once it ended)."""
+        return self.deadline - now
+
+
+@dataclass
+class JobContext:
+    """One popped job, from the pop to its terminal action.
+
+    Attributes:
+        id: the Horde's job id.
+        kind: ``"chat"`` or ``"text"`` (the pop's ``chat: true`` or not).
+        lease: the job's lease.
+        started: monotonic seconds when serving began (for the submit's log line).
+        pop_body: the pop body that returned the job: its ``model_id`` is the
+            job's assigned model and its ``chat_features`` what was declared
+            (seed step 6: "model_id is the job's assigned model, taken from the
+            worker's declaration at pop").
+        genkey: the ``HORDEREQ_`` key of the local generation once one was
+            sent, else ``""`` (an abort targets it).
+        settled: True once a terminal action was definitive (accepted,
+            refused, or a deliberate no-submit); the loop's safety net then
+            sends nothing more.
+    """
+
+    id: str
+    kind: str
+    lease: Lease
+    started: float
+    pop_body: dict[str, Any] = field(default_factory=dict)
+    genkey: str = ""
+    settled: bool = False
+
+    @property
+    def chat(self) -> bool:
+        """True for a chat job."""
+        return self.kind == "chat"
+
+    def model_id(self, default: str) -> str:
+        """The ``model_id`` declared at the pop that returned the job, else ``default``."""
+        return str(self.pop_body.get("model_id") or default)
+
+    def declared_features(self) -> list[str]:
+        """The ``chat_features`` declared at that pop (empty when none)."""
+        declared = self.pop_body.get("chat_features")
+        return [str(name) for name in declared] if isinstance(declared, list) else []
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a job run returns: the submit body and how to answer its refusal.
+
+    Attributes:
+        body: the submit body (structured for a chat job, ``generation`` for text).
+        detail: a short description for the accepted submit's log line.
+        on_refused: turns the Horde's refusal of this reply into the fault
+            that follows it (seed "Submit refusals").
+    """
+
+    body: dict[str, Any]
+    detail: str
+    on_refused: Callable[[HordeRefusal], JobFault]
+
+
+@dataclass
+class Edges:
+    """The I/O edges, clocks and stop signal a job run uses.
+
+    Attributes:
+        settings: the worker's configuration.
+        horde: the Horde client (progress posts; the only holder of the API key).
+        backend: the koboldcpp client.
+        clock: monotonic seconds.
+        stop_event: set when the worker is asked to stop.
+        note_own_request: called before each generation request the worker
+            sends, so a standalone worker does not take it for a local user's.
+    """
+
+    settings: WorkerSettings
+    horde: HordeClient
+    backend: KoboldClient
+    clock: Callable[[], float]
+    stop_event: threading.Event
+    note_own_request: Callable[[], None]
+
+    def pause(self, seconds: float) -> None:
+        """Wait; a requested stop shortens waits between pops, not a job's own retries."""
+        if not self.stop_event.wait(seconds):
+            return
+        threading.Event().wait(seconds)
+
+    def abort_quietly(self, genkey: str) -> None:
+        """Best-effort abort of the local generation, quick enough to leave the lease's
+        margin to the fault that usually follows (koboldcpp answers in about 0.1 s)."""
+        try:
+            self.backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
+        except BackendError as exc:
+            log.debug("abort of %s failed: %s", genkey, exc)
+
+    def with_busy_retry(
+        self, call: Callable[[float], dict[str, Any]], lease: Lease, genkey: str
+    ) -> dict[str, Any]:
+        """Call the backend, waiting out 503 busy answers while the lease allows.
+
+        ``call`` gets the read timeout in seconds (what is left of the lease
+        before the submit margin). A timeout aborts the local generation (by
+        ``genkey``) before raising. Raises BackendError when the lease runs out
+        or the backend fails.
+        """
+        while True:
+            remaining = lease.remaining(self.clock()) - SUBMIT_MARGIN_S
+            if remaining <= 1.0:
+                raise BackendError("the lease ran out before koboldcpp answered")
+            # Every generation request is the worker's own, not a local user's.
+            self.note_own_request()
+            try:
+                return call(remaining)
+            except BackendUnauthorized:
+                raise
+            except BackendBusy:
+                if self.stop_event.wait(min(2.0, max(0.0, remaining - 1.0))):
+                    raise BackendError("stopping while koboldcpp was busy") from None
+                continue
+            except BackendError as exc:
+                if exc.status == 0:
+                    self.abort_quietly(genkey)
+                raise
+
+
+def new_genkey() -> str:
+    """A ``HORDEREQ_`` genkey: koboldcpp does not pause the worker for these requests."""
+    return "HORDEREQ_" + secrets.token_hex(6)
+
+
+def payload_keys(obj: dict[str, Any], limit: int = 32) -> str:
+    """``"a,b,c"``: an object's keys for a log line, at most ``limit`` and 40 characters each."""
+    keys = sorted(str(k)[:40] for k in obj)
+    more = f",... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return ",".join(keys[:limit]) + more

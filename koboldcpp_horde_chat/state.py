@@ -1,0 +1,203 @@
+"""What a worker's pop loops share: statistics, the declaration's withdrawals, stop.
+
+One :class:`WorkerState` per worker: every pop loop of it (a slot) and its
+submit pipeline read and change it under its lock. It holds
+
+- the running totals (:class:`WorkerStats`), as koboldcpp's worker prints them;
+- what the next pop declares: chat on or withdrawn (``guard.MaintenanceGuard``,
+  before the Horde's 20 aborted jobs an hour) and the features withheld by
+  the operator or withdrawn after repeated ``ChatSubmitNonconformant``
+  refusals (``guard.RefusalGuard``);
+- the stop event and the exit code (a refused API key or declaration stops
+  every loop).
+
+Seed: "7. Fault a job" (maintenance after 20 aborted jobs an hour) and
+"Submit refusals" (withdraw a guarantee the backend keeps failing).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import guard
+from .errors import HordeRefusal
+from .guard import MaintenanceGuard, RefusalGuard
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+#: Return codes that mean the API key is wrong (not a chat rule; the Horde's API).
+CREDENTIAL_RCS = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
+#: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
+HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
+
+
+def is_key_refusal(exc: HordeRefusal) -> bool:
+    """401, or 403 with a credentials ``rc``: the API key is wrong (by status and rc only)."""
+    return exc.status == 401 or (exc.status == 403 and exc.rc in CREDENTIAL_RCS)
+
+
+@dataclass
+class WorkerStats:
+    """Running totals, like koboldcpp's worker prints after each job.
+
+    Attributes:
+        started_at: epoch seconds when the worker started.
+        kudos: kudos earned by accepted submits.
+        jobs: accepted submits (faults not counted).
+        faults: faults sent.
+        dropped: jobs that ended without an accepted submit or fault (the
+            Horde ended them, or the submit could not be delivered in the lease).
+    """
+
+    started_at: float = field(default_factory=time.time)
+    kudos: float = 0.0
+    jobs: int = 0
+    faults: int = 0
+    dropped: int = 0
+
+    def summary(self, now: float) -> str:
+        """``"total kudos=12 jobs=1 faults=0 rate=n/a"``; the rate shows after ten minutes."""
+        elapsed = now - self.started_at
+        # A rate over the first minutes says nothing: show it after ten.
+        rate = f"{self.kudos / (elapsed / 3600.0):.1f} kudos/h" if elapsed >= 600 else "n/a"
+        return (
+            f"total kudos={self.kudos:.0f} jobs={self.jobs} faults={self.faults} rate={rate}"
+        )
+
+
+class WorkerState:
+    """The state a worker's pop loops share (see the module docstring).
+
+    Args:
+        settings: the worker's configuration (``chat_withhold``, ``prompt_jobs``).
+        stop_event: set to stop every loop.
+        started_at: epoch seconds, for the statistics.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        stop_event: threading.Event | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stop_event = stop_event if stop_event is not None else threading.Event()
+        self.stats = WorkerStats(started_at=time.time() if started_at is None else started_at)
+        self.exit_code = 0
+        self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
+        self.maintenance_guard = MaintenanceGuard()
+        self.refusal_guard = RefusalGuard()
+        self.lock = threading.RLock()
+        self._key_refused = False
+
+    @property
+    def chat_enabled(self) -> bool:
+        """Whether the next pop declares chat (False while withdrawn)."""
+        return self.maintenance_guard.chat_enabled
+
+    # ------------------------------------------------------------------ stop
+
+    def stop_for_key(self, exc: HordeRefusal) -> None:
+        """Say "check your API key" once, stop every loop, and exit with code 3."""
+        with self.lock:
+            first = not self._key_refused
+            self._key_refused = True
+            self.exit_code = 3
+        if first:
+            log.error(
+                "the Horde refused the API key (HTTP %d %s): check your API key; stopping",
+                exc.status,
+                exc.rc or "no rc",
+            )
+        self.stop_event.set()
+
+    def stop_for_declaration(self, message: str) -> None:
+        """The Horde refused the chat declaration: stop every loop, exit code 2."""
+        log.error("the Horde refused the chat declaration: %s; stopping", message)
+        with self.lock:
+            self.exit_code = 2
+        self.stop_event.set()
+
+    # -------------------------------------------------------------- counting
+
+    def record_fault(self, now: float, *, counts: bool = True) -> None:
+        """Count a fault sent; ``counts`` False for one the Horde counts apart."""
+        with self.lock:
+            self.stats.faults += 1
+            if counts:
+                self.maintenance_guard.record_fault(now)
+
+    def record_expired(self, now: float) -> None:
+        """A job expires on the Horde (its submit could not be delivered): an
+        aborted job there, so it counts toward maintenance."""
+        with self.lock:
+            self.maintenance_guard.record_fault(now)
+
+    def record_dropped(self) -> None:
+        """A job ended without an accepted submit or fault of ours."""
+        with self.lock:
+            self.stats.dropped += 1
+
+    def record_reward(self, kudos: float) -> None:
+        """An accepted submit earned ``kudos``."""
+        with self.lock:
+            self.stats.kudos += kudos
+            self.stats.jobs += 1
+
+    def summary(self, now: float) -> str:
+        """The statistics line (see :meth:`WorkerStats.summary`)."""
+        with self.lock:
+            return self.stats.summary(now)
+
+    # ---------------------------------------------------------- declaration
+
+    def update_chat_withdrawal(self, now: float) -> bool:
+        """Withdraw the chat declaration before the Horde's 20 faults an hour.
+
+        The counting is ``guard.MaintenanceGuard``'s: withdrawn at 15 faults
+        in the last hour, declared again below 10. A worker that also serves
+        text jobs keeps popping without the declaration; a chat-only worker
+        (``prompt_jobs`` False) cannot pop without it, so it pauses popping.
+        Returns False when the next pop must be skipped.
+        """
+        with self.lock:
+            mguard = self.maintenance_guard
+            change = mguard.update(now)
+            recent = mguard.recent(now)
+            enabled = mguard.chat_enabled
+        if change == "withdraw":
+            log.warning(
+                "%d faults in the last hour (the Horde puts a worker into maintenance "
+                "after %d): withdrawing the chat declaration%s until fewer than %d "
+                "faults remain in the hour",
+                recent,
+                HORDE_FAULT_LIMIT_PER_HOUR,
+                " (text jobs continue)" if self.settings.prompt_jobs else
+                " and pausing pops (chat-only worker)",
+                mguard.restore_below,
+            )
+        elif change == "restore":
+            log.info("faults have quietened (%d in the last hour): declaring chat again", recent)
+        return enabled or self.settings.prompt_jobs
+
+    def record_nonconformant(self, names: Iterable[str], now: float) -> None:
+        """Count a ``ChatSubmitNonconformant`` refusal against the declared
+        guarantees or features the request used; at ``guard.REFUSALS_TO_WITHDRAW``
+        in an hour a name is withdrawn from every later pop until restart."""
+        with self.lock:
+            withdrawn = self.refusal_guard.record(names, now)
+            self.withheld = self.withheld | set(withdrawn)
+        for name in withdrawn:
+            log.warning(
+                "withdrawing %r from the chat declaration: the Horde refused %d replies "
+                "as ChatSubmitNonconformant for it within an hour; restart the worker "
+                "(after fixing the model, its chat template or koboldcpp) to declare it again",
+                name,
+                self.refusal_guard.threshold,
+            )

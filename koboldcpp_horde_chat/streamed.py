@@ -1,0 +1,299 @@
+"""A streamed chat generation: koboldcpp's SSE stream in, Horde progress posts out.
+
+Seed "Streaming progress": for a job with ``stream_progress: true`` (and no
+tools) the worker reads koboldcpp's ``/v1/chat/completions`` stream and posts
+the text produced since the previous post about once a second. The decisions
+are the pure core's (``sse`` decodes, ``stream`` accumulates, ``progress``
+says what each answer means); this module does the reading, posting and
+waiting, and keeps the job's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import jobs
+from .backend import BackendStream
+from .errors import (
+    BackendBusy,
+    BackendError,
+    HordeRefusal,
+    HordeUnavailable,
+    JobEnded,
+    JobFault,
+    ReplyError,
+)
+from .progress import ProgressAction, ProgressPoster
+from .reply import BackendReply
+from .runs import SUBMIT_MARGIN_S, Edges, JobContext
+from .sse import SSEDecoder
+from .stream import ChatStreamAccumulator
+
+log = logging.getLogger(__name__)
+
+#: Seconds between checks of the lease and of posts that are due while koboldcpp is silent.
+POLL_S = 0.1
+
+
+def generate_streamed(
+    edges: Edges, job: jobs.ChatJob, ctx: JobContext, backend_body: bytes | bytearray
+) -> BackendReply:
+    """Seed "Streaming progress": relay koboldcpp's SSE stream as progress posts.
+
+    koboldcpp is opened and read on a thread of its own (its answer's
+    headers wait for koboldcpp's model lock, and it sends nothing during
+    prompt processing), so this loop keeps the job's lease: every 0.1 s at
+    most it posts what is due and checks the deadline, which each accepted
+    post with new text moves to 150 s after the post (up to the cap from
+    pop). The stream's read timeout is only a backstop at the latest end the
+    lease can reach, so neither a silent prompt processing nor a pause in a
+    stream whose lease the posts extended is cut short by it. When the lease
+    would end within ``SUBMIT_MARGIN_S``, the generation is aborted and the
+    job faulted rather than submitted late.
+
+    Args:
+        edges: the I/O edges; job: the chat job; ctx: the job in hand (its
+            ``genkey`` set); backend_body: the encoded chat request, ``stream: true``.
+
+    Returns:
+        The whole reply to submit.
+
+    Raises:
+        JobEnded: the client cancelled or the Horde ended the job (the local
+            generation was aborted; nothing is submitted).
+        JobFault: the lease ran out while streaming.
+        BackendError, ReplyError: for the caller to fault (the local
+            generation is aborted first): a failed stream, an in-band error
+            (without waiting for the stream's end), or a stream that ended
+            without a finish reason.
+    """
+    return _StreamedGeneration(edges, job, ctx, backend_body).run()
+
+
+class _StreamedGeneration:
+    """One streamed job: the reader thread, the accumulator and the poster."""
+
+    def __init__(
+        self, edges: Edges, job: jobs.ChatJob, ctx: JobContext, body: bytes | bytearray
+    ) -> None:
+        self.edges = edges
+        self.job = job
+        self.ctx = ctx
+        self.body = body
+        lease = ctx.lease
+        self.poster = ProgressPoster(
+            job.id,
+            max_length=job.max_length,
+            popped_at=lease.popped_at,
+            base_lease_s=lease.deadline - lease.popped_at,
+            lease_cap_s=edges.settings.lease_cap_s,
+        )
+        stop = job.payload.get("stop_sequence")
+        stop_sequences = (
+            tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
+        )
+        self.accumulator = ChatStreamAccumulator(stop_sequences=stop_sequences)
+        self.slot = _StreamSlot()
+
+    def run(self) -> BackendReply:
+        edges, ctx, accumulator, poster = self.edges, self.ctx, self.accumulator, self.poster
+        lease = ctx.lease
+        decoder = SSEDecoder()
+        chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
+        reader = threading.Thread(
+            target=_pump,
+            args=(self._open_stream, self.slot, chunks),
+            name=f"kcpp-stream-{ctx.id}",
+            daemon=True,
+        )
+        reader.start()
+        try:
+            while True:
+                now = edges.clock()
+                lease.deadline = max(lease.deadline, poster.lease_deadline)
+                if lease.remaining(now) <= SUBMIT_MARGIN_S:
+                    self._close_and_abort()
+                    raise JobFault("the lease ran out while streaming")
+                try:
+                    item = chunks.get(timeout=POLL_S)
+                except queue.Empty:
+                    self._post_due()
+                    continue
+                if item is None:
+                    for event in decoder.close():
+                        self._feed(event.data)
+                    break
+                if isinstance(item, BaseException):
+                    self._close_and_abort()
+                    if isinstance(item, BackendError):
+                        raise item
+                    raise BackendError(f"stream failed: {item!r}")
+                for event in decoder.feed(item):
+                    self._feed(event.data)
+                    if accumulator.done or accumulator.error is not None:
+                        break
+                if accumulator.error is not None:
+                    # Abort at once: what koboldcpp sends after an error is not used.
+                    self._close_and_abort()
+                    raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
+                if accumulator.done:
+                    break
+                self._post_due()
+            if accumulator.error is not None:
+                raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
+            if accumulator.native_finish_reason is None:
+                raise ReplyError(
+                    "the stream ended without a finish reason"
+                    + ("" if accumulator.done else " (and without [DONE]: cut off)")
+                )
+            tail = accumulator.flush()
+            poster.add(tail.content, tail.reasoning)
+            final = poster.pending_final(edges.clock())
+            if final is not None:
+                self._post(final)
+            return accumulator.result()
+        finally:
+            self.slot.close()
+
+    def _open_stream(self) -> BackendStream:
+        """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.
+
+        The read timeout is a backstop at the latest end the lease can reach
+        (the pop's ttl or the lease cap from pop, whichever is later): the job
+        thread enforces the lease itself and closes the stream. Raises
+        BackendError when the job ended (the slot was closed) while koboldcpp
+        was busy, and whatever ``open_chat_stream`` raises otherwise.
+        """
+        edges, lease = self.edges, self.ctx.lease
+        while True:
+            now = edges.clock()
+            latest_end = max(lease.deadline, lease.popped_at + edges.settings.lease_cap_s)
+            try:
+                return edges.backend.open_chat_stream(
+                    self.body, read_timeout_s=max(1.0, latest_end - now)
+                )
+            except BackendBusy:
+                if self.slot.closed.wait(2.0):
+                    raise BackendError("the job ended while koboldcpp was busy") from None
+
+    def _feed(self, data: str) -> None:
+        delta = self.accumulator.feed_event(data)
+        if delta.content or delta.reasoning:
+            self.poster.add(delta.content, delta.reasoning)
+
+    def _post_due(self) -> None:
+        """Send the post that is due, if any (raises JobEnded when generation must stop)."""
+        body = self.poster.due(self.edges.clock())
+        if body is not None:
+            self._post(body)
+
+    def _post(self, body: dict[str, Any]) -> None:
+        """Post one progress body, retrying as the state machine says.
+
+        A lost answer (no answer, a reset, or a 2xx answer that could not be
+        read: the post may have been processed) is retried with the identical
+        body; 429 and 5xx are answers for ``on_response``. Retries stop when the
+        lease nears its end (the caller then faults the job).
+
+        Raises JobEnded when the job ended (cancelled or ChatJobAborted): the
+        local generation is then aborted and nothing is submitted.
+        """
+        edges, poster, lease = self.edges, self.poster, self.ctx.lease
+        while True:
+            room = lease.remaining(edges.clock()) - SUBMIT_MARGIN_S
+            timeout = max(1.0, min(edges.settings.progress_timeout_s, room))
+            try:
+                answer = edges.horde.progress(body, timeout_s=timeout)
+                action = poster.on_response(200, answer, edges.clock())
+            except HordeRefusal as exc:
+                action = poster.on_response(exc.status, exc.body or {"rc": exc.rc}, edges.clock())
+            except HordeUnavailable as exc:
+                if exc.status == 429 or exc.status >= 500:
+                    action = poster.on_response(
+                        exc.status, exc.body or {"rc": exc.rc}, edges.clock()
+                    )
+                else:
+                    log.info(
+                        "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"], exc
+                    )
+                    action = poster.on_lost(edges.clock())
+            if action is ProgressAction.RETRY:
+                body = poster.retry_body()
+                lease.deadline = max(lease.deadline, poster.lease_deadline)
+                if lease.remaining(edges.clock()) - SUBMIT_MARGIN_S <= 0.5:
+                    return  # the caller's lease check aborts and faults the job
+                edges.pause(0.5)
+                continue
+            if action is ProgressAction.STOP_GENERATING:
+                log.info("job=%s cancelled or ended by the Horde: not submitted", self.ctx.id)
+                self._close_and_abort()
+                raise JobEnded("cancelled or ended by the Horde")
+            if action is ProgressAction.STOP_POSTING:
+                log.info(
+                    "job=%s progress posts stopped; the job goes on to its submit", self.ctx.id
+                )
+            return
+
+    def _close_and_abort(self) -> None:
+        """Stop the local generation: close the stream, then abort by ``genkey``.
+
+        The abort also covers a request still queued for koboldcpp's model lock
+        (koboldcpp keeps one pending abort key, facts §5.2).
+        """
+        self.slot.close()
+        self.edges.abort_quietly(self.ctx.genkey)
+
+
+class _StreamSlot:
+    """A job's koboldcpp stream, shared by the job thread and its reader thread.
+
+    ``close()`` may come before the stream is open (koboldcpp still waiting
+    for its model lock): the reader then closes the stream as soon as it opens.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: BackendStream | None = None
+        self.closed = threading.Event()
+
+    def attach(self, stream: BackendStream) -> bool:
+        """Keep the opened stream; False (and the stream closed) after ``close()``."""
+        with self._lock:
+            if not self.closed.is_set():
+                self._stream = stream
+                return True
+        stream.close()
+        return False
+
+    def close(self) -> None:
+        """Close the stream (now or when it opens); safe to call twice, from any thread."""
+        with self._lock:
+            self.closed.set()
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+
+
+def _pump(
+    open_stream: Callable[[], BackendStream],
+    slot: _StreamSlot,
+    out: queue.Queue[bytes | BaseException | None],
+) -> None:
+    """Open a backend stream and read it into a queue: bytes chunks, then None or the error."""
+    try:
+        stream = open_stream()
+        if not slot.attach(stream):
+            return
+        while True:
+            chunk = stream.read_chunk()
+            if not chunk:
+                break
+            out.put(chunk)
+    except BaseException as exc:  # handed to the job thread, which decides
+        out.put(exc)
+        return
+    out.put(None)

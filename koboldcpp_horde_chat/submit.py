@@ -1,0 +1,217 @@
+"""The submit pipeline: the one place that sends a job's terminal action.
+
+A job ends in exactly one terminal action: an accepted submit, a fault, or a
+deliberate no-submit (seed "The pop loop"). This module sends the first two:
+
+- :meth:`SubmitPipeline.reply`: the reply (structured for a chat job,
+  ``generation`` for a text job);
+- :meth:`SubmitPipeline.fault`: the fault, from a :class:`~errors.JobFault`
+  (seed "7. Fault a job"), logged in one line with its reason;
+- :meth:`SubmitPipeline.fault_now`: one quick fault when the process exits.
+
+A lost answer (no answer, a reset, 5xx, 429) is retried with the same body
+while the lease lasts. ``DuplicateGen`` means the job was already settled,
+``AbortedGen`` or 404 that it ended on the Horde; both are logged and dropped.
+A refusal of the API key stops the worker. Any other refusal of a reply is
+definitive (seed "Submit refusals"): the reply is never sent again, and the
+job is faulted instead (``reply_refused`` for the chat refusals).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from . import reply
+from .errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
+from .horde import HordeClient
+from .runs import JobContext
+from .settings import WorkerSettings
+from .state import WorkerState, is_key_refusal
+
+log = logging.getLogger(__name__)
+
+#: Seconds one submit attempt may take when the process is exiting.
+EXIT_SUBMIT_TIMEOUT_S = 5.0
+
+RefusalHandler = Callable[[HordeRefusal], JobFault]
+"""Turns the Horde's refusal of a reply into the fault that follows it."""
+
+
+def refused_reply_fault(exc: HordeRefusal) -> JobFault:
+    """The fault after a refused reply: ``reply_refused`` for the chat refusals
+    (``ChatSubmitInvalid``, ``ChatSubmitNonconformant``, ``ChatModelMismatch``,
+    worked example), none for any other (such as 400 for a token count out of
+    range). A fault after ``ChatSubmitNonconformant`` does not count toward
+    maintenance: the Horde counts it as a nonconformant reply."""
+    return JobFault(
+        f"reply refused ({exc.rc or exc.status}): {exc.message}",
+        fault_reason=reply.FAULT_REPLY_REFUSED if exc.rc in reply.REFUSAL_RCS else None,
+        counts=exc.rc != "ChatSubmitNonconformant",
+    )
+
+
+class SubmitPipeline:
+    """Sends terminal actions for one pop loop (see the module docstring).
+
+    Args:
+        settings: the worker's configuration (``submit_timeout_s``, ``model_id``).
+        horde: the Horde client.
+        state: the worker's shared state (statistics, maintenance counting, stop).
+        clock: monotonic seconds; wall: epoch seconds.
+        pause: waits between retries (seconds).
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        horde: HordeClient,
+        state: WorkerState,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+        pause: Callable[[float], None],
+    ) -> None:
+        self.settings = settings
+        self.horde = horde
+        self.state = state
+        self.clock = clock
+        self.wall = wall
+        self.pause = pause
+
+    def reply(
+        self,
+        ctx: JobContext,
+        body: dict[str, Any],
+        *,
+        detail: str,
+        on_refused: RefusalHandler = refused_reply_fault,
+    ) -> None:
+        """Submit a job's reply; after a refusal, fault it with ``on_refused(exc)``.
+
+        ``detail`` goes into the log line of an accepted submit.
+        """
+        self._send(ctx, body, detail=detail, on_refused=on_refused)
+
+    def fault(self, ctx: JobContext, fault: JobFault) -> None:
+        """Seed step 7: submit the job's fault (with ``fault_reason`` when one applies).
+
+        A chat fault carries the job's ``model_id`` (it marks the body as a chat
+        submit); a text fault is ``{"id", "generation": "", "state": "faulted"}``.
+        """
+        self.state.record_fault(self.clock(), counts=fault.counts)
+        log.warning(
+            "job=%s kind=%s faulted%s: %s",
+            ctx.id,
+            ctx.kind,
+            f" ({fault.fault_reason})" if fault.fault_reason else "",
+            fault.why,
+        )
+        if ctx.chat:
+            body = reply.fault_submit(
+                ctx.id, ctx.model_id(self.settings.model_id), fault.fault_reason
+            )
+        else:
+            body = reply.text_fault_submit(ctx.id)
+        self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
+
+    def fault_now(self, job_id: str, *, chat: bool) -> None:
+        """Fault a job with a single short submit attempt (the process is exiting)."""
+        body = (
+            reply.fault_submit(job_id, self.settings.model_id)
+            if chat
+            else reply.text_fault_submit(job_id)
+        )
+        timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
+        try:
+            self.horde.submit(body, timeout_s=timeout)
+            log.warning("job=%s faulted: the worker is exiting now", job_id)
+        except HordeError as exc:
+            log.warning("job=%s left to expire: the worker is exiting now (%s)", job_id, exc)
+
+    def _send(
+        self,
+        ctx: JobContext,
+        body: dict[str, Any],
+        *,
+        detail: str,
+        on_refused: RefusalHandler | None,
+        started: float | None = None,
+    ) -> None:
+        """Send one submit, retrying lost answers with the same body while the lease lasts.
+
+        ``on_refused`` is None for a fault: a refused fault is dropped. The
+        reply is never sent twice after a definitive answer.
+        """
+        is_fault = on_refused is None
+        started = ctx.started if started is None else started
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                answer = self.horde.submit(body, timeout_s=self.settings.submit_timeout_s)
+            except HordeRefusal as exc:
+                ctx.settled = True
+                if exc.rc == "DuplicateGen":
+                    log.info("job=%s already settled (DuplicateGen): nothing more to send", ctx.id)
+                elif is_key_refusal(exc):
+                    self.state.record_dropped()
+                    self.state.stop_for_key(exc)
+                elif exc.rc == "AbortedGen" or exc.status == 404:
+                    self.state.record_dropped()
+                    log.warning("job=%s ended on the Horde before the submit (%s)", ctx.id, exc.rc)
+                elif on_refused is not None:
+                    # Any other definitive refusal of a reply: the job is still
+                    # open on the Horde, so fault it now rather than let it expire.
+                    log.warning("job=%s reply refused: %s", ctx.id, exc)
+                    self.fault(ctx, on_refused(exc))
+                else:
+                    self.state.record_dropped()
+                    log.error("job=%s submit refused: %s; dropped", ctx.id, exc)
+                return
+            except HordeUnavailable as exc:
+                remaining = ctx.lease.remaining(self.clock())
+                if attempts >= 3 and remaining <= 0:
+                    ctx.settled = True
+                    self.state.record_dropped()
+                    if not is_fault:  # the job expires on the Horde: an aborted job there
+                        self.state.record_expired(self.clock())
+                    log.error("job=%s submit failed (%s), the lease is over; dropped", ctx.id, exc)
+                    return
+                delay = min(max(1.0, exc.retry_after_s or 0.0) * attempts, 10.0)
+                log.warning("job=%s submit failed (%s); retrying in %.1f s", ctx.id, exc, delay)
+                self.pause(delay)
+                continue
+            except HordeError as exc:  # pragma: no cover - the two subclasses above cover all
+                log.error("job=%s submit failed: %s", ctx.id, exc)
+                return
+            ctx.settled = True
+            seconds = self.clock() - started
+            if is_fault:
+                log.info("job=%s kind=%s fault accepted (%.1f s)", ctx.id, ctx.kind, seconds)
+            else:
+                kudos = reward_kudos(answer.get("reward", 0))
+                self.state.record_reward(kudos)
+                log.info(
+                    "job=%s kind=%s submitted: %s, %.1f s, %.0f kudos | %s",
+                    ctx.id,
+                    ctx.kind,
+                    detail,
+                    seconds,
+                    kudos,
+                    self.state.summary(self.wall()),
+                )
+            return
+
+
+def reward_kudos(reward: object) -> float:
+    """The submit answer's ``reward`` as kudos; 0.0 when it is not a finite number."""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        return 0.0
+    try:
+        kudos = float(reward)
+    except OverflowError:
+        return 0.0
+    return kudos if math.isfinite(kudos) else 0.0

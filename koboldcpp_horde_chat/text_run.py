@@ -1,0 +1,48 @@
+"""A text job run (seed "8. Keep serving text jobs").
+
+The payload goes to koboldcpp's ``/api/v1/generate`` as koboldcpp's own
+worker sends it (with a ``HORDEREQ_`` genkey), and the reply is submitted as
+``generation``. A failure raises :class:`~errors.JobFault`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import jobs, reply
+from .errors import BackendError, HordeRefusal, JobFault, ReplyError
+from .runs import Edges, JobContext, Reply, new_genkey
+
+log = logging.getLogger(__name__)
+
+
+def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
+    """Generate a text job and return its submit (``{"id", "generation", "state": "ok"}``).
+
+    Raises:
+        JobFault: koboldcpp failed or its answer has no text (``backend_failed``).
+    """
+    log.info(
+        "job=%s kind=text received: %s tokens, %s context",
+        job.id,
+        job.payload.get("max_length", "?"),
+        job.payload.get("max_context_length", "?"),
+    )
+    genkey = ctx.genkey = new_genkey()
+    try:
+        body = edges.with_busy_retry(
+            lambda timeout: edges.backend.generate(
+                jobs.text_request_body(job, genkey=genkey), timeout_s=timeout
+            ),
+            ctx.lease,
+            genkey,
+        )
+        generation = reply.text_generation(body)
+    except (BackendError, ReplyError) as exc:
+        raise JobFault(f"backend failed: {exc}", backend_failed=True) from None
+    return Reply(reply.text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
+
+
+def _refusal_fault(exc: HordeRefusal) -> JobFault:
+    """A refused text reply is faulted (a text fault carries no reason)."""
+    return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")
