@@ -188,6 +188,7 @@ class ChatRun:
     def _generate(self, messages: list[dict[str, Any]]) -> Reply:
         """Generate through ``/v1/chat/completions`` and build the structured submit."""
         job, ctx, edges = self.job, self.ctx, self.edges
+        ctx.check_abandoned()
         genkey = ctx.genkey = new_genkey()
         stream = job.stream_progress and not job.has_tools
         backend_body = encode_json(
@@ -208,8 +209,7 @@ class ChatRun:
             else:
                 body = edges.with_busy_retry(
                     lambda timeout: edges.backend.chat_completion(backend_body, timeout_s=timeout),
-                    ctx.lease,
-                    genkey,
+                    ctx,
                 )
                 backend_reply = reply.parse_chat_completion(body)
             submit_body = reply.chat_submit(

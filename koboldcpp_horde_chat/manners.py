@@ -12,6 +12,7 @@ example: koboldcpp's embedded worker".
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -63,10 +64,17 @@ class StandaloneManners:
     user who starts a generation is noticed up to 1 s later, and a pop in that
     second waits in koboldcpp's queue behind them.
 
+    One instance serves all the pop loops of a worker (its calls are
+    serialised, and it keeps its own koboldcpp client). With several loops
+    (``check_busy`` False) a busy koboldcpp is not waited for, as koboldcpp's
+    own worker does not wait when it batches: the loops' own requests keep it
+    busy.
+
     Args:
-        backend: the koboldcpp client.
+        backend: the koboldcpp client (used by this object only).
         clock: epoch seconds (``idletime`` is turned into a time with it).
         monotonic: seconds, for the 1 s reuse (tests may pass fakes of both).
+        check_busy: report koboldcpp's ``idle: 0`` as busy.
     """
 
     PERF_IDLE_CACHE_S = 1.0
@@ -77,7 +85,11 @@ class StandaloneManners:
         backend: KoboldClient,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        *,
+        check_busy: bool = True,
     ) -> None:
+        self._lock = threading.Lock()
+        self._check_busy = check_busy
         self._backend = backend
         self._clock = clock
         self._monotonic = monotonic
@@ -91,10 +103,15 @@ class StandaloneManners:
 
     def note_own_request(self) -> None:
         """Record that the worker sent a generation request now."""
-        self.last_own_request_time = self._clock()
+        with self._lock:
+            self.last_own_request_time = self._clock()
 
     def last_local_request_time(self) -> float | None:
         """Epoch seconds of a local user's last request, or None (see the class)."""
+        with self._lock:
+            return self._read_local()
+
+    def _read_local(self) -> float | None:
         now = self._monotonic()
         if self._idle_read_at is not None and now - self._idle_read_at < self.PERF_IDLE_CACHE_S:
             return self._local(self._idle_last_request)
@@ -127,7 +144,9 @@ class StandaloneManners:
         return None
 
     def model_busy(self) -> bool:
-        return self._busy
+        """koboldcpp's last ``/api/extra/perf`` said it is generating or has a queue
+        (always False when ``check_busy`` is off)."""
+        return self._busy and self._check_busy
 
     def should_stop(self) -> bool:
         return False

@@ -17,6 +17,7 @@ one place that sends terminal actions.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from collections.abc import Callable
@@ -53,6 +54,24 @@ class Lease:
         """Seconds left at monotonic time ``now`` (negative once it ended)."""
         return self.deadline - now
 
+    @classmethod
+    def from_pop(
+        cls, pop: dict[str, Any], popped_at: float, default_s: float, cap_s: float
+    ) -> Lease:
+        """The lease of a popped job before its payload is parsed: the pop's ``ttl``
+        when that is a usable number of seconds, else ``default_s``; never past
+        ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
+        ttl = pop.get("ttl")
+        seconds = default_s
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
+            try:
+                value = float(ttl)
+            except OverflowError:
+                value = math.inf
+            if value > 0 and not math.isnan(value):
+                seconds = value
+        return cls(popped_at, popped_at + min(seconds, cap_s))
+
 
 @dataclass
 class JobContext:
@@ -72,6 +91,8 @@ class JobContext:
         settled: True once a terminal action was definitive (accepted,
             refused, or a deliberate no-submit); the loop's safety net then
             sends nothing more.
+        abandoned: set when the worker gives the job up (a stop whose grace
+            period ran out); ``abandon_why`` says why.
     """
 
     id: str
@@ -81,6 +102,19 @@ class JobContext:
     pop_body: dict[str, Any] = field(default_factory=dict)
     genkey: str = ""
     settled: bool = False
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    abandon_why: str = ""
+
+    def abandon(self, why: str) -> None:
+        """Give the job up (from any thread); the job's run then faults it."""
+        if not self.abandoned.is_set():
+            self.abandon_why = why
+            self.abandoned.set()
+
+    def check_abandoned(self) -> None:
+        """Raise JobFault when the job was given up (see :meth:`abandon`)."""
+        if self.abandoned.is_set():
+            raise JobFault(self.abandon_why or "the job was given up")
 
     @property
     def chat(self) -> bool:
@@ -149,33 +183,41 @@ class Edges:
             log.debug("abort of %s failed: %s", genkey, exc)
 
     def with_busy_retry(
-        self, call: Callable[[float], dict[str, Any]], lease: Lease, genkey: str
+        self, call: Callable[[float], dict[str, Any]], ctx: JobContext
     ) -> dict[str, Any]:
-        """Call the backend, waiting out 503 busy answers while the lease allows.
+        """Call the backend for the job in hand, waiting out 503 busy answers
+        while the lease allows.
 
         ``call`` gets the read timeout in seconds (what is left of the lease
         before the submit margin). A timeout aborts the local generation (by
-        ``genkey``) before raising. Raises BackendError when the lease runs out
-        or the backend fails.
+        ``ctx.genkey``) before raising.
+
+        Raises:
+            BackendError: the lease ran out or the backend failed.
+            JobFault: the job was abandoned meanwhile (its generation aborted).
         """
         while True:
-            remaining = lease.remaining(self.clock()) - SUBMIT_MARGIN_S
+            ctx.check_abandoned()
+            remaining = ctx.lease.remaining(self.clock()) - SUBMIT_MARGIN_S
             if remaining <= 1.0:
                 raise BackendError("the lease ran out before koboldcpp answered")
             # Every generation request is the worker's own, not a local user's.
             self.note_own_request()
             try:
-                return call(remaining)
+                answer = call(remaining)
             except BackendUnauthorized:
                 raise
             except BackendBusy:
-                if self.stop_event.wait(min(2.0, max(0.0, remaining - 1.0))):
-                    raise BackendError("stopping while koboldcpp was busy") from None
+                # Waited out until the lease or the stop's grace period ends.
+                self.pause(min(2.0, max(0.0, remaining - 1.0)))
                 continue
             except BackendError as exc:
+                ctx.check_abandoned()
                 if exc.status == 0:
-                    self.abort_quietly(genkey)
+                    self.abort_quietly(ctx.genkey)
                 raise
+            ctx.check_abandoned()
+            return answer
 
 
 def new_genkey() -> str:

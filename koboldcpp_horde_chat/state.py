@@ -22,8 +22,9 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from . import guard
+from . import guard, status
 from .errors import HordeRefusal
 from .guard import MaintenanceGuard, RefusalGuard
 from .settings import WorkerSettings
@@ -34,6 +35,16 @@ log = logging.getLogger(__name__)
 CREDENTIAL_RCS = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
+
+
+class Slot(Protocol):
+    """A pop loop as the shared state sees it (for a bounded stop)."""
+
+    def abandon_job(self, why: str) -> None:
+        """Give up the job in hand: abort its generation; the loop then faults it."""
+
+    def fault_job_now(self) -> None:
+        """Fault the job in hand at once (the process is exiting)."""
 
 
 def is_key_refusal(exc: HordeRefusal) -> bool:
@@ -95,6 +106,11 @@ class WorkerState:
         self.refusal_guard = RefusalGuard()
         self.lock = threading.RLock()
         self._key_refused = False
+        self.slots: list[Slot] = []
+        self.stop_deadline: float | None = None
+        self.moderator_messages_seen: set[str] = set()
+        self._next_summary: float | None = None
+        self._watchdog: threading.Timer | None = None
 
     @property
     def chat_enabled(self) -> bool:
@@ -103,26 +119,62 @@ class WorkerState:
 
     # ------------------------------------------------------------------ stop
 
-    def stop_for_key(self, exc: HordeRefusal) -> None:
-        """Say "check your API key" once, stop every loop, and exit with code 3."""
+    def stop_for_key(self, exc: HordeRefusal, line: str | None = None) -> None:
+        """The API key (or the worker name) is not the owner's: say so once
+        (``line``, or "check your API key"), stop every loop, exit code 3."""
         with self.lock:
             first = not self._key_refused
             self._key_refused = True
             self.exit_code = 3
         if first:
-            log.error(
-                "the Horde refused the API key (HTTP %d %s): check your API key; stopping",
-                exc.status,
-                exc.rc or "no rc",
-            )
+            if line is None:
+                line = (
+                    f"the Horde refused the API key (HTTP {exc.status} {exc.rc or 'no rc'}): "
+                    "check your API key"
+                )
+            log.error("%s; stopping", line)
         self.stop_event.set()
 
-    def stop_for_declaration(self, message: str) -> None:
-        """The Horde refused the chat declaration: stop every loop, exit code 2."""
-        log.error("the Horde refused the chat declaration: %s; stopping", message)
+    def stop_for_config(self, line: str) -> None:
+        """The Horde will never take this setting (e.g. the chat declaration):
+        say so, stop every loop, exit code 2."""
+        log.error("%s; stopping", line)
         with self.lock:
             self.exit_code = 2
         self.stop_event.set()
+
+    def request_stop(self, grace_s: float) -> None:
+        """Stop popping now; give the jobs in hand ``grace_s`` seconds to end.
+
+        A job still generating when the grace period ends is abandoned: its
+        local generation is aborted and the loop faults it. Calling it again
+        keeps the first deadline.
+        """
+        with self.lock:
+            if self.stop_deadline is not None:
+                return
+            self.stop_deadline = time.monotonic() + grace_s
+            timer = threading.Timer(max(0.0, grace_s), self._grace_over, args=(grace_s,))
+            timer.daemon = True
+            timer.name = "stop-grace"
+            self._watchdog = timer
+        self.stop_event.set()
+        timer.start()
+
+    def _grace_over(self, grace_s: float) -> None:
+        with self.lock:
+            slots = list(self.slots)
+        for slot in slots:
+            slot.abandon_job(f"the job did not end within the {grace_s:g} s stop grace period")
+
+    def fault_jobs_now(self) -> None:
+        """Fault every job in hand at once (a second signal: the process exits)."""
+        with self.lock:
+            slots = list(self.slots)
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+        for slot in slots:
+            slot.fault_job_now()
 
     # -------------------------------------------------------------- counting
 
@@ -154,6 +206,30 @@ class WorkerState:
         """The statistics line (see :meth:`WorkerStats.summary`)."""
         with self.lock:
             return self.stats.summary(now)
+
+    def periodic_summary(self, now: float, wall: float) -> str | None:
+        """The totals line once every ``status.SUMMARY_EVERY_S`` (monotonic ``now``),
+        for one loop of the worker only; None in between."""
+        with self.lock:
+            if self._next_summary is None:
+                self._next_summary = now + status.SUMMARY_EVERY_S
+                return None
+            if now < self._next_summary:
+                return None
+            self._next_summary = now + status.SUMMARY_EVERY_S
+            stats = self.stats
+            return status.summary_line(
+                jobs=stats.jobs,
+                kudos=stats.kudos,
+                faults=stats.faults,
+                dropped=stats.dropped,
+                uptime_s=wall - stats.started_at,
+            )
+
+    def new_moderator_lines(self, messages: object) -> list[str]:
+        """Lines for the Horde's messages to the owner not said before (by any loop)."""
+        with self.lock:
+            return status.moderator_lines(messages, self.moderator_messages_seen)
 
     # ---------------------------------------------------------- declaration
 

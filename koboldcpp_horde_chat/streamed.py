@@ -115,6 +115,9 @@ class _StreamedGeneration:
             while True:
                 now = edges.clock()
                 lease.deadline = max(lease.deadline, poster.lease_deadline)
+                if ctx.abandoned.is_set():
+                    self._close_and_abort()
+                    ctx.check_abandoned()
                 if lease.remaining(now) <= SUBMIT_MARGIN_S:
                     self._close_and_abort()
                     raise JobFault("the lease ran out while streaming")

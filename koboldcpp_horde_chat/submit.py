@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,13 @@ class SubmitPipeline:
                 return
             except HordeUnavailable as exc:
                 remaining = ctx.lease.remaining(self.clock())
+                if ctx.abandoned.is_set():
+                    # Stopping, and the grace period is over: the process exits now.
+                    ctx.settled = True
+                    self.state.record_dropped()
+                    log.error("job=%s submit failed (%s) and the worker is stopping; "
+                              "left to expire", ctx.id, exc)
+                    return
                 if attempts >= 3 and remaining <= 0:
                     ctx.settled = True
                     self.state.record_dropped()
@@ -215,3 +223,45 @@ def reward_kudos(reward: object) -> float:
     except OverflowError:
         return 0.0
     return kudos if math.isfinite(kudos) else 0.0
+
+
+class PopAhead:
+    """The next pop, sent on a thread of its own while the loop submits a job.
+
+    koboldcpp's own worker submits on a thread of its own so that its next pop
+    overlaps the submit; this is the same overlap the other way round: the
+    terminal action stays on the loop's thread (one at a time, in order) and
+    the pop goes out beside it. ``join()`` waits for the answer: then
+    ``answer`` (the pop's JSON) or ``error`` (a ``HordeError``) is set, and
+    ``popped_at`` (monotonic seconds) is when it arrived.
+
+    Args:
+        horde: a Horde client used by no other thread meanwhile.
+        body: the pop body; timeout_s: the pop's read timeout, seconds.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, horde: HordeClient, body: dict[str, Any], timeout_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.body = body
+        self.answer: dict[str, Any] | None = None
+        self.error: HordeError | None = None
+        self.popped_at = 0.0
+        self._horde = horde
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.answer = self._horde.pop(self.body, timeout_s=self._timeout_s)
+        except HordeError as exc:
+            self.error = exc
+        except Exception as exc:  # handed to the loop, which logs it
+            self.error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
+        self.popped_at = self._clock()
+
+    def join(self) -> None:
+        self._thread.join()

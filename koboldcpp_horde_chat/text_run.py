@@ -28,14 +28,14 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
         job.payload.get("max_length", "?"),
         job.payload.get("max_context_length", "?"),
     )
+    ctx.check_abandoned()
     genkey = ctx.genkey = new_genkey()
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(
                 jobs.text_request_body(job, genkey=genkey), timeout_s=timeout
             ),
-            ctx.lease,
-            genkey,
+            ctx,
         )
         generation = reply.text_generation(body)
     except (BackendError, ReplyError) as exc:

@@ -12,12 +12,17 @@ prompt.
 Each popped job ends in exactly one terminal action: an accepted submit, a
 fault, or a deliberate no-submit after a cancel or ``ChatJobAborted``. The
 reason is logged in one line with ``job=<id>``.
+
+Like koboldcpp's own worker, whose submit runs on a thread of its own, the
+loop overlaps a job's submit with the next pop: when a job's outcome is
+ready, the next pop goes out on a thread of its own (with its own HTTP
+session) while the loop sends the terminal action, so koboldcpp waits for
+the Horde about one round trip per job, not two.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,14 +33,23 @@ from .backend import KoboldClient
 from .backoff import Backoff, EmptyPopBackoff
 from .chat_run import ChatRun
 from .declaration import BackendCapabilities, pop_body
-from .errors import HordeRefusal, HordeUnavailable, JobEnded, JobFault, PayloadError
-from .guard import MaintenanceGuard, RefusalGuard
+from .errors import (
+    BackendError,
+    HordeError,
+    HordeRefusal,
+    HordeUnavailable,
+    JobEnded,
+    JobFault,
+    PayloadError,
+)
+from .guard import MaintenanceGuard
 from .horde import HordeClient
 from .manners import LocalManners, NoManners
 from .runs import Edges, JobContext, Lease
 from .settings import WorkerSettings
-from .state import WorkerState, WorkerStats, is_key_refusal
-from .submit import SubmitPipeline
+from .state import WorkerState, WorkerStats
+from .status import PauseTracker, SkippedReporter, describe_pop_refusal
+from .submit import PopAhead, SubmitPipeline
 from .text_run import serve_text
 
 log = logging.getLogger(__name__)
@@ -44,6 +58,16 @@ log = logging.getLogger(__name__)
 MAINTENANCE_POLL_S = 60.0
 #: Seconds between readiness probes while koboldcpp does not answer.
 BACKEND_PROBE_S = 3.0
+#: Seconds after the worker's own generation during which a busy koboldcpp is
+#: taken to be finishing that request (it releases its model lock just after
+#: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
+#: ``BUSY_POLL_S``.
+OWN_TAIL_S = 0.5
+OWN_TAIL_POLL_S = 0.01
+#: Seconds between two checks of a koboldcpp busy with someone else's request.
+BUSY_POLL_S = 0.2
+#: Seconds between two checks while a local user is generating.
+LOCAL_USER_POLL_S = 1.0
 
 
 class Worker:
@@ -59,6 +83,11 @@ class Worker:
         clock: monotonic seconds; wall: epoch seconds (tests may pass fakes).
         worker_id: the loop's number in log lines (koboldcpp counts from 1).
         state: the state shared with the worker's other loops (a new one when None).
+        pop_horde: a second Horde client, used only by the pop that overlaps a
+            submit (a ``requests.Session`` is not shared between threads);
+            None: no overlap, each submit ends before the next pop.
+        abort_backend: a second koboldcpp client for aborts sent from another
+            thread at the end of a stop's grace period (default ``backend``).
     """
 
     def __init__(
@@ -74,6 +103,8 @@ class Worker:
         wall: Callable[[], float] = time.time,
         worker_id: int = 1,
         state: WorkerState | None = None,
+        pop_horde: HordeClient | None = None,
+        abort_backend: KoboldClient | None = None,
     ) -> None:
         self.settings = settings
         self.horde = horde
@@ -87,6 +118,8 @@ class Worker:
         self.clock = clock
         self.wall = wall
         self.worker_id = worker_id
+        self.pop_horde = pop_horde
+        self.abort_backend = abort_backend if abort_backend is not None else backend
         self.edges = Edges(
             settings=settings,
             horde=horde,
@@ -98,10 +131,16 @@ class Worker:
         self.pipeline = SubmitPipeline(
             settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause
         )
+        self.current: JobContext | None = None
+        self._ahead: PopAhead | None = None
+        self._own_done_at: float | None = None
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
         self._backend_suspect = False
-        self._backend_down_logged = False
+        self._pauses = PauseTracker(
+            local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url
+        )
+        self._skipped = SkippedReporter()
 
     # The shared state, under the names the loop has always shown.
     @property
@@ -117,16 +156,8 @@ class Worker:
         return self.state.chat_enabled
 
     @property
-    def withheld(self) -> frozenset[str]:
-        return self.state.withheld
-
-    @property
     def maintenance_guard(self) -> MaintenanceGuard:
         return self.state.maintenance_guard
-
-    @property
-    def refusal_guard(self) -> RefusalGuard:
-        return self.state.refusal_guard
 
     # ------------------------------------------------------------------ loop
 
@@ -156,58 +187,121 @@ class Worker:
             self.settings.max_context_length,
             self.settings.max_length,
         )
-        while not self._stopping():
-            try:
-                self.run_once()
-            except Exception:  # the loop must survive anything; log it once
-                log.exception("worker %d: unexpected error in the pop loop", self.worker_id)
-                self.stop_event.wait(self._error_backoff.next_delay())
+        with self.state.lock:
+            self.state.slots.append(self)
+        try:
+            while not self._stopping():
+                self._pass()
+            self.drain()
+        finally:
+            with self.state.lock:
+                self.state.slots.remove(self)
         log.info("worker %d: stopped (%s)", self.worker_id, self.state.summary(self.wall()))
         return self.exit_code
+
+    def _pass(self) -> None:
+        try:
+            self.run_once()
+        except Exception:  # the loop must survive anything; log it once
+            log.exception("worker %d: unexpected error in the pop loop", self.worker_id)
+            self.stop_event.wait(self._error_backoff.next_delay())
+
+    def drain(self) -> None:
+        """Serve the job of a pop still in flight, if any: a popped job always gets
+        its terminal action, also when the loop is stopping."""
+        while self._ahead is not None:
+            self._pass()
 
     def _stopping(self) -> bool:
         return self.stop_event.is_set() or self.manners.should_stop()
 
     def run_once(self) -> bool:
-        """One pass of the pop loop. Returns True when a job was served."""
-        last_local = self.manners.last_local_request_time()
-        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
-            self.stop_event.wait(1.0)
+        """One pass of the pop loop. Returns True when a job was served.
+
+        The pop's answer is the one the previous pass sent while it submitted,
+        when there is one; otherwise the loop checks its manners and pops now.
+        """
+        summary = self.state.periodic_summary(self.clock(), self.wall())
+        if summary is not None:
+            log.info("worker %d: %s", self.worker_id, summary)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.join()
+            return self._after_pop(ahead.body, ahead.answer, ahead.error, ahead.popped_at)
+        if self._stopping():
             return False
-        if self.manners.model_busy():
-            self.stop_event.wait(0.2)
+        pause = self._pause()
+        if pause is not None:
+            reason, wait_s = pause
+            line = self._pauses.pausing(reason, self.clock())
+            if line is not None:
+                log.info("worker %d: %s", self.worker_id, line)
+            self.stop_event.wait(wait_s)
             return False
-        if not self._backend_answers():
-            self.stop_event.wait(BACKEND_PROBE_S)
-            return False
-        if not self.state.update_chat_withdrawal(self.clock()):
-            self.stop_event.wait(MAINTENANCE_POLL_S)
-            return False
-        body = pop_body(
-            self.settings, self.caps, withhold=self.withheld, chat_jobs=self.chat_enabled
-        )
+        body = self._pop_body()
         try:
             pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
-        except HordeRefusal as exc:
-            self._on_pop_refused(exc)
+        except HordeError as exc:
+            return self._after_pop(body, None, exc, self.clock())
+        return self._after_pop(body, pop, None, self.clock())
+
+    def _pause(self) -> tuple[str, float] | None:
+        """Why the loop must not pop now, and how long to wait; None to pop.
+
+        Yields to a local user (20 s after their last generation) and to a
+        busy koboldcpp as koboldcpp's own worker does; waits while koboldcpp,
+        which failed a job, does not answer; pauses a chat-only worker whose
+        chat declaration is withdrawn.
+        """
+        last_local = self.manners.last_local_request_time()
+        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
+            return "local_user", LOCAL_USER_POLL_S
+        if self.manners.model_busy():
+            own = self._own_done_at
+            if own is not None and self.clock() - own < OWN_TAIL_S:
+                return "busy", OWN_TAIL_POLL_S
+            return "busy", BUSY_POLL_S
+        if not self._backend_answers():
+            return "backend_down", BACKEND_PROBE_S
+        if not self.state.update_chat_withdrawal(self.clock()):
+            return "chat_withdrawn", MAINTENANCE_POLL_S
+        return None
+
+    def _after_pop(
+        self,
+        body: dict[str, Any],
+        pop: dict[str, Any] | None,
+        error: HordeError | None,
+        popped_at: float,
+    ) -> bool:
+        """Handle a pop's answer (or its failure): serve the job it carries, if any."""
+        if error is not None or pop is None:
+            if isinstance(error, HordeRefusal):
+                self._on_pop_refused(error)
+            else:
+                delay = self._error_backoff.next_delay(
+                    error.retry_after_s if isinstance(error, HordeUnavailable) else None
+                )
+                log.warning("pop failed: %s; retrying in %.1f s", error, delay)
+                self.stop_event.wait(delay)
             return False
-        except HordeUnavailable as exc:
-            delay = self._error_backoff.next_delay(exc.retry_after_s)
-            log.warning("pop failed: %s; retrying in %.1f s", exc, delay)
-            self.stop_event.wait(delay)
-            return False
-        popped_at = self.clock()
         self._error_backoff.reset()
+        line = self._pauses.popping(popped_at)
+        if line is not None:
+            log.info("worker %d: %s", self.worker_id, line)
+        for message in self.state.new_moderator_lines(pop.get("messages")):
+            log.warning("worker %d: %s", self.worker_id, message)
         raw_id = pop.get("id")
         if not (isinstance(raw_id, str) and raw_id):
             return self._serve_popped(pop, None)
         ctx = JobContext(
             id=raw_id,
             kind="chat" if pop.get("chat") is True else "text",
-            lease=self._pop_lease(pop, popped_at),
+            lease=Lease.from_pop(pop, popped_at, self.settings.lease_s, self.settings.lease_cap_s),
             started=popped_at,
             pop_body=body,
         )
+        self.current = ctx
         try:
             return self._serve_popped(pop, ctx)
         except Exception:
@@ -220,11 +314,10 @@ class Worker:
         except BaseException:
             # A forced exit (a second SIGINT or SIGTERM): stop koboldcpp's generation,
             # one quick fault, then go.
-            if ctx.genkey:
-                self.edges.abort_quietly(ctx.genkey)
-            if not ctx.settled:
-                self.pipeline.fault_now(ctx.id, chat=ctx.chat)
+            self.fault_job_now()
             raise
+        finally:
+            self.current = None
 
     def _serve_popped(self, pop: dict[str, Any], ctx: JobContext | None) -> bool:
         """Parse a pop answer and serve its job, if any. True when a job was served.
@@ -237,18 +330,21 @@ class Worker:
             self._empty_backoff.reset()
             if exc.job_id and ctx is not None:
                 log.warning("job=%s malformed payload at %s: %s", exc.job_id, exc.path, exc.problem)
-                self.pipeline.fault(ctx, JobFault("malformed payload"))
+                self._send_fault(ctx, JobFault("malformed payload"))
             else:
                 log.warning("pop returned a job without a usable id (%s); skipped", exc.path)
             return True
         if job is None or ctx is None:
-            self.stop_event.wait(self._empty_backoff.next_delay())
+            line = self._skipped.line(pop.get("skipped"), self.clock())
+            if line is not None:
+                log.info("worker %d: no job for this worker: %s", self.worker_id, line)
+            if not self._stopping():
+                self.stop_event.wait(self._empty_backoff.next_delay())
             return False
         self._empty_backoff.reset()
         # A lease never runs past the cap progress posts could extend it to.
-        ctx.lease = Lease(ctx.lease.popped_at, ctx.lease.popped_at + min(
-            job.ttl_s, self.settings.lease_cap_s
-        ))
+        popped_at = ctx.lease.popped_at
+        ctx.lease = Lease(popped_at, popped_at + min(job.ttl_s, self.settings.lease_cap_s))
         ctx.started = self.clock()
         try:
             if isinstance(job, jobs.ChatJob):
@@ -260,40 +356,74 @@ class Worker:
                 # A killed koboldcpp shows as no answer, a reset or a stream cut
                 # short; check it is up before the next pop.
                 self._backend_suspect = True
-            self.pipeline.fault(ctx, fault)
+            self._send_fault(ctx, fault)
             return True
         except JobEnded:
             ctx.settled = True  # cancelled or ended by the Horde: nothing to send
+            self._own_done_at = self.clock()
             return True
+        self._own_done_at = self.clock()
+        self._pop_ahead()
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
         return True
 
-    def _pop_lease(self, pop: dict[str, Any], popped_at: float) -> Lease:
-        """The lease of a popped job before its payload is parsed: its ``ttl`` when
-        that is a usable number of seconds, else ``settings.lease_s``; never past
-        the lease cap."""
-        ttl = pop.get("ttl")
-        seconds = self.settings.lease_s
-        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
-            try:
-                value = float(ttl)
-            except OverflowError:
-                value = math.inf
-            if value > 0 and not math.isnan(value):
-                seconds = value
-        return Lease(popped_at, popped_at + min(seconds, self.settings.lease_cap_s))
+    def _send_fault(self, ctx: JobContext, fault: JobFault) -> None:
+        if ctx.genkey:
+            self._own_done_at = self.clock()
+        self._pop_ahead()
+        self.pipeline.fault(ctx, fault)
+
+    def _pop_ahead(self) -> None:
+        """Send the next pop on its own thread, so that it overlaps this job's submit.
+
+        Only when the loop would pop now anyway (see :meth:`_pause`), waiting
+        at most ``OWN_TAIL_S`` for koboldcpp to release the lock of the
+        worker's own request; never while stopping.
+        """
+        if (
+            self.pop_horde is None
+            or self._ahead is not None
+            or self._backend_suspect
+            or self._stopping()
+        ):
+            return
+        deadline = self.clock() + OWN_TAIL_S
+        while True:
+            pause = self._pause()
+            if pause is None:
+                break
+            if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
+                return
+            self.stop_event.wait(OWN_TAIL_POLL_S)
+        self._ahead = PopAhead(
+            self.pop_horde, self._pop_body(), self.settings.pop_timeout_s, self.clock
+        )
+
+    def _pop_body(self) -> dict[str, Any]:
+        """The pop body with the declaration as the shared state has it now."""
+        return pop_body(
+            self.settings, self.caps, withhold=self.state.withheld, chat_jobs=self.chat_enabled
+        )
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
-        if exc.rc == "ChatDeclarationInvalid":
-            self.state.stop_for_declaration(exc.message)
-        elif is_key_refusal(exc):
-            self.state.stop_for_key(exc)
-        elif exc.rc == "WorkerMaintenance" or exc.status == 403:
-            log.warning("the Horde keeps this worker in maintenance: %s", exc.message)
+        """Name the refusal by its ``rc`` and say what the owner can do
+        (``status.describe_pop_refusal``); stop, wait a minute, or back off."""
+        advice = describe_pop_refusal(exc.status, exc.rc, exc.message)
+        if advice.action == "stop_key":
+            self.state.stop_for_key(exc, advice.line)
+        elif advice.action == "stop_config":
+            self.state.stop_for_config(advice.line)
+        elif advice.action == "owner":
+            reason = "maintenance" if exc.rc == "WorkerMaintenance" else "refused"
+            line = self._pauses.pausing(reason, self.clock(), line=advice.line)
+            if line is not None:
+                log.warning("worker %d: %s", self.worker_id, line)
+            else:
+                log.debug("worker %d: still refused (%s)", self.worker_id, exc.rc or exc.status)
             self.stop_event.wait(MAINTENANCE_POLL_S)
         else:
             delay = self._error_backoff.next_delay()
-            log.warning("pop refused: %s; retrying in %.1f s", exc, delay)
+            log.warning("worker %d: %s; retrying in %.1f s", self.worker_id, advice.line, delay)
             self.stop_event.wait(delay)
 
     def _backend_answers(self) -> bool:
@@ -307,22 +437,38 @@ class Worker:
             return True
         if self.backend.ready():
             self._backend_suspect = False
-            if self._backend_down_logged:
-                self._backend_down_logged = False
-                log.info("koboldcpp at %s answers again: popping", self.settings.kcpp_url)
             return True
-        if not self._backend_down_logged:
-            self._backend_down_logged = True
-            log.warning(
-                "koboldcpp at %s does not answer: not popping until it does",
-                self.settings.kcpp_url,
-            )
         return False
 
     def _note_own_request(self) -> None:
         note = getattr(self.manners, "note_own_request", None)
         if callable(note):
             note()
+
+    # ------------------------------------------------------------ bounded stop
+
+    def abandon_job(self, why: str) -> None:
+        """Give up the job in hand (the stop's grace period ran out): abort its
+        local generation; its run then faults it. Called from another thread."""
+        ctx = self.current
+        if ctx is None or ctx.settled:
+            return
+        ctx.abandon(why)
+        if ctx.genkey:
+            try:
+                self.abort_backend.abort(ctx.genkey, timeout_s=2.0)
+            except BackendError as exc:
+                log.debug("abort of %s failed: %s", ctx.genkey, exc)
+
+    def fault_job_now(self) -> None:
+        """Fault the job in hand with one quick submit (the process exits now)."""
+        ctx = self.current
+        if ctx is None or ctx.settled:
+            return
+        ctx.settled = True
+        if ctx.genkey:
+            self.edges.abort_quietly(ctx.genkey)
+        self.pipeline.fault_now(ctx.id, chat=ctx.chat)
 
 
 def run_worker(
@@ -333,31 +479,39 @@ def run_worker(
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
     backend: KoboldClient | None = None,
+    state: WorkerState | None = None,
 ) -> int:
     """Build the clients and run one pop loop until stopped; returns the exit code.
 
     One ``requests.Session`` per client and per thread: call this once per
-    worker thread.
+    worker thread. ``state`` is shared with the worker's other loops.
     """
-    horde = HordeClient(
-        settings.horde_url,
-        settings.api_key,
-        bridge_agent=settings.bridge_agent,
-        connect_timeout_s=settings.connect_timeout_s,
-    )
-    if backend is None:
-        backend = KoboldClient(
+
+    def horde_client() -> HordeClient:
+        return HordeClient(
+            settings.horde_url,
+            settings.api_key,
+            bridge_agent=settings.bridge_agent,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
+
+    def kcpp_client() -> KoboldClient:
+        return KoboldClient(
             settings.kcpp_url,
             settings.kcpp_password,
             connect_timeout_s=settings.connect_timeout_s,
         )
+
     worker = Worker(
         settings,
-        horde=horde,
-        backend=backend,
+        horde=horde_client(),
+        backend=backend if backend is not None else kcpp_client(),
         stop_event=stop_event,
         manners=manners,
         caps=caps,
         worker_id=worker_id,
+        state=state,
+        pop_horde=horde_client(),
+        abort_backend=kcpp_client(),
     )
     return worker.run()

@@ -1,0 +1,329 @@
+"""What the worker says about itself: pauses, the Horde's messages, refusals, summaries.
+
+Pure rules (no I/O, the clock passed in) for the loop's one-line state
+events, so an operator running the worker for weeks can tell what it is
+doing without reading the code:
+
+- :class:`PauseTracker`: why the loop is not popping (a local user,
+  koboldcpp busy or not answering, maintenance, chat withdrawn) and when it
+  pops again, each change said once; short flickers are not said;
+- :func:`moderator_lines`: the Horde's messages to the worker's owner (the
+  pop answer's top-level ``messages``), each said once;
+- :func:`describe_skipped`: what an empty pop's ``skipped`` counts show;
+- :func:`summary_line`: the periodic totals line (jobs, kudos, uptime).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Why the loop is not popping: the line said when the pause starts, and the
+#: one said when it pops again.
+PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
+    "local_user": (
+        "a local user is generating: not popping until {local_idle_s:g} s after their "
+        "last request, as koboldcpp's own worker does",
+        "no local request for {local_idle_s:g} s: popping again",
+    ),
+    "busy": (
+        "koboldcpp is busy with another client's request: not popping until it is free",
+        "koboldcpp is free: popping again",
+    ),
+    "backend_down": (
+        "koboldcpp at {kcpp_url} does not answer: not popping until it does",
+        "koboldcpp at {kcpp_url} answers again: popping",
+    ),
+    "maintenance": (
+        "the Horde keeps this worker in maintenance: not popping for a minute at a time",
+        "the Horde takes pops again: popping",
+    ),
+    "chat_withdrawn": (
+        "chat is withdrawn after too many faults and this worker serves chat jobs only: "
+        "not popping until the faults of the last hour are fewer",
+        "chat is declared again: popping",
+    ),
+    "refused": (
+        "the Horde refuses this worker's pops: not popping for a minute at a time",
+        "the Horde takes pops again: popping",
+    ),
+}
+
+#: A pause shorter than this, seconds, is not said (a local user's single
+#: request or koboldcpp finishing a request flickers in and out).
+PAUSE_REPORT_AFTER_S = 2.0
+#: Pauses said at once: they do not flicker, and the operator should know at once.
+IMMEDIATE_PAUSES = frozenset({"backend_down", "maintenance", "chat_withdrawn", "refused"})
+#: Seconds between two lines about empty pops' ``skipped`` counts.
+SKIPPED_EVERY_S = 60.0
+#: Seconds between two summary lines.
+SUMMARY_EVERY_S = 600.0
+#: Characters of a moderator message kept in its log line.
+MESSAGE_MAX_CHARS = 500
+
+
+class PauseTracker:
+    """Turns the loop's pass-by-pass state into one line per change.
+
+    Call :meth:`pausing` on every pass that does not pop (with the reason,
+    a key of :data:`PAUSE_REASONS`) and :meth:`popping` on every pass that
+    pops. Each returns the line to log now, or None. A pause is said once
+    it has lasted :data:`PAUSE_REPORT_AFTER_S` (at once for the reasons in
+    :data:`IMMEDIATE_PAUSES`); a change of reason while paused is said
+    again; popping again is said only after a pause that was said, in the
+    words of the last pause said.
+    """
+
+    def __init__(self, **details: object) -> None:
+        self._details = details
+        self._reason: str | None = None
+        self._since = 0.0
+        self._said: str | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """The current pause's reason, or None while popping."""
+        return self._reason
+
+    def pausing(self, reason: str, now: float, *, line: str | None = None) -> str | None:
+        """The loop does not pop this pass because of ``reason``.
+
+        ``line`` replaces the reason's own words (a refusal says its ``rc``);
+        a new ``line`` under the same reason is said again.
+        """
+        key = f"{reason}:{line}" if line else reason
+        if reason != self._reason:
+            self._reason = reason
+            self._since = now
+        if self._said == key:
+            return None
+        if reason in IMMEDIATE_PAUSES or now - self._since >= PAUSE_REPORT_AFTER_S:
+            self._said = key
+            return line or PAUSE_REASONS[reason][0].format(**self._details)
+        return None
+
+    def popping(self, now: float) -> str | None:
+        """The loop pops this pass."""
+        said = self._said
+        self._reason = None
+        self._said = None
+        if said is None:
+            return None
+        return PAUSE_REASONS[said.partition(":")[0]][1].format(**self._details)
+
+
+def message_key(message: Mapping[str, Any]) -> str:
+    """What makes a moderator message distinct: its ``id``, else its text."""
+    ident = message.get("id")
+    if isinstance(ident, (str, int)) and not isinstance(ident, bool) and str(ident):
+        return f"id:{ident}"
+    return f"text:{message.get('message')}"
+
+
+def moderator_lines(messages: object, seen: set[str]) -> list[str]:
+    """Lines for the Horde's messages to the worker's owner that ``seen`` lacks.
+
+    Args:
+        messages: the pop answer's top-level ``messages``: a list of
+            ``{"id", "message", "origin", "expiry", ...}`` (anything else is ignored).
+        seen: keys (:func:`message_key`) already said; updated in place.
+
+    Returns:
+        One line per new message: ``message from the Horde (origin moderator,
+        expires 2026-12-24T00:00:00): <text>``, the text on one line and shortened.
+    """
+    if not isinstance(messages, list):
+        return []
+    lines = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        text = message.get("message")
+        if not isinstance(text, str) or not text.strip():
+            continue
+        key = message_key(message)
+        if key in seen:
+            continue
+        seen.add(key)
+        about = [
+            f"{word} {_one_line(str(message[name]), 60)}"
+            for name, word in (("origin", "origin"), ("expiry", "expires"))
+            if message.get(name) not in (None, "")
+        ]
+        lines.append(
+            "message from the Horde"
+            + (f" ({', '.join(about)})" if about else "")
+            + ": "
+            + _one_line(text, MESSAGE_MAX_CHARS)
+        )
+    return lines
+
+
+def describe_skipped(skipped: object) -> str | None:
+    """``"3 requests skipped: max_context_length=2, models=1"``, or None when none were.
+
+    Args:
+        skipped: the pop answer's ``skipped``: a mapping of reason to count,
+            e.g. ``{"max_context_length": 2, "models": 1}``.
+    """
+    if not isinstance(skipped, dict):
+        return None
+    counts = sorted(
+        (str(name)[:40], int(value))
+        for name, value in skipped.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    )
+    if not counts:
+        return None
+    total = sum(value for _, value in counts)
+    parts = ", ".join(f"{name}={value}" for name, value in counts[:12])
+    return f"{total} request{'s' if total != 1 else ''} skipped: {parts}"
+
+
+class SkippedReporter:
+    """Says what empty pops' ``skipped`` counts show, at most once every
+    :data:`SKIPPED_EVERY_S` seconds."""
+
+    def __init__(self) -> None:
+        self._said_at: float | None = None
+
+    def line(self, skipped: object, now: float) -> str | None:
+        """The line to log for an empty pop's ``skipped`` at monotonic ``now``, or None."""
+        line = describe_skipped(skipped)
+        if line is None:
+            return None
+        if self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S:
+            return None
+        self._said_at = now
+        return line
+
+
+def summary_line(
+    *, jobs: int, kudos: float, faults: int, dropped: int, uptime_s: float
+) -> str:
+    """``"12 jobs, 340 kudos (850 kudos/h), 0 faults, 0 dropped, uptime 0:24:00"``.
+
+    The rate is shown once the worker has run ten minutes.
+    """
+    rate = f" ({kudos / (uptime_s / 3600.0):.0f} kudos/h)" if uptime_s >= 600 else ""
+    seconds = int(max(0.0, uptime_s))
+    uptime = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return (
+        f"{jobs} jobs, {kudos:.0f} kudos{rate}, {faults} faults, {dropped} dropped, "
+        f"uptime {uptime}"
+    )
+
+
+def _one_line(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class RefusalAdvice:
+    """How the loop answers a refused pop, and what it tells the owner.
+
+    Attributes:
+        action: ``"stop_key"`` (the API key or the worker name is not the
+            owner's: stop, exit 3), ``"stop_config"`` (a setting the Horde will
+            never take: stop, exit 2), ``"owner"`` (the owner must act on the
+            Horde's side: pop again a minute later, so the worker resumes by
+            itself once it is done), or ``"retry"`` (transient: back off).
+        line: the log line: the refusal named by its ``rc`` and what the
+            owner can do.
+    """
+
+    action: str
+    line: str
+
+
+#: What each pop refusal means for the owner, by the Horde's ``rc``: (action,
+#: what to do). From the AI Horde's public source (``horde/exceptions.py`` and
+#: the pop's ``validate`` in ``horde/apis/v2/base.py``).
+POP_REFUSALS: Mapping[str, tuple[str, str]] = {
+    "InvalidAPIKey": (
+        "stop_key",
+        "check your API key (--hordekey): the Horde knows no user with it",
+    ),
+    "WrongCredentials": (
+        "stop_key",
+        "the worker name belongs to another user's worker: check your API key, or choose "
+        "another --hordeworkername",
+    ),
+    "DeletedUser": ("stop_key", "the account of this API key is scheduled for deletion"),
+    "AnonForbiddenWorker": (
+        "stop_key",
+        "the anonymous API key cannot run a worker: register on the Horde and use your own key",
+    ),
+    "ChatDeclarationInvalid": (
+        "stop_config",
+        "the chat declaration is invalid: check --hordemodelname and --chat-withhold",
+    ),
+    "PolymorphicNameConflict": (
+        "stop_config",
+        "an image or interrogation worker already has this name: choose another "
+        "--hordeworkername",
+    ),
+    "ProfaneWorkerName": ("stop_config", "choose another --hordeworkername"),
+    "TooManyWorkers": (
+        "owner",
+        "the account's worker limit is reached (untrusted accounts may have a few distinct "
+        "workers): keep --hordeworkername the same across runs, or delete unused workers "
+        "on the Horde",
+    ),
+    "TooManyWorkersTrusted": (
+        "owner",
+        "the account's worker limit is reached: keep --hordeworkername the same across runs, "
+        "or ask the Horde's moderators for more",
+    ),
+    "TooManySameIPs": (
+        "owner",
+        "too many of the account's workers run from this address: ask the Horde's moderators",
+    ),
+    "WorkerInviteOnly": (
+        "owner",
+        "the Horde takes new workers by invitation only: ask its moderators, or reuse an "
+        "existing worker name",
+    ),
+    "UnsafeIP": (
+        "owner",
+        "the Horde does not take new workers from VPN addresses: run from another address "
+        "or ask its moderators",
+    ),
+    "WorkerMaintenance": (
+        "owner",
+        "the worker is in maintenance: fix what made it drop jobs, then take it out of "
+        "maintenance on the Horde (its worker page, or PUT /api/v2/workers/<id> with "
+        "maintenance false)",
+    ),
+    "WorkerFlaggedMaintenance": (
+        "owner",
+        "the account was flagged by the Horde's community: contact its moderators",
+    ),
+    "NulByteInPayload": ("owner", "the pop held a U+0000 character: check --hordemodelname"),
+    "TimeoutIP": ("retry", "this address is in a timeout on the Horde; trying again later"),
+    "TooManyNewIPs": ("retry", "the Horde takes no new workers from unknown addresses right now"),
+}
+
+
+def describe_pop_refusal(status: int, rc: str, message: str) -> RefusalAdvice:
+    """The loop's answer to a refused pop (see :data:`POP_REFUSALS`).
+
+    Args:
+        status: the HTTP status (4xx); rc: the Horde's return code, or ``""``;
+        message: the Horde's message (shortened, one line).
+
+    Unknown codes: 401 is a key refusal; any other 4xx is backed off and
+    retried. The line is ``"the Horde refused the pop (403 TooManyWorkers: <its
+    message>): <what to do>"``.
+    """
+    action, advice = POP_REFUSALS.get(rc, ("", ""))
+    if not action:
+        action, advice = (
+            ("stop_key", "check your API key (--hordekey)") if status == 401 else ("retry", "")
+        )
+    named = f"{status} {rc}" if rc else str(status)
+    text = _one_line(message, 200)
+    line = f"the Horde refused the pop ({named}" + (f": {text}" if text else "") + ")"
+    return RefusalAdvice(action, f"{line}: {advice}" if advice else line)

@@ -1,0 +1,166 @@
+"""What the worker says about itself: pause lines, the Horde's messages, refusals, totals."""
+
+from __future__ import annotations
+
+import pytest
+
+from koboldcpp_horde_chat.status import (
+    PAUSE_REPORT_AFTER_S,
+    SKIPPED_EVERY_S,
+    PauseTracker,
+    SkippedReporter,
+    describe_pop_refusal,
+    describe_skipped,
+    moderator_lines,
+    summary_line,
+)
+
+
+def tracker() -> PauseTracker:
+    return PauseTracker(local_idle_s=20.0, kcpp_url="http://127.0.0.1:5001")
+
+
+def test_a_short_flicker_of_a_busy_koboldcpp_is_not_said() -> None:
+    t = tracker()
+    assert t.pausing("busy", 100.0) is None
+    assert t.pausing("busy", 100.0 + PAUSE_REPORT_AFTER_S - 0.1) is None
+    assert t.popping(101.0) is None
+
+
+def test_a_lasting_pause_is_said_once_and_popping_again_once() -> None:
+    t = tracker()
+    lines = [t.pausing("local_user", 100.0 + i) for i in range(10)]
+    said = [line for line in lines if line]
+    assert said == [
+        "a local user is generating: not popping until 20 s after their last request, "
+        "as koboldcpp's own worker does"
+    ]
+    assert t.popping(111.0) == "no local request for 20 s: popping again"
+    assert t.popping(112.0) is None
+
+
+def test_koboldcpp_down_is_said_at_once_with_its_url() -> None:
+    t = tracker()
+    assert t.pausing("backend_down", 5.0) == (
+        "koboldcpp at http://127.0.0.1:5001 does not answer: not popping until it does"
+    )
+    assert t.pausing("backend_down", 6.0) is None
+    assert t.popping(9.0) == "koboldcpp at http://127.0.0.1:5001 answers again: popping"
+
+
+def test_a_change_of_reason_while_paused_is_said_and_the_last_one_resumes() -> None:
+    t = tracker()
+    assert t.pausing("backend_down", 0.0)
+    assert t.pausing("busy", 1.0) is None
+    assert t.pausing("busy", 1.0 + PAUSE_REPORT_AFTER_S) == (
+        "koboldcpp is busy with another client's request: not popping until it is free"
+    )
+    assert t.popping(10.0) == "koboldcpp is free: popping again"
+
+
+def test_a_refusal_line_is_said_again_only_when_it_changes() -> None:
+    t = tracker()
+    assert t.pausing("refused", 0.0, line="A") == "A"
+    assert t.pausing("refused", 60.0, line="A") is None
+    assert t.pausing("refused", 120.0, line="B") == "B"
+    assert t.popping(180.0) == "the Horde takes pops again: popping"
+
+
+def test_each_moderator_message_is_said_once_by_id() -> None:
+    seen: set[str] = set()
+    messages = [
+        {
+            "id": "m1",
+            "message": "Your model name\nlooks wrong.",
+            "origin": "AI Horde Moderators",
+            "expiry": "Thu, 24 Dec 2026 12:00:00 -0000",
+        }
+    ]
+    assert moderator_lines(messages, seen) == [
+        "message from the Horde (origin AI Horde Moderators, expires Thu, 24 Dec 2026 "
+        "12:00:00 -0000): Your model name looks wrong."
+    ]
+    assert moderator_lines(messages, seen) == []
+    assert moderator_lines([{"id": "m2", "message": "Second."}], seen) == [
+        "message from the Horde: Second."
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages", [None, "text", [None, 3, {"id": "x"}, {"message": "   "}], {"message": "a"}]
+)
+def test_malformed_moderator_messages_are_ignored(messages: object) -> None:
+    assert moderator_lines(messages, set()) == []
+
+
+def test_a_long_moderator_message_is_shortened_to_one_line() -> None:
+    (line,) = moderator_lines([{"message": "x" * 5000}], set())
+    assert len(line) < 600 and line.endswith("…")
+
+
+def test_skipped_counts_are_described_in_order() -> None:
+    assert describe_skipped({"untrusted": 2, "matching_softprompt": 1, "kudos": 0}) == (
+        "3 requests skipped: matching_softprompt=1, untrusted=2"
+    )
+    assert describe_skipped({}) is None
+    assert describe_skipped({"models": True, "x": "2"}) is None
+    assert describe_skipped(None) is None
+
+
+def test_skipped_lines_come_at_most_once_a_minute() -> None:
+    reporter = SkippedReporter()
+    assert reporter.line({"untrusted": 1}, 0.0) == "1 request skipped: untrusted=1"
+    assert reporter.line({"untrusted": 1}, SKIPPED_EVERY_S - 1) is None
+    assert reporter.line({}, SKIPPED_EVERY_S + 1) is None
+    assert reporter.line({"untrusted": 4}, SKIPPED_EVERY_S + 1) == (
+        "4 requests skipped: untrusted=4"
+    )
+
+
+def test_the_summary_line_gives_jobs_kudos_faults_and_uptime() -> None:
+    assert summary_line(jobs=3, kudos=40.4, faults=1, dropped=0, uptime_s=125) == (
+        "3 jobs, 40 kudos, 1 faults, 0 dropped, uptime 0:02:05"
+    )
+    assert summary_line(jobs=12, kudos=340, faults=0, dropped=2, uptime_s=3600) == (
+        "12 jobs, 340 kudos (340 kudos/h), 0 faults, 2 dropped, uptime 1:00:00"
+    )
+
+
+def test_too_many_workers_is_named_and_says_to_keep_the_name() -> None:
+    advice = describe_pop_refusal(
+        403,
+        "TooManyWorkers",
+        "To avoid abuse, untrusted users can only have up to 3 distinct workers.",
+    )
+    assert advice.action == "owner"
+    assert advice.line.startswith(
+        "the Horde refused the pop (403 TooManyWorkers: To avoid abuse, untrusted users "
+        "can only have up to 3 distinct workers.): the account's worker limit"
+    )
+    assert "keep --hordeworkername the same across runs" in advice.line
+    assert "maintenance" not in advice.line
+
+
+@pytest.mark.parametrize(
+    ("status", "rc", "action"),
+    [
+        (401, "InvalidAPIKey", "stop_key"),
+        (401, "", "stop_key"),
+        (403, "WrongCredentials", "stop_key"),
+        (400, "ChatDeclarationInvalid", "stop_config"),
+        (403, "WorkerMaintenance", "owner"),
+        (403, "TooManyWorkersTrusted", "owner"),
+        (403, "TimeoutIP", "retry"),
+        (403, "SomethingNew", "retry"),
+        (400, "", "retry"),
+    ],
+)
+def test_each_refusal_has_its_action(status: int, rc: str, action: str) -> None:
+    advice = describe_pop_refusal(status, rc, "why")
+    assert advice.action == action
+    assert advice.line.startswith(f"the Horde refused the pop ({status}{' ' + rc if rc else ''}: why)")
+
+
+def test_wrong_credentials_names_the_worker_name_not_the_key() -> None:
+    advice = describe_pop_refusal(403, "WrongCredentials", "Wrong credentials to submit as this worker.")
+    assert "choose another --hordeworkername" in advice.line
