@@ -6,8 +6,9 @@ most 2048; a signed URL valid for the job's TTL and at least 600 s for a worker
 declaring ``url``; a ``data:image/jpeg;base64,`` URL for one declaring only
 ``base64``; images inline in offloaded messages; no image request for a worker
 without ``vision`` and a transport). koboldcpp reads only ``data:`` image URLs
-and drops what it cannot decode (koboldcpp-facts §3), so every image must reach
-it as a data URL of the exact bytes the Horde stored, or the job must fault.
+and silently drops what it cannot decode, so every image must reach it as a data
+URL of the exact bytes the Horde stored, or the job must fault; an image that is
+not a JPEG or PNG (which a conforming Horde never sends) faults the job.
 
 The images are real files built with the standard library (the unit tests'
 encoders).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -288,7 +290,6 @@ def test_an_expired_signed_url_faults_the_job_without_a_reason(
     "bad",
     [
         pytest.param(PHOTO[: len(PHOTO) // 2], id="truncated"),
-        pytest.param(webp(), id="webp"),
         pytest.param(PHOTO + b"\x00" * (MAX_IMAGE_BYTES + 1 - len(PHOTO)), id="over-cap"),
     ],
 )
@@ -302,6 +303,36 @@ def test_an_image_koboldcpp_cannot_use_faults_the_job_without_a_reason(
     assert chat_bodies(kcpp) == [] and kcpp.images == []
     assert tokencount_bodies(kcpp) == []  # faulted before the fit check
     assert_no_credentials_reached_storage(horde)
+
+
+@pytest.mark.parametrize("transport", ["url", "base64"])
+@pytest.mark.parametrize("kcpp", VISION, indirect=True)
+@pytest.mark.parametrize(("bad", "name"), [(gif(), "GIF"), (webp(), "WebP")], ids=["gif", "webp"])
+def test_a_gif_or_webp_image_faults_the_job_naming_its_type_and_never_reaches_koboldcpp(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    run_transport: Any,
+    transport: str,
+    bad: bytes,
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Seed 004: the Horde sends only the JPEG it stored, so any other type is a
+    fault without fault_reason, logged by its sniffed type, and no chat request."""
+    caplog.set_level(logging.INFO)
+    rid = horde.send_chat(
+        image_request(data_url("image/jpeg", PHOTO), data_url("image/jpeg", OTHER_PHOTO)), max_attempts=1
+    )
+    horde.replace_stored_image(rid, 1, bad)  # the second image is not what a Horde stores
+    serve(horde, run_transport, [rid])
+    the_single_fault_without_reason(horde, rid)
+    assert chat_bodies(kcpp) == [] and kcpp.images == []
+    (entry,) = horde.ledger
+    faults = [r.getMessage() for r in caplog.records if "kind=chat faulted" in r.getMessage()]
+    assert faults == [
+        f"job={entry['job_id']} kind=chat faulted: image unusable: "
+        f"messages[0].content[2]: {name} image, not JPEG or PNG"
+    ]
 
 
 @pytest.mark.parametrize("kcpp", VISION, indirect=True)
