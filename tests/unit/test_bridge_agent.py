@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from koboldcpp_horde_chat import BRIDGE_AGENT, __version__
 from koboldcpp_horde_chat.declaration import BackendCapabilities, pop_body
+from koboldcpp_horde_chat.devkit.horde import (
+    LLM_VALIDATED_BACKENDS,
+    is_validated_backend,
+    parse_bridge_agent,
+)
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 #: The Horde's validated text backends: ``LLM_VALIDATED_BACKENDS`` in
@@ -54,3 +61,32 @@ def test_every_pop_sends_the_bridge_agent() -> None:
     )
     body = pop_body(settings, BackendCapabilities())
     assert body["bridge_agent"] == BRIDGE_AGENT
+    assert is_validated_backend(body["bridge_agent"])
+
+
+def test_the_dev_hordes_validated_set_is_the_hordes() -> None:
+    assert LLM_VALIDATED_BACKENDS == HORDE_VALIDATED_BACKENDS
+
+
+@pytest.mark.parametrize(
+    ("agent", "parsed", "validated"),
+    [
+        (KOBOLDCPP_AGENT, ("KoboldCppEmbedWorker", "2"), True),
+        (BRIDGE_AGENT, ("KoboldCppEmbedWorker", "2"), True),
+        ("  TabbyAPI:0.1.0-rc.1+b7:a:b:c  ", ("TabbyAPI", "0.1.0-rc.1+b7"), True),
+        ("AI Horde Worker~aphrodite~oai:1.2:x", ("AI Horde Worker~aphrodite~oai", "1.2"), True),
+        ("koboldcpp-horde-chat:0.1.0:https://x", ("koboldcpp-horde-chat", "0.1.0"), False),
+        ("unknown:0:unknown", ("unknown", "0"), False),
+        ("KoboldCppEmbedWorker:2", ("unknown", "0"), False),
+        ("KoboldCppEmbedWorker:v2:x", ("unknown", "0"), False),
+        ("KoboldCppEmbedWorker:02:x", ("unknown", "0"), False),
+        ("KoboldCppEmbedWorker:2.x:x", ("unknown", "0"), False),
+        ("KoboldCppEmbedWorker&:2:x", ("KoboldCppEmbedWorker&amp;", "2"), False),
+        ("", ("unknown", "0"), False),
+    ],
+)
+def test_the_dev_horde_reads_a_bridge_agent_as_the_horde_does(
+    agent: str, parsed: tuple[str, str], validated: bool
+) -> None:
+    assert parse_bridge_agent(agent) == parsed
+    assert is_validated_backend(agent) is validated
