@@ -871,8 +871,8 @@ class DevHorde:
         ``seed``, ``stop``, ``max_tokens`` (tokens), ``reasoning_effort``,
         ``stream``, ``model`` (a ``model_id`` to require), plus the Horde's
         optional ``max_context_length`` (tokens). ``best_effort`` opts out of
-        strict conformance. ``validated_backends`` (true by default, as on the
-        Horde) sends the request only to workers whose bridge agent names a
+        strict conformance. ``validated_backends`` (true by default, the Horde's
+        documented default) sends the request only to workers whose bridge agent names a
         validated backend (:data:`LLM_VALIDATED_BACKENDS`). The request faults
         for good after ``max_attempts`` faulted or expired jobs. Raises
         ``ValueError`` naming an invalid field, or an image the dev Horde cannot
