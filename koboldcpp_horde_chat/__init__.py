@@ -8,4 +8,15 @@ or faults.
 """
 
 __version__ = "0.1.0"
-BRIDGE_AGENT = f"koboldcpp-horde-chat:{__version__}:https://pypi.org/project/koboldcpp-horde-chat/"
+# The pop's bridge agent, "<name>:<version>:<free text>". The Horde reads the name
+# before the first colon and sends text requests that keep its default
+# ``validated_backends: true`` only to workers whose name it lists as a validated
+# backend (and pays the others 0.3 x the kudos). The worker is koboldcpp's embedded
+# Horde worker, so it sends koboldcpp's name and version field (koboldcpp itself
+# sends "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"); the free
+# text names this package and its version, so the Horde's operators can tell the
+# two apart.
+BRIDGE_AGENT = (
+    f"KoboldCppEmbedWorker:2:koboldcpp-horde-chat {__version__} "
+    "https://pypi.org/project/koboldcpp-horde-chat/"
+)

@@ -107,7 +107,10 @@ class HordeClient:
         api_key: the worker owner's API key, sent as the ``apikey`` header on
             every call, to this host only. Printable ASCII without spaces.
         bridge_agent: sent as the ``User-Agent`` header (the pop body carries it
-            as ``bridge_agent`` too; that is the caller's business).
+            as ``bridge_agent`` too; that is the caller's business). The
+            ``Client-Agent`` header names this package instead: the bridge agent
+            names the backend the Horde validates, the client agent the software
+            making the call.
         connect_timeout_s: connect timeout of every call, seconds.
         session: a session to use (tests), as it is; by default the client makes
             one and :meth:`close` closes it. Its headers are not modified. A

@@ -43,6 +43,9 @@ class WorkerSettings:
         trusted: the worker is trusted by the Horde (its progress lease cap is
             600 s from pop instead of 200 s).
         threads: koboldcpp's parallel worker threads (sent as ``threads`` when > 1).
+        bridge_agent: the pop's ``bridge_agent`` (and the ``User-Agent`` header):
+            koboldcpp's embedded worker name and version field, which the Horde
+            validates, then this package and its version (see ``BRIDGE_AGENT``).
         local_idle_s: seconds to wait after a local user's generation before popping.
         pop_timeout_s, submit_timeout_s, progress_timeout_s: read timeouts, seconds.
         connect_timeout_s: connect timeout for every call, seconds.

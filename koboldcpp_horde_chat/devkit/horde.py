@@ -15,19 +15,35 @@ Python API (in process)::
         h.status(rid)["message"]  # {"role": "assistant", "content": "..."}
 
 Worker routes (``apikey`` header checked; a missing or unknown key answers 401
-``InvalidAPIKey``):
+``InvalidAPIKey``; each key is one owner, and a call for a worker name or a job
+of another key's worker answers 403 ``WrongCredentials``):
 
 * ``POST /api/v2/generate/text/pop``: step 1 "Declaration checks and
   withdrawal" (400 ``ChatDeclarationInvalid``), the eligibility rules of steps 1,
-  4 and 5, the job shapes of step 2 ("One chat job in full") and step 8.
+  4 and 5, the job shapes of step 2 ("One chat job in full") and step 8. As on
+  the public AI Horde: a request keeps ``validated_backends: true`` unless its
+  client opts out and then goes only to a worker whose ``bridge_agent`` names a
+  validated backend (:func:`is_validated_backend`); every answer lists the
+  moderator messages for the worker (``messages``, :meth:`DevHorde.add_worker_message`),
+  and an answer without a job counts the requests it passed over in
+  ``skipped`` (``models``, ``max_context_length``, ``max_length``,
+  ``bridge_version``).
 * ``POST /api/v2/generate/text/submit``: steps 6 and 7, "Submit refusals"
   (``ChatSubmitInvalid``, ``ChatModelMismatch``, ``ChatSubmitNonconformant``),
-  ``DuplicateGen`` and ``AbortedGen``.
-* ``POST /api/v2/generate/text/progress``: "Streaming progress".
+  ``DuplicateGen`` and ``AbortedGen``; 400 ``NulByteInPayload`` for a body with
+  U+0000 anywhere; 400 input validation (no ``rc``) for a ``state`` outside
+  ok, censored, faulted, csam and for a text submit (a text job's, or a chat
+  job's fault without ``model_id``) without ``generation``. A worker whose
+  backend is not validated earns 0.3 x the reward.
+* ``POST /api/v2/generate/text/progress``: "Streaming progress"; a ``delta``
+  without ``content`` or ``reasoning_content`` is 400 ``ChatProgressInvalid``.
+
+``latency_s`` delays every answer on these three routes, as a network would.
 
 Client routes (no key needed): ``POST /api/v2/generate/chat/async`` (an OpenAI
-chat-completions body plus ``"horde": {"best_effort": bool}``) and
-``POST /api/v2/generate/text/async`` answer 202 ``{"id"}``;
+chat-completions body plus ``"horde": {"best_effort": bool, "validated_backends":
+bool}``) and ``POST /api/v2/generate/text/async`` (``prompt``, ``params``,
+``models``, ``validated_backends``) answer 202 ``{"id"}``;
 ``GET /api/v2/generate/{chat,text}/status/<id>``; ``DELETE
 /api/v2/generate/chat/status/<id>`` cancels; ``GET /api/v2/workers/name/<name>``;
 ``GET /api/v2/dev/ledger``.
@@ -60,6 +76,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import email.utils
 import gzip
 import hashlib
 import hmac
@@ -68,6 +85,7 @@ import importlib
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -93,7 +111,10 @@ __all__ = [
     "DevHorde",
     "FAULT_REASON_SENTENCES",
     "FINISH_REASONS",
+    "LLM_VALIDATED_BACKENDS",
     "ROUTES",
+    "is_validated_backend",
+    "parse_bridge_agent",
 ]
 
 # --- the contract's values ------------------------------------------------------------
@@ -152,6 +173,29 @@ NATIVE_FINISH_REASON_MAX_CHARS = 32
 REASONING_MAX_BYTES = 1024 * 1024
 TEXT_DEFAULT_MAX_LENGTH = 512
 TEXT_DEFAULT_MAX_CONTEXT = 2048
+#: Bridge agent names whose text backends the Horde validates (the set
+#: ``LLM_VALIDATED_BACKENDS`` in ``horde/bridge_reference.py`` of Haidra-Org/AI-Horde).
+#: A request with ``validated_backends`` (the default) goes only to a worker whose
+#: bridge agent name is in this set; every other worker earns 0.3 x the kudos.
+LLM_VALIDATED_BACKENDS: frozenset[str] = frozenset(
+    {
+        "AI Horde Worker",
+        "AI Horde Worker~aphrodite~oai",
+        "AI Horde Worker~aphrodite~kai",
+        "KoboldCppEmbedWorker",
+        "TabbyAPI",
+    }
+)
+#: The reward factor of a worker whose backend is not validated.
+UNVALIDATED_KUDOS_FACTOR = 0.3
+#: The bridge agent of a pop that sends none.
+DEFAULT_BRIDGE_AGENT = "unknown:0:unknown"
+#: The longest bridge agent a pop may send, characters.
+BRIDGE_AGENT_MAX_CHARS = 1000
+#: The values a submit's ``state`` may take (the Horde's submit model).
+SUBMIT_STATES: tuple[str, ...] = ("ok", "censored", "faulted", "csam")
+#: How long a moderator message to a worker stays active by default, seconds (12 h).
+WORKER_MESSAGE_S = 12 * 3600.0
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _FINAL_STATES = frozenset({"done", "faulted", "cancelled"})
 _IMAGE_MARK = "devhorde-image:"
@@ -237,10 +281,13 @@ def _fetch_local_image(url: str, cap: int) -> bytes:
 
 
 class _ApiError(Exception):
-    """An HTTP error answer: ``{"message": ..., "rc": ...}`` plus ``extra`` keys."""
+    """An HTTP error answer: ``{"message": ..., "rc": ...}`` plus ``extra`` keys.
+
+    ``rc`` None leaves the key out, as the Horde's input validation answers do.
+    """
 
     def __init__(
-        self, status: int, rc: str, message: str, extra: dict[str, Any] | None = None
+        self, status: int, rc: str | None, message: str, extra: dict[str, Any] | None = None
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -249,9 +296,18 @@ class _ApiError(Exception):
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"message": self.message, "rc": self.rc}
+        out: dict[str, Any] = {"message": self.message}
+        if self.rc is not None:
+            out["rc"] = self.rc
         out.update(self.extra)
         return out
+
+
+def _invalid_input(field_name: str, reason: str) -> _ApiError:
+    """The Horde's answer to a body that fails its input model: 400 with
+    ``{"message": "Input payload validation failed", "errors": {field: reason}}``
+    and no ``rc``."""
+    return _ApiError(400, None, "Input payload validation failed", {"errors": {field_name: reason}})
 
 
 # --- state ----------------------------------------------------------------------------
@@ -271,15 +327,33 @@ class _Declaration:
     limits: dict[str, Any] = field(default_factory=dict)
     model_id: str | None = None
     image_transports: list[str] = field(default_factory=list)
+    bridge_agent: str = DEFAULT_BRIDGE_AGENT
+
+    @property
+    def validated(self) -> bool:
+        """Whether the Horde validates this worker's backend (its bridge agent's name)."""
+        return is_validated_backend(self.bridge_agent)
 
 
 @dataclass
 class _Worker:
     name: str
     decl: _Declaration
+    owner_key: str = ""
     nonconformant_replies: int = 0
     aborted_jobs: int = 0
     last_pop: float = 0.0
+
+
+@dataclass
+class _WorkerMessage:
+    """A moderator message shown in the pop answers of one worker, or of all."""
+
+    id: str
+    worker: str | None
+    message: str
+    origin: str | None
+    expiry: float  # time.time()
 
 
 @dataclass
@@ -315,6 +389,7 @@ class _Req:
     best_effort: bool
     max_attempts: int
     chat: _ChatSpec | None = None
+    validated_backends: bool = True
     # text
     prompt: str = ""
     max_length: int = 0
@@ -355,7 +430,7 @@ class _Job:
     max_length: int
     stream_progress: bool = False
     action: str | None = None  # terminal: submitted | faulted | cancelled | expired
-    last_refusal: tuple[str, str] | None = None  # (rc, message)
+    last_refusal: tuple[str | None, str] | None = None  # (rc, message)
     last_seq: int = 0
     last_delta: tuple[str, str] = ("", "")
     progress_posts: int = 0
@@ -371,6 +446,67 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# A semantic version whose minor and patch parts may be left out ("2", "2.1", "2.1.3",
+# each with an optional -prerelease and +build): how the Horde reads the second
+# field of a bridge agent. Numbers have no leading zero.
+_NUM = r"(?:0|[1-9][0-9]*)"
+_IDENT = r"(?:0|[1-9][0-9]*|[0-9]*[A-Za-z-][0-9A-Za-z-]*)"
+_VERSION = re.compile(
+    rf"{_NUM}(?:\.{_NUM}(?:\.{_NUM})?)?"
+    rf"(?:-{_IDENT}(?:\.{_IDENT})*)?"
+    r"(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?"
+)
+
+
+def _sanitize(text: str) -> str:
+    """What the Horde stores of a free-text field: HTML-escaped ``&<>``, stripped."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").strip()
+
+
+def parse_bridge_agent(agent: str) -> tuple[str, str]:
+    """``(name, version)`` of a bridge agent ``"<name>:<version>:<anything>"``, as the
+    Horde reads it: the stored (sanitized) agent split at its first two colons.
+
+    An agent without two colons, or whose version is not a semantic version
+    (minor and patch optional), reads as ``("unknown", "0")``.
+    """
+    parts = _sanitize(agent).split(":", 2)
+    if len(parts) != 3 or not _VERSION.fullmatch(parts[1]):
+        return "unknown", "0"
+    return parts[0], parts[1]
+
+
+def is_validated_backend(agent: str) -> bool:
+    """True when the bridge agent's name is in :data:`LLM_VALIDATED_BACKENDS`."""
+    return parse_bridge_agent(agent)[0] in LLM_VALIDATED_BACKENDS
+
+
+def _nul_path(obj: Any, path: str = "") -> str | None:
+    """Where the first U+0000 sits in a JSON value (a dotted path, ``<root>`` for
+    the value itself), or None when there is none. Keys count too."""
+    if isinstance(obj, str):
+        return (path or "<root>") if "\x00" in obj else None
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            where = f"{path}.{key}" if path else str(key)
+            if "\x00" in str(key):
+                return where
+            found = _nul_path(value, where)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            found = _nul_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _rfc822(epoch_s: float) -> str:
+    """An absolute time as the Horde writes dates in its answers (RFC 822, UTC)."""
+    return email.utils.formatdate(epoch_s)
 
 
 def _compact(obj: Any) -> bytes:
@@ -495,6 +631,11 @@ class DevHorde:
         image_url_s: how long a signed image URL stays valid, seconds; None (the
             contract) is max(``ttl_s``, 600). A test hook: a negative value signs
             URLs that have already expired.
+        latency_s: seconds added to every answer on the worker routes (pop,
+            submit, progress), half before the call is processed and half after,
+            as a network round trip would (e.g. 0.15 for benchmarks that compare
+            workers at a 150 ms round trip). The attribute of that name can be
+            changed at any time; the next call uses the new value.
     """
 
     def __init__(
@@ -511,8 +652,10 @@ class DevHorde:
         messages_url_s: float = MESSAGES_URL_S,
         image_converter: ImageConverter | None = None,
         image_url_s: float | None = None,
+        latency_s: float = 0.0,
     ) -> None:
         self.api_keys = frozenset(api_keys)
+        self.latency_s = float(latency_s)
         self.trusted = trusted
         self.offload_bytes = offload_bytes
         self.offload_gzip = offload_gzip
@@ -531,6 +674,7 @@ class DevHorde:
         self._requests: dict[str, _Req] = {}
         self._jobs: dict[str, _Job] = {}
         self._workers: dict[str, _Worker] = {}
+        self._worker_messages: list[_WorkerMessage] = []
         self._objects: dict[str, tuple[bytes, dict[str, str]]] = {}
         self._ledger: list[dict[str, Any]] = []
         self._pops: list[dict[str, Any]] = []
@@ -712,7 +856,12 @@ class DevHorde:
     # -- client side -----------------------------------------------------------------
 
     def send_chat(
-        self, body: dict[str, Any], *, best_effort: bool = False, max_attempts: int = 3
+        self,
+        body: dict[str, Any],
+        *,
+        best_effort: bool = False,
+        max_attempts: int = 3,
+        validated_backends: bool = True,
     ) -> str:
         """Queue a client's chat request; returns its request id.
 
@@ -722,11 +871,14 @@ class DevHorde:
         ``seed``, ``stop``, ``max_tokens`` (tokens), ``reasoning_effort``,
         ``stream``, ``model`` (a ``model_id`` to require), plus the Horde's
         optional ``max_context_length`` (tokens). ``best_effort`` opts out of
-        strict conformance. The request faults for good after ``max_attempts``
-        faulted or expired jobs. Raises ``ValueError`` naming an invalid field,
-        or an image the dev Horde cannot store (see the module docstring: a data
-        URL or an http(s) URL on 127.0.0.1, within the caps, a JPEG of longest
-        side at most 2048 or converted by ``image_converter``).
+        strict conformance. ``validated_backends`` (true by default, the Horde's
+        documented default) sends the request only to workers whose bridge agent names a
+        validated backend (:data:`LLM_VALIDATED_BACKENDS`). The request faults
+        for good after ``max_attempts`` faulted or expired jobs. Raises
+        ``ValueError`` naming an invalid field, or an image the dev Horde cannot
+        store (see the module docstring: a data URL or an http(s) URL on
+        127.0.0.1, within the caps, a JPEG of longest side at most 2048 or
+        converted by ``image_converter``).
         """
         _validate_chat_body(body)
         if max_attempts < 1:
@@ -743,6 +895,7 @@ class DevHorde:
                 best_effort=best_effort,
                 max_attempts=max_attempts,
                 chat=spec,
+                validated_backends=bool(validated_backends),
             )
             self._requests[req.id] = req
             self._changed.notify_all()
@@ -764,12 +917,14 @@ class DevHorde:
         params: dict[str, Any] | None = None,
         models: Iterable[str] | None = None,
         max_attempts: int = 3,
+        validated_backends: bool = True,
     ) -> str:
         """Queue a client's text request; returns its request id.
 
         ``max_length`` and ``max_context_length`` are tokens; ``params`` are extra
         generation parameters copied into the payload; ``models`` restricts the
-        workers (empty: any model).
+        workers (empty: any model); ``validated_backends`` as for
+        :meth:`send_chat`.
         """
         if not isinstance(prompt, str):
             raise ValueError("prompt must be a string")
@@ -787,11 +942,51 @@ class DevHorde:
                 max_context_length=int(max_context_length),
                 params=copy.deepcopy(dict(params or {})),
                 models=list(models or []),
+                validated_backends=bool(validated_backends),
             )
             self._requests[req.id] = req
             self._changed.notify_all()
         log.info("text request %s queued", req.id)
         return req.id
+
+    def add_worker_message(
+        self,
+        message: str,
+        *,
+        worker: str | None = None,
+        origin: str | None = "moderator",
+        expiry_s: float = WORKER_MESSAGE_S,
+    ) -> str:
+        """Leave a moderator message for a worker's owner; returns its id.
+
+        Every pop answer of worker ``worker`` (of every worker when None) lists
+        it under ``messages`` as ``{"id", "message", "origin", "expiry"}`` until
+        ``expiry_s`` seconds from now (``expiry`` is an RFC 822 date; ``origin``
+        None leaves the key out).
+        """
+        item = _WorkerMessage(
+            id=str(uuid.uuid4()),
+            worker=worker,
+            message=str(message),
+            origin=origin,
+            expiry=time.time() + float(expiry_s),
+        )
+        with self._lock:
+            self._worker_messages.append(item)
+        return item.id
+
+    def _messages_for(self, worker: str) -> list[dict[str, Any]]:
+        now = time.time()
+        out: list[dict[str, Any]] = []
+        for m in self._worker_messages:
+            if m.expiry <= now or m.worker not in (None, worker):
+                continue
+            entry: dict[str, Any] = {"id": m.id, "message": m.message}
+            if m.origin is not None:
+                entry["origin"] = m.origin
+            entry["expiry"] = _rfc822(m.expiry)
+            out.append(entry)
+        return out
 
     def status(self, request_id: str) -> dict[str, Any]:
         """What the requester sees. Raises ``KeyError`` for an unknown id.
@@ -854,7 +1049,7 @@ class DevHorde:
                         + len((d.get("reasoning_content") or "").encode())
                         for d in req.stream
                     )
-                    req.reward = _output_kudos(nbytes)
+                    req.reward = self._reward(job, nbytes)
                     self._record(job, "cancelled", None, None, None, None)
             req.state = "cancelled"
             self._changed.notify_all()
@@ -897,8 +1092,9 @@ class DevHorde:
             features.add(rf_type)
         if body.get("seed") is not None:
             features.add("seed")
-        if body.get("presence_penalty") not in (None, 0, 0.0):
-            features.add("presence_penalty")
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            if body.get(penalty) not in (None, 0, 0.0):  # not OpenAI's default
+                features.add(penalty)
         if forwards_tools and rf_type:
             features.add("tools_with_response_format")
         has_images = any(True for _ in _image_parts(messages))
@@ -1137,7 +1333,15 @@ class DevHorde:
                         }
                     )
 
-        return self._scripted(route, serve, on_scripted)
+        if route is None:
+            return self._scripted(route, serve, on_scripted)
+        half = max(0.0, self.latency_s) / 2
+        if half:
+            time.sleep(half)
+        resp = self._scripted(route, serve, on_scripted)
+        if half:
+            time.sleep(half)
+        return resp
 
     @staticmethod
     def _json_or_none(req: Request) -> Any:
@@ -1149,13 +1353,13 @@ class DevHorde:
     def _route(self, req: Request, route: str | None) -> Response:
         try:
             if route is not None:
-                self._check_key(req)
+                key = self._check_key(req)
                 body = self._body_object(req)
                 if route == "pop":
-                    return self._pop(body)
+                    return self._pop(body, key)
                 if route == "submit":
-                    return self._submit(body)
-                return self._progress(body)
+                    return self._submit(body, key)
+                return self._progress(body, key)
             return self._client_route(req)
         except _ApiError as err:
             if route == "pop":
@@ -1181,10 +1385,22 @@ class DevHorde:
             raise _ApiError(400, "BadRequest", "The body must be a JSON object.")
         return body
 
-    def _check_key(self, req: Request) -> None:
+    def _check_key(self, req: Request) -> str:
+        """The request's ``apikey``; raises 401 ``InvalidAPIKey`` for a missing or
+        unknown one. Each key stands for one user, who owns the workers it pops."""
         key = req.headers.get("apikey")
         if not key or key not in self.api_keys:
             raise _ApiError(401, "InvalidAPIKey", "No user matching sent API Key.")
+        return key
+
+    def _check_owner(self, job: _Job, key: str) -> None:
+        """Raise 403 ``WrongCredentials`` when ``key`` does not own the job's worker."""
+        worker = self._workers.get(job.worker)
+        if worker is not None and worker.owner_key != key:
+            log.info("call for job %s under another owner's key refused", job.id)
+            raise _ApiError(
+                403, "WrongCredentials", "This job's worker belongs to another API key."
+            )
 
     def _client_route(self, req: Request) -> Response:
         parts = [p for p in req.path.split("/") if p]
@@ -1203,6 +1419,7 @@ class DevHorde:
                     body,
                     best_effort=bool(horde.get("best_effort", False)),
                     max_attempts=int(horde.get("max_attempts", 3)),
+                    validated_backends=horde.get("validated_backends", True) is not False,
                 )
             except (ValueError, TypeError) as exc:
                 raise _ApiError(400, "ChatRequestInvalid", str(exc)) from exc
@@ -1227,6 +1444,7 @@ class DevHorde:
                 max_context_length=max_context_length,
                 params=params,
                 models=body.get("models") or [],
+                validated_backends=body.get("validated_backends", True) is not False,
             )
             return Response.json(202, {"id": rid})
         if (
@@ -1308,6 +1526,15 @@ class DevHorde:
             value = body.get(key)
             if value is not None and (not _is_int(value) or value < 1):
                 raise _ApiError(400, "BadRequest", f"{key} must be a positive integer.")
+        agent = body.get("bridge_agent")
+        if agent is None:
+            agent = DEFAULT_BRIDGE_AGENT
+        if not isinstance(agent, str):
+            raise _invalid_input("bridge_agent", f"{agent!r} is not of type 'string'")
+        if len(agent) > BRIDGE_AGENT_MAX_CHARS:
+            raise _invalid_input(
+                "bridge_agent", f"longer than {BRIDGE_AGENT_MAX_CHARS} characters"
+            )
         chat_jobs = body.get("chat_jobs") is True
         prompt_jobs = body.get("prompt_jobs", True) is not False
         if not prompt_jobs and not chat_jobs:
@@ -1319,6 +1546,7 @@ class DevHorde:
             max_context_length=int(body.get("max_context_length") or TEXT_DEFAULT_MAX_CONTEXT),
             prompt_jobs=prompt_jobs,
             chat_jobs=chat_jobs,
+            bridge_agent=_sanitize(agent),
         )
         if not chat_jobs:
             return decl
@@ -1351,69 +1579,99 @@ class DevHorde:
         decl.image_transports = [t for t in transports if t in IMAGE_TRANSPORTS]
         return decl
 
-    def _text_eligible(self, req: _Req, decl: _Declaration) -> str | None:
-        """The model a text request runs on with this worker, or None when not eligible."""
-        if not decl.prompt_jobs:
-            return None
-        if req.max_length > decl.max_length or req.max_context_length > decl.max_context_length:
-            return None
-        if not req.models:
-            return decl.models[0] if decl.models else None
-        return next((m for m in decl.models if m in req.models), None)
+    # Skip reasons, by the names of the Horde's pop answer (``skipped``): the first
+    # rule a request fails is counted. Rules without such a name are not counted.
 
-    def _chat_eligible(self, req: _Req, decl: _Declaration) -> bool:
+    def _text_eligible(self, req: _Req, decl: _Declaration) -> tuple[str | None, str | None]:
+        """``(model, None)`` when this worker can take the text request, else
+        ``(None, skip reason or None)``."""
+        if not decl.prompt_jobs:
+            return None, None
+        if req.models:
+            model = next((m for m in decl.models if m in req.models), None)
+        else:
+            model = decl.models[0] if decl.models else None
+        if model is None:
+            return None, "models"
+        if req.max_context_length > decl.max_context_length:
+            return None, "max_context_length"
+        if req.max_length > decl.max_length:
+            return None, "max_length"
+        if req.validated_backends and not decl.validated:
+            return None, "bridge_version"
+        return model, None
+
+    def _chat_eligible(self, req: _Req, decl: _Declaration) -> tuple[bool, str | None]:
+        """``(True, None)`` when this worker can take the chat request, else
+        ``(False, skip reason or None)``."""
         spec = req.chat
         assert spec is not None
         if not decl.chat_jobs or decl.model_id is None:
-            return False
+            return False, None
         if spec.model is not None and spec.model != decl.model_id:
-            return False
-        if spec.max_tokens is not None and spec.max_tokens > decl.limits["max_length"]:
-            return False
+            return False, "models"
         if (
             spec.max_context_length is not None
             and spec.max_context_length > decl.limits["max_context_length"]
         ):
-            return False
+            return False, "max_context_length"
+        if spec.max_tokens is not None and spec.max_tokens > decl.limits["max_length"]:
+            return False, "max_length"
+        if req.validated_backends and not decl.validated:
+            return False, "bridge_version"
         declared = set(decl.features)
         if not spec.features <= declared:
-            return False
+            return False, None
         if not req.best_effort and not spec.guarantees <= declared:
-            return False
+            return False, None
         if spec.has_images and not ({"url", "base64"} & set(decl.image_transports)):
-            return False
+            return False, None
         tmax = decl.limits.get("tools_max_temperature")
-        return not (spec.forwards_tools and tmax is not None and spec.temperature > tmax)
+        if spec.forwards_tools and tmax is not None and spec.temperature > tmax:
+            return False, None
+        return True, None
 
-    def _pop(self, body: dict[str, Any]) -> Response:
+    def _pop(self, body: dict[str, Any], key: str) -> Response:
         decl = self._declaration(body)
         now = time.monotonic()
         with self._lock:
             self._expire_locked()
             worker = self._workers.get(decl.name)
+            if worker is not None and worker.owner_key != key:
+                raise _ApiError(
+                    403, "WrongCredentials", "This worker name belongs to another API key."
+                )
             if worker is None:
-                worker = self._workers[decl.name] = _Worker(decl.name, decl)
+                worker = self._workers[decl.name] = _Worker(decl.name, decl, owner_key=key)
             worker.decl = decl
             worker.last_pop = now
             chosen: _Req | None = None
             text_model: str | None = None
+            skipped: dict[str, int] = {}
             for req in sorted(self._requests.values(), key=lambda r: r.order):
                 if req.state != "waiting":
                     continue
+                reason: str | None
                 if req.kind == "text":
-                    text_model = self._text_eligible(req, decl)
+                    text_model, reason = self._text_eligible(req, decl)
                     if text_model is not None:
                         chosen = req
                         break
-                elif self._chat_eligible(req, decl):
-                    chosen = req
-                    break
+                else:
+                    ok, reason = self._chat_eligible(req, decl)
+                    if ok:
+                        chosen = req
+                        break
+                if reason is not None:
+                    skipped[reason] = skipped.get(reason, 0) + 1
             if chosen is None:
-                answer: dict[str, Any] = {"id": None, "ids": [], "skipped": {}}
+                # Only an answer without a job reports what the pop passed over.
+                answer: dict[str, Any] = {"id": None, "ids": [], "skipped": skipped}
             elif chosen.kind == "text":
                 answer = self._assign_text(chosen, decl, text_model, now)
             else:
                 answer = self._assign_chat(chosen, decl, now)
+            answer["messages"] = self._messages_for(decl.name)
             self._pops.append(
                 {
                     "worker": decl.name,
@@ -1467,10 +1725,12 @@ class DevHorde:
             "payload": payload,
             "id": job.id,
             "ids": [job.id],
-            "model": model,
+            "messages": [],
             "ttl": self._ttl_value(),
+            "extra_source_images": None,
             "skipped": {},
             "softprompt": None,
+            "model": model,
         }
 
     def _assign_chat(self, req: _Req, decl: _Declaration, now: float) -> dict[str, Any]:
@@ -1543,6 +1803,15 @@ class DevHorde:
             "chat": True,
         }
 
+    def _reward(self, job: _Job, nbytes: int) -> float:
+        """The kudos for ``nbytes`` of output: 0.3 x for a worker whose backend the
+        Horde does not validate (its bridge agent at the time of the reward)."""
+        reward = _output_kudos(nbytes)
+        worker = self._workers.get(job.worker)
+        if worker is not None and not worker.decl.validated:
+            reward = round(reward * UNVALIDATED_KUDOS_FACTOR, 2)
+        return reward
+
     # -- leases ----------------------------------------------------------------------
 
     def _expire_locked(self) -> None:
@@ -1586,20 +1855,34 @@ class DevHorde:
 
     # -- the submit ------------------------------------------------------------------
 
-    def _submit(self, body: dict[str, Any]) -> Response:
+    def _submit(self, body: dict[str, Any], key: str) -> Response:
         job_id = body.get("id")
         with self._lock:
             self._expire_locked()
             job = self._jobs.get(job_id) if isinstance(job_id, str) else None
             if job is None:
                 raise _ApiError(404, "InvalidJobID", "No job with this id.")
+            self._check_owner(job, key)
             req = self._requests[job.request_id]
             try:
+                state = body.get("state", "ok")
+                if state not in SUBMIT_STATES:
+                    raise _invalid_input(
+                        "state", f"{state!r} is not one of {list(SUBMIT_STATES)}"
+                    )
                 if job.action in ("submitted", "faulted"):
                     raise _ApiError(400, "DuplicateGen", "This job was already submitted.")
                 if job.action in ("cancelled", "expired"):
                     raise _ApiError(400, "AbortedGen", "This job has ended; it was not stored.")
-                if body.get("state") == "faulted":
+                where = _nul_path(body)
+                if where is not None:
+                    raise _ApiError(
+                        400,
+                        "NulByteInPayload",
+                        f"The submit holds a NUL character (U+0000) at {where}; "
+                        "nothing was stored.",
+                    )
+                if state == "faulted":
                     answer = self._fault(job, req, body)
                 elif job.kind == "text":
                     answer = self._text_reply(job, req, body)
@@ -1607,7 +1890,7 @@ class DevHorde:
                     answer = self._chat_reply(job, req, body)
             except _ApiError as err:
                 action = {"DuplicateGen": "duplicate", "AbortedGen": "aborted_gen"}.get(
-                    err.rc, "refused"
+                    err.rc or "", "refused"
                 )
                 self._record(job, action, err.status, err.rc, None, body)
                 if action == "refused":
@@ -1619,8 +1902,19 @@ class DevHorde:
         return Response.json(200, answer)
 
     def _fault(self, job: _Job, req: _Req, body: dict[str, Any]) -> dict[str, Any]:
-        """Step 7: accept a faulted submit, reward 0, give the request back to the queue."""
-        if job.kind == "chat" and ("message" in body or "generation" in body):
+        """Step 7: accept a faulted submit, reward 0, give the request back to the queue.
+
+        ``model_id`` marks a chat submit, which needs no ``generation``; any other
+        faulted submit (a text job's, or a chat job's without ``model_id``) is a
+        text submit and needs ``generation`` (400 input validation otherwise).
+        """
+        if job.kind == "text" or body.get("model_id") is None:
+            if not isinstance(body.get("generation"), str):
+                raise _invalid_input(
+                    "generation",
+                    "a text submit needs generation (a chat submit is marked by model_id)",
+                )
+        elif "message" in body or "generation" in body:
             raise _ApiError(
                 400,
                 "ChatSubmitInvalid",
@@ -1659,8 +1953,8 @@ class DevHorde:
             )
         generation = body.get("generation")
         if not isinstance(generation, str):
-            raise _ApiError(400, "BadRequest", "generation is required for a text job.")
-        reward = _output_kudos(len(generation.encode()))
+            raise _invalid_input("generation", "a text job is submitted with generation")
+        reward = self._reward(job, len(generation.encode()))
         job.action = "submitted"
         self._record(job, "submitted", 200, None, None, body)
         if req.state == "processing":
@@ -1773,7 +2067,7 @@ class DevHorde:
         stored_finish = "stop" if spec.named_function and finish == "tool_calls" else finish
         nbytes = len((content or "").encode()) + len((reasoning or "").encode())
         nbytes += sum(len(c["function"]["arguments"].encode()) for c in calls)
-        reward = _output_kudos(nbytes)
+        reward = self._reward(job, nbytes)
         job.action = "submitted"
         self._record(job, "submitted", 200, None, None, body)
         if req.state == "processing":
@@ -1816,7 +2110,7 @@ class DevHorde:
 
     # -- progress --------------------------------------------------------------------
 
-    def _progress(self, body: dict[str, Any]) -> Response:
+    def _progress(self, body: dict[str, Any], key: str) -> Response:
         """"Streaming progress": sequencing, retries, caps, cancel and lease extension."""
         job_id = body.get("id")
         with self._lock:
@@ -1824,6 +2118,7 @@ class DevHorde:
             job = self._jobs.get(job_id) if isinstance(job_id, str) else None
             if job is None:
                 raise _ApiError(404, "InvalidJobID", "No job with this id.")
+            self._check_owner(job, key)
             if not job.stream_progress:
                 raise _ApiError(
                     404, "ChatProgressNotStreaming", "This job does not stream progress."
@@ -1839,6 +2134,12 @@ class DevHorde:
                 raise _ApiError(400, "ChatProgressInvalid", "seq must be a positive integer.")
             if not isinstance(delta, dict):
                 raise _ApiError(400, "ChatProgressInvalid", "delta must be an object.")
+            if delta.get("content") is None and delta.get("reasoning_content") is None:
+                raise _ApiError(
+                    400,
+                    "ChatProgressInvalid",
+                    "delta must include content, reasoning_content or both.",
+                )
             content = delta.get("content", "")
             reasoning = delta.get("reasoning_content", "")
             if content is None:
@@ -1937,6 +2238,7 @@ class DevHorde:
             "accepts_prompt_jobs": decl.prompt_jobs,
             "nonconformant_replies": w.nonconformant_replies,
             "aborted_jobs": w.aborted_jobs,
+            "bridge_agent": decl.bridge_agent,
         }
         if decl.chat_jobs:
             out["chat"] = {

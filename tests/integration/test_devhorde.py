@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import email.utils
 import gzip
 import json
 import time
@@ -21,7 +22,10 @@ from koboldcpp_horde_chat.devkit.horde import FAULT_REASON_SENTENCES, DevHorde
 from tests.unit.test_images import jpeg
 
 KEY = "devkey-0123"
+OTHER_KEY = "devkey-4567"
 MODEL = "koboldcpp/test-model"
+#: koboldcpp's own embedded worker agent: a validated backend.
+KCPP_AGENT = "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"
 POP = "/api/v2/generate/text/pop"
 SUBMIT = "/api/v2/generate/text/submit"
 PROGRESS = "/api/v2/generate/text/progress"
@@ -71,6 +75,7 @@ def decl(name: str = "w1", *, features: list[str] | None = None, **over: Any) ->
         "chat_limits": {"max_context_length": 2048, "max_length": 512},
         "model_id": MODEL,
         "image_transports": [],
+        "bridge_agent": KCPP_AGENT,
     }
     body.update(over)
     return body
@@ -120,7 +125,7 @@ def call(name: str = "get_weather", call_id: str = "call_1", args: Any = '{"city
 
 @pytest.fixture
 def horde() -> Iterator[DevHorde]:
-    with DevHorde(api_keys=(KEY,)) as h:
+    with DevHorde(api_keys=(KEY, OTHER_KEY)) as h:
         yield h
 
 
@@ -712,3 +717,296 @@ def test_scripted_faults_answer_the_next_calls_then_service_resumes(horde: DevHo
     assert w.pop(decl())["id"] is None
     with pytest.raises(ValueError):
         horde.inject("pop", "explode")
+
+
+# --- validated backends (the Horde's bridge agent rule) ---------------------------------
+
+UNVALIDATED_AGENTS = [
+    None,  # no bridge_agent: the Horde reads "unknown:0:unknown"
+    "koboldcpp-horde-chat:0.1.0:https://pypi.org/project/koboldcpp-horde-chat/",
+    "KoboldCppEmbedWorker:2",  # no third field: the agent does not parse
+    "KoboldCppEmbedWorker:v2:https://github.com/LostRuins/koboldcpp",  # not a version
+    "koboldcppembedworker:2:https://github.com/LostRuins/koboldcpp",  # names are exact
+]
+VALIDATED_AGENTS = [
+    KCPP_AGENT,
+    "KoboldCppEmbedWorker:2:koboldcpp-horde-chat 0.1.0 https://pypi.org/project/koboldcpp-horde-chat/",
+    "AI Horde Worker:24:https://github.com/Haidra-Org/AI-Horde-Worker",
+    "AI Horde Worker~aphrodite~oai:1.2.3:https://example.org",
+    "AI Horde Worker~aphrodite~kai:4:x",
+    "TabbyAPI:0.1.0-beta+build.7:x:with:colons",
+]
+
+
+def _agent_decl(name: str, agent: str | None, **over: Any) -> dict[str, Any]:
+    body = decl(name, **over)
+    if agent is None:
+        del body["bridge_agent"]
+    else:
+        body["bridge_agent"] = agent
+    return body
+
+
+@pytest.mark.parametrize("agent", UNVALIDATED_AGENTS)
+def test_requests_skip_a_worker_whose_backend_is_not_validated_unless_the_client_allows_it(
+    horde: DevHorde, w: Worker, agent: str | None
+) -> None:
+    horde.send_chat(USER_ONLY, best_effort=True)
+    horde.send_text("Hello")
+    empty = w.pop(_agent_decl("w1", agent))
+    assert (empty["id"], empty["skipped"]) == (None, {"bridge_version": 2})
+    chat_rid = horde.send_chat(USER_ONLY, best_effort=True, validated_backends=False)
+    text_rid = horde.send_text("Hello", validated_backends=False)
+    assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(chat_rid)["job_ids"][0]
+    assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(text_rid)["job_ids"][0]
+
+
+@pytest.mark.parametrize("agent", VALIDATED_AGENTS)
+def test_a_worker_whose_bridge_agent_names_a_validated_backend_gets_every_request(
+    horde: DevHorde, w: Worker, agent: str
+) -> None:
+    chat_rid = horde.send_chat(USER_ONLY, best_effort=True)
+    text_rid = horde.send_text("Hello")
+    assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(chat_rid)["job_ids"][0]
+    assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(text_rid)["job_ids"][0]
+    details = requests.get(horde.url + "/api/v2/workers/name/w1", timeout=5).json()
+    assert details["bridge_agent"] == agent
+
+
+def test_the_client_routes_take_validated_backends(horde: DevHorde, w: Worker) -> None:
+    chat = {**copy.deepcopy(USER_ONLY), "horde": {"best_effort": True, "validated_backends": False}}
+    assert requests.post(horde.url + "/api/v2/generate/chat/async", json=chat, timeout=5).status_code == 202
+    text = {"prompt": "Hello", "validated_backends": False}
+    assert requests.post(horde.url + "/api/v2/generate/text/async", json=text, timeout=5).status_code == 202
+    assert requests.post(horde.url + "/api/v2/generate/text/async", json={"prompt": "Hi"}, timeout=5).status_code == 202
+    unvalidated = _agent_decl("w1", None)
+    assert w.pop(unvalidated)["chat"] is True
+    assert w.pop(unvalidated)["payload"]["prompt"] == "Hello"
+    left = w.pop(unvalidated)
+    assert (left["id"], left["skipped"]) == (None, {"bridge_version": 1})
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_an_unvalidated_backend_earns_three_tenths_of_the_reward(horde: DevHorde, w: Worker, kind: str) -> None:
+    rewards = []
+    for name, agent in (("w1", KCPP_AGENT), ("w2", None)):
+        if kind == "chat":
+            horde.send_chat(USER_ONLY, best_effort=True, validated_backends=False)
+            job_id = w.pop(_agent_decl(name, agent))["id"]
+            r = w.submit(reply(job_id, "Blue. " * 40))
+        else:
+            horde.send_text("Hello", validated_backends=False)
+            job_id = w.pop(_agent_decl(name, agent))["id"]
+            r = w.submit({"id": job_id, "generation": "Blue. " * 40, "state": "ok"})
+        assert r.status_code == 200, r.text
+        rewards.append(r.json()["reward"])
+    assert rewards[0] == 6.0 and rewards[1] == 1.8
+
+
+def test_a_streamed_job_cancelled_on_an_unvalidated_backend_earns_three_tenths(horde: DevHorde, w: Worker) -> None:
+    rid = horde.send_chat({**USER_ONLY, "stream": True}, best_effort=True, validated_backends=False)
+    job_id = w.pop(_agent_decl("w1", None))["id"]
+    assert w.progress(job_id, 1, content="Blue. " * 40).status_code == 200
+    horde.cancel(rid)
+    assert horde.status(rid)["reward"] == 1.8
+
+
+def test_a_bridge_agent_over_1000_characters_or_not_a_string_is_refused(w: Worker) -> None:
+    assert w.post(POP, decl(bridge_agent="KoboldCppEmbedWorker:2:" + "x" * 977)).status_code == 200
+    for agent in ("KoboldCppEmbedWorker:2:" + "x" * 978, 2):
+        r = w.post(POP, decl(bridge_agent=agent))
+        assert r.status_code == 400 and "rc" not in r.json()
+        assert set(r.json()["errors"]) == {"bridge_agent"}
+
+
+# --- NUL characters -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b["message"].update(content="Bl\x00ue."),
+        lambda b: b["message"].update(reasoning_content="\x00"),
+        lambda b: b.update(native_finish_reason="eos\x00"),
+    ],
+)
+def test_a_chat_submit_holding_a_nul_character_is_refused(horde: DevHorde, w: Worker, change: Any) -> None:
+    rid = horde.send_chat(USER_ONLY, best_effort=True)
+    job_id = w.pop(decl())["id"]
+    body = reply(job_id)
+    change(body)
+    r = w.submit(body)
+    assert r.status_code == 400 and r.json()["rc"] == "NulByteInPayload"
+    assert horde.status(rid)["state"] == "processing"  # nothing stored: the job can still end
+    assert w.submit(reply(job_id)).status_code == 200
+
+
+def test_a_text_submit_or_a_fault_holding_a_nul_character_is_refused(horde: DevHorde, w: Worker) -> None:
+    horde.send_text("Hello")
+    text_job = w.pop(decl())["id"]
+    r = w.submit({"id": text_job, "generation": "Hi\x00", "state": "ok"})
+    assert r.status_code == 400 and r.json()["rc"] == "NulByteInPayload"
+    horde.send_chat(USER_ONLY, best_effort=True)
+    chat_job = w.pop(decl())["id"]
+    r = w.submit({"id": chat_job, "state": "faulted", "model_id": MODEL, "fault_reason": "\x00"})
+    assert r.status_code == 400 and r.json()["rc"] == "NulByteInPayload"
+    assert [e["rc"] for e in horde.ledger] == ["NulByteInPayload", "NulByteInPayload"]
+
+
+# --- input validation and the chat fault's model_id -----------------------------------------
+
+
+@pytest.mark.parametrize("state", ["bogus", "", "FAULTED", None, 1])
+def test_a_submit_state_outside_the_horde_enum_is_refused(horde: DevHorde, w: Worker, state: Any) -> None:
+    horde.send_chat(USER_ONLY, best_effort=True)
+    job_id = w.pop(decl())["id"]
+    r = w.submit(reply(job_id, state=state))
+    assert r.status_code == 400
+    assert r.json()["message"] == "Input payload validation failed" and "rc" not in r.json()
+    assert set(r.json()["errors"]) == {"state"}
+    assert w.submit(reply(job_id)).status_code == 200
+
+
+@pytest.mark.parametrize("state", ["ok", "censored", "csam"])
+def test_the_horde_submit_states_are_accepted(horde: DevHorde, w: Worker, state: str) -> None:
+    horde.send_chat(USER_ONLY, best_effort=True)
+    job_id = w.pop(decl())["id"]
+    assert w.submit(reply(job_id, state=state)).status_code == 200
+
+
+def test_a_chat_fault_without_model_id_is_a_text_submit_and_needs_generation(horde: DevHorde, w: Worker) -> None:
+    rid = horde.send_chat(USER_ONLY, best_effort=True)
+    job_id = w.pop(decl())["id"]
+    r = w.submit({"id": job_id, "state": "faulted"})
+    assert r.status_code == 400 and "rc" not in r.json()
+    assert set(r.json()["errors"]) == {"generation"}
+    assert horde.status(rid)["state"] == "processing"
+    ok = w.submit({"id": job_id, "state": "faulted", "generation": ""})
+    assert (ok.status_code, ok.json()) == (200, {"reward": 0})
+    assert horde.status(rid)["restarted"] == 1
+
+
+def test_a_text_fault_needs_generation(horde: DevHorde, w: Worker) -> None:
+    horde.send_text("Hello")
+    job_id = w.pop(decl())["id"]
+    r = w.submit({"id": job_id, "state": "faulted"})
+    assert r.status_code == 400 and set(r.json()["errors"]) == {"generation"}
+    assert w.submit({"id": job_id, "state": "faulted", "generation": ""}).json() == {"reward": 0}
+
+
+@pytest.mark.parametrize("delta", [{}, {"content": None}, {"content": None, "reasoning_content": None}])
+def test_a_progress_post_without_content_or_reasoning_is_refused(horde: DevHorde, w: Worker, delta: dict[str, Any]) -> None:
+    rid, job_id = _stream_job(horde, w)
+    r = w.post(PROGRESS, {"id": job_id, "seq": 1, "delta": delta})
+    assert (r.status_code, r.json()["rc"]) == (400, "ChatProgressInvalid")
+    assert w.progress(job_id, 1, reasoning_content="hmm").json()["accepted_seq"] == 1
+    assert horde.status(rid)["stream"] == [{"seq": 1, "content": "", "reasoning_content": "hmm"}]
+
+
+def test_a_progress_post_may_carry_a_nul_character(horde: DevHorde, w: Worker) -> None:
+    # The Horde's NUL refusal is its database's: progress text is not stored there.
+    _, job_id = _stream_job(horde, w)
+    assert w.progress(job_id, 1, content="a\x00b").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("penalty", "features", "eligible"),
+    [(0.5, [], False), (-1.0, ["presence_penalty"], False), (0.5, ["frequency_penalty"], True), (0.0, [], True)],
+)
+def test_a_frequency_penalty_request_needs_a_worker_declaring_frequency_penalty(
+    horde: DevHorde, w: Worker, penalty: float, features: list[str], eligible: bool
+) -> None:
+    horde.send_chat({**USER_ONLY, "frequency_penalty": penalty}, best_effort=True)
+    job = w.pop(decl(features=features))
+    assert (job["id"] is not None) is eligible
+    if eligible:
+        assert job["payload"]["frequency_penalty"] == penalty
+
+
+# --- another owner's key -------------------------------------------------------------------
+
+
+def test_calls_for_another_owners_job_are_refused_with_wrong_credentials(horde: DevHorde, w: Worker) -> None:
+    intruder = Worker(horde, key=OTHER_KEY)
+    rid, job_id = _stream_job(horde, w)
+    calls = [
+        intruder.progress(job_id, 1, content="Blue"),
+        intruder.submit(reply(job_id)),
+        intruder.submit({"id": job_id, "state": "faulted", "model_id": MODEL}),
+        intruder.post(POP, decl()),  # the worker name is the other owner's
+    ]
+    for r in calls:
+        assert (r.status_code, r.json()["rc"]) == (403, "WrongCredentials")
+    assert horde.ledger == [] and horde.status(rid)["stream"] == []
+    assert w.progress(job_id, 1, content="Blue").status_code == 200
+    assert w.submit(reply(job_id)).status_code == 200
+    assert intruder.pop(decl("w2"))["id"] is None  # its own worker is fine
+
+
+# --- pop answers: messages and skipped -----------------------------------------------------
+
+
+def test_moderator_messages_reach_the_worker_they_are_for_until_they_expire(horde: DevHorde, w: Worker) -> None:
+    for_w1 = horde.add_worker_message("Please update your worker.", worker="w1")
+    for_all = horde.add_worker_message("Maintenance tonight.", worker=None, origin=None)
+    horde.add_worker_message("Gone.", worker="w1", expiry_s=-1)
+    horde.add_worker_message("Not yours.", worker="w2")
+    empty = w.pop(decl())
+    assert [m["id"] for m in empty["messages"]] == [for_w1, for_all]
+    first, second = empty["messages"]
+    assert {k: v for k, v in first.items() if k != "expiry"} == {
+        "id": for_w1,
+        "message": "Please update your worker.",
+        "origin": "moderator",
+    }
+    assert "origin" not in second
+    expiry = email.utils.parsedate_to_datetime(first["expiry"]).timestamp()
+    assert 12 * 3600 - 60 < expiry - time.time() <= 12 * 3600
+    horde.send_chat(USER_ONLY, best_effort=True)
+    horde.send_text("Hello")
+    assert [m["id"] for m in w.pop(decl())["messages"]] == [for_w1, for_all]
+    assert [m["id"] for m in w.pop(decl())["messages"]] == [for_w1, for_all]
+    assert [m["message"] for m in w.pop(decl("w3"))["messages"]] == ["Maintenance tonight."]
+
+
+def test_an_empty_pop_counts_the_requests_it_passed_over_by_reason(horde: DevHorde, w: Worker) -> None:
+    horde.send_text("Long", max_length=600)
+    horde.send_text("Wide", max_context_length=8192)
+    horde.send_text("Other model", models=["koboldcpp/other"])
+    horde.send_chat({**USER_ONLY, "max_tokens": 513}, best_effort=True)
+    horde.send_chat({**USER_ONLY, "max_context_length": 4096}, best_effort=True)
+    horde.send_chat({**USER_ONLY, "model": "koboldcpp/other"}, best_effort=True)
+    horde.send_chat({**USER_ONLY, "seed": 1}, best_effort=True)
+    unvalidated = w.pop(_agent_decl("w1", None))
+    assert unvalidated["id"] is None
+    assert unvalidated["skipped"] == {"max_length": 2, "max_context_length": 2, "models": 2, "bridge_version": 1}
+    validated = w.pop(decl(features=[]))  # an undeclared feature has no reason name
+    assert validated["id"] is None
+    assert validated["skipped"] == {"max_length": 2, "max_context_length": 2, "models": 2}
+    horde.send_chat(USER_ONLY, best_effort=True)
+    job = w.pop(decl())
+    assert job["id"] is not None and job["skipped"] == {}  # a job answer reports no skips
+
+
+# --- latency -------------------------------------------------------------------------------
+
+
+def test_latency_delays_every_worker_route_answer_and_can_change_at_runtime() -> None:
+    with DevHorde(api_keys=(KEY,), latency_s=0.3) as h:
+        w = Worker(h)
+        h.send_chat(USER_ONLY, best_effort=True)
+        t0 = time.monotonic()
+        job_id = w.pop(decl())["id"]
+        t1 = time.monotonic()
+        assert w.submit(reply(job_id, state="bogus")).status_code == 400
+        t2 = time.monotonic()
+        assert w.progress(job_id, 1, content="x").status_code == 404
+        t3 = time.monotonic()
+        assert min(t1 - t0, t2 - t1, t3 - t2) >= 0.3
+        t4 = time.monotonic()
+        requests.get(h.url + "/api/v2/dev/ledger", timeout=5)
+        assert time.monotonic() - t4 < 0.25  # the client routes are not delayed
+        h.latency_s = 0.0
+        t5 = time.monotonic()
+        assert w.submit(reply(job_id)).status_code == 200
+        assert time.monotonic() - t5 < 0.25

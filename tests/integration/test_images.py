@@ -539,6 +539,7 @@ def test_image_urls_are_signed_for_at_least_600_seconds_and_checked(horde: DevHo
         "chat_limits": {"max_context_length": 4096, "max_length": 512},
         "model_id": MODEL,
         "image_transports": ["url"],
+        "bridge_agent": "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp",
     }
     popped = requests.post(horde.url + "/api/v2/generate/text/pop", json=body, headers={"apikey": API_KEY}, timeout=5)
     assert popped.json()["id"] is not None and horde.status(rid)["state"] == "processing"
