@@ -52,8 +52,19 @@ def on_disk(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text("utf-8")))
 
 
+@pytest.fixture(autouse=True)
+def _journal_logs_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """The operator's log: INFO and above, whatever level an earlier test left behind."""
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat.journal")
+
+
 def journal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "koboldcpp_horde_chat.journal"]
+    """The journal's log lines at INFO and above (debug lines are not the operator's)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "koboldcpp_horde_chat.journal" and r.levelno >= logging.INFO
+    ]
 
 
 # --- entries --------------------------------------------------------------------------
@@ -267,9 +278,9 @@ def test_a_change_before_load_keeps_the_last_process_entries(tmp_path: Path) -> 
 
 
 def test_a_missing_file_is_an_empty_journal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="koboldcpp_horde_chat.journal")
     assert Journal(tmp_path / "none.json").load() == []
-    assert journal_lines(caplog) == []
+    assert [r for r in caplog.records if r.name == "koboldcpp_horde_chat.journal"] == []
 
 
 def test_the_file_holds_no_key_password_or_conversation_text(tmp_path: Path) -> None:
@@ -338,7 +349,7 @@ def test_two_threads_adding_and_removing_leave_a_consistent_file(tmp_path: Path)
 def test_an_unreadable_file_is_set_aside_in_one_line_and_not_fatal(
     tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="koboldcpp_horde_chat.journal")
     path = tmp_path / "jobs.json"
     path.write_bytes(content)
     journal = Journal(path)
@@ -711,7 +722,7 @@ def test_an_expired_entry_is_dropped_without_sending_anything(
 def test_a_failing_abort_does_not_stop_the_fault(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="koboldcpp_horde_chat.journal")
     path = journal_with(tmp_path, chat_entry())
     horde, backend = ScriptedHorde(), RecordingBackend(fail=True)
     result, _ = run_recover(path, horde, backend)
