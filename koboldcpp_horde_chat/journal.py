@@ -1,0 +1,607 @@
+"""The job journal: the jobs in hand, on disk, so a restart can fault them (I/O edge).
+
+When the worker process dies with a job in hand (killed for memory, a crash,
+a power loss, koboldcpp closed), the Horde holds the job until its lease
+ends: the client waits for nothing (150 s, up to 600 s for a trusted streamed
+job) and the worker is charged a dropped job. So the worker records each job
+in a small file before it generates, flushed to disk, and clears it after the
+job's terminal action. At the next start, before the first pop,
+:func:`recover` faults every recorded job whose lease has not ended (seed
+"7. Fault a job": the request gets the job back for another worker) and
+aborts its local generation on koboldcpp by genkey.
+
+- :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
+  genkey, lease end in epoch seconds). No API key, no password and no
+  conversation text: nothing else is written.
+- :func:`default_state_dir` and :func:`journal_path`: where the file lives,
+  one file per worker name.
+- :class:`Journal`: the file, shared by the pop loops of one worker. A write
+  is a temporary file in the same directory, flushed and ``fsync``-ed, then
+  ``os.replace``-d over the journal, then the directory ``fsync``-ed where the
+  platform allows. A failed write never stops the worker: it is logged once.
+- :func:`recover`: the start-up pass over what an earlier process left.
+
+The file::
+
+    {"version": 1, "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
+                             "genkey": "HORDEREQ_...", "lease_end": 1700000150.0}]}
+
+Seed sections: "7. Fault a job" (the faulted submit, the request back to the
+queue), "Streaming progress" (the lease) and "Worked example: koboldcpp's
+embedded worker" (abort by genkey).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Final, Protocol
+
+from . import reply
+from .errors import BackendError, HordeRefusal, HordeUnavailable
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "APP_DIR_NAME",
+    "FILE_VERSION",
+    "Journal",
+    "JournalEntry",
+    "RecoveryResult",
+    "default_state_dir",
+    "journal_path",
+    "recover",
+]
+
+#: The program's directory name under the platform's state directory.
+APP_DIR_NAME: Final = "koboldcpp-horde-chat"
+#: The ``version`` written in the file; a file of another version is set aside.
+FILE_VERSION: Final = 1
+#: A journal file larger than this (bytes) is not one this program wrote.
+MAX_FILE_BYTES: Final = 1024 * 1024
+#: The readable part of a journal file name, at most this many characters.
+SLUG_MAX_CHARS: Final = 40
+#: Submit attempts for one recovered job while the Horde does not answer.
+RECOVERY_ATTEMPTS: Final = 3
+#: Longest pause between two of those attempts, seconds.
+RECOVERY_PAUSE_MAX_S: Final = 5.0
+
+KINDS: Final = frozenset({"chat", "text"})
+GENKEY_PREFIX: Final = "HORDEREQ_"
+#: Return codes of a 403 that mean the API key is wrong (the Horde's API).
+_CREDENTIAL_RCS: Final = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
+#: Return codes that mean the job was already settled on the Horde.
+_SETTLED_RCS: Final = frozenset({"AbortedGen", "DuplicateGen"})
+
+
+# --------------------------------------------------------------------- entries
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One job in hand, as the journal records it.
+
+    Attributes:
+        job_id: the Horde's job id (non-empty).
+        kind: ``"chat"`` or ``"text"``.
+        model_id: the job's assigned model (the ``model_id`` declared at its
+            pop), for a chat fault body; None when unknown (the worker's
+            configured model is used) and for a text job.
+        genkey: the ``HORDEREQ_`` genkey of the local generation, or ``""``
+            before one was made. Only ``HORDEREQ_`` keys are accepted, so a
+            recovery never aborts a local user's generation.
+        lease_end: epoch seconds when the job's lease ends on the Horde at the
+            latest (for a streamed job, the lease cap counted from the pop is a
+            safe value: a fault after the lease only gets ``AbortedGen``).
+
+    Raises:
+        ValueError: a field of the wrong type or value.
+    """
+
+    job_id: str
+    kind: str
+    model_id: str | None
+    genkey: str
+    lease_end: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise ValueError("job_id is not a non-empty string")
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise ValueError("kind is not 'chat' or 'text'")
+        if self.model_id is not None and not isinstance(self.model_id, str):
+            raise ValueError("model_id is not a string or null")
+        if not isinstance(self.genkey, str) or (
+            self.genkey and not self.genkey.startswith(GENKEY_PREFIX)
+        ):
+            raise ValueError(f"genkey is not '' or a {GENKEY_PREFIX} key")
+        lease_end = self.lease_end
+        if isinstance(lease_end, bool) or not isinstance(lease_end, int | float):
+            raise ValueError("lease_end is not a number")
+        try:
+            finite = math.isfinite(lease_end)
+        except OverflowError:  # an integer too large for a float
+            finite = False
+        if not finite:
+            raise ValueError("lease_end is not a finite number")
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey", "lease_end"}``."""
+        return {
+            "job_id": self.job_id,
+            "kind": self.kind,
+            "model_id": self.model_id,
+            "genkey": self.genkey,
+            "lease_end": float(self.lease_end),
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> JournalEntry:
+        """The entry a JSON object describes (extra keys are ignored).
+
+        Raises:
+            ValueError: not an object, a key missing, or a field of the wrong
+                type or value (the message names the field, never its value).
+        """
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        for key in ("job_id", "kind", "genkey", "lease_end"):
+            if key not in obj:
+                raise ValueError(f"{key} is missing")
+        return cls(
+            job_id=obj["job_id"],
+            kind=obj["kind"],
+            model_id=obj.get("model_id"),
+            genkey=obj["genkey"],
+            lease_end=obj["lease_end"],
+        )
+
+
+# ----------------------------------------------------------------------- paths
+
+
+def default_state_dir(
+    *,
+    platform: str = sys.platform,
+    environ: Mapping[str, str] = os.environ,
+    home: Path | None = None,
+) -> Path:
+    """The platform's state directory for this program (``koboldcpp-horde-chat`` under it).
+
+    - Windows (``"win32"``): ``%LOCALAPPDATA%`` when set to an absolute path,
+      else ``<home>/AppData/Local``;
+    - macOS (``"darwin"``): ``<home>/Library/Application Support``;
+    - Linux and other Unix: ``$XDG_STATE_HOME`` when set, non-empty and
+      absolute (the XDG rule: a relative value is ignored), else
+      ``<home>/.local/state``.
+
+    Args:
+        platform: ``sys.platform``'s value.
+        environ: the environment to read.
+        home: the user's home directory; None reads ``Path.home()``.
+
+    Pure given its arguments (with ``home`` given); creates nothing.
+    """
+    if platform == "win32":
+        local = environ.get("LOCALAPPDATA", "")
+        if local and PureWindowsPath(local).is_absolute():
+            return Path(local) / APP_DIR_NAME
+        return _home(home) / "AppData" / "Local" / APP_DIR_NAME
+    if platform == "darwin":
+        return _home(home) / "Library" / "Application Support" / APP_DIR_NAME
+    state = environ.get("XDG_STATE_HOME", "")
+    if state and PurePosixPath(state).is_absolute():
+        return Path(state) / APP_DIR_NAME
+    return _home(home) / ".local" / "state" / APP_DIR_NAME
+
+
+def _home(home: Path | None) -> Path:
+    return Path.home() if home is None else home
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def journal_path(worker_name: str, state_dir: Path) -> Path:
+    """The journal file of the worker named ``worker_name`` in ``state_dir``.
+
+    ``jobs-<slug>-<hash>.json``: the slug is the name with every run of other
+    characters than ASCII letters, digits, ``_`` and ``-`` turned into ``_``,
+    at most 40 characters (``worker`` when nothing is left); the hash is the
+    first 8 hex digits of the SHA-256 of the exact name (UTF-8), so names that
+    share a slug ("My Worker", "My_Worker") or differ only in case (for a
+    file system that ignores case) get distinct files. Example:
+    ``jobs-My_Worker-<8 hex>.json``.
+    """
+    slug = _UNSAFE.sub("_", worker_name).strip("_-")[:SLUG_MAX_CHARS].strip("_-") or "worker"
+    digest = hashlib.sha256(worker_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return state_dir / f"jobs-{slug}-{digest}.json"
+
+
+# --------------------------------------------------------------------- journal
+
+
+def _reason(exc: OSError) -> str:
+    """An OS error in a few words (``"Permission denied"``), without a traceback."""
+    return exc.strerror or type(exc).__name__
+
+
+class Journal:
+    """The journal file of one worker, shared by its pop loops (thread-safe).
+
+    Args:
+        path: the file (:func:`journal_path`); its directory is created on the
+            first write, mode 0o700.
+
+    The entries live in memory and every change rewrites the whole file (a
+    few hundred bytes). :meth:`load` reads the file left by an earlier
+    process; a change before :meth:`load` loads it first, so those entries are
+    never overwritten unseen. No method raises for an I/O failure: a failed
+    write is logged once in one line, later writes are tried again silently,
+    and the first one that succeeds after a failure is logged once.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._entries: dict[str, JournalEntry] = {}
+        self._loaded = False
+        self._failing = False
+
+    def __repr__(self) -> str:
+        return f"Journal(path={str(self.path)!r})"
+
+    # -- reading ------------------------------------------------------------------
+
+    def load(self) -> list[JournalEntry]:
+        """The entries an earlier process left, read once (later calls return :meth:`entries`).
+
+        A missing file is an empty journal. A file that cannot be read or is
+        not a journal (invalid JSON, truncated, another ``version``, over
+        1 MiB) is logged in one line and set aside as
+        ``<name>.unreadable-<epoch seconds>`` next to it (left in place when
+        renaming fails); the journal is then empty. An entry of the wrong
+        shape is skipped and logged in one line. Never raises ``OSError``.
+        """
+        with self._lock:
+            self._load_locked()
+            return list(self._entries.values())
+
+    def entries(self) -> list[JournalEntry]:
+        """What is recorded now, in the order recorded."""
+        with self._lock:
+            self._load_locked()
+            return list(self._entries.values())
+
+    def _load_locked(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # no journal yet (or no directory for one)
+        except OSError as exc:
+            self._set_aside(f"cannot be read ({_reason(exc)})")
+            return
+        if len(raw) > MAX_FILE_BYTES:
+            self._set_aside(f"is over {MAX_FILE_BYTES} bytes")
+            return
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            self._set_aside("is not valid JSON")
+            return
+        if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
+            self._set_aside("is not a job journal")
+            return
+        if doc.get("version") != FILE_VERSION:
+            self._set_aside(f"is not a version {FILE_VERSION} job journal")
+            return
+        for index, item in enumerate(doc["jobs"]):
+            try:
+                entry = JournalEntry.from_json(item)
+            except (TypeError, ValueError) as exc:
+                log.warning("job journal %s: entry %d skipped: %s", self.path, index, exc)
+                continue
+            self._entries[entry.job_id] = entry
+
+    def _set_aside(self, problem: str) -> None:
+        target = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
+        try:
+            os.replace(self.path, target)
+        except OSError as exc:
+            log.warning("job journal %s %s; ignored and left in place (%s)",
+                        self.path, problem, _reason(exc))
+            return
+        log.warning("job journal %s %s; set aside as %s", self.path, problem, target.name)
+
+    # -- writing ------------------------------------------------------------------
+
+    def add(self, entry: JournalEntry) -> None:
+        """Record a job in hand (replacing an entry with the same ``job_id``).
+
+        Returns after the file is written and flushed to disk, or after the
+        write failed (logged; never raised).
+        """
+        with self._lock:
+            self._load_locked()
+            self._entries[entry.job_id] = entry
+            self._write_locked()
+
+    def remove(self, job_id: str) -> None:
+        """Clear a job after its terminal action; like :meth:`add`, flushed before it returns.
+
+        A job that is not recorded leaves the file as it is.
+        """
+        with self._lock:
+            self._load_locked()
+            if self._entries.pop(job_id, None) is None:
+                return
+            self._write_locked()
+
+    def _write_locked(self) -> None:
+        doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in self._entries.values()]}
+        data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        directory = self.path.parent
+        tmp: str | None = None
+        try:
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "a file is in the way of its directory"
+                ) from None
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as exc:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            if not self._failing:
+                self._failing = True
+                log.warning(
+                    "job journal %s cannot be written (%s): a job in hand during a crash "
+                    "would be left to expire on the Horde; trying again with each job",
+                    self.path, _reason(exc),
+                )
+            return
+        _fsync_dir(directory)
+        if self._failing:
+            self._failing = False
+            log.warning("job journal %s is written again", self.path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory entry (the rename) to disk where the platform allows it."""
+    if os.name == "nt":
+        return  # directories cannot be opened for fsync on Windows
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not support it
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- recovery
+
+
+class HordeSubmitter(Protocol):
+    """What :func:`recover` needs of ``horde.HordeClient``."""
+
+    def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """POST the submit; raises ``HordeRefusal`` or ``HordeUnavailable``."""
+        ...
+
+
+class BackendAborter(Protocol):
+    """What :func:`recover` needs of ``backend.KoboldClient``."""
+
+    def abort(self, genkey: str, *, timeout_s: float) -> bool:
+        """POST ``/api/extra/abort``; raises ``BackendError``."""
+        ...
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    """What :func:`recover` did with the jobs an earlier process left.
+
+    Attributes:
+        faulted: faults the Horde accepted (the requests went back to the queue).
+        settled: jobs the Horde had already ended (``AbortedGen``,
+            ``DuplicateGen`` or 404).
+        expired: jobs whose lease had ended: nothing sent.
+        failed: jobs left to expire: the Horde did not answer within the lease
+            and attempts, or refused the fault for another reason.
+        kept: jobs left in the journal for the next start because the Horde
+            refused the API key (the one refused and every one after it).
+        key_refused: the Horde refused the API key (401, or 403 for the
+            credentials); the recovery stopped there.
+    """
+
+    faulted: int = 0
+    settled: int = 0
+    expired: int = 0
+    failed: int = 0
+    kept: int = 0
+    key_refused: bool = False
+
+    @property
+    def total(self) -> int:
+        """Every job the journal held."""
+        return self.faulted + self.settled + self.expired + self.failed + self.kept
+
+
+def _is_key_refusal(exc: HordeRefusal) -> bool:
+    return exc.status == 401 or (exc.status == 403 and exc.rc in _CREDENTIAL_RCS)
+
+
+def _fault_body(entry: JournalEntry, model_id_default: str) -> dict[str, Any]:
+    if entry.kind == "chat":
+        return reply.fault_submit(entry.job_id, entry.model_id or model_id_default)
+    return reply.text_fault_submit(entry.job_id)
+
+
+def recover(
+    journal: Journal,
+    *,
+    horde: HordeSubmitter,
+    backend: BackendAborter,
+    wall: Callable[[], float],
+    model_id_default: str,
+    submit_timeout_s: float = 10.0,
+    abort_timeout_s: float = 2.0,
+    pause: Callable[[float], None] = time.sleep,
+) -> RecoveryResult:
+    """Fault the jobs an earlier process left in hand; call at start, before the first pop.
+
+    For each entry of ``journal.load()``, in order:
+
+    - its ``lease_end`` has passed (``wall()``): nothing is sent; logged as
+      expired on the Horde;
+    - else its genkey (when there is one) is aborted on koboldcpp
+      (``backend.abort(genkey, timeout_s=abort_timeout_s)``, best effort,
+      failures logged at debug) and the job is faulted (seed "7. Fault a
+      job"): a chat job with ``{"id", "state": "faulted", "model_id"}`` (the
+      entry's ``model_id``, else ``model_id_default``), a text job with
+      ``{"id", "generation": "", "state": "faulted"}``. ``AbortedGen``,
+      ``DuplicateGen`` or 404: already settled. ``HordeUnavailable``: tried
+      again up to 3 attempts in all, after a pause of 1 s then 2 s (or the
+      ``Retry-After``, at most 5 s), while the lease lasts; then left to
+      expire. A refused API key (401, or 403 for the credentials) stops the
+      recovery: that job and the ones after it stay in the journal.
+
+    Every job ends in one log line with ``job=<id>``; every job processed is
+    removed from the journal. Nothing raised for the Horde's or koboldcpp's
+    answers.
+
+    Args:
+        journal: the worker's journal.
+        horde: the Horde client (``submit(body, *, timeout_s) -> dict``,
+            raising ``HordeRefusal`` / ``HordeUnavailable``).
+        backend: the koboldcpp client (``abort(genkey, *, timeout_s) -> bool``,
+            raising ``BackendError``); never given the API key.
+        wall: epoch seconds.
+        model_id_default: the worker's ``model_id`` for a chat entry without one.
+        submit_timeout_s, abort_timeout_s: read timeouts, seconds.
+        pause: waits between attempts, seconds.
+
+    Returns:
+        The counts (:class:`RecoveryResult`).
+    """
+    entries = journal.load()
+    faulted = settled = expired = failed = kept = 0
+    key_refused = False
+    for entry in entries:
+        if key_refused:
+            kept += 1
+            log.warning("job=%s kind=%s kept in the journal: the Horde refused the API key",
+                        entry.job_id, entry.kind)
+            continue
+        now = wall()
+        if now >= entry.lease_end:
+            expired += 1
+            log.warning(
+                "job=%s kind=%s expired on the Horde while the worker was down "
+                "(lease ended %.0f s ago): nothing sent",
+                entry.job_id, entry.kind, now - entry.lease_end,
+            )
+            journal.remove(entry.job_id)
+            continue
+        if entry.genkey:
+            try:
+                backend.abort(entry.genkey, timeout_s=abort_timeout_s)
+            except BackendError as exc:
+                log.debug("job=%s abort of %s failed: %s", entry.job_id, entry.genkey, exc)
+        outcome = _fault_after_restart(
+            entry, horde, wall, pause, _fault_body(entry, model_id_default), submit_timeout_s
+        )
+        if outcome == "key_refused":
+            key_refused = True
+            kept += 1
+            continue
+        if outcome == "faulted":
+            faulted += 1
+        elif outcome == "settled":
+            settled += 1
+        else:
+            failed += 1
+        journal.remove(entry.job_id)
+    result = RecoveryResult(faulted, settled, expired, failed, kept, key_refused)
+    if result.total:
+        log.info(
+            "jobs in hand at the last stop: %d faulted, %d already settled, %d expired, "
+            "%d left to expire, %d kept in the journal",
+            faulted, settled, expired, failed, kept,
+        )
+    return result
+
+
+def _fault_after_restart(
+    entry: JournalEntry,
+    horde: HordeSubmitter,
+    wall: Callable[[], float],
+    pause: Callable[[float], None],
+    body: dict[str, Any],
+    timeout_s: float,
+) -> str:
+    """Send one recovered job's fault: ``"faulted"``, ``"settled"``,
+    ``"key_refused"`` or ``"failed"``; logs the job's line."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            horde.submit(body, timeout_s=timeout_s)
+        except HordeRefusal as exc:
+            if exc.rc in _SETTLED_RCS or exc.status == 404:
+                log.info("job=%s kind=%s already settled on the Horde (%s): nothing more to send",
+                         entry.job_id, entry.kind, exc.rc or exc.status)
+                return "settled"
+            if _is_key_refusal(exc):
+                log.error(
+                    "job=%s kind=%s not faulted after a restart: the Horde refused the "
+                    "API key (%s); kept in the journal",
+                    entry.job_id, entry.kind, exc,
+                )
+                return "key_refused"
+            log.error("job=%s kind=%s left to expire: the Horde refused the fault (%s)",
+                      entry.job_id, entry.kind, exc)
+            return "failed"
+        except HordeUnavailable as exc:
+            delay = min(max(float(attempts), exc.retry_after_s or 0.0), RECOVERY_PAUSE_MAX_S)
+            if attempts >= RECOVERY_ATTEMPTS or wall() + delay >= entry.lease_end:
+                log.error("job=%s kind=%s left to expire: the Horde did not answer the fault (%s)",
+                          entry.job_id, entry.kind, exc)
+                return "failed"
+            log.debug("job=%s fault not answered (%s); trying again in %.1f s",
+                      entry.job_id, exc, delay)
+            pause(delay)
+            continue
+        log.warning("job=%s kind=%s faulted after a restart: the worker stopped with it in hand",
+                    entry.job_id, entry.kind)
+        return "faulted"

@@ -1,0 +1,170 @@
+"""A job in hand when the worker died is faulted at the next start (the dev Horde, a real client).
+
+Seed "7. Fault a job": the faulted submit returns ``{"reward": 0}`` and the
+request goes back to the queue for the next pop. The worker's side here is the
+journal and :func:`recover` with a real ``HordeClient`` and ``KoboldClient``; the
+Horde's side is the dev Horde, which implements the rules on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from koboldcpp_horde_chat.backend import KoboldClient
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.horde import HordeClient
+from koboldcpp_horde_chat.journal import (
+    Journal,
+    JournalEntry,
+    RecoveryResult,
+    journal_path,
+    recover,
+)
+from tests.integration.conftest import API_KEY
+
+MODEL = "koboldcpp/test-model"
+GENKEY = "HORDEREQ_0123456789ab"
+REQUEST = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 64}
+POP = {
+    "name": "journal-worker",
+    "models": [MODEL],
+    "max_length": 512,
+    "max_context_length": 4096,
+    "chat_jobs": True,
+    "chat_features": ["prompt_overflow_refused"],
+    "chat_limits": {"max_context_length": 2048, "max_length": 512},
+    "model_id": MODEL,
+    "image_transports": [],
+}
+
+
+def client(horde: DevHorde) -> HordeClient:
+    return HordeClient(horde.url, API_KEY, bridge_agent="journal-test:1")
+
+
+def pop_chat_job(horde: DevHorde) -> tuple[str, dict[str, Any]]:
+    """A client's chat request, popped by the worker: (request id, pop answer)."""
+    rid = horde.send_chat(REQUEST)
+    with client(horde) as h:
+        answer = h.pop(POP, timeout_s=5)
+    assert answer["id"] and answer["chat"] is True
+    return rid, answer
+
+
+def journal_before_the_crash(tmp_path: Path, answer: dict[str, Any], genkey: str) -> Path:
+    """What the worker records before generating; the process then dies."""
+    path = journal_path(POP["name"], tmp_path / "state")
+    Journal(path).add(
+        JournalEntry(answer["id"], "chat", POP["model_id"], genkey, time.time() + answer["ttl"])
+    )
+    return path
+
+
+def restart(path: Path, horde: DevHorde, kcpp_url: str) -> RecoveryResult:
+    """The next start: a new journal object on the same file, recovered with real clients."""
+    backend = KoboldClient(kcpp_url)
+    try:
+        with client(horde) as h:
+            return recover(
+                Journal(path), horde=h, backend=backend, wall=time.time, model_id_default="unused"
+            )
+    finally:
+        backend.close()
+
+
+def test_a_chat_job_in_hand_at_a_crash_is_faulted_and_its_request_requeued(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> None:
+    rid, answer = pop_chat_job(horde)
+    job_id = answer["id"]
+    path = journal_before_the_crash(tmp_path, answer, GENKEY)
+    orphan = kcpp.local_generate(60.0, genkey=GENKEY)  # the dead worker's generation runs on
+    deadline = time.monotonic() + 5
+    while not kcpp.generating and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kcpp.generating
+    assert horde.job(job_id)["action"] is None  # the Horde still holds the job
+
+    result = restart(path, horde, kcpp.url)
+
+    assert result == RecoveryResult(faulted=1)
+    job = horde.job(job_id)
+    assert job is not None and job["action"] == "faulted"
+    faults = [e for e in horde.ledger if e["job_id"] == job_id]
+    assert [(e["action"], e["status"]) for e in faults] == [("faulted", 200)]
+    assert faults[0]["body"] == {"id": job_id, "state": "faulted", "model_id": MODEL}
+    status = horde.status(rid)
+    assert (status["state"], status["restarted"]) == ("waiting", 1)
+
+    # The abort reached koboldcpp with the genkey and stopped the orphaned generation.
+    orphan.join(5)
+    assert not orphan.is_alive()
+    assert kcpp.aborts == [GENKEY]
+    aborts = [r for r in kcpp.requests if r["path"] == "/api/extra/abort"]
+    assert [r["body"] for r in aborts] == [{"genkey": GENKEY}]
+    assert "apikey" not in aborts[0]["headers"]
+    assert all(API_KEY not in str(r) for r in kcpp.requests)
+
+    # The journal is clear, and the request is served by the next pop.
+    assert Journal(path).load() == []
+    with client(horde) as h:
+        again = h.pop(POP, timeout_s=5)
+    assert again["id"] and again["id"] != job_id
+    assert horde.job(again["id"])["request_id"] == rid
+
+
+def test_a_job_submitted_just_before_the_crash_is_already_settled(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> None:
+    rid, answer = pop_chat_job(horde)
+    job_id = answer["id"]
+    path = journal_before_the_crash(tmp_path, answer, GENKEY)
+    with client(horde) as h:  # the reply was accepted; the process died before clearing it
+        h.submit(
+            {"id": job_id, "message": {"role": "assistant", "content": "Blue."},
+             "finish_reason": "stop", "model_id": MODEL, "state": "ok"},
+            timeout_s=5,
+        )
+
+    result = restart(path, horde, kcpp.url)
+
+    assert result == RecoveryResult(settled=1)
+    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["submitted", "duplicate"]
+    assert horde.status(rid)["state"] == "done"  # the reply stands
+    assert Journal(path).load() == []
+
+
+def test_a_job_whose_lease_ended_on_the_horde_is_settled_without_a_fault(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> None:
+    rid, answer = pop_chat_job(horde)
+    job_id = answer["id"]
+    path = journal_before_the_crash(tmp_path, answer, GENKEY)
+    assert horde.expire_leases() == [job_id]  # the Horde's clock ran ahead of the worker's
+
+    result = restart(path, horde, kcpp.url)
+
+    assert result == RecoveryResult(settled=1)
+    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["expired", "aborted_gen"]
+    assert horde.status(rid)["restarted"] == 1  # requeued once, by the expiry only
+
+
+def test_an_entry_past_its_lease_sends_nothing(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> None:
+    _, answer = pop_chat_job(horde)
+    path = journal_path(POP["name"], tmp_path)
+    Journal(path).add(
+        JournalEntry(answer["id"], "chat", MODEL, GENKEY, time.time() - 1.0)
+    )
+    submits_before = [r for r in horde.requests_log if r["path"].endswith("/submit")]
+
+    result = restart(path, horde, kcpp.url)
+
+    assert result == RecoveryResult(expired=1)
+    assert [r for r in horde.requests_log if r["path"].endswith("/submit")] == submits_before
+    assert [r for r in kcpp.requests if r["path"] == "/api/extra/abort"] == []
+    assert Journal(path).load() == []
