@@ -43,7 +43,7 @@ from .guard import MaintenanceGuard, RefusalGuard, refusal_features
 from .horde import HordeClient
 from .progress import ProgressAction, ProgressPoster
 from .reply import BackendReply
-from .settings import MIB, WorkerSettings
+from .settings import MIB, WorkerSettings, kcpp_effective_max_length
 from .sse import SSEDecoder
 from .stream import ChatStreamAccumulator
 
@@ -284,8 +284,10 @@ class Worker:
             self.settings.worker_name,
             self.settings.model_id,
             self.settings.max_context_length,
-            self.settings.max_length,
+            self.settings.declared_max_length,
         )
+        if (warning := self.settings.max_length_warning()) and self.worker_id == 1:
+            log.warning("worker %d: %s", self.worker_id, warning)
         while not self._stopping():
             try:
                 self.run_once()
@@ -587,7 +589,7 @@ class Worker:
             except FetchError as exc:
                 self._fault_chat(job.id, model_id, lease, f"image unusable: {exc}")
                 return
-        if job.max_length > self.settings.max_length:
+        if job.max_length > self.settings.declared_max_length:
             # The Horde validates budgets within chat_limits (seed step 2): a larger
             # one is not ours to generate, and not a prompt overflow either.
             self._fault_chat(
@@ -595,7 +597,7 @@ class Worker:
                 model_id,
                 lease,
                 f"max_length {job.max_length} is above the declared chat_limits.max_length "
-                f"{self.settings.max_length}",
+                f"{self.settings.declared_max_length}",
             )
             return
         # Fit check (seed step 3): count JSON text, never render.
@@ -660,7 +662,13 @@ class Worker:
                 )
                 backend_reply = reply.parse_chat_completion(body)
             submit_body = reply.chat_submit(
-                job.id, model_id, backend_reply, max_length=job.max_length
+                job.id,
+                model_id,
+                backend_reply,
+                max_length=kcpp_effective_max_length(
+                    job.max_length, job.max_context_length,
+                    self.settings.backend_max_context_length,
+                ),
             )
         except (BackendError, ReplyError) as exc:
             self._note_backend_failure(exc)
