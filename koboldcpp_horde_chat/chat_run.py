@@ -26,7 +26,7 @@ from .errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadErr
 from .fetch import fetch_image, fetch_messages
 from .guard import refusal_features
 from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
-from .settings import MIB
+from .settings import MIB, kcpp_effective_max_length
 from .state import WorkerState
 from .streamed import generate_streamed
 from .submit import refused_reply_fault
@@ -154,10 +154,11 @@ class ChatRun:
     def _check_budget(self) -> None:
         """The Horde validates budgets within chat_limits (seed step 2): a larger
         one is not ours to generate, and not a prompt overflow either."""
-        if self.job.max_length > self.settings.max_length:
+        declared = self.settings.declared_max_length
+        if self.job.max_length > declared:
             raise JobFault(
                 f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
-                f"{self.settings.max_length}"
+                f"{declared}"
             )
 
     def _check_fit(self, messages: list[dict[str, Any]]) -> None:
@@ -212,9 +213,12 @@ class ChatRun:
                     ctx,
                 )
                 backend_reply = reply.parse_chat_completion(body)
-            submit_body = reply.chat_submit(
-                job.id, self.model_id, backend_reply, max_length=job.max_length
+            # koboldcpp cuts a budget near its context (settings.kcpp_effective_max_length):
+            # "length" means the budget it really used ran out.
+            budget = kcpp_effective_max_length(
+                job.max_length, job.max_context_length, self.settings.backend_max_context_length
             )
+            submit_body = reply.chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
         except (BackendError, ReplyError) as exc:
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
         message = submit_body.get("message", {})

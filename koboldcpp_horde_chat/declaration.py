@@ -207,13 +207,15 @@ def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
     """The ``chat_limits`` object, in tokens.
 
     ``{"max_context_length": settings.max_context_length, "max_length":
-    settings.max_length, "tools_max_temperature": 1.0}``.
+    settings.declared_max_length, "tools_max_temperature": 1.0}``: the
+    ``max_length`` is ``--hordegenlen`` lowered so that a job leaves room for
+    a prompt (:attr:`.settings.WorkerSettings.declared_max_length`).
 
     Seed: "Chat limits"; worked example.
     """
     return {
         "max_context_length": settings.max_context_length,
-        "max_length": settings.max_length,
+        "max_length": settings.declared_max_length,
         "tools_max_temperature": TOOLS_MAX_TEMPERATURE,
     }
 
@@ -269,14 +271,15 @@ def pop_body(
     ``"threads"`` when ``settings.threads > 1``, plus the fields of
     :func:`chat_declaration` when ``chat_jobs``. With ``chat_jobs`` False the
     declaration is withdrawn: no chat field and no ``prompt_jobs`` is sent.
-    Lengths are tokens: the text limits are the same as koboldcpp's own worker's.
+    Lengths are tokens: the text limits are koboldcpp's own worker's, with
+    ``max_length`` lowered as the chat one is (``settings.declared_max_length``).
 
     Seed: "1. Declare chat on pop", "Declaration checks and withdrawal".
     """
     body: dict[str, Any] = {
         "name": settings.worker_name,
         "models": [settings.model_id],
-        "max_length": settings.max_length,
+        "max_length": settings.declared_max_length,
         "max_context_length": settings.max_context_length,
         "priority_usernames": [],
         "softprompts": [],

@@ -202,6 +202,10 @@ class ProgressPoster:
                 sequences already removed), may be ``""``.
             reasoning: new reasoning text, may be ``""``.
 
+        Both as :class:`.stream.ChatStreamAccumulator` releases them: without
+        U+0000 and with the reasoning's surrounding whitespace held back, so
+        the posts add up to the submitted reply.
+
         Ignored once posting has stopped (the submit carries the whole reply).
         """
         if not self.posting:

@@ -13,6 +13,15 @@ tag pairs (facts §1 ``thinkformats``):
   text before it reasoning;
 - a start tag that never closes makes everything after it reasoning
   (generation stopped inside the block).
+
+One rule for a reply's text, whole or streamed, posted or submitted: the
+content is the text generated outside reasoning blocks, exactly as generated
+(koboldcpp keeps it so too); the reasoning is the text generated inside them,
+in order and joined as generated, without the whitespace around the whole
+(``"\\n  Let me ponder.\\n\\n"`` gives ``"Let me ponder."``). Progress posts cannot
+take text back, so a stream holds back the reasoning's leading whitespace and
+any trailing whitespace until more reasoning follows (see :mod:`.stream`); the
+posted reasoning then equals the submitted one.
 """
 
 from __future__ import annotations
@@ -216,26 +225,27 @@ def split_reasoning(content: str | None, reasoning: str | None) -> ReasoningSpli
         reasoning: the ``reasoning_content`` koboldcpp already split off, or None.
 
     Returns:
-        A :class:`ReasoningSplit`. Content without tags is returned unchanged.
-        With tags, the content pieces are joined and stripped, and every
-        reasoning block is stripped and joined with a blank line; koboldcpp's
-        own reasoning comes first. ``unclosed`` is True when a start tag never
-        closed (then the content is the text before that tag, usually ``""``).
-        Empty reasoning is None.
+        A :class:`ReasoningSplit` under the module's rule: the content is the
+        text outside reasoning blocks as generated (content without tags is
+        returned unchanged); the reasoning is koboldcpp's reasoning followed by
+        the text of every block left in the content, joined as generated, with
+        the whitespace around the whole removed; empty reasoning is None.
+        ``unclosed`` is True when a start tag never closed (then the content is
+        the text before that tag, usually ``""``).
 
     Example: ``split_reasoning("<think>Hmm</think>\\n\\nBlue.", None)`` gives
-    ``ReasoningSplit("Blue.", "Hmm", False)``; ``split_reasoning("<think>Hmm",
-    None)`` gives ``ReasoningSplit("", "Hmm", True)``.
+    ``ReasoningSplit("\\n\\nBlue.", "Hmm", False)`` (koboldcpp's own split of
+    that text keeps the same content); ``split_reasoning("<think>Hmm", None)``
+    gives ``ReasoningSplit("", "Hmm", True)``.
     """
-    known = _clean(reasoning)
     if content is None or not _has_tag(content):
-        return ReasoningSplit(content=content, reasoning=known, unclosed=False)
+        return ReasoningSplit(content=content, reasoning=_clean(reasoning), unclosed=False)
     splitter = StreamSplitter(start_in_reasoning=_opened_by_template(content))
     splitter._buffer = content
     pieces = splitter._process(final=True)
     unclosed = splitter.in_reasoning
-    blocks = [text.strip() for is_reasoning, text in pieces if is_reasoning]
-    found = "\n\n".join(block for block in blocks if block)
-    answer = "".join(text for is_reasoning, text in pieces if not is_reasoning).strip()
-    combined = "\n\n".join(part for part in (known, found) if part)
-    return ReasoningSplit(content=answer, reasoning=combined or None, unclosed=unclosed)
+    found = "".join(text for is_reasoning, text in pieces if is_reasoning)
+    answer = "".join(text for is_reasoning, text in pieces if not is_reasoning)
+    return ReasoningSplit(
+        content=answer, reasoning=_clean((reasoning or "") + found), unclosed=unclosed
+    )

@@ -1,12 +1,19 @@
 """The structured submit and the fault submit (pure; no I/O).
 
 Seed sections: "6. Submit the reply", "Submit refusals", "7. Fault a job".
+
+The Horde's database cannot store U+0000, so the Horde refuses a submit whose
+JSON holds it (400 ``NulByteInPayload``); models do emit it. The submit
+builders here remove it from everything the model produced (:func:`strip_nul`,
+:func:`strip_nul_json`); the streamed text loses it where the stream is read
+(:mod:`.stream`), so the posts and the submit agree.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +61,34 @@ REASONING_MAX_BYTES = 1024 * 1024
 """``reasoning_content`` is capped at 1 MiB of UTF-8."""
 TOKEN_COUNT_MAX = 10_000_000
 """Token counts outside 0..10,000,000 are refused by the Horde, so they are left out."""
+
+
+# --- U+0000 ------------------------------------------------------------------------
+
+_NUL = "\x00"
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+"""A JSON ``\\u0000`` escape whose backslash is not itself escaped (pairs of
+backslashes before it are kept)."""
+
+
+def strip_nul(text: str) -> str:
+    """``text`` without any U+0000 character (``"Blue\\x00."`` -> ``"Blue."``)."""
+    return text.replace(_NUL, "") if _NUL in text else text
+
+
+def strip_nul_json(text: str) -> str:
+    """JSON text (a tool call's ``arguments``) without U+0000, literal or escaped.
+
+    Removes every literal U+0000 character and every real ``\\u0000`` escape,
+    which a client would decode to U+0000; an escaped backslash followed by
+    ``u0000`` is text and stays. E.g. ``'{"a": "x\\u0000y"}'`` ->
+    ``'{"a": "xy"}'``, ``'{"a": "x\\\\u0000"}'`` unchanged. The text need not
+    be valid JSON.
+    """
+    text = strip_nul(text)
+    if "\\u0000" not in text:
+        return text
+    return _NUL_ESCAPE.sub(r"\1", text)
 
 
 # --- koboldcpp's answers ----------------------------------------------------------
@@ -130,6 +165,10 @@ def map_finish_reason(
 ) -> str:
     """Map koboldcpp's finish reason onto the Horde's four.
 
+    ``max_length`` is the budget koboldcpp generated under: the job's
+    ``max_length`` after koboldcpp's own cut
+    (:func:`.settings.kcpp_effective_max_length`), which can be below the job's.
+
     - ``"length"``: koboldcpp reports it for the budget and also for a stop
       sequence hit or an abort (facts §4.9), so it stays ``"length"`` only when
       ``completion_tokens`` is None or reached ``max_length``; else ``"stop"``.
@@ -163,7 +202,9 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
     (missing ones become ``"{}"``), a missing ``type`` is ``"function"``, a
     missing or empty ``id`` is minted as ``call_<n>``. An id that collides with
     an earlier call's id gets a ``_<n>`` suffix; other ids are kept as the
-    backend minted them. Other keys (such as ``index``) are dropped.
+    backend minted them. Other keys (such as ``index``) are dropped. U+0000 is
+    removed from ids and names, and from ``arguments`` both as a character and
+    as a JSON ``\\u0000`` escape (:func:`strip_nul_json`).
 
     Raises:
         ReplyError: ``raw`` is not a list (None is an empty list), a call is not
@@ -184,6 +225,8 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
         if not isinstance(function, dict):
             raise ReplyError(f"tool_calls[{i}].function is not an object")
         name = function.get("name")
+        if isinstance(name, str):
+            name = strip_nul(name)
         if not isinstance(name, str) or not name:
             raise ReplyError(f"tool_calls[{i}].function.name is missing")
         arguments = function.get("arguments")
@@ -191,10 +234,11 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
             arguments = "{}"
         elif not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = strip_nul_json(arguments)
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise ReplyError(f"tool_calls[{i}].id is not a string")
-        parsed.append((call_id or None, name, arguments))
+        parsed.append((strip_nul(call_id) if call_id else None, name, arguments))
 
     given = {call_id for call_id, _, _ in parsed if call_id}
     used: set[str] = set()
@@ -247,17 +291,25 @@ def chat_submit(
     "stop", "native_finish_reason": "stop", "prompt_tokens": 21,
     "completion_tokens": 3, "model_id": "<model-name>", "state": "ok"}``.
 
+    U+0000 is removed first from the content, the reasoning, the tool calls
+    and the native finish reason (the Horde refuses a submit holding it).
     Reasoning tags left in the content are split off (:func:`split_reasoning`);
     a block that never closed becomes ``reasoning_content`` with the content
-    before it (usually ``""``). ``reasoning_content`` is cut to 1 MiB of UTF-8
-    on a character boundary and left out when empty. ``content`` is null only
-    when there are tool calls and no text; otherwise ``""`` is a valid reply.
+    before it (usually ``""``). The content is otherwise kept as generated;
+    ``reasoning_content`` is the reasoning without its surrounding whitespace,
+    the same text the progress posts of a streamed job carry. It is cut to
+    1 MiB of UTF-8 on a character boundary and left out when empty.
+    ``content`` is null only when there are tool calls and no text; otherwise
+    ``""`` is a valid reply.
 
     Args:
         job_id: the job.
         model_id: the job's assigned model (the declaration's ``model_id``).
         reply: what koboldcpp returned.
-        max_length: the job's budget in tokens, to tell a real ``length`` apart.
+        max_length: the budget koboldcpp generated under, in tokens: the job's
+            ``max_length`` after koboldcpp's cut
+            (:func:`.settings.kcpp_effective_max_length`), to tell a real
+            ``length`` apart from a stop sequence hit.
 
     Raises:
         ReplyError: an unusable finish reason or a malformed tool call; the job
@@ -272,7 +324,10 @@ def chat_submit(
         completion_tokens=reply.completion_tokens,
         max_length=max_length,
     )
-    split = split_reasoning(reply.content, reply.reasoning_content)
+    split = split_reasoning(
+        None if reply.content is None else strip_nul(reply.content),
+        None if reply.reasoning_content is None else strip_nul(reply.reasoning_content),
+    )
     content: str | None = split.content
     if calls and not (content or "").strip():
         content = None
@@ -287,8 +342,9 @@ def chat_submit(
     if calls:
         message["tool_calls"] = calls
     body: dict[str, Any] = {"id": job_id, "message": message, "finish_reason": finish_reason}
-    if reply.native_finish_reason:
-        body["native_finish_reason"] = reply.native_finish_reason[:NATIVE_FINISH_REASON_MAX_CHARS]
+    native = strip_nul(reply.native_finish_reason or "")
+    if native:
+        body["native_finish_reason"] = native[:NATIVE_FINISH_REASON_MAX_CHARS]
     if _count_ok(reply.prompt_tokens, "prompt_tokens"):
         body["prompt_tokens"] = reply.prompt_tokens
     if _count_ok(reply.completion_tokens, "completion_tokens"):
@@ -314,8 +370,11 @@ def fault_submit(job_id: str, model_id: str, fault_reason: str | None = None) ->
 
 
 def text_submit(job_id: str, generation: str) -> dict[str, Any]:
-    """A text job's submit body: ``{"id", "generation", "state": "ok"}`` (seed step 8)."""
-    return {"id": job_id, "generation": generation, "state": "ok"}
+    """A text job's submit body: ``{"id", "generation", "state": "ok"}`` (seed step 8).
+
+    U+0000 is removed from ``generation`` (the Horde refuses a submit holding it).
+    """
+    return {"id": job_id, "generation": strip_nul(generation), "state": "ok"}
 
 
 def text_fault_submit(job_id: str) -> dict[str, Any]:

@@ -5,6 +5,10 @@ Built by ``cli.py`` (standalone, from flags and the running koboldcpp) or by
 the field names. The API key and the koboldcpp password are kept out of
 ``repr`` so that a settings object can be logged.
 
+Also koboldcpp's own cut of a request's ``max_length`` (facts §2.8), which
+decides both the declared ``max_length`` and the budget a reply was generated
+under.
+
 Seed sections: "1. Declare chat on pop" and "Worked example: koboldcpp's
 embedded worker".
 """
@@ -21,6 +25,50 @@ DEFAULT_KCPP_URL = "http://127.0.0.1:5001"
 MIB = 1024 * 1024
 
 
+def kcpp_reserved_tokens(context: int) -> int:
+    """Tokens koboldcpp keeps free for the prompt when it cuts a ``max_length``.
+
+    koboldcpp 1.116/1.117 ``generate()`` (facts §2.8): ``max(min(ctx - 4, 16),
+    int(ctx * 0.2))``, e.g. 819 for a 4096-token context, 200 for 1000.
+
+    Args:
+        context: the context koboldcpp generates within, tokens.
+    """
+    return max(min(context - 4, 16), int(context * 0.2))
+
+
+def kcpp_max_uncut_length(context: int) -> int:
+    """The largest ``max_length`` koboldcpp generates in full within ``context``.
+
+    koboldcpp cuts a ``max_length`` of at least ``context - reserved`` down to
+    ``context - reserved`` (:func:`kcpp_reserved_tokens`), so this is that
+    value: 3277 for a 4096-token context, 800 for 1000. It leaves about 20 %
+    of the context to the prompt.
+    """
+    return context - kcpp_reserved_tokens(context)
+
+
+def kcpp_effective_max_length(
+    max_length: int, max_context_length: int, kcpp_max_context: int
+) -> int:
+    """The budget koboldcpp really generates under for one request, tokens.
+
+    koboldcpp caps the request's ``max_context_length`` at its own context size
+    (``--contextsize``), then cuts a ``max_length`` that leaves less than
+    :func:`kcpp_reserved_tokens` of that context to the prompt (facts §2.8;
+    ``--genlimit``, which the worker cannot see, is not applied). It reports
+    ``"length"`` when it used this budget up, e.g. ``(900, 1000, 4096) -> 800``,
+    ``(512, 4096, 4096) -> 512``, ``(4000, 8192, 4096) -> 3277``.
+
+    Args:
+        max_length: the ``max_tokens`` sent to koboldcpp (the job's ``max_length``).
+        max_context_length: the ``max_context_length`` sent to koboldcpp.
+        kcpp_max_context: koboldcpp's loaded context size.
+    """
+    context = min(max_context_length, kcpp_max_context)
+    return min(max_length, kcpp_max_uncut_length(context))
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """The worker's configuration.
@@ -32,7 +80,8 @@ class WorkerSettings:
             e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``.
         backend_max_context_length: koboldcpp's loaded context size.
         horde_max_context_length: ``--hordemaxctx``; 0 means the backend's.
-        max_length: ``--hordegenlen``, the most tokens generated for one job.
+        max_length: ``--hordegenlen``, the most tokens asked for one job; the
+            declared value is :attr:`declared_max_length`.
         horde_url: the Horde's base URL.
         kcpp_url: koboldcpp's base URL.
         kcpp_password: koboldcpp's ``--password``, sent as a Bearer token to it only.
@@ -88,6 +137,36 @@ class WorkerSettings:
         backend = self.backend_max_context_length
         horde = self.horde_max_context_length
         return min(backend, horde) if horde > 0 else backend
+
+    @property
+    def declared_max_length(self) -> int:
+        """The ``max_length`` declared to the Horde (chat and text), tokens.
+
+        ``--hordegenlen``, lowered to :func:`kcpp_max_uncut_length` of the
+        declared context when it is larger: koboldcpp would cut a larger budget
+        anyway, and a job with it leaves no room for a prompt (every one would
+        be a ``prompt_overflow`` fault). E.g. ``--hordegenlen 100000`` on a
+        4096-token context declares 3277. Never below 1.
+
+        Seed: "1. Declare chat on pop" (chat limits).
+        """
+        return max(1, min(self.max_length, kcpp_max_uncut_length(self.max_context_length)))
+
+    def max_length_warning(self) -> str | None:
+        """One start-up warning line when ``--hordegenlen`` was lowered, else None.
+
+        E.g. ``"--hordegenlen 100000 is lowered to 3277: koboldcpp cuts a
+        max_length above 3277 on this worker's 4096-token context, which keeps
+        room for the prompt"``.
+        """
+        declared = self.declared_max_length
+        if declared >= self.max_length:
+            return None
+        return (
+            f"--hordegenlen {self.max_length} is lowered to {declared}: koboldcpp cuts a "
+            f"max_length above {declared} on this worker's {self.max_context_length}-token "
+            "context, which keeps room for the prompt"
+        )
 
     @property
     def lease_cap_s(self) -> float:

@@ -19,7 +19,12 @@ Each event yields a :class:`StreamDelta` of *client-visible* text: content goes
 through :class:`.reasoning.StreamSplitter`, which moves reasoning tags' contents
 to the reasoning, holds back a tail that could still be a tag or a stop
 sequence, and ends the content at a stop sequence. ``reasoning_content`` that
-koboldcpp split off itself is passed through as reasoning.
+koboldcpp split off itself is passed through as reasoning. U+0000 is removed
+from both as they are read (the Horde refuses a post or submit holding it).
+The reasoning follows :mod:`.reasoning`'s rule: its leading whitespace is never
+released and trailing whitespace is held back until more reasoning follows, so
+the released reasoning is the whole reasoning without its surrounding
+whitespace, which is what the submit stores.
 
 An in-band error (an object with ``error`` or ``detail``) or a data line that is
 not a JSON object sets ``error``; ``result()`` then raises ``ReplyError`` and
@@ -40,7 +45,7 @@ from typing import Any
 
 from .errors import ReplyError
 from .reasoning import StreamSplitter
-from .reply import BackendReply
+from .reply import BackendReply, strip_nul
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,10 @@ class ChatStreamAccumulator:
         )
         self._content: list[str] = []
         self._reasoning: list[str] = []
+        # Reasoning whitespace not released yet: nothing is released before the
+        # first non-whitespace reasoning, and a trailing run waits for more.
+        self._reasoning_started = False
+        self._reasoning_held = ""
         self._saw_content = False
         self._tool_calls: dict[int, _ToolCall] = {}
         self._flushed = False
@@ -166,11 +175,12 @@ class ChatStreamAccumulator:
             if problem:
                 return self._fail(problem)
         reasoning = delta.get("reasoning_content")
-        reasoning = reasoning if isinstance(reasoning, str) else ""
+        reasoning = strip_nul(reasoning) if isinstance(reasoning, str) else ""
         content = delta.get("content")
         split_reasoning = split_content = ""
         if isinstance(content, str):
             self._saw_content = True
+            content = strip_nul(content)
             if content:
                 split_reasoning, split_content = self._splitter.feed(content)
         return self._emit(split_content, reasoning + split_reasoning)
@@ -178,13 +188,16 @@ class ChatStreamAccumulator:
     def flush(self) -> StreamDelta:
         """Release the text held back at the end of the stream.
 
+        Trailing whitespace of the reasoning still held back is dropped.
         Returns the released text; a second call returns an empty delta.
         """
         if self._flushed:
             return _EMPTY
         self._flushed = True
         reasoning, content = self._splitter.flush()
-        return self._emit(content, reasoning)
+        released = self._emit(content, reasoning)
+        self._reasoning_held = ""
+        return released
 
     # --- output --------------------------------------------------------------------
 
@@ -232,7 +245,8 @@ class ChatStreamAccumulator:
         Returns:
             ``BackendReply`` with ``content`` (None when no content field came and
             there are tool calls, ``""`` when none came otherwise),
-            ``reasoning_content`` (None when empty), ``tool_calls``,
+            ``reasoning_content`` (the released reasoning, without surrounding
+            whitespace; None when empty), ``tool_calls``,
             ``native_finish_reason`` (None if the stream ended without one) and the
             usage counts (None when not reported).
 
@@ -259,6 +273,8 @@ class ChatStreamAccumulator:
     # --- internals -----------------------------------------------------------------
 
     def _emit(self, content: str, reasoning: str) -> StreamDelta:
+        if reasoning:
+            reasoning = self._trim_reasoning(reasoning)
         if not content and not reasoning:
             return _EMPTY
         if content:
@@ -266,6 +282,23 @@ class ChatStreamAccumulator:
         if reasoning:
             self._reasoning.append(reasoning)
         return StreamDelta(content, reasoning)
+
+    def _trim_reasoning(self, text: str) -> str:
+        """The part of new reasoning ``text`` that can be released now.
+
+        Leading whitespace of the whole reasoning is dropped; a trailing
+        whitespace run is held back and released in front of the next
+        reasoning that is not whitespace (dropped by ``flush()``).
+        """
+        if not self._reasoning_started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._reasoning_started = True
+        text = self._reasoning_held + text
+        released = text.rstrip()
+        self._reasoning_held = text[len(released) :]
+        return released
 
     def _fail(self, problem: str) -> StreamDelta:
         log.warning("chat stream failed: %s", problem)

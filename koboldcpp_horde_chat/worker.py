@@ -185,8 +185,11 @@ class Worker:
             self.settings.worker_name,
             self.settings.model_id,
             self.settings.max_context_length,
-            self.settings.max_length,
+            self.settings.declared_max_length,
         )
+        warning = self.settings.max_length_warning()
+        if warning is not None and self.worker_id == 1:
+            log.warning("worker %d: %s", self.worker_id, warning)
         with self.state.lock:
             self.state.slots.append(self)
         try:

@@ -200,9 +200,8 @@ def test_reasoning_is_posted_as_reasoning_content_before_the_answer_starts(
     message = horde.ledger[0]["body"]["message"]
     stream = horde.status(rid)["stream"]
     assert_seqs_in_order(stream)
-    # the submit trims the reasoning's surrounding whitespace; the posts relay it as generated
-    assert reasoning_of(stream) == thought
-    assert message["reasoning_content"] == thought.strip()
+    # the reasoning without its surrounding whitespace, posted and submitted alike
+    assert reasoning_of(stream) == message["reasoning_content"] == thought.strip()
     assert content_of(stream) == message["content"] == answer
     assert "<think>" not in content_of(stream) + reasoning_of(stream)
     # reasoning first, with an empty content, until the answer starts

@@ -195,6 +195,21 @@ def test_the_pop_body_carries_the_text_fields_and_the_declaration() -> None:
     }
 
 
+def test_a_genlen_that_leaves_no_room_for_a_prompt_is_declared_lower_for_chat_and_text() -> None:
+    # --hordegenlen 100000 on a 4096-token koboldcpp: koboldcpp cuts any budget above
+    # 3277 for that context, and a job asking more than that leaves no room for a prompt
+    body = pop_body(settings(max_length=100_000), BackendCapabilities())
+    assert body["max_length"] == 3277
+    assert body["chat_limits"] == {
+        "max_context_length": 4096,
+        "max_length": 3277,
+        "tools_max_temperature": 1.0,
+    }
+    body = pop_body(settings(max_length=100_000, horde_max_context_length=2048),
+                    BackendCapabilities())
+    assert (body["max_length"], body["chat_limits"]["max_length"]) == (1639, 1639)
+
+
 @pytest.mark.parametrize("caps", ALL_CAPS)
 @pytest.mark.parametrize("prompt_jobs", [True, False])
 def test_every_pop_passes_the_hordes_declaration_checks(

@@ -41,19 +41,24 @@ def test_koboldcpps_five_tag_pairs() -> None:
         (None, "Hmm.", ReasoningSplit(None, "Hmm.", False)),
         ("Blue.", "   ", ReasoningSplit("Blue.", None, False)),
         # a closed block
-        ("<think>Blue or red?</think>\n\nBlue.", None, ReasoningSplit("Blue.", "Blue or red?", False)),
+        # (the content keeps its whitespace, as koboldcpp's own split keeps it)
+        ("<think>Blue or red?</think>\n\nBlue.", None,
+         ReasoningSplit("\n\nBlue.", "Blue or red?", False)),
+        ("<think>\n  Let me ponder.\n\n</think>Blue.", None,
+         ReasoningSplit("Blue.", "Let me ponder.", False)),
         ("<think></think>Blue.", None, ReasoningSplit("Blue.", None, False)),
         # only an end tag: the template opened the block
-        ("Blue or red?\n</think>\nBlue.", None, ReasoningSplit("Blue.", "Blue or red?", False)),
+        ("Blue or red?\n</think>\nBlue.", None, ReasoningSplit("\nBlue.", "Blue or red?", False)),
         # a block that never closed (generation stopped while thinking)
         ("<think>Blue or red? Maybe", None, ReasoningSplit("", "Blue or red? Maybe", True)),
         ("<think>", None, ReasoningSplit("", None, True)),
-        ("Sure. <think>Blue or", None, ReasoningSplit("Sure.", "Blue or", True)),
-        # both sources: koboldcpp's reasoning first
-        ("<think>Second.</think>Blue.", "First.", ReasoningSplit("Blue.", "First.\n\nSecond.", False)),
-        # several blocks
-        ("<think>A</think>x<think>B</think>y", None, ReasoningSplit("xy", "A\n\nB", False)),
-        ("A</think>x<think>B", None, ReasoningSplit("x", "A\n\nB", True)),
+        ("Sure. <think>Blue or", None, ReasoningSplit("Sure. ", "Blue or", True)),
+        # both sources: koboldcpp's reasoning first, joined as generated
+        ("<think>\nSecond.\n</think>Blue.", "\nFirst.\n",
+         ReasoningSplit("Blue.", "First.\n\nSecond.", False)),
+        # several blocks: joined as generated (as a stream of them is posted)
+        ("<think>A\n</think>x<think>\nB</think>y", None, ReasoningSplit("xy", "A\n\nB", False)),
+        ("A</think>x<think>B", None, ReasoningSplit("x", "AB", True)),
     ],
 )
 def test_split_reasoning(
@@ -77,7 +82,7 @@ def test_no_text_is_lost() -> None:
     text = "<think>α β\nγ</think> Das ist  grün.  "
     result = split_reasoning(text, None)
     assert result.reasoning == "α β\nγ"
-    assert result.content == "Das ist  grün."
+    assert result.content == " Das ist  grün.  "
 
 
 # --- streams ----------------------------------------------------------------------------

@@ -27,9 +27,12 @@ from koboldcpp_horde_chat.reply import (
     map_finish_reason,
     normalise_tool_calls,
     parse_chat_completion,
+    strip_nul,
+    strip_nul_json,
     text_generation,
     text_submit,
 )
+from koboldcpp_horde_chat.settings import kcpp_effective_max_length
 
 CHAT_NONSTREAM = json.loads(
     '{"id": "chatcmpl-A343157", "object": "chat.completion", "created": 1795991068, "model": "koboldcpp/gemma-3-270m-q4_k_m", "usage": {"prompt_tokens": 28, "completion_tokens": 9, "total_tokens": 37}, "choices": [{"index": 0, "message": {"role": "assistant", "content": "Cats are fascinating animals.\\n", "tool_calls": []}, "finish_reason": "length", "logprobs": null}]}'
@@ -373,7 +376,8 @@ def test_reasoning_left_in_the_content_is_split_off() -> None:
     reply = BackendReply(content="<think>Blue or red?</think>\n\nBlue.",
                          native_finish_reason="stop", completion_tokens=12)
     body = chat_submit("j", "m", reply, max_length=64)
-    assert body["message"] == {"role": "assistant", "content": "Blue.",
+    # the content keeps the whitespace after the block, as koboldcpp's own split does
+    assert body["message"] == {"role": "assistant", "content": "\n\nBlue.",
                                "reasoning_content": "Blue or red?"}
 
 
@@ -477,3 +481,119 @@ def test_a_text_job_is_submitted_with_its_generation() -> None:
 def test_a_malformed_generate_answer_is_a_reply_error(body: object) -> None:
     with pytest.raises(ReplyError):
         text_generation(body)
+
+
+# --- U+0000 (the Horde refuses any submit holding it: 400 NulByteInPayload) -------------
+
+
+def no_nul(body: dict[str, Any]) -> bool:
+    """True when the body's JSON holds no U+0000, neither as a character nor escaped."""
+    text = json.dumps(body)
+    return "\\u0000" not in text.replace("\\\\", "") and "\x00" not in text
+
+
+def test_a_nul_in_the_content_is_removed_before_the_submit() -> None:
+    reply = BackendReply(content="Blue\u0000.", native_finish_reason="stop",
+                         prompt_tokens=21, completion_tokens=3)
+    body = chat_submit("j", "m", reply, max_length=64)
+    assert body["message"] == {"role": "assistant", "content": "Blue."}
+    assert no_nul(body)
+    assert_valid_submit(body)
+
+
+def test_a_nul_in_the_reasoning_is_removed_before_the_submit() -> None:
+    reply = BackendReply(content="Four.", reasoning_content="2 and\u0000 2 make 4.\u0000",
+                         native_finish_reason="stop")
+    body = chat_submit("j", "m", reply, max_length=64)
+    assert body["message"]["reasoning_content"] == "2 and 2 make 4."
+    inline = chat_submit("j", "m", BackendReply(content="<think>Hm\u0000m</think>Four.",
+                                                native_finish_reason="stop"), max_length=64)
+    assert inline["message"] == {"role": "assistant", "content": "Four.",
+                                 "reasoning_content": "Hmm"}
+
+
+def test_a_nul_in_a_tool_call_is_removed_as_a_character_and_as_a_json_escape() -> None:
+    reply = BackendReply(
+        content="",
+        native_finish_reason="tool_calls",
+        tool_calls=[
+            # a literal U+0000 inside the arguments string
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Par\u0000is"}'}},
+            # a JSON escape a client would decode to U+0000; an escaped backslash stays
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get\u0000_weather",
+                          "arguments": '{"city": "Lyon\\u0000", "note": "a\\\\u0000b"}'}},
+            # arguments koboldcpp sent as an object
+            {"id": "call_3", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Nice\u0000"}}},
+        ],
+    )
+    body = chat_submit("j", "m", reply, max_length=64)
+    calls = body["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * 3
+    assert [c["function"]["arguments"] for c in calls] == [
+        '{"city": "Paris"}',
+        '{"city": "Lyon", "note": "a\\\\u0000b"}',
+        '{"city": "Nice"}',
+    ]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == [
+        "Paris", "Lyon", "Nice"]
+    assert json.loads(calls[1]["function"]["arguments"])["note"] == "a\\u0000b"
+    assert no_nul(body)
+    assert_valid_submit(body)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", ""),
+        ('{"a": "x"}', '{"a": "x"}'),
+        ('{"a": "x\u0000y"}', '{"a": "xy"}'),
+        ('{"a": "x\\u0000y"}', '{"a": "xy"}'),
+        ('{"a": "\\u0000\\u0000"}', '{"a": ""}'),
+        # an escaped backslash, then "u0000": text, kept
+        ('{"a": "x\\\\u0000"}', '{"a": "x\\\\u0000"}'),
+        # an escaped backslash, then a real escape
+        ('{"a": "x\\\\\\u0000"}', '{"a": "x\\\\"}'),
+        ('{"a": "\\u00001"}', '{"a": "1"}'),
+        ('{"a": "\\u0001"}', '{"a": "\\u0001"}'),
+    ],
+)
+def test_strip_nul_json_removes_only_real_escapes(text: str, expected: str) -> None:
+    assert strip_nul_json(text) == expected
+
+
+@given(st.dictionaries(st.text(max_size=5), st.text(max_size=8), max_size=4))
+@settings(max_examples=200)
+def test_stripped_arguments_decode_to_the_values_without_nul(value: dict[str, str]) -> None:
+    for encoded in (json.dumps(value), json.dumps(value, ensure_ascii=False)):
+        # keys that differ only by U+0000 become one key; the last one wins either way
+        assert json.loads(strip_nul_json(encoded)) == {
+            strip_nul(k): strip_nul(v) for k, v in value.items()
+        }
+
+
+def test_a_nul_in_a_text_generation_is_removed_before_the_submit() -> None:
+    assert text_submit("t1", " Paris\u0000.") == {"id": "t1", "generation": " Paris.",
+                                                 "state": "ok"}
+
+
+# --- the budget koboldcpp generated under -------------------------------------------------
+
+
+def test_a_reply_cut_at_koboldcpps_budget_is_length_and_a_stop_sequence_is_stop() -> None:
+    # a job of max_length 900 in a 1000-token context: koboldcpp generates at most 800
+    budget = kcpp_effective_max_length(900, 1000, 4096)
+    cut = BackendReply(content="Once upon a ti", native_finish_reason="length",
+                       prompt_tokens=40, completion_tokens=800)
+    assert chat_submit("j", "m", cut, max_length=budget)["finish_reason"] == "length"
+    stopped = BackendReply(content="Blue", native_finish_reason="length",
+                           prompt_tokens=40, completion_tokens=11)
+    assert chat_submit("j", "m", stopped, max_length=budget)["finish_reason"] == "stop"
+    thinking = BackendReply(content="<think>Let me weigh", native_finish_reason="length",
+                            prompt_tokens=40, completion_tokens=800)
+    body = chat_submit("j", "m", thinking, max_length=budget)
+    assert body["message"] == {"role": "assistant", "content": "",
+                               "reasoning_content": "Let me weigh"}
+    assert body["finish_reason"] == "length"

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
-from koboldcpp_horde_chat.reply import BackendReply
+from koboldcpp_horde_chat.progress import ProgressAction, ProgressPoster
+from koboldcpp_horde_chat.reasoning import START_TAGS
+from koboldcpp_horde_chat.reply import BackendReply, chat_submit
 from koboldcpp_horde_chat.sse import SSEDecoder
 from koboldcpp_horde_chat.stream import ChatStreamAccumulator, StreamDelta
 from tests.samples import SAMPLES
@@ -186,8 +188,9 @@ def test_every_split_of_the_content_across_two_events_gives_the_same_text(name: 
 
 def test_reasoning_content_from_koboldcpp_passes_through_as_reasoning() -> None:
     acc = ChatStreamAccumulator()
-    assert acc.feed_event(chunk(reasoning="Thinking ")) == StreamDelta("", "Thinking ")
-    assert acc.feed_event(chunk(reasoning="hard.")) == StreamDelta("", "hard.")
+    # a trailing space waits for more reasoning (it could end the reasoning)
+    assert acc.feed_event(chunk(reasoning="Thinking ")) == StreamDelta("", "Thinking")
+    assert acc.feed_event(chunk(reasoning="hard.")) == StreamDelta("", " hard.")
     assert acc.feed_event(chunk("Blue.")) == StreamDelta("Blue.", "")
     acc.feed_event(chunk(reasoning="", finish="stop"))
     reply = acc.result()
@@ -253,6 +256,98 @@ def test_any_chunking_of_the_content_gives_the_same_split(pieces: list[str], cut
     split = run([chunk(p) for p in parts] + ["[DONE]"], stop_sequences=("\nUser:",))
     assert split[1:] == whole[1:]
     assert split[0].result() == whole[0].result()
+
+
+# --- posted and submitted text agree (U+0000, reasoning whitespace) ------------------------
+
+
+def post_all(deltas: list[StreamDelta]) -> ProgressPoster:
+    """Post every delta as the worker does, each post accepted at once."""
+    poster = ProgressPoster("job-1", max_length=100_000, interval_s=0.0, popped_at=0.0)
+    for delta in deltas:
+        poster.add(delta.content, delta.reasoning)
+        body = poster.due(1.0)
+        if body is not None:
+            assert "\x00" not in json.dumps(body, ensure_ascii=False)
+            assert "\\u0000" not in json.dumps(body)
+            assert poster.on_response(200, {"accepted_seq": body["seq"]}, 1.0) is (
+                ProgressAction.CONTINUE
+            )
+    return poster
+
+
+def stream_and_post(events: list[str]) -> tuple[ProgressPoster, dict[str, Any]]:
+    """(the poster after every post, the submitted message) for a streamed reply."""
+    acc = ChatStreamAccumulator()
+    deltas = [acc.feed_event(data) for data in events]
+    deltas.append(acc.flush())
+    poster = post_all(deltas)
+    body = chat_submit("job-1", "m", acc.result(), max_length=512)
+    return poster, body["message"]
+
+
+def test_a_nul_is_never_posted_and_the_posts_add_up_to_the_submitted_reply() -> None:
+    poster, message = stream_and_post([
+        chunk(reasoning="Hm\u0000m."), chunk("Blue"), chunk("\u0000"), chunk("."),
+        chunk("", finish="stop"), "[DONE]",
+    ])
+    assert message == {"role": "assistant", "content": "Blue.", "reasoning_content": "Hmm."}
+    assert (poster.posted_content, poster.posted_reasoning) == ("Blue.", "Hmm.")
+
+
+def test_reasoning_whitespace_is_held_back_so_posts_and_submit_agree() -> None:
+    # koboldcpp streams the reasoning as generated: '\n', '  Let me ponder.', '\n\n'
+    events = [chunk(reasoning="\n"), chunk(reasoning="  Let me"), chunk(reasoning=" ponder."),
+              chunk(reasoning="\n\n"), chunk("Blue."), chunk("", finish="stop"), "[DONE]"]
+    acc = ChatStreamAccumulator()
+    released = [acc.feed_event(data).reasoning for data in events]
+    assert released == ["", "Let me", " ponder.", "", "", "", ""]
+    assert acc.flush() == StreamDelta()
+    poster, message = stream_and_post(events)
+    assert poster.posted_reasoning == message["reasoning_content"] == "Let me ponder."
+    # the non-streamed reply of the same generation (koboldcpp's own split) agrees
+    whole = chat_submit("job-1", "m", BackendReply(
+        content="Blue.", reasoning_content="\n  Let me ponder.\n\n", native_finish_reason="stop"
+    ), max_length=512)
+    assert whole["message"] == message
+
+
+def test_whitespace_between_two_reasoning_blocks_is_kept() -> None:
+    poster, message = stream_and_post([
+        chunk(reasoning="A \n"), chunk("x"), chunk(reasoning=" \nB\n"), chunk("", finish="stop"),
+        "[DONE]",
+    ])
+    assert poster.posted_reasoning == message["reasoning_content"] == "A \n \nB"
+    assert poster.posted_content == message["content"] == "x"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(
+        st.sampled_from(["a", "b", "<think>", "</think>", "\n", " ", "\u0000", "\u00e9", "<th"]),
+        max_size=30,
+    ),
+    cuts=st.lists(st.integers(0, 300), max_size=6),
+)
+def test_a_reply_is_the_same_posted_submitted_streamed_or_whole(
+    pieces: list[str], cuts: list[int]
+) -> None:
+    """Content left with reasoning tags, as koboldcpp might send it either way."""
+    text = "".join(pieces)
+    plain = text.replace("\x00", "")
+    end = plain.find("</think>")
+    if end >= 0 and not any(0 <= plain.find(tag) < end for tag in START_TAGS):
+        return  # a block the template opened: koboldcpp splits that one itself
+    points = sorted({min(c, len(text)) for c in cuts})
+    parts = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    poster, streamed = stream_and_post([chunk(p) for p in parts] + [chunk("", finish="stop"),
+                                                                    "[DONE]"])
+    whole = chat_submit("job-1", "m", BackendReply(content=text, native_finish_reason="stop"),
+                        max_length=512)["message"]
+    assert streamed == whole
+    assert poster.posted_content == whole["content"]
+    assert poster.posted_reasoning == whole.get("reasoning_content", "")
+    assert "\x00" not in json.dumps(whole, ensure_ascii=False)
 
 
 # --- tool calls ---------------------------------------------------------------------------
