@@ -203,6 +203,7 @@ class ChatRun:
                 f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
                 "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
             )
+        edges.record_in_hand(ctx)
         edges.note_own_request()
         try:
             if stream:

@@ -44,14 +44,19 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Mapping
 from typing import Any
 
 from . import worker as _worker
+from .backend import KoboldClient
 from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from .errors import ConfigError
+from .horde import HordeClient
+from .journal import Journal, journal_dir, journal_path, recover
 from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
+from .state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ LOG_DATEFMT = "%H:%M:%S"
 
 _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[tuple[str, str, str], WorkerState] = {}
 
 
 def _get(obj: object, name: str, default: Any = None) -> Any:
@@ -226,6 +233,51 @@ class KcppManners:
         return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
+def shared_state(
+    settings: WorkerSettings, *, environ: Mapping[str, str] | None = None
+) -> WorkerState:
+    """The state koboldcpp's worker threads of one worker share in this process.
+
+    koboldcpp starts one thread per ``--parallelrequests`` slot, each calling
+    :func:`run_horde_worker`; they share one :class:`~state.WorkerState`
+    (statistics, chat withdrawal, stop, the job journal), keyed by worker
+    name, Horde URL and model. The first thread opens the job journal
+    (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state
+    directory) and faults the jobs an earlier run left in hand before any
+    thread pops (``journal.recover``); the others wait for it.
+    """
+    key = (settings.worker_name, settings.horde_url, settings.model_id)
+    with _SHARED_LOCK:
+        state = _SHARED.get(key)
+        if state is None:
+            env = os.environ if environ is None else environ
+            journal = Journal(journal_path(settings.worker_name, journal_dir(env)))
+            state = WorkerState(settings, journal=journal)
+            horde = HordeClient(
+                settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent
+            )
+            backend = KoboldClient(settings.kcpp_url, settings.kcpp_password)
+            stop_event = state.stop_event
+
+            def pause(seconds: float) -> None:
+                stop_event.wait(seconds)
+
+            try:
+                recover(
+                    journal,
+                    horde=horde,
+                    backend=backend,
+                    wall=time.time,
+                    model_id_default=settings.model_id,
+                    pause=pause,
+                )
+            finally:
+                horde.close()
+                backend.close()
+            _SHARED[key] = state
+        return state
+
+
 def configure_logging(*, debug: bool = False) -> bool:
     """Print this package's logs to stdout like koboldcpp's own lines, once.
 
@@ -295,7 +347,11 @@ def run_horde_worker(
     manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
     try:
         code = _worker.run_worker(
-            settings, manners=manners, caps=capabilities(settings), worker_id=worker_id
+            settings,
+            manners=manners,
+            caps=capabilities(settings),
+            worker_id=worker_id,
+            state=shared_state(settings),
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

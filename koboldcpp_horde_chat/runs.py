@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from .backend import KoboldClient
 from .errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
 from .horde import HordeClient
+from .journal import Journal, JournalEntry
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,8 @@ class Edges:
         stop_event: set when the worker is asked to stop.
         note_own_request: called before each generation request the worker
             sends, so a standalone worker does not take it for a local user's.
+        wall: epoch seconds.
+        journal: the worker's job journal (None: no journal).
     """
 
     settings: WorkerSettings
@@ -167,6 +171,25 @@ class Edges:
     clock: Callable[[], float]
     stop_event: threading.Event
     note_own_request: Callable[[], None]
+    wall: Callable[[], float] = time.time
+    journal: Journal | None = None
+
+    def record_in_hand(self, ctx: JobContext) -> None:
+        """Journal the job before its generation starts (flushed to disk), so that
+        a restart after a crash faults it (``journal.recover``). Its lease end is
+        the latest the Horde could hold it: the lease cap from the pop."""
+        if self.journal is None:
+            return
+        lease_end = self.wall() + ctx.lease.popped_at + self.settings.lease_cap_s - self.clock()
+        self.journal.add(
+            JournalEntry(
+                job_id=ctx.id,
+                kind=ctx.kind,
+                model_id=ctx.model_id(self.settings.model_id) if ctx.chat else None,
+                genkey=ctx.genkey,
+                lease_end=lease_end,
+            )
+        )
 
     def pause(self, seconds: float) -> None:
         """Wait; a requested stop shortens waits between pops, not a job's own retries."""

@@ -9,6 +9,8 @@ deliberate no-submit (seed "The pop loop"). This module sends the first two:
   (seed "7. Fault a job"), logged in one line with its reason;
 - :meth:`SubmitPipeline.fault_now`: one quick fault when the process exits.
 
+After a job's terminal action it is cleared from the job journal.
+
 A lost answer (no answer, a reset, 5xx, 429) is retried with the same body
 while the lease lasts. ``DuplicateGen`` means the job was already settled,
 ``AbortedGen`` or 404 that it ended on the Horde; both are logged and dropped.
@@ -95,6 +97,13 @@ class SubmitPipeline:
         ``detail`` goes into the log line of an accepted submit.
         """
         self._send(ctx, body, detail=detail, on_refused=on_refused)
+        self.forget(ctx)
+
+    def forget(self, ctx: JobContext) -> None:
+        """Clear a settled job from the journal (see ``journal.py``)."""
+        journal = self.state.journal
+        if journal is not None and ctx.settled and ctx.genkey:
+            journal.remove(ctx.id)
 
     def fault(self, ctx: JobContext, fault: JobFault) -> None:
         """Seed step 7: submit the job's fault (with ``fault_reason`` when one applies).
@@ -117,20 +126,26 @@ class SubmitPipeline:
         else:
             body = reply.text_fault_submit(ctx.id)
         self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
+        self.forget(ctx)
 
-    def fault_now(self, job_id: str, *, chat: bool) -> None:
-        """Fault a job with a single short submit attempt (the process is exiting)."""
+    def fault_now(self, ctx: JobContext) -> None:
+        """Fault a job with a single short submit attempt (the process is exiting).
+
+        It stays in the journal when the attempt fails, for the next start.
+        """
         body = (
-            reply.fault_submit(job_id, self.settings.model_id)
-            if chat
-            else reply.text_fault_submit(job_id)
+            reply.fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
+            if ctx.chat
+            else reply.text_fault_submit(ctx.id)
         )
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
         try:
             self.horde.submit(body, timeout_s=timeout)
-            log.warning("job=%s faulted: the worker is exiting now", job_id)
+            log.warning("job=%s faulted: the worker is exiting now", ctx.id)
         except HordeError as exc:
-            log.warning("job=%s left to expire: the worker is exiting now (%s)", job_id, exc)
+            log.warning("job=%s left to expire: the worker is exiting now (%s)", ctx.id, exc)
+            return
+        self.forget(ctx)
 
     def _send(
         self,

@@ -127,6 +127,8 @@ class Worker:
             clock=clock,
             stop_event=self.stop_event,
             note_own_request=self._note_own_request,
+            wall=wall,
+            journal=state.journal,
         )
         self.pipeline = SubmitPipeline(
             settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause
@@ -363,6 +365,7 @@ class Worker:
             return True
         except JobEnded:
             ctx.settled = True  # cancelled or ended by the Horde: nothing to send
+            self.pipeline.forget(ctx)
             self._own_done_at = self.clock()
             return True
         self._own_done_at = self.clock()
@@ -471,7 +474,7 @@ class Worker:
         ctx.settled = True
         if ctx.genkey:
             self.edges.abort_quietly(ctx.genkey)
-        self.pipeline.fault_now(ctx.id, chat=ctx.chat)
+        self.pipeline.fault_now(ctx)
 
 
 def run_worker(
