@@ -1,4 +1,4 @@
-"""Run every benchmark of issue 6, print the figures, and save them as JSON.
+"""Run every benchmark, print the figures, and save them as JSON.
 
 Reproduce (from the repository root):
 

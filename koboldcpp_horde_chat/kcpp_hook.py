@@ -141,8 +141,8 @@ def settings_from_kcpp(
     ``args.maxrequestsize`` MB (koboldcpp reads 0 or a missing value as 32)
     times 1024 * 1024. Everything else keeps its default (text
     jobs served, nothing withheld, not trusted, and with vision the ``url``
-    image transport beside ``base64``: issue 7 goes beyond seed 004's embedded
-    worker there, and the standalone CLI declares the same).
+    image transport beside ``base64``, beyond seed 004's embedded worker, as
+    the standalone CLI declares it).
 
     Raises ConfigError for a non-integer limit or a bad ``AI_HORDE_URL``.
     """

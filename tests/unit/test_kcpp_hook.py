@@ -233,7 +233,7 @@ def test_vision_needs_a_projector_that_reads_images(
     assert s.vision is vision
     body = pop_body(s, kcpp_hook.capabilities(s))
     assert ("vision" in body["chat_features"]) is vision
-    # Seed 004's messages_url, plus base64 and (issue 7) url with vision.
+    # Seed 004's messages_url, plus base64 and url with vision.
     assert body["image_transports"] == (
         ["messages_url", "base64", "url"] if vision else ["messages_url"]
     )
