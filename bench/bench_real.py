@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_real.py [--runs 5] [--tokens 64] [--quick] [--json OUT]
 
-Issue 6, benchmark 7. Needs a koboldcpp built locally: ``$KCPP_DIR`` (default
+Needs a koboldcpp built locally: ``$KCPP_DIR`` (default
 ``/work/kcpp-build/koboldcpp-1.116.1``, holding ``koboldcpp.py`` and a built
 ``koboldcpp_default.so``) and a GGUF model (``$KCPP_MODEL``, default the first
 ``*.gguf`` in ``/work/kcpp-build/models``). Without them it prints that it was

@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_throughput.py [--runs 3] [--jobs 400] [--quick] [--json OUT]
 
-What it measures (issue 6, benchmarks 2 and 3):
+What it measures:
 
 * throughput: jobs per second through ``Worker.run_once`` against the dev
   Horde and a scripted koboldcpp answering instantly (``token_delay_s=0``),
@@ -67,8 +67,8 @@ API_KEY = "bench-key-0123456789"
 MODEL = "koboldcpp/bench-model"
 WORKER_NAME = "bench-worker"
 MACHINE_NOTE = (
-    "2 shared vCPUs; other sessions' work (tests, builds) runs on the same cores, "
-    "so figures vary between runs: compare medians, and re-run before concluding"
+    "on a machine shared with other work figures vary between runs: "
+    "compare medians, and re-run before concluding"
 )
 
 # --------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def figure(
 ) -> dict[str, Any]:
     """One reported figure: min / median / max of ``values`` (one per run or per item).
 
-    ``limit`` is the issue's target; ``met`` compares the median with it
+    ``limit`` is the target; ``met`` compares the median with it
     (``better`` "lower": median <= limit; "higher": median >= limit).
     """
     vals = [float(v) for v in values]

@@ -6,8 +6,10 @@ daemon thread per worker (``--parallelrequests`` of them when above 1) once the
 model is loaded, when ``--hordekey`` and ``--hordeworkername`` are both set. The
 patches in ``patches/`` add a guarded import at the top of that function: when
 this package imports, koboldcpp calls :func:`run_horde_worker` below with its own
-module object and returns; when the import raises ``ImportError``, koboldcpp's
-own worker runs as before. Any other error is not caught by the patch.
+module object and returns. When the package is not installed, koboldcpp's own
+worker runs as before, silently; when it is installed but its import fails
+(any error), koboldcpp prints one line saying what failed and how to fix it,
+then runs its own worker.
 
 This is the only module that knows koboldcpp's module globals and ``args``
 (facts sheet §1-3). It reads, once at start:
@@ -146,8 +148,8 @@ def settings_from_kcpp(
     ``args.maxrequestsize`` MB (koboldcpp reads 0 or a missing value as 32)
     times 1024 * 1024. Everything else keeps its default (text
     jobs served, nothing withheld, not trusted, and with vision the ``url``
-    image transport beside ``base64``: issue 7 goes beyond seed 004's embedded
-    worker there, and the standalone CLI declares the same).
+    image transport beside ``base64``, beyond seed 004's embedded worker, as
+    the standalone CLI declares it).
 
     Raises ConfigError for a non-integer limit or a bad ``AI_HORDE_URL``.
     """
