@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from koboldcpp_horde_chat import BRIDGE_AGENT
+
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_LINE = re.compile(r"Dev Horde at (http://127\.0\.0\.1:\d+) \(API key: (\S+)\)")
 POP = {
@@ -26,7 +28,7 @@ POP = {
     "models": ["koboldcpp/test-model"],
     "max_length": 512,
     "max_context_length": 4096,
-    "bridge_agent": "test:1:none",
+    "bridge_agent": BRIDGE_AGENT,  # a validated agent: the dev Horde skips others
 }
 
 
