@@ -41,6 +41,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -678,17 +679,55 @@ def _detail(raw: bytes) -> str:
     return json.dumps(decoded)[:_DETAIL_CHARS]
 
 
+#: Texts that mark a message as the HTTP library's own (left out of log lines).
+_LIBRARY_TEXT = ("Max retries exceeded", "ConnectionPool(", "Caused by", " object at 0x")
+
+
 def _describe(exc: BaseException, what: str, password: str) -> str:
-    """``"<what>: <ExceptionType>: <message>"`` with the password masked."""
-    if isinstance(exc, requests.Timeout) or isinstance(
-        exc, urllib3.exceptions.TimeoutError | TimeoutError
-    ):
-        kind = "timed out"
-    elif isinstance(exc, requests.ConnectionError):
-        kind = "connection failed"
-    else:
-        kind = "failed"
-    message = f"{what} {kind}: {type(exc).__name__}: {exc}"
+    """``"<what> <what went wrong>"`` in a few words, the password masked.
+
+    ``"GET /api/v1/model connection failed (refused)"``, ``"... timed out"``:
+    the HTTP library's own text (pools, retries, object reprs) is left out,
+    a short message of another kind (a proxy's answer) is kept after a colon.
+    """
+    message = f"{what} {_failure_kind(exc)}"
+    text = " ".join(str(exc).split())
+    if text and len(text) <= 120 and not any(mark in text for mark in _LIBRARY_TEXT):
+        message += f": {text}"
     if password:
         message = message.replace(password, "***")
-    return message[:500]
+    return message[:300]
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """``"timed out"``, ``"connection failed (refused)"``, ``"connection failed"``...
+    from the exception and the ones it wraps."""
+    if isinstance(exc, requests.Timeout) or isinstance(
+        exc, (urllib3.exceptions.TimeoutError, TimeoutError)
+    ):
+        return "timed out"
+    detail = ""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack and not detail:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, ConnectionRefusedError):
+            detail = "refused"
+        elif isinstance(item, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            detail = "reset"
+        elif isinstance(item, socket.gaierror):
+            detail = "host name not found"
+        elif isinstance(item, ssl.SSLCertVerificationError):
+            detail = "TLS certificate not trusted"
+        elif isinstance(item, ssl.SSLError):
+            detail = "TLS error"
+        elif isinstance(item, (TimeoutError, socket.timeout)):
+            return "timed out"
+        stack.extend([item.__cause__, item.__context__, getattr(item, "reason", None)])
+        stack.extend(arg for arg in item.args if isinstance(arg, BaseException))
+    if isinstance(exc, requests.ConnectionError) or detail:
+        return f"connection failed ({detail})" if detail else "connection failed"
+    return "failed"

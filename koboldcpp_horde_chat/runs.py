@@ -106,6 +106,18 @@ class JobContext:
     settled: bool = False
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
+    _claimed: bool = field(default=False, repr=False)
+    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self) -> bool:
+        """Take the right to send the job's terminal action: True for the first
+        caller only (the loop's submit, or a fault sent from another thread when
+        the process exits), so that a job never gets two."""
+        with self._claim_lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def abandon(self, why: str) -> None:
         """Give the job up (from any thread); the job's run then faults it."""

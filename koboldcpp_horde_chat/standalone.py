@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
 
@@ -26,6 +27,8 @@ from . import BRIDGE_AGENT, __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
+from .horde import HordeClient
+from .journal import JOURNAL_DIR_ENV, Journal, default_state_dir, journal_dir, journal_path, recover
 from .manners import StandaloneManners
 from .settings import (
     DEFAULT_HORDE_URL,
@@ -34,7 +37,8 @@ from .settings import (
     WorkerSettings,
     worker_name_problem,
 )
-from .worker import Worker
+from .state import WorkerState
+from .worker import run_worker
 
 log = logging.getLogger("koboldcpp_horde_chat")
 
@@ -42,6 +46,12 @@ HORDE_URL_FLAG = "--horde-url"
 HORDE_URL_ENV = "AI_HORDE_URL"
 KCPP_URL_FLAG = "--kcpp-url"
 KCPP_URL_ENV = "KCPP_URL"
+
+#: Seconds a job in hand may take to finish after a stop signal (docker stop
+#: sends SIGKILL 10 s after SIGTERM; Kubernetes 30 s; systemd 90 s).
+DEFAULT_STOP_GRACE_S = 8.0
+#: The most pop loops ``--parallelrequests`` runs (the Horde takes 1 to 50 ``threads``).
+MAX_PARALLEL_REQUESTS = 50
 
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
@@ -156,6 +166,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)",
     )
     p.add_argument(
+        "--parallelrequests",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve N jobs at once, as koboldcpp's flag of that name does (start koboldcpp "
+        "with the same --parallelrequests so it batches them; default 1)",
+    )
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C or SIGTERM, how long a job in hand may take to finish before it "
+        f"is aborted and faulted (default {DEFAULT_STOP_GRACE_S:g}, under docker stop's 10 s)",
+    )
+    p.add_argument(
+        "--journal-dir",
+        default=None,
+        metavar="DIR",
+        help="where the journal of jobs in hand is kept, so a restart after a crash faults "
+        f"them at once (default: ${JOURNAL_DIR_ENV}, else {default_state_dir()})",
+    )
+    p.add_argument(
         "--log-level",
         default=os.environ.get("KCPP_HORDE_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -242,6 +275,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--kcpp-max-request-mb must be at least 1")
     if args.kcpp_wait is not None and not args.kcpp_wait >= 0:
         raise ConfigError("--kcpp-wait must not be negative")
+    if not 1 <= args.parallelrequests <= MAX_PARALLEL_REQUESTS:
+        raise ConfigError(f"--parallelrequests must be 1 to {MAX_PARALLEL_REQUESTS}")
+    if not args.stop_grace >= 0:
+        raise ConfigError("--stop-grace must not be negative")
     parse_withhold(args.chat_withhold)
     args.horde_url = resolve_url(args.horde_url, HORDE_URL_FLAG, HORDE_URL_ENV, DEFAULT_HORDE_URL)
     args.kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
@@ -312,6 +349,7 @@ def settings_from_args(
         prompt_jobs=not args.chat_only,
         chat_withhold=withhold,
         trusted=args.trusted,
+        threads=args.parallelrequests,
         kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
     )
     caps = BackendCapabilities(vision=info.vision, image_url=settings.image_url_transport)
@@ -322,32 +360,46 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
 
     Waits for koboldcpp for ``--kcpp-wait`` seconds, or as long as it takes
-    without that flag (a signal ends the wait). Exit codes: 0 after a
-    requested stop, 2 for a configuration error (koboldcpp not answering
-    within ``--kcpp-wait`` among them) or a declaration the Horde refused, 3
-    for an API key the Horde refused, 130 after a second signal.
+    without that flag (a signal ends the wait). Faults the jobs the journal
+    says an earlier run left in hand, then runs ``--parallelrequests`` pop
+    loops sharing one state. A first signal stops popping; a job in hand may
+    finish within ``--stop-grace`` seconds, else it is aborted and faulted. A
+    second signal faults the jobs in hand at once and exits. Exit codes: 0
+    after a requested stop, 2 for a configuration error (koboldcpp not
+    answering within ``--kcpp-wait`` among them) or a declaration the Horde
+    refused, 3 for an API key the Horde refused, 130 after a second signal.
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     if stop_event is None:
         stop_event = threading.Event()
     stopper = stop_event
+    states: list[WorkerState] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if stopper.is_set():
-            log.warning("second signal: exiting now")
+            log.warning("second signal: faulting the jobs in hand and exiting now")
+            for state in states:
+                state.fault_jobs_now()
             raise SystemExit(130)
-        log.info("signal %d: finishing the job in hand, then stopping", signum)
-        stopper.set()
+        if states:
+            log.info(
+                "signal %d: finishing the job in hand (within %g s, else it is faulted), "
+                "then stopping",
+                signum,
+                args.stop_grace,
+            )
+            states[0].request_stop(args.stop_grace)
+        else:
+            log.info("signal %d: stopping", signum)
+            stopper.set()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-    from .horde import HordeClient
 
     try:
         check_flags(args)
-        horde = HordeClient(args.horde_url, args.hordekey, bridge_agent=BRIDGE_AGENT)
         backend = KoboldClient(args.kcpp_url, args.kcpp_password)
         settings, caps = settings_from_args(
             args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
@@ -358,13 +410,39 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             return 0
         log.error("%s", exc)
         return 2
-    worker = Worker(
-        settings,
-        horde=horde,
-        backend=backend,
-        stop_event=stop_event,
-        manners=StandaloneManners(backend),
-        caps=caps,
-    )
-    return worker.run()
+    directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
+    journal = Journal(journal_path(settings.worker_name, directory))
+    state = WorkerState(settings, stop_event=stop_event, journal=journal)
+    states.append(state)
 
+    def pause(seconds: float) -> None:
+        stopper.wait(seconds)
+
+    with HordeClient(settings.horde_url, settings.api_key, bridge_agent=BRIDGE_AGENT) as horde:
+        recover(
+            journal,
+            horde=horde,
+            backend=backend,
+            wall=time.time,
+            model_id_default=settings.model_id,
+            pause=pause,
+        )
+    slots = args.parallelrequests
+    manners = StandaloneManners(backend, check_busy=slots <= 1)
+    codes: list[int] = []
+
+    def serve(worker_id: int) -> None:
+        codes.append(
+            run_worker(settings, manners=manners, caps=caps, worker_id=worker_id, state=state)
+        )
+
+    threads = [
+        threading.Thread(target=serve, args=(n,), name=f"horde-worker-{n}", daemon=True)
+        for n in range(1, slots + 1)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.25)
+    return max([state.exit_code, *codes])

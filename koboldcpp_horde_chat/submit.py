@@ -94,8 +94,12 @@ class SubmitPipeline:
     ) -> None:
         """Submit a job's reply; after a refusal, fault it with ``on_refused(exc)``.
 
-        ``detail`` goes into the log line of an accepted submit.
+        ``detail`` goes into the log line of an accepted submit. Nothing is
+        sent when another thread already claimed the job's terminal action
+        (:meth:`~runs.JobContext.claim`).
         """
+        if not ctx.claim():
+            return
         self._send(ctx, body, detail=detail, on_refused=on_refused)
         self.forget(ctx)
 
@@ -110,7 +114,18 @@ class SubmitPipeline:
 
         A chat fault carries the job's ``model_id`` (it marks the body as a chat
         submit); a text fault is ``{"id", "generation": "", "state": "faulted"}``.
+        Nothing is sent when another thread already claimed the job's terminal action.
         """
+        if ctx.claim():
+            self._fault(ctx, fault)
+
+    def fault_after_error(self, ctx: JobContext, fault: JobFault) -> None:
+        """Fault a job whose serving or submit broke unexpectedly on the loop's
+        own thread (the loop may hold the claim already): the safety net."""
+        ctx.claim()
+        self._fault(ctx, fault)
+
+    def _fault(self, ctx: JobContext, fault: JobFault) -> None:
         self.state.record_fault(self.clock(), counts=fault.counts)
         log.warning(
             "job=%s kind=%s faulted%s: %s",
@@ -182,7 +197,7 @@ class SubmitPipeline:
                     # Any other definitive refusal of a reply: the job is still
                     # open on the Horde, so fault it now rather than let it expire.
                     log.warning("job=%s reply refused: %s", ctx.id, exc)
-                    self.fault(ctx, on_refused(exc))
+                    self._fault(ctx, on_refused(exc))
                 else:
                     self.state.record_dropped()
                     log.error("job=%s submit refused: %s; dropped", ctx.id, exc)

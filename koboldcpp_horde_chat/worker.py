@@ -314,7 +314,7 @@ class Worker:
                 raise
             # Whatever went wrong, a popped job is answered: never left to expire.
             log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
-            self.pipeline.fault(ctx, JobFault("internal error"))
+            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
             return True
         except BaseException:
             # A forced exit (a second SIGINT or SIGTERM): stop koboldcpp's generation,
@@ -467,11 +467,15 @@ class Worker:
                 log.debug("abort of %s failed: %s", ctx.genkey, exc)
 
     def fault_job_now(self) -> None:
-        """Fault the job in hand with one quick submit (the process exits now)."""
+        """Fault the job in hand with one quick submit (the process exits now).
+
+        Claims the job first, so that the loop, whose generation the abort
+        ends, sends nothing more for it."""
         ctx = self.current
-        if ctx is None or ctx.settled:
+        if ctx is None or ctx.settled or not ctx.claim():
             return
         ctx.settled = True
+        ctx.abandon("the worker is exiting")
         if ctx.genkey:
             self.edges.abort_quietly(ctx.genkey)
         self.pipeline.fault_now(ctx)

@@ -275,6 +275,23 @@ def test_an_unexpected_error_while_serving_faults_the_job_instead_of_leaving_it(
     assert horde.verdicts() == {"j1": "faulted"}
 
 
+def test_an_unexpected_error_in_the_submit_itself_still_faults_the_job() -> None:
+    worker, horde, _, _ = make([chat_pop("j1")])
+    real_submit = horde.submit
+    calls: list[dict[str, Any]] = []
+
+    def submit(body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        calls.append(body)
+        if len(calls) == 1:
+            raise RuntimeError("a bug after the claim")
+        return real_submit(body, timeout_s=timeout_s)
+
+    horde.submit = submit  # type: ignore[method-assign]
+    assert worker.run_once() is True
+    assert [body.get("state") for body in calls] == ["ok", "faulted"]
+    assert horde.verdicts() == {"j1": "faulted"}
+
+
 def test_a_ttl_too_large_for_a_float_is_answered() -> None:
     pop = chat_pop("j1")
     pop["ttl"] = 10**400
