@@ -95,6 +95,7 @@ class StandaloneManners:
         self._monotonic = monotonic
         self.last_own_request_time = 0.0
         self._baseline: float | None = None
+        self._uptime: float | None = None
         self._busy = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
@@ -120,15 +121,22 @@ class StandaloneManners:
             perf = self._backend.perf()
         except BackendError:
             self._busy = False
+            # koboldcpp may be restarting: its next start is not a local user either.
+            self._baseline = None
             return None
         self._busy = perf.get("idle") == 0 or bool(perf.get("queue"))
-        idletime = perf.get("idletime")
+        uptime = _number(perf.get("uptime"))
+        if uptime is not None and self._uptime is not None and uptime < self._uptime:
+            self._baseline = None  # koboldcpp restarted between two reads
+        self._uptime = uptime
+        idletime = _number(perf.get("idletime"))
         last_request: float | None = None
-        if isinstance(idletime, (int, float)) and not isinstance(idletime, bool):
-            last_request = self._clock() - float(idletime)
+        if idletime is not None:
+            last_request = self._clock() - idletime
             if self._baseline is None:
-                # Requests from before the worker started (koboldcpp's own start-up
-                # included) are not a local user to yield to.
+                # Requests from before the worker started, or before koboldcpp
+                # (re)started (its own start-up counts as one), are not a local
+                # user to yield to.
                 self._baseline = last_request
         if not self._busy:
             self._idle_read_at = now
@@ -152,3 +160,8 @@ class StandaloneManners:
         return False
 
 
+def _number(value: object) -> float | None:
+    """A JSON number as a float; None for anything else (booleans included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from koboldcpp_horde_chat.errors import HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.worker import MAINTENANCE_POLL_S, Worker
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
@@ -609,3 +609,42 @@ def test_the_workers_own_request_after_a_cached_answer_is_not_a_local_user() -> 
     clock.advance(0.8)
     assert manners.last_local_request_time() is None
     assert backend.reads == 2
+
+
+def test_a_restarted_koboldcpps_start_is_not_taken_for_a_local_user() -> None:
+    """koboldcpp counts its own start as the last request; after a restart that
+    must not pause the worker for 20 s as if a local user had come."""
+    down = BackendError("GET /api/extra/perf connection failed (refused)")
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        down,
+        {"idle": 1, "queue": 0, "idletime": 2.0, "uptime": 2.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(1.5)
+    assert manners.last_local_request_time() is None  # koboldcpp went away
+    clock.advance(1.5)
+    assert manners.last_local_request_time() is None  # and came back: not a local user
+
+
+def test_a_restart_seen_only_as_a_lower_uptime_is_not_a_local_user_either() -> None:
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        {"idle": 1, "queue": 0, "idletime": 1.0, "uptime": 1.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(5.0)
+    assert manners.last_local_request_time() is None
+
+
+def test_a_local_request_after_the_worker_started_is_still_a_local_user() -> None:
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        {"idle": 1, "queue": 0, "idletime": 0.5, "uptime": 55.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(5.0)
+    assert manners.last_local_request_time() == clock() - 0.5
