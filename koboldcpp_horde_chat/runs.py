@@ -210,12 +210,8 @@ class Edges:
         threading.Event().wait(seconds)
 
     def abort_quietly(self, genkey: str) -> None:
-        """Best-effort abort of the local generation, quick enough to leave the lease's
-        margin to the fault that usually follows (koboldcpp answers in about 0.1 s)."""
-        try:
-            self.backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
-        except BackendError as exc:
-            log.debug("abort of %s failed: %s", genkey, exc)
+        """Best-effort abort of the local generation (see :func:`abort_quietly`)."""
+        abort_quietly(self.backend, genkey)
 
     def with_busy_retry(
         self, call: Callable[[float], dict[str, Any]], ctx: JobContext
@@ -253,6 +249,16 @@ class Edges:
                 raise
             ctx.check_abandoned()
             return answer
+
+
+def abort_quietly(backend: KoboldClient, genkey: str) -> None:
+    """Best-effort abort of the local generation ``genkey``, quick enough to leave
+    the lease's margin to the fault that usually follows (koboldcpp answers in
+    about 0.1 s); a failure is logged at debug level only."""
+    try:
+        backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
+    except BackendError as exc:
+        log.debug("abort of %s failed: %s", genkey, exc)
 
 
 def new_genkey() -> str:

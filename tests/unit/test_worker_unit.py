@@ -13,8 +13,9 @@ from typing import Any, cast
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.manners import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import MAINTENANCE_POLL_S, Worker
+from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
 KEY = "unit-key-5f2e9c"
