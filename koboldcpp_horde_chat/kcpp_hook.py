@@ -46,17 +46,15 @@ import logging
 import os
 import sys
 import threading
-import time
 import types
 from collections.abc import Mapping
 from typing import Any
 
 from . import worker as _worker
-from .backend import KoboldClient
 from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from .errors import ConfigError
-from .horde import HordeClient
-from .journal import Journal, journal_dir, journal_path, recover
+from .hosting import open_state
+from .journal import journal_dir
 from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from .state import WorkerState
 
@@ -253,29 +251,7 @@ def shared_state(
         state = _SHARED.get(key)
         if state is None:
             env = os.environ if environ is None else environ
-            journal = Journal(journal_path(settings.worker_name, journal_dir(env)))
-            state = WorkerState(settings, journal=journal)
-            horde = HordeClient(
-                settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent
-            )
-            backend = KoboldClient(settings.kcpp_url, settings.kcpp_password)
-            stop_event = state.stop_event
-
-            def pause(seconds: float) -> None:
-                stop_event.wait(seconds)
-
-            try:
-                recover(
-                    journal,
-                    horde=horde,
-                    backend=backend,
-                    wall=time.time,
-                    model_id_default=settings.model_id,
-                    pause=pause,
-                )
-            finally:
-                horde.close()
-                backend.close()
+            state = open_state(settings, journal_dir(env))
             _SHARED[key] = state
         return state
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
 
-from . import BRIDGE_AGENT, __version__
+from . import __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
-from .horde import HordeClient
-from .journal import JOURNAL_DIR_ENV, Journal, default_state_dir, journal_dir, journal_path, recover
+from .hosting import open_state
+from .journal import JOURNAL_DIR_ENV, default_state_dir, journal_dir
 from .manners import StandaloneManners
 from .settings import (
     DEFAULT_HORDE_URL,
@@ -411,22 +411,8 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         log.error("%s", exc)
         return 2
     directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
-    journal = Journal(journal_path(settings.worker_name, directory))
-    state = WorkerState(settings, stop_event=stop_event, journal=journal)
+    state = open_state(settings, directory, stop_event=stop_event)
     states.append(state)
-
-    def pause(seconds: float) -> None:
-        stopper.wait(seconds)
-
-    with HordeClient(settings.horde_url, settings.api_key, bridge_agent=BRIDGE_AGENT) as horde:
-        recover(
-            journal,
-            horde=horde,
-            backend=backend,
-            wall=time.time,
-            model_id_default=settings.model_id,
-            pause=pause,
-        )
     slots = args.parallelrequests
     manners = StandaloneManners(backend, check_busy=slots <= 1)
     codes: list[int] = []
