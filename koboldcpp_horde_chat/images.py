@@ -14,7 +14,7 @@ cannot decode, so every image becomes a checked data URL or the job is faulted::
     messages = images.finish_images(messages, plan, fetched)   # every image checked
 
 JPEG and PNG (koboldcpp's loader, stb_image, decodes both) are accepted; any other
-type is faulted by its sniffed name. Messages never contain a URL or image bytes.
+type is faulted by its sniffed name. Errors never quote a URL or image bytes.
 """
 
 from __future__ import annotations
@@ -49,11 +49,9 @@ the Horde decides how many a request holds: :func:`finish_images` logs a warning
 
 
 class ImageError(FetchError):
-    """An image cannot be handed to koboldcpp: not JPEG or PNG, malformed, truncated or over a cap.
-
-    A FetchError, so the job is faulted without ``fault_reason`` (seed 000 step 7).
-    The message names the image's place (``messages[1].content[0]``) where known.
-    """
+    """An image koboldcpp cannot use (not JPEG or PNG, malformed, truncated, over a cap): as a
+    FetchError, the job is faulted without ``fault_reason`` (seed 000 step 7). The message
+    names the image's place (``messages[1].content[0]``) where known."""
 
 
 # --- sniffing -------------------------------------------------------------------------
@@ -87,7 +85,6 @@ _MAGIC: Final[tuple[tuple[str, str, re.Pattern[bytes]], ...]] = tuple(
 )
 """(media type, name, magic number): the common formats, so that a fault names what arrived."""
 
-_TGA_FOOTER: Final = b"TRUEVISION-XFILE.\x00"
 _NAMES: Final = {media_type: name for media_type, name, _ in _MAGIC} | {"image/x-tga": "TGA"}
 
 
@@ -96,14 +93,13 @@ def sniff_media_type(data: bytes) -> str | None:
 
     Seed 000 step 5: "take the media type from the bytes", never from a
     ``Content-Type`` or a data URL's label. Returns ``"image/jpeg"``,
-    ``"image/png"``, another type of ``_MAGIC`` (``"image/gif"``...),
-    ``"image/svg+xml"`` or ``"image/x-tga"`` (by its TGA 2.0 footer).
+    ``"image/png"`` or another type of ``_MAGIC`` (``"image/gif"``...) or ``"image/x-tga"``.
     """
     head = bytes(data[:1024])
     for media_type, _name, magic in _MAGIC:
         if magic.match(head):
             return media_type
-    if bytes(data[-len(_TGA_FOOTER) :]) == _TGA_FOOTER:
+    if bytes(data[-18:]) == b"TRUEVISION-XFILE.\x00":  # TGA has a footer, no magic number
         return "image/x-tga"
     return None
 
