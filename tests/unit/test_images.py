@@ -32,16 +32,12 @@ from koboldcpp_horde_chat.images import (
     MAX_REQUEST_IMAGE_BYTES,
     ImageError,
     ImagePlan,
-    check_caps,
     check_decodable,
     finish_images,
     image_urls,
-    parse_data_url,
     plan_images,
-    prepare_inline_images,
     sniff_media_type,
     to_data_url,
-    with_image_urls,
 )
 
 MIB = 1024 * 1024
@@ -524,22 +520,37 @@ def test_image_error_faults_like_a_failed_fetch() -> None:
 # --- data URLs --------------------------------------------------------------------------
 
 
-def test_a_data_url_gives_its_declared_type_and_bytes() -> None:
+def inline(messages: list[dict[str, object]]) -> list[dict[str, object]]:
+    """A job whose images are all data URLs: planned and finished without fetches."""
+    return finish_images(messages, plan_images(messages), {})
+
+
+def decoded(url: str) -> bytes:
+    """The bytes plan_images decodes from one data URL."""
+    plan = plan_images([image_message(url)])
+    assert plan.to_fetch == [] and list(plan.inline) == [(0, 1)]
+    return plan.inline[(0, 1)]
+
+
+def test_a_data_url_is_decoded_and_its_declared_type_kept_when_canonical() -> None:
     data = jpeg()
     url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
-    assert parse_data_url(url) == ("image/jpeg", data)
+    plan = plan_images([image_message(url)])
+    assert plan.inline == {(0, 1): data}
+    assert plan.canonical == {(0, 1): "image/jpeg"}
 
 
 def test_data_url_parsing_is_case_insensitive_and_skips_parameters() -> None:
     url = "DATA:Image/PNG;charset=binary;BASE64," + base64.b64encode(b"\x89PNG").decode()
-    assert parse_data_url(url) == ("image/png", b"\x89PNG")
+    assert decoded(url) == b"\x89PNG"
+    assert plan_images([image_message(url)]).canonical == {}  # not as to_data_url writes it
 
 
 def test_whitespace_and_line_breaks_in_the_base64_are_tolerated() -> None:
     data = png()
     text = base64.encodebytes(data).decode()  # MIME style: a line break every 76 characters
     assert "\n" in text
-    assert parse_data_url("data:image/png;base64,\r\n " + text) == ("image/png", data)
+    assert decoded("data:image/png;base64,\r\n " + text) == data
 
 
 @settings(max_examples=100, deadline=None)
@@ -551,13 +562,13 @@ def test_base64_with_or_without_whitespace_decodes_to_the_same_bytes(
     for space in spaces:
         at = draw.draw(st.integers(0, len(text)))
         text = text[:at] + space + text[at:]
-    assert parse_data_url("data:image/png;base64," + text) == ("image/png", data)
+    assert decoded("data:image/png;base64," + text) == data
 
 
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("https://store.example/a.jpg", "not a data: URL"),
+        (" data:image/jpeg;base64,QQ==", "not a data: URL"),
         ("data:image/jpeg;base64", "no comma"),
         ("data:image/jpeg,%FF%D8", "without ;base64"),
         ("data:image/jpeg;base64,/9j/4A*=", "invalid base64"),
@@ -570,14 +581,14 @@ def test_base64_with_or_without_whitespace_decodes_to_the_same_bytes(
     ],
 )
 def test_malformed_data_urls_are_refused(url: str, message: str) -> None:
-    with pytest.raises(ImageError, match=message):
-        parse_data_url(url)
+    with pytest.raises(ImageError, match=r"^messages\[0\]\.content\[1\]: .*" + message):
+        plan_images([image_message(url)])
 
 
 def test_an_error_never_quotes_the_data() -> None:
     url = "data:image/jpeg;base64,SECRETSECRET*"
     with pytest.raises(ImageError) as caught:
-        parse_data_url(url)
+        plan_images([image_message(url)])
     assert "SECRET" not in str(caught.value)
 
 
@@ -587,7 +598,8 @@ def test_to_data_url_is_the_form_koboldcpp_reads() -> None:
     assert url.startswith("data:image/png;base64,")
     assert "\n" not in url
     assert base64.b64decode(url.split(",", 1)[1], validate=True) == data
-    assert parse_data_url(url) == ("image/png", data)
+    plan = plan_images([image_message(url)])
+    assert plan.inline == {(0, 1): data} and plan.canonical == {(0, 1): "image/png"}
 
 
 # --- image parts in messages ------------------------------------------------------------
@@ -607,24 +619,26 @@ def test_image_urls_lists_every_image_part_by_position() -> None:
     ]
 
 
-def test_with_image_urls_replaces_urls_in_a_copy() -> None:
-    messages = [image_message("https://a.example/1.jpg", "https://a.example/2.jpg")]
+def test_finished_messages_are_a_copy_keeping_every_other_key() -> None:
+    messages = [image_message("https://a.example/1.jpg", to_data_url("image/png", png()))]
     before = copy.deepcopy(messages)
-    result = with_image_urls(messages, {(0, 2): "data:image/png;base64,QQ=="})
+    plan = plan_images(messages)
+    result = finish_images(messages, plan, {(0, 1): jpeg()})
     assert messages == before
-    assert image_urls(result) == [(0, 1, "https://a.example/1.jpg"), (0, 2, "data:image/png;base64,QQ==")]
-    assert result[0]["content"][2]["image_url"]["detail"] == "auto"
+    assert image_urls(result) == [(0, 1, to_data_url("image/jpeg", jpeg())), (0, 2, to_data_url("image/png", png()))]
+    assert [p["image_url"]["detail"] for p in result[0]["content"][1:]] == ["auto", "auto"]
     result[0]["content"][0]["text"] = "changed"
     result[0]["content"][1]["image_url"]["url"] = "changed"
     assert messages == before
 
 
-def test_with_image_urls_refuses_a_position_that_is_no_image_part() -> None:
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]"):
-        with_image_urls([image_message("https://a/1")], {(0, 0): "x"})
-
-
 # --- caps -------------------------------------------------------------------------------
+
+
+def padded(size: int) -> bytes:
+    """A real JPEG of exactly ``size`` bytes: zero padding after its end is accepted."""
+    data = jpeg()
+    return data + bytes(size - len(data))
 
 
 def test_the_caps() -> None:
@@ -635,19 +649,24 @@ def test_the_caps() -> None:
 
 
 def test_an_image_at_the_cap_passes_and_one_byte_more_is_refused() -> None:
-    check_caps([MAX_IMAGE_BYTES])
-    with pytest.raises(ImageError, match=r"^image 2 of 2: image of 10485761 bytes is over the cap"):
-        check_caps([1, MAX_IMAGE_BYTES + 1])
+    messages = [image_message("https://store.example/a", "https://store.example/b")]
+    plan = plan_images(messages)
+    finish_images(messages, plan, {(0, 1): jpeg(), (0, 2): padded(MAX_IMAGE_BYTES)})
+    with pytest.raises(ImageError, match=r"^messages\[0\]\.content\[2\]: image of 10485761 bytes is over the cap"):
+        finish_images(messages, plan, {(0, 1): jpeg(), (0, 2): padded(MAX_IMAGE_BYTES + 1)})
 
 
 def test_images_at_the_job_total_pass_and_one_byte_more_is_refused() -> None:
-    check_caps([9 * MIB, 9 * MIB, 9 * MIB])
-    with pytest.raises(ImageError, match="per job"):
-        check_caps([9 * MIB, 9 * MIB, 9 * MIB + 1])
+    messages = [image_message(*["https://store.example/x"] * 3)]
+    plan = plan_images(messages)
+    finish_images(messages, plan, {(0, 1): padded(9 * MIB), (0, 2): padded(9 * MIB), (0, 3): padded(9 * MIB)})
+    with pytest.raises(ImageError, match="^3 images of 28311553 bytes together are over the cap of 28311552 bytes per job$"):
+        finish_images(messages, plan, {(0, 1): padded(9 * MIB), (0, 2): padded(9 * MIB), (0, 3): padded(9 * MIB + 1)})
 
 
 def test_many_images_are_not_capped_by_number() -> None:
-    check_caps([1000] * 100)
+    messages = [image_message(*[to_data_url("image/png", png())] * 100)]
+    assert len(image_urls(inline(messages))) == 100
 
 
 # --- planning and finishing a job's images ---------------------------------------------
@@ -662,7 +681,7 @@ def test_a_base64_job_gets_its_images_checked_and_relabelled_by_their_bytes() ->
         )
     ]
     before = copy.deepcopy(messages)
-    result = prepare_inline_images(messages)
+    result = inline(messages)
     assert messages == before
     assert image_urls(result) == [
         (0, 1, to_data_url("image/jpeg", jpeg_bytes)),
@@ -678,7 +697,7 @@ def test_a_data_url_already_in_koboldcpps_form_is_passed_on_as_the_same_string()
     canonical_png = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
     messages = [image_message(canonical, canonical_png)]
     plan = plan_images(messages)
-    assert plan.canonical == {(0, 1), (0, 2)}
+    assert plan.canonical == {(0, 1): "image/jpeg", (0, 2): "image/png"}
     result = finish_images(messages, plan, {})
     assert result[0]["content"][1]["image_url"]["url"] is canonical
     assert result[0]["content"][2]["image_url"]["url"] is canonical_png
@@ -709,7 +728,7 @@ def test_a_data_url_with_line_breaks_is_rebuilt_without_them() -> None:
     assert "\n" in url
     messages = [image_message(url)]
     plan = plan_images(messages)
-    assert plan.canonical == set()
+    assert plan.canonical == {}
     assert image_urls(finish_images(messages, plan, {})) == [(0, 1, to_data_url("image/jpeg", data))]
 
 
@@ -728,7 +747,6 @@ def test_a_url_job_is_planned_fetched_and_finished_as_data_urls() -> None:
         (3, 1, "HTTP://store.example/b?sig=2"),
     ]
     assert plan.inline == {}
-    assert plan.count == 2
     result = finish_images(messages, plan, {(1, 1): jpeg_bytes, (3, 1): png_bytes})
     assert messages == before
     assert image_urls(result) == [
@@ -760,7 +778,7 @@ def test_an_inline_image_of_another_format_faults_the_job_and_is_not_relabelled(
     data = FAULTED[name][0]
     messages = [image_message(to_data_url("image/jpeg", jpeg()), to_data_url("image/jpeg", data))]
     with pytest.raises(ImageError) as caught:
-        prepare_inline_images(messages)
+        inline(messages)
     assert str(caught.value) == f"messages[0].content[2]: {name} image, not JPEG or PNG"
 
 
@@ -773,10 +791,8 @@ def test_a_truncated_fetched_image_faults_the_job() -> None:
 
 def test_an_image_that_was_not_fetched_faults_the_job() -> None:
     messages = [image_message("https://store.example/a")]
-    with pytest.raises(ImageError, match="image was not fetched"):
+    with pytest.raises(ImageError, match=r"^messages\[0\]\.content\[1\]: image was not fetched$"):
         finish_images(messages, plan_images(messages), {})
-    with pytest.raises(ImageError, match="image was not fetched"):
-        prepare_inline_images(messages)
 
 
 def test_fetched_images_over_the_job_total_fault_the_job() -> None:
@@ -812,18 +828,18 @@ def test_more_images_than_koboldcpp_keeps_are_let_through_with_a_warning(
     url = to_data_url("image/png", png())
     messages = [image_message(*[url] * (MAX_IMAGES + 1))]
     with caplog.at_level(logging.WARNING, logger="koboldcpp_horde_chat.images"):
-        result = prepare_inline_images(messages)
+        result = inline(messages)
     assert len(image_urls(result)) == MAX_IMAGES + 1
     assert "koboldcpp keeps only the last 16" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="koboldcpp_horde_chat.images"):
-        prepare_inline_images([image_message(*[url] * MAX_IMAGES)])
+        inline([image_message(*[url] * MAX_IMAGES)])
     assert caplog.text == ""
 
 
 def test_finish_refuses_a_plan_for_other_messages() -> None:
     messages = [image_message("https://store.example/a")]
-    with pytest.raises(ValueError, match="plan"):
+    with pytest.raises(ValueError, match="do not match"):
         finish_images([image_message("https://a", "https://b")], plan_images(messages), {(0, 1): jpeg()})
-    with pytest.raises(ValueError, match="not in the plan"):
+    with pytest.raises(ValueError, match="do not match"):
         finish_images(messages, plan_images(messages), {(0, 1): jpeg(), (0, 2): jpeg()})
