@@ -182,6 +182,7 @@ def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it
     assert json.loads(calls[0]["body"]) == {
         "id": job_id, "state": "faulted", "model_id": "koboldcpp/scripted-model"
     }
+    second.wait_for(f"job={job_id} kind=chat faulted after a restart")  # its log line follows
     assert second.said(f"job={job_id} kind=chat faulted after a restart") == 1
     # The request was requeued and the restarted worker served it.
     assert horde.wait([rid], timeout_s=20)
