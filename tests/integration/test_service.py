@@ -69,6 +69,12 @@ class Worker:
     def log(self) -> str:
         return "\n".join(self.lines[-40:])
 
+    def wait(self, timeout_s: float) -> int:
+        """The exit code, once the process ended and all its lines were read."""
+        code = self.proc.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -123,7 +129,7 @@ def test_sigterm_during_a_generation_longer_than_the_grace_aborts_and_faults_it_
     until(lambda: kcpp.generating, 20)
     worker.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    code = worker.proc.wait(15)
+    code = worker.wait(15)
     took = time.monotonic() - signalled
     assert code == 0, worker.log()
     assert 1.8 <= took < 6.0, took  # the grace period, then the abort and one fault
@@ -144,7 +150,7 @@ def test_sigterm_during_a_generation_within_the_grace_submits_it(
     worker = workers("--stop-grace", "8")
     until(lambda: kcpp.generating, 20)
     worker.proc.send_signal(signal.SIGTERM)
-    assert worker.proc.wait(15) == 0, worker.log()
+    assert worker.wait(15) == 0, worker.log()
     (job_id,) = horde.status(rid)["job_ids"]
     assert terminal_actions(horde) == {job_id: ["submitted"]}
     assert kcpp.aborts == []
