@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_memory.py [--jobs 10000] [--quick] [--json OUT]
 
-Issue 6, benchmark 6. Target: growth over 10,000 jobs at most 5 MB.
+Target: growth over 10,000 jobs at most 5 MB.
 
 This process is the worker (built as ``koboldcpp-horde-chat`` builds it, INFO
 logging formatted and written to os.devnull); the dev Horde and the scripted

@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_offload.py [--runs 3] [--mib 36] [--images 20] [--quick] [--json OUT]
 
-Issue 6, benchmark 4. The dev Horde stores a chat request whose messages (20
+The dev Horde stores a chat request whose messages (20
 text messages, then a user turn with 20 JPEG images as base64 data URLs) are
 ``--mib`` MiB as compact JSON, gzipped, behind a ``messages_url`` (offload on,
 256 KiB threshold, ``Content-Encoding: gzip``). A fresh worker process (so that

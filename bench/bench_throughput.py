@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_throughput.py [--runs 3] [--jobs 400] [--quick] [--json OUT]
 
-What it measures (issue 6, benchmarks 2 and 3):
+What it measures:
 
 * throughput: jobs per second through ``Worker.run_once`` against the dev
   Horde and a scripted koboldcpp answering instantly (``token_delay_s=0``),
@@ -95,7 +95,7 @@ def figure(
 ) -> dict[str, Any]:
     """One reported figure: min / median / max of ``values`` (one per run or per item).
 
-    ``limit`` is the issue's target; ``met`` compares the median with it
+    ``limit`` is the target; ``met`` compares the median with it
     (``better`` "lower": median <= limit; "higher": median >= limit).
     """
     vals = [float(v) for v in values]
