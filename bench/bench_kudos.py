@@ -32,7 +32,7 @@ runs in this process. The dev Horde applies the validated-backend rule of the
 real Horde; both workers send a validated bridge agent (``KoboldCppEmbedWorker``),
 which the bench checks in their pops.
 
-One session = one koboldcpp process for one worker and slot count. While the
+One koboldcpp process serves one worker and slot count. While the
 worker sits out the 20 s koboldcpp counts after its start, the bench sends the
 job's exact body straight to koboldcpp's ``/api/v1/generate`` (with a
 ``HORDEREQ_`` genkey, so it does not count as a local user): one warm-up, then
@@ -43,7 +43,7 @@ pair's time). Once the worker pops, for each latency the dev Horde's
 progress answer, as a network round trip) and N text jobs are queued at once,
 so the worker is never starved. The prompt and parameters are the same for
 every job (temperature 0, fixed ``sampler_seed``, ``ban_eos_token``), so every
-generation has the same length and time. Sessions alternate own/ours (and the
+generation has the same length and time. The processes alternate own/ours (and the
 order of the latencies) from round to round to cancel drift.
 
 Figures per batch, from the dev Horde's own record of every worker call (when
@@ -55,7 +55,7 @@ monotonic clock):
 * jobs/hour and kudos/hour: N and the rewards the dev Horde paid, over wall;
 * gen: each job's generation time as koboldcpp prints it after the job
   (``Total`` of its ``CtxLimit`` line; with two slots, the time of its
-  ``BatchRequest`` line), read from the session's log between the batch's
+  ``BatchRequest`` line), read from the process's log between the batch's
   start and end; the direct requests' median when the log does not have one
   such line per job;
 * busy fraction: the jobs' generation time / (slots x wall): the share of
@@ -80,7 +80,7 @@ least 1.10 at 150 ms; per-job time ours/own at most 1.00 at 0 ms; the gap of
 ours at most 5 ms at 0 ms; the 2-slot factor of ours at least 1.0.
 
 Every koboldcpp started is stopped at the end, also after an error or Ctrl-C;
-ports are ephemeral. koboldcpp's output goes to one log per session in a
+ports are ephemeral. koboldcpp's output goes to one log per process in a
 temporary directory, kept and named at the end.
 """
 
@@ -459,7 +459,7 @@ class TimedDevHorde(DevHorde):
 
 
 # --------------------------------------------------------------------------------------
-# one batch, one session
+# one batch, one koboldcpp process
 
 
 @dataclass
@@ -610,7 +610,7 @@ class Context:
     jobs: int
     max_length: int
     notes: list[str] = field(default_factory=list)
-    sessions: list[dict[str, Any]] = field(default_factory=list)
+    processes: list[dict[str, Any]] = field(default_factory=list)
 
 
 #: koboldcpp's line after each generation: one slot "CtxLimit:..., Total:0.97s";
@@ -664,7 +664,7 @@ def odd_lines(log_path: Path, limit: int = 12) -> tuple[int, list[str]]:
     return len(hits), hits[:limit]
 
 
-def run_session(
+def run_process(
     ctx: Context, worker: str, slots: int, latencies: Sequence[int], round_no: int
 ) -> list[Batch]:
     """Start one koboldcpp for ``worker``, measure its generation time, then one batch
@@ -682,13 +682,13 @@ def run_session(
         log_path=log_path,
     )
     batches: list[Batch] = []
-    session: dict[str, Any] = {"name": name, "worker": worker, "slots": slots, "round": round_no}
+    record: dict[str, Any] = {"name": name, "worker": worker, "slots": slots, "round": round_no}
     try:
         proc.wait_ready()
-        session["ready_s"] = round(time.monotonic() - proc.started_at, 1)
+        record["ready_s"] = round(time.monotonic() - proc.started_at, 1)
         body = job_body(ctx.max_length)
         gen = measure_generation(proc.url, body, slots=slots)
-        session["direct"] = {
+        record["direct"] = {
             "single_s": [round(x, 4) for x in gen["single"]],
             "pair_s": [round(x, 4) for x in gen["pair"]],
             "gen_s": round(gen["gen_s"], 4),
@@ -706,8 +706,8 @@ def run_session(
             time.sleep(0.1)
         if agent is None:
             raise RuntimeError(f"{name}: no pop within {FIRST_POP_TIMEOUT_S:.0f} s; see {log_path}")
-        session["first_pop_s"] = round(time.monotonic() - proc.started_at, 1)
-        session["bridge_agent"] = agent
+        record["first_pop_s"] = round(time.monotonic() - proc.started_at, 1)
+        record["bridge_agent"] = agent
         want_ours = worker == OURS
         if agent.startswith(OURS_AGENT_PREFIX) != want_ours or not is_validated_backend(agent):
             raise RuntimeError(
@@ -780,9 +780,9 @@ def run_session(
     finally:
         proc.stop()
         count, lines = odd_lines(log_path)
-        session["odd_log_lines"] = count
-        session["odd_log_sample"] = lines
-        ctx.sessions.append(session)
+        record["odd_log_lines"] = count
+        record["odd_log_sample"] = lines
+        ctx.processes.append(record)
     return batches
 
 
@@ -807,7 +807,7 @@ def summarise(
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """The printed table's lines and the figures (with targets) for the JSON.
 
-    ``ceiling``: per session with several slots, the jobs/hour factor of
+    ``ceiling``: per koboldcpp process with several slots, the jobs/hour factor of
     koboldcpp alone (slots x a single request's time / the time of that many
     sent at once).
     """
@@ -963,10 +963,29 @@ def summarise(
                     )
                 )
             lines.append(f"    {latency:>4} ms: " + ", ".join(parts))
+        logged = []
+        for label in (OWN, OURS):
+            for latency in latencies:
+                one = {b.round: b for b in pick(label, 1, latency)}
+                logged += [
+                    many * one[b.round].gen_s / b.gen_s
+                    for b in pick(label, many, latency)
+                    if b.round in one and b.gen_s > 0
+                ]
+        if logged:
+            lines.append(
+                f"    koboldcpp's own generation time of the jobs, one at a time vs {many} at "
+                f"once ({many} x the 1-slot median / the {many}-slot median, per batch): "
+                f"{_num(_med(logged), '.3f')}x (min {_num(min(logged), '.3f')}, max "
+                f"{_num(max(logged), '.3f')})"
+            )
+            figures.append(
+                figure(f"{many}-slot factor of koboldcpp's generation time (log)", "x", logged)
+            )
         if ceiling:
             lines.append(
                 f"    koboldcpp alone, {many} requests at once vs one at a time (sent straight "
-                f"to it, per session): {_num(_med(ceiling), '.3f')}x "
+                f"to it, per process): {_num(_med(ceiling), '.3f')}x "
                 f"(min {_num(min(ceiling), '.3f')}, max {_num(max(ceiling), '.3f')}): the "
                 "factor no worker can beat on this backend"
             )
@@ -1125,25 +1144,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lat_order = list(latencies) if r % 2 == 0 else list(reversed(latencies))
             for slots in slots_list:
                 for worker in order:
-                    batches += run_session(ctx, worker, slots, lat_order, r + 1)
+                    batches += run_process(ctx, worker, slots, lat_order, r + 1)
     finally:
         stop_all()
         horde.stop()
         shutil.rmtree(tree, ignore_errors=True)
     ceiling = [
         s["slots"] * statistics.median(s["direct"]["single_s"]) / statistics.median(pairs)
-        for s in ctx.sessions
+        for s in ctx.processes
         if (pairs := s.get("direct", {}).get("pair_s"))
     ]
     lines, figures = summarise(batches, latencies, slots_list, ceiling)
     result["table"] = lines
     result["figures"] = figures
     result["batches"] = [b.row() for b in batches]
-    result["sessions"] = ctx.sessions
+    result["processes"] = ctx.processes
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["logs"] = str(logs)
     notes = result["notes"]
-    for s in ctx.sessions:
+    for s in ctx.processes:
         d = s.get("direct", {})
         notes.append(
             f"{s['name']}: ready {s.get('ready_s', '?')} s, first pop {s.get('first_pop_s', '?')} s "
