@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 import threading
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ def main() -> None:
     )
     if args.json:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         out = RESULTS / f"bench_progress-{stamp}.json"
         out.write_text(
             json.dumps(

@@ -67,8 +67,8 @@ API_KEY = "bench-key-0123456789"
 MODEL = "koboldcpp/bench-model"
 WORKER_NAME = "bench-worker"
 MACHINE_NOTE = (
-    "2 shared vCPUs; other sessions' work (tests, builds) runs on the same cores, "
-    "so figures vary between runs: compare medians, and re-run before concluding"
+    "on a machine shared with other work figures vary between runs: "
+    "compare medians, and re-run before concluding"
 )
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Run the benchmarks, print the figures, and save them as JSON.
+"""Run every benchmark, print the figures, and save them as JSON.
 
 Reproduce (from the repository root):
 
@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"note: {machine['note']}")
     if os.environ.get("BENCH_PKG_ROOT"):
         print(f"package: {os.environ['BENCH_PKG_ROOT']} (BENCH_PKG_ROOT), not the repository's")
-    started = datetime.now(UTC)
+    started = datetime.now(timezone.utc)
     t0 = time.monotonic()
     results: dict[str, Any] = {}
     for bench in selected:

@@ -26,7 +26,7 @@ not read the environment on each call (``trust_env`` off): no proxy (koboldcpp
 is local), no ``.netrc`` credentials; ``REQUESTS_CA_BUNDLE`` or
 ``CURL_CA_BUNDLE`` is read once, when the client is made.
 
-Request bodies are encoded by :func:`encode_json`, which copies a large image
+Request bodies are encoded by :func:`jsonbody.encode_json`, which copies a large image
 data URL once instead of three times.
 
 Seed section: "Worked example: koboldcpp's embedded worker" (the worker
@@ -39,8 +39,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +52,7 @@ import urllib3.exceptions
 
 from .errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from .fetch import read_body
+from .jsonbody import RAW_STRING_MIN_CHARS, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,8 @@ PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
 STREAM_READ_BYTES = 65536
 """The most bytes one :meth:`BackendStream.read_chunk` returns."""
 
-RAW_STRING_MIN_CHARS = 64 * 1024
-"""Strings of at least this many characters that need no JSON escaping are
-spliced into an encoded body as they are (see :func:`encode_json`)."""
-
 _PROBE_TIMEOUT_S = 10.0
 _DETAIL_CHARS = 200
-
-# Bytes a JSON string may hold unescaped, as json.dumps (ensure_ascii) writes them:
-# printable ASCII but '"' and '\\'. Deleting these from a string's bytes leaves
-# the ones that need escaping.
-_UNESCAPED_JSON_BYTES = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
 
 # Exceptions that reading a response body may raise besides requests' own.
 _READ_ERRORS: tuple[type[BaseException], ...] = (
@@ -539,116 +531,6 @@ class KoboldClient:
             raise BackendError(f"{path}: {problem}"[:500], status=response.status_code) from None
 
 
-def encode_json(body: Any) -> bytes | bytearray:
-    """``json.dumps(body)`` as bytes, with large strings copied only once.
-
-    The text is exactly ``json.dumps(body).encode("ascii")`` (``ensure_ascii``,
-    default separators), e.g. ``{"a": [1, "x"]}`` -> ``b'{"a": [1, "x"]}'``.
-    Strings of at least :data:`RAW_STRING_MIN_CHARS` characters that need no
-    escaping (printable ASCII without ``"`` or ``\\``, such as a base64 image
-    data URL) are swapped for a placeholder while ``json.dumps`` encodes the
-    rest, then spliced in as they are: the answer is then one ``bytearray``
-    holding each such string once, where ``json.dumps(...).encode()`` makes two
-    full copies of a 36 MiB conversation. ``requests`` sends either with a
-    ``Content-Length``, and urllib3 2.x sends a ``bytearray`` as one buffer.
-
-    Args:
-        body: a JSON value: dicts, lists, tuples, strings, numbers, booleans, None.
-
-    Returns:
-        The encoded body: ``bytes`` when no string was spliced, else a ``bytearray``.
-
-    Raises:
-        TypeError, ValueError: as ``json.dumps`` for a value it cannot encode.
-        RecursionError: a value nested too deeply, or one that contains itself.
-    """
-    raws: list[str] = []
-    marker = f"\x00{secrets.token_hex(16)}\x00"
-    skeleton = _swap_long_strings(body, raws, marker)
-    text = json.dumps(skeleton).encode("ascii")
-    if not raws:
-        return text
-    pieces = text.split(json.dumps(marker).encode("ascii"))
-    del text
-    if len(pieces) != len(raws) + 1:  # cannot happen: the marker is random
-        return json.dumps(body).encode("ascii")
-    # One buffer of the final size (it never grows, so it is never copied), filled
-    # 256 KiB at a time: no second whole copy of a long string is ever made.
-    out = bytearray(sum(map(len, pieces)) + sum(len(value) + 2 for value in raws))
-    out[: len(pieces[0])] = pieces[0]
-    pos = len(pieces[0])
-    for value, piece in zip(raws, pieces[1:], strict=True):
-        pos = _splice_string(out, pos, value)
-        out[pos : pos + len(piece)] = piece
-        pos += len(piece)
-    return out
-
-
-_SPLICE_CHARS = 256 * 1024
-
-
-def _splice_string(out: bytearray, pos: int, value: str) -> int:
-    """Write ``value`` as a JSON string into ``out`` at ``pos`` (room is made for
-    ``len(value) + 2`` bytes); returns the position after it.
-
-    ``value`` is ASCII without ``"`` or ``\\``; when it holds a control
-    character after all, its escaped form replaces the room made for it.
-    """
-    start = pos
-    out[pos] = 0x22  # '"'
-    pos += 1
-    for offset in range(0, len(value), _SPLICE_CHARS):
-        chunk = value[offset : offset + _SPLICE_CHARS].encode("ascii")
-        if chunk.translate(None, _UNESCAPED_JSON_BYTES):  # a control character
-            escaped = json.dumps(value).encode("ascii")
-            out[start : start + len(value) + 2] = escaped
-            return start + len(escaped)
-        out[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
-    out[pos] = 0x22
-    return pos + 1
-
-
-def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
-    """``value`` with every long ASCII string without ``"`` or ``\\`` replaced by ``marker``.
-
-    The strings are appended to ``raws`` in the order ``json.dumps`` writes them
-    (dicts in insertion order, lists in order). Containers are copied only on
-    the path to a replaced string; the input is not modified.
-    """
-    if isinstance(value, str):
-        if (
-            len(value) >= RAW_STRING_MIN_CHARS
-            and value.isascii()
-            and '"' not in value
-            and "\\" not in value
-        ):
-            raws.append(value)
-            return marker
-        return value
-    if isinstance(value, dict):
-        copied: dict[Any, Any] | None = None
-        for key, item in value.items():
-            if isinstance(item, str | dict | list | tuple):
-                swapped = _swap_long_strings(item, raws, marker)
-                if swapped is not item:
-                    if copied is None:
-                        copied = dict(value)
-                    copied[key] = swapped
-        return value if copied is None else copied
-    if isinstance(value, list | tuple):
-        items: list[Any] | None = None
-        for index, item in enumerate(value):
-            if isinstance(item, str | dict | list | tuple):
-                swapped = _swap_long_strings(item, raws, marker)
-                if swapped is not item:
-                    if items is None:
-                        items = list(value)
-                    items[index] = swapped
-        return value if items is None else items
-    return value
-
-
 def _ca_bundle_from_env() -> str | bool:
     """What requests itself would verify with: ``REQUESTS_CA_BUNDLE`` or
     ``CURL_CA_BUNDLE`` when set and not empty, else True (its default bundle)."""
@@ -678,17 +560,55 @@ def _detail(raw: bytes) -> str:
     return json.dumps(decoded)[:_DETAIL_CHARS]
 
 
+#: Texts that mark a message as the HTTP library's own (left out of log lines).
+_LIBRARY_TEXT = ("Max retries exceeded", "ConnectionPool(", "Caused by", " object at 0x")
+
+
 def _describe(exc: BaseException, what: str, password: str) -> str:
-    """``"<what>: <ExceptionType>: <message>"`` with the password masked."""
-    if isinstance(exc, requests.Timeout) or isinstance(
-        exc, urllib3.exceptions.TimeoutError | TimeoutError
-    ):
-        kind = "timed out"
-    elif isinstance(exc, requests.ConnectionError):
-        kind = "connection failed"
-    else:
-        kind = "failed"
-    message = f"{what} {kind}: {type(exc).__name__}: {exc}"
+    """``"<what> <what went wrong>"`` in a few words, the password masked.
+
+    ``"GET /api/v1/model connection failed (refused)"``, ``"... timed out"``:
+    the HTTP library's own text (pools, retries, object reprs) is left out,
+    a short message of another kind (a proxy's answer) is kept after a colon.
+    """
+    message = f"{what} {_failure_kind(exc)}"
+    text = " ".join(str(exc).split())
+    if text and len(text) <= 120 and not any(mark in text for mark in _LIBRARY_TEXT):
+        message += f": {text}"
     if password:
         message = message.replace(password, "***")
-    return message[:500]
+    return message[:300]
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """``"timed out"``, ``"connection failed (refused)"``, ``"connection failed"``...
+    from the exception and the ones it wraps."""
+    if isinstance(exc, requests.Timeout) or isinstance(
+        exc, (urllib3.exceptions.TimeoutError, TimeoutError)
+    ):
+        return "timed out"
+    detail = ""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack and not detail:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, ConnectionRefusedError):
+            detail = "refused"
+        elif isinstance(item, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            detail = "reset"
+        elif isinstance(item, socket.gaierror):
+            detail = "host name not found"
+        elif isinstance(item, ssl.SSLCertVerificationError):
+            detail = "TLS certificate not trusted"
+        elif isinstance(item, ssl.SSLError):
+            detail = "TLS error"
+        elif isinstance(item, (TimeoutError, socket.timeout)):
+            return "timed out"
+        stack.extend([item.__cause__, item.__context__, getattr(item, "reason", None)])
+        stack.extend(arg for arg in item.args if isinstance(arg, BaseException))
+    if isinstance(exc, requests.ConnectionError) or detail:
+        return f"connection failed ({detail})" if detail else "connection failed"
+    return "failed"

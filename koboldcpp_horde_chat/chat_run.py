@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import fit, images, jobs, reply
-from .backend import encode_json
 from .declaration import BackendCapabilities
 from .errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
 from .fetch import fetch_image, fetch_messages
 from .guard import refusal_features
+from .jsonbody import encode_json
 from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
 from .settings import MIB, kcpp_effective_max_length
 from .state import WorkerState
@@ -203,6 +203,7 @@ class ChatRun:
                 f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
                 "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
             )
+        edges.record_in_hand(ctx)
         edges.note_own_request()
         try:
             if stream:

@@ -1,315 +1,69 @@
-"""Command line: the standalone worker beside a running koboldcpp, and the demo.
+"""The ``koboldcpp-horde-chat`` command (and ``python -m koboldcpp_horde_chat``).
 
-``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` serves chat
-and text jobs for the model loaded in the koboldcpp at ``--kcpp-url``.
-``koboldcpp-horde-chat demo`` runs the whole path against a local dev Horde.
+``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` runs the
+standalone worker beside a running koboldcpp (:mod:`.standalone`);
+``koboldcpp-horde-chat demo`` runs the whole path against a local dev Horde
+(:mod:`.demo`); ``koboldcpp-horde-chat devhorde`` starts the dev Horde by itself,
+for trying a worker or a patched koboldcpp by hand (:mod:`.devkit.serve`).
 
-Flag names and meanings follow koboldcpp's own (``--hordegenlen``,
-``--hordemaxctx``, ``--hordemodelname``...). Seed: "Worked example:
-koboldcpp's embedded worker".
+The subcommands are imported only when asked for; none of them imports this
+module. The standalone worker's pieces are re-exported here under their
+historical names.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from types import FrameType
-from urllib.parse import urlsplit
 
-from . import BRIDGE_AGENT, __version__
-from .backend import KoboldClient
-from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
-from .errors import BackendError, BackendUnauthorized, ConfigError
-from .manners import StandaloneManners
-from .settings import DEFAULT_HORDE_URL, DEFAULT_KCPP_URL, MIB, WorkerSettings
-from .worker import Worker
-
-log = logging.getLogger("koboldcpp_horde_chat")
-
-LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
-LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-#: Features and guarantees an operator may withhold with --chat-withhold.
-WITHHOLDABLE = (
-    "seed",
-    "presence_penalty",
-    "tools",
-    "json_object",
-    "json_schema",
-    "reasoning_effort",
-    "vision",
-    "prompt_overflow_refused",
+from .standalone import (
+    LOG_DATEFMT,
+    LOG_FORMAT,
+    WITHHOLDABLE,
+    build_parser,
+    check_flags,
+    configure_logging,
+    normalise_url,
+    parse_withhold,
+    resolve_url,
+    run_standalone,
+    settings_from_args,
 )
 
+__all__ = [
+    "LOG_DATEFMT",
+    "LOG_FORMAT",
+    "SUBCOMMANDS",
+    "WITHHOLDABLE",
+    "build_parser",
+    "check_flags",
+    "configure_logging",
+    "main",
+    "normalise_url",
+    "parse_withhold",
+    "resolve_url",
+    "run_standalone",
+    "settings_from_args",
+]
 
-def configure_logging(level: str = "INFO") -> None:
-    """Log to stderr with koboldcpp-like timestamps (once; keeps existing handlers)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
-    logging.getLogger("urllib3").setLevel(logging.WARNING)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The standalone worker's flags."""
-    p = argparse.ArgumentParser(
-        prog="koboldcpp-horde-chat",
-        description=(
-            "Serve AI Horde chat and text jobs with the model of a running koboldcpp. "
-            "Run 'koboldcpp-horde-chat demo' to watch the whole path against a local dev Horde."
-        ),
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument(
-        "--hordekey",
-        default=os.environ.get("AI_HORDE_API_KEY", ""),
-        help="your AI Horde API key (or the AI_HORDE_API_KEY environment variable)",
-    )
-    p.add_argument("--hordeworkername", default="", help="your AI Horde worker name")
-    p.add_argument(
-        "--kcpp-url",
-        default=os.environ.get("KCPP_URL", DEFAULT_KCPP_URL),
-        help=f"koboldcpp's URL (default {DEFAULT_KCPP_URL}, or KCPP_URL)",
-    )
-    p.add_argument(
-        "--kcpp-password",
-        default=os.environ.get("KCPP_PASSWORD", ""),
-        help="koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
-    )
-    p.add_argument(
-        "--horde-url",
-        default=os.environ.get("AI_HORDE_URL", DEFAULT_HORDE_URL),
-        help=f"the Horde's URL (default {DEFAULT_HORDE_URL}, or AI_HORDE_URL)",
-    )
-    p.add_argument(
-        "--hordemodelname",
-        default="",
-        help="your AI Horde display model name (default: the name koboldcpp reports)",
-    )
-    p.add_argument(
-        "--hordegenlen",
-        type=int,
-        default=0,
-        help="the most tokens your worker will generate for one job (default 1024)",
-    )
-    p.add_argument(
-        "--hordemaxctx",
-        type=int,
-        default=0,
-        help="the largest context your worker accepts; 0 matches koboldcpp's context",
-    )
-    p.add_argument(
-        "--kcpp-max-request-mb",
-        type=int,
-        default=32,
-        metavar="MB",
-        help="koboldcpp's --maxrequestsize (default 32): a chat job whose request to "
-        "koboldcpp would be larger is faulted without sending it",
-    )
-    p.add_argument(
-        "--chat-only", action="store_true", help="serve chat jobs only (pop with prompt_jobs false)"
-    )
-    p.add_argument(
-        "--chat-withhold",
-        default="",
-        metavar="NAMES",
-        help="comma-separated chat features or guarantees not to declare, from: "
-        + ", ".join(WITHHOLDABLE),
-    )
-    p.add_argument(
-        "--trusted",
-        action="store_true",
-        help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)",
-    )
-    p.add_argument(
-        "--log-level",
-        default=os.environ.get("KCPP_HORDE_LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
-        help="log level (default INFO)",
-    )
-    return p
-
-
-def parse_withhold(text: str) -> frozenset[str]:
-    """``"json_schema, tools"`` -> ``frozenset({"json_schema", "tools"})``.
-
-    Raises ConfigError for a name that is not a known feature or guarantee.
-    """
-    names = frozenset(n.strip() for n in text.split(",") if n.strip())
-    unknown = sorted(names - set(WITHHOLDABLE))
-    if unknown:
-        raise ConfigError(
-            f"--chat-withhold: unknown name(s) {', '.join(unknown)}; "
-            f"known: {', '.join(WITHHOLDABLE)}"
-        )
-    return names
-
-
-def normalise_url(value: str, flag: str) -> str:
-    """``value`` as a base URL without a trailing slash.
-
-    A Horde URL given with the API path (``https://aihorde.net/api/v2``) is cut
-    back to its base. Raises ConfigError for anything but an http(s) URL.
-    """
-    url = value.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{flag} needs an http:// or https:// URL, not {value!r}")
-    for suffix in ("/api/v2", "/api"):
-        if flag == "--horde-url" and parts.path.endswith(suffix):
-            url = url[: -len(suffix)]
-            log.warning("%s: using %s (the worker adds the /api/v2 routes itself)", flag, url)
-            break
-    return url
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Check the flags that need no koboldcpp; normalises the URLs in ``args``.
-
-    Raises ConfigError with a message naming the flag.
-    """
-    if not args.hordekey:
-        raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
-    if not args.hordeworkername:
-        raise ConfigError("--hordeworkername is required")
-    if args.hordegenlen < 0 or args.hordemaxctx < 0:
-        raise ConfigError("--hordegenlen and --hordemaxctx must not be negative")
-    if args.kcpp_max_request_mb < 1:
-        raise ConfigError("--kcpp-max-request-mb must be at least 1")
-    parse_withhold(args.chat_withhold)
-    args.horde_url = normalise_url(args.horde_url, "--horde-url")
-    args.kcpp_url = normalise_url(args.kcpp_url, "--kcpp-url")
-
-
-def settings_from_args(
-    args: argparse.Namespace,
-    backend: KoboldClient,
-    *,
-    wait_s: float | None = 0.0,
-    stop_event: threading.Event | None = None,
-) -> tuple[WorkerSettings, BackendCapabilities]:
-    """Read the running koboldcpp and the flags into settings.
-
-    Waits for koboldcpp to answer: up to ``wait_s`` seconds, or until
-    ``stop_event`` is set when ``wait_s`` is None, logging every 30 s. Raises
-    ConfigError for a bad flag, an unreachable (within ``wait_s``) or
-    protected koboldcpp, a refused password, or no model loaded.
-    """
-    check_flags(args)
-    withhold = parse_withhold(args.chat_withhold)
-    stopper = stop_event if stop_event is not None else threading.Event()
-    started = time.monotonic()
-    next_note = started
-    while True:
-        try:
-            info = backend.info()
-            break
-        except BackendUnauthorized:
-            if args.kcpp_password:
-                raise ConfigError(
-                    f"koboldcpp at {args.kcpp_url} refused the password given with "
-                    "--kcpp-password (or KCPP_PASSWORD)"
-                ) from None
-            raise ConfigError(
-                f"koboldcpp at {args.kcpp_url} is password protected: pass its password "
-                "with --kcpp-password or KCPP_PASSWORD"
-            ) from None
-        except BackendError as exc:
-            now = time.monotonic()
-            if wait_s is not None and now - started >= wait_s:
-                raise ConfigError(f"koboldcpp at {args.kcpp_url} does not answer: {exc}") from None
-            if now >= next_note:
-                log.info("waiting for koboldcpp at %s (%s)", args.kcpp_url, exc.detail)
-                next_note = now + 30.0
-            if stopper.wait(3.0):
-                raise ConfigError("stopped while waiting for koboldcpp") from None
-    if info.model_name in ("", "inactive"):
-        raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
-    model_id = standalone_model_id(info.model_name, args.hordemodelname)
-    for warning in model_id_warnings(model_id):
-        log.warning("%s", warning)
-    settings = WorkerSettings(
-        api_key=args.hordekey,
-        worker_name=args.hordeworkername,
-        model_id=model_id,
-        backend_max_context_length=info.max_context_length,
-        horde_max_context_length=args.hordemaxctx,
-        max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
-        horde_url=args.horde_url,
-        kcpp_url=args.kcpp_url,
-        kcpp_password=args.kcpp_password,
-        vision=info.vision,
-        prompt_jobs=not args.chat_only,
-        chat_withhold=withhold,
-        trusted=args.trusted,
-        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
-    )
-    caps = BackendCapabilities(vision=info.vision, image_url=settings.image_url_transport)
-    return settings, caps
-
-
-def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
-    """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
-
-    Waits for koboldcpp for as long as it takes (a signal ends the wait).
-    Exit codes: 0 after a requested stop, 2 for a configuration error or a
-    declaration the Horde refused, 3 for an API key the Horde refused, 130
-    after a second signal.
-    """
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    if stop_event is None:
-        stop_event = threading.Event()
-    stopper = stop_event
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopper.is_set():
-            log.warning("second signal: exiting now")
-            raise SystemExit(130)
-        log.info("signal %d: finishing the job in hand, then stopping", signum)
-        stopper.set()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-    from .horde import HordeClient
-
-    try:
-        check_flags(args)
-        horde = HordeClient(args.horde_url, args.hordekey, bridge_agent=BRIDGE_AGENT)
-        backend = KoboldClient(args.kcpp_url, args.kcpp_password)
-        settings, caps = settings_from_args(args, backend, wait_s=None, stop_event=stop_event)
-    except ConfigError as exc:
-        if stop_event.is_set():
-            log.info("%s", exc)
-            return 0
-        log.error("%s", exc)
-        return 2
-    worker = Worker(
-        settings,
-        horde=horde,
-        backend=backend,
-        stop_event=stop_event,
-        manners=StandaloneManners(backend),
-        caps=caps,
-    )
-    return worker.run()
+SUBCOMMANDS = ("demo", "devhorde")
+"""The first arguments that name a subcommand instead of the standalone worker's flags."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``koboldcpp-horde-chat`` and ``python -m koboldcpp_horde_chat``."""
+    """Entry point of ``koboldcpp-horde-chat``; returns the exit code.
+
+    ``argv`` defaults to ``sys.argv[1:]``. ``demo`` and ``devhorde`` as the
+    first argument run that subcommand with the rest; anything else is the
+    standalone worker's flags (:func:`.standalone.run_standalone`).
+    """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] == "demo":
         from .demo import main as demo_main
 
         return demo_main(arguments[1:])
+    if arguments and arguments[0] == "devhorde":
+        from .devkit.serve import main as devhorde_main
+
+        return devhorde_main(arguments[1:])
     return run_standalone(arguments)

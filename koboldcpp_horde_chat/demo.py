@@ -21,8 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backend import KoboldClient
-from .errors import BackendError
+from .errors import BackendError, ConfigError
 from .settings import DEFAULT_KCPP_URL
+from .standalone import (
+    KCPP_URL_ENV,
+    KCPP_URL_FLAG,
+    configure_logging,
+    resolve_url,
+    run_standalone,
+)
 
 DEMO_KEY = "demo-key-0000"
 WEATHER_TOOL = {
@@ -227,9 +234,20 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     return cases
 
 
+def _clip(value: object, limit: int) -> str:
+    """``value`` as shown in a result line: ``null`` for None, else its text in
+    quotes, cut to ``limit`` characters with an ellipsis when it is longer."""
+    if value is None:
+        return "null"
+    text = str(value)
+    if len(text) > limit:
+        text = text[: limit - 1] + "\u2026"
+    return repr(text)
+
+
 def _describe(case: DemoCase, status: dict[str, Any]) -> str:
     if case.kind == "text":
-        return f"generation={str(status.get('generation'))[:60]!r}"
+        return f"generation={_clip(status.get('generation'), 60)}"
     if status.get("faulted"):
         return f"faulted, fault_reasons={status.get('fault_reasons')}"
     message = status.get("message") or {}
@@ -238,38 +256,68 @@ def _describe(case: DemoCase, status: dict[str, Any]) -> str:
         calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
         parts.append(f"tool_calls={calls}")
     if message.get("reasoning_content"):
-        parts.append(f"reasoning={message['reasoning_content'][:40]!r}")
-    parts.append(f"content={str(message.get('content'))[:60]!r}")
+        parts.append(f"reasoning={_clip(message['reasoning_content'], 40)}")
+    parts.append(f"content={_clip(message.get('content'), 60)}")
     if status.get("stream"):
-        pieces = [str(d.get("content", ""))[:24] for d in status["stream"]]
-        parts.append(f"arrived in {len(pieces)} progress posts: {pieces}")
+        pieces = [_clip(d.get("content", ""), 24) for d in status["stream"]]
+        parts.append(f"arrived in {len(pieces)} progress posts: [{', '.join(pieces)}]")
     return ", ".join(parts)
 
 
-def main(argv: Sequence[str] = ()) -> int:
-    """Run the demo; returns 0 when every request reached its expected end."""
-    parser = argparse.ArgumentParser(prog="koboldcpp-horde-chat demo")
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``koboldcpp-horde-chat demo``."""
+    parser = argparse.ArgumentParser(
+        prog="koboldcpp-horde-chat demo",
+        description="Run the worker against a local dev Horde and a koboldcpp (yours when "
+        "one answers, else a scripted one), send it requests as a client would, and print "
+        "how each one ended.",
+    )
     parser.add_argument(
         "--kcpp-url",
         default=None,
-        help=f"a running koboldcpp to use (default {DEFAULT_KCPP_URL}, or KCPP_URL; "
-        "when none answers there the scripted koboldcpp is used)",
+        help=f"a running koboldcpp to use (default: KCPP_URL, else {DEFAULT_KCPP_URL}; "
+        "when none answers at the default the scripted koboldcpp is used)",
     )
     parser.add_argument(
         "--scripted", action="store_true", help="use the scripted koboldcpp even if one runs"
     )
-    parser.add_argument("--kcpp-password", default=os.environ.get("KCPP_PASSWORD", ""))
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait in all")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper)
-    args = parser.parse_args(list(argv))
-    from .cli import configure_logging, run_standalone
+    parser.add_argument(
+        "--kcpp-password",
+        default=os.environ.get("KCPP_PASSWORD", ""),
+        help="your koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every request to end, in all (default 300)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log level of the worker's and the dev Horde's lines (default WARNING)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Run the demo; returns 0 when every request reached its expected end, 1 when
+    one did not, 2 when the koboldcpp named by ``--kcpp-url`` (or a bad
+    ``KCPP_URL``) cannot be used."""
+    args = build_parser().parse_args(list(argv))
     from .devkit.horde import DevHorde
     from .devkit.kcpp import ScriptedKoboldcpp
 
     configure_logging(args.log_level)
     scripted_kcpp: ScriptedKoboldcpp | None = None
     explicit = args.kcpp_url is not None
-    kcpp_url = (args.kcpp_url or os.environ.get("KCPP_URL") or DEFAULT_KCPP_URL).rstrip("/")
+    try:
+        kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
+    except ConfigError as exc:
+        print(f"{exc}. Fix it, or run the demo with --scripted.")
+        return 2
     real = False
     if not args.scripted:
         try:
@@ -287,10 +335,11 @@ def main(argv: Sequence[str] = ()) -> int:
     else:
         scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
         scripted_kcpp.start()
+        why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
         kcpp_url = scripted_kcpp.url
         print(
-            f"No koboldcpp answers at {kcpp_url}: using the devkit's SCRIPTED koboldcpp "
-            f"at {kcpp_url} (canned replies, real koboldcpp response shapes)."
+            f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
+            "(canned replies, real koboldcpp response shapes)."
         )
     horde = DevHorde(api_keys=(DEMO_KEY,))
     horde.start()

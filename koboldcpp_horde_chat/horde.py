@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -87,8 +87,8 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
         except (TypeError, ValueError, IndexError):
             return None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - (now or datetime.now(UTC))).total_seconds()
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
     if seconds != seconds:  # NaN
         return None
     return min(max(seconds, 0.0), RETRY_AFTER_MAX_S)

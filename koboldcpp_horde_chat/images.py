@@ -33,6 +33,7 @@ import copy
 import logging
 import re
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -420,6 +421,19 @@ def check_decodable(data: bytes) -> str:
 
 _WHITESPACE_BYTES: Final = b" \t\r\n\f\v"
 _MEDIA_TYPE: Final = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*")
+_BASE64: Final = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def _a2b_base64_strict(data: str | bytes) -> bytes:
+    """``binascii.a2b_base64(data, strict_mode=True)``; on Python 3.10, which has no
+    ``strict_mode``, the same check by hand: only the base64 alphabet, padded to a
+    multiple of 4, ``=`` only at the end. Raises ``binascii.Error`` (a ValueError)."""
+    if sys.version_info >= (3, 11):
+        return binascii.a2b_base64(data, strict_mode=True)
+    text = data if isinstance(data, str) else data.decode("latin-1")
+    if len(text) % 4 or not _BASE64.fullmatch(text):
+        raise binascii.Error("Only base64 data is allowed")
+    return binascii.a2b_base64(data)
 
 
 def parse_data_url(url: str) -> tuple[str, bytes]:
@@ -458,7 +472,7 @@ def _parse_data_url(url: str) -> tuple[str, bytes, bool]:
     payload = url[comma + 1 :]
     try:
         # Most URLs are clean: decode the string as it is, without a copy.
-        data = binascii.a2b_base64(payload, strict_mode=True)
+        data = _a2b_base64_strict(payload)
         clean = True
     except ValueError:  # whitespace, a non-ASCII character, invalid base64
         try:
@@ -466,7 +480,7 @@ def _parse_data_url(url: str) -> tuple[str, bytes, bool]:
         except UnicodeEncodeError:
             raise ImageError("invalid base64 in data: URL (non-ASCII character)") from None
         try:
-            data = binascii.a2b_base64(text, strict_mode=True)
+            data = _a2b_base64_strict(text)
         except binascii.Error as exc:
             raise ImageError(f"invalid base64 in data: URL ({exc})") from None
         clean = False

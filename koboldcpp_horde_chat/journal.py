@@ -207,6 +207,18 @@ def default_state_dir(
     return _home(home) / ".local" / "state" / APP_DIR_NAME
 
 
+JOURNAL_DIR_ENV: Final = "KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR"
+"""Environment variable moving the journal's directory (the standalone worker's
+``--journal-dir`` defaults to it; inside koboldcpp it is the only way)."""
+
+
+def journal_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The journal's directory: ``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR`` when set and
+    not empty, else :func:`default_state_dir`."""
+    value = environ.get(JOURNAL_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else default_state_dir(environ=environ)
+
+
 def _home(home: Path | None) -> Path:
     return Path.home() if home is None else home
 
@@ -343,17 +355,20 @@ class Journal:
             self._write_locked()
 
     def remove(self, job_id: str) -> None:
-        """Clear a job after its terminal action; like :meth:`add`, flushed before it returns.
+        """Clear a job after its terminal action.
 
-        A job that is not recorded leaves the file as it is.
+        Written like :meth:`add` but not waited for on disk: a removal lost
+        in a crash only makes the next start fault a job that was settled,
+        which the Horde answers with ``DuplicateGen`` or ``AbortedGen``. A job
+        that is not recorded leaves the file as it is.
         """
         with self._lock:
             self._load_locked()
             if self._entries.pop(job_id, None) is None:
                 return
-            self._write_locked()
+            self._write_locked(durable=False)
 
-    def _write_locked(self) -> None:
+    def _write_locked(self, *, durable: bool = True) -> None:
         doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in self._entries.values()]}
         data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         directory = self.path.parent
@@ -369,7 +384,8 @@ class Journal:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, self.path)
             tmp = None
         except OSError as exc:
@@ -386,7 +402,8 @@ class Journal:
                     self.path, _reason(exc),
                 )
             return
-        _fsync_dir(directory)
+        if durable:
+            _fsync_dir(directory)
         if self._failing:
             self._failing = False
             log.warning("job journal %s is written again", self.path)

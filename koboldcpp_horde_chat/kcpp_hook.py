@@ -6,8 +6,10 @@ daemon thread per worker (``--parallelrequests`` of them when above 1) once the
 model is loaded, when ``--hordekey`` and ``--hordeworkername`` are both set. The
 patches in ``patches/`` add a guarded import at the top of that function: when
 this package imports, koboldcpp calls :func:`run_horde_worker` below with its own
-module object and returns; when the import raises ``ImportError``, koboldcpp's
-own worker runs as before. Any other error is not caught by the patch.
+module object and returns. When the package is not installed, koboldcpp's own
+worker runs as before, silently; when it is installed but its import fails
+(any error), koboldcpp prints one line saying what failed and how to fix it,
+then runs its own worker.
 
 This is the only module that knows koboldcpp's module globals and ``args``
 (facts sheet §1-3). It reads, once at start:
@@ -44,14 +46,19 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Mapping
 from typing import Any
 
 from . import worker as _worker
+from .backend import KoboldClient
 from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from .errors import ConfigError
+from .horde import HordeClient
+from .journal import Journal, journal_dir, journal_path, recover
 from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
+from .state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,8 @@ LOG_DATEFMT = "%H:%M:%S"
 
 _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[tuple[str, str, str], WorkerState] = {}
 
 
 def _get(obj: object, name: str, default: Any = None) -> Any:
@@ -139,8 +148,8 @@ def settings_from_kcpp(
     ``args.maxrequestsize`` MB (koboldcpp reads 0 or a missing value as 32)
     times 1024 * 1024. Everything else keeps its default (text
     jobs served, nothing withheld, not trusted, and with vision the ``url``
-    image transport beside ``base64``: issue 7 goes beyond seed 004's embedded
-    worker there, and the standalone CLI declares the same).
+    image transport beside ``base64``, beyond seed 004's embedded worker, as
+    the standalone CLI declares it).
 
     Raises ConfigError for a non-integer limit or a bad ``AI_HORDE_URL``.
     """
@@ -226,6 +235,51 @@ class KcppManners:
         return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
+def shared_state(
+    settings: WorkerSettings, *, environ: Mapping[str, str] | None = None
+) -> WorkerState:
+    """The state koboldcpp's worker threads of one worker share in this process.
+
+    koboldcpp starts one thread per ``--parallelrequests`` slot, each calling
+    :func:`run_horde_worker`; they share one :class:`~state.WorkerState`
+    (statistics, chat withdrawal, stop, the job journal), keyed by worker
+    name, Horde URL and model. The first thread opens the job journal
+    (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state
+    directory) and faults the jobs an earlier run left in hand before any
+    thread pops (``journal.recover``); the others wait for it.
+    """
+    key = (settings.worker_name, settings.horde_url, settings.model_id)
+    with _SHARED_LOCK:
+        state = _SHARED.get(key)
+        if state is None:
+            env = os.environ if environ is None else environ
+            journal = Journal(journal_path(settings.worker_name, journal_dir(env)))
+            state = WorkerState(settings, journal=journal)
+            horde = HordeClient(
+                settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent
+            )
+            backend = KoboldClient(settings.kcpp_url, settings.kcpp_password)
+            stop_event = state.stop_event
+
+            def pause(seconds: float) -> None:
+                stop_event.wait(seconds)
+
+            try:
+                recover(
+                    journal,
+                    horde=horde,
+                    backend=backend,
+                    wall=time.time,
+                    model_id_default=settings.model_id,
+                    pause=pause,
+                )
+            finally:
+                horde.close()
+                backend.close()
+            _SHARED[key] = state
+        return state
+
+
 def configure_logging(*, debug: bool = False) -> bool:
     """Print this package's logs to stdout like koboldcpp's own lines, once.
 
@@ -295,7 +349,11 @@ def run_horde_worker(
     manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
     try:
         code = _worker.run_worker(
-            settings, manners=manners, caps=capabilities(settings), worker_id=worker_id
+            settings,
+            manners=manners,
+            caps=capabilities(settings),
+            worker_id=worker_id,
+            state=shared_state(settings),
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

@@ -1,10 +1,12 @@
-"""Manners toward local users: when the pop loop yields koboldcpp to someone else.
+"""When the pop loop may pop: manners toward local users, a busy or absent koboldcpp.
 
 koboldcpp's own worker waits 20 s after a local user's last generation and
 does not pop while the model is busy (facts §2.5). The loop asks a
-:class:`LocalManners` before each pop: inside koboldcpp the hook reads
-koboldcpp's globals (``kcpp_hook.KcppManners``); standalone,
-:class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf``.
+:class:`PopGate` before each pop; the gate asks a :class:`LocalManners`:
+inside koboldcpp the hook reads koboldcpp's globals (``kcpp_hook.KcppManners``);
+standalone, :class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf``.
+The gate also holds pops while koboldcpp, which failed a job, does not answer,
+and while a chat-only worker's chat declaration is withdrawn.
 
 Seed: "The pop loop" (a worker keeps serving its local users) and "Worked
 example: koboldcpp's embedded worker".
@@ -19,6 +21,24 @@ from typing import Protocol
 
 from .backend import KoboldClient
 from .errors import BackendError
+from .settings import WorkerSettings
+from .state import WorkerState
+
+#: Seconds between pops while the Horde keeps the worker in maintenance (also
+#: while a chat-only worker's chat is withdrawn).
+MAINTENANCE_POLL_S = 60.0
+#: Seconds between readiness probes while koboldcpp does not answer.
+BACKEND_PROBE_S = 3.0
+#: Seconds after the worker's own generation during which a busy koboldcpp is
+#: taken to be finishing that request (it releases its model lock just after
+#: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
+#: ``BUSY_POLL_S``.
+OWN_TAIL_S = 0.5
+OWN_TAIL_POLL_S = 0.01
+#: Seconds between two checks of a koboldcpp busy with someone else's request.
+BUSY_POLL_S = 0.2
+#: Seconds between two checks while a local user is generating.
+LOCAL_USER_POLL_S = 1.0
 
 
 class LocalManners(Protocol):
@@ -95,6 +115,7 @@ class StandaloneManners:
         self._monotonic = monotonic
         self.last_own_request_time = 0.0
         self._baseline: float | None = None
+        self._uptime: float | None = None
         self._busy = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
@@ -120,15 +141,22 @@ class StandaloneManners:
             perf = self._backend.perf()
         except BackendError:
             self._busy = False
+            # koboldcpp may be restarting: its next start is not a local user either.
+            self._baseline = None
             return None
         self._busy = perf.get("idle") == 0 or bool(perf.get("queue"))
-        idletime = perf.get("idletime")
+        uptime = _number(perf.get("uptime"))
+        if uptime is not None and self._uptime is not None and uptime < self._uptime:
+            self._baseline = None  # koboldcpp restarted between two reads
+        self._uptime = uptime
+        idletime = _number(perf.get("idletime"))
         last_request: float | None = None
-        if isinstance(idletime, (int, float)) and not isinstance(idletime, bool):
-            last_request = self._clock() - float(idletime)
+        if idletime is not None:
+            last_request = self._clock() - idletime
             if self._baseline is None:
-                # Requests from before the worker started (koboldcpp's own start-up
-                # included) are not a local user to yield to.
+                # Requests from before the worker started, or before koboldcpp
+                # (re)started (its own start-up counts as one), are not a local
+                # user to yield to.
                 self._baseline = last_request
         if not self._busy:
             self._idle_read_at = now
@@ -152,3 +180,88 @@ class StandaloneManners:
         return False
 
 
+def _number(value: object) -> float | None:
+    """A JSON number as a float; None for anything else (booleans included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class PopGate:
+    """Whether the pop loop may pop now, and how long to wait when not.
+
+    Args:
+        manners: local-use signals from the host.
+        backend: the koboldcpp client (its readiness GET after a failed job).
+        state: the worker's shared state (chat withdrawal).
+        settings: ``local_idle_s``, ``prompt_jobs``.
+        clock: monotonic seconds; wall: epoch seconds.
+    """
+
+    def __init__(
+        self,
+        manners: LocalManners,
+        backend: KoboldClient,
+        state: WorkerState,
+        settings: WorkerSettings,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
+        self.manners = manners
+        self.backend = backend
+        self.state = state
+        self.settings = settings
+        self.clock = clock
+        self.wall = wall
+        self.backend_suspect = False
+        self._own_done_at: float | None = None
+
+    def pause(self) -> tuple[str, float] | None:
+        """Why the loop must not pop now (a ``status.PAUSE_REASONS`` key) and how
+        many seconds to wait; None to pop.
+
+        Yields to a local user (``local_idle_s`` after their last generation)
+        and to a busy koboldcpp as koboldcpp's own worker does; waits while
+        koboldcpp, which failed a job, does not answer; pauses a chat-only
+        worker whose chat declaration is withdrawn.
+        """
+        last_local = self.manners.last_local_request_time()
+        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
+            return "local_user", LOCAL_USER_POLL_S
+        if self.manners.model_busy():
+            return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
+        if not self._backend_answers():
+            return "backend_down", BACKEND_PROBE_S
+        if not self.state.update_chat_withdrawal(self.clock()):
+            return "chat_withdrawn", MAINTENANCE_POLL_S
+        return None
+
+    def own_tail(self) -> bool:
+        """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""
+        own = self._own_done_at
+        return own is not None and self.clock() - own < OWN_TAIL_S
+
+    def own_generation_ended(self) -> None:
+        """The worker's own request to koboldcpp ended now."""
+        self._own_done_at = self.clock()
+
+    def note_own_request(self) -> None:
+        """The worker sends a generation request now (not a local user's)."""
+        note = getattr(self.manners, "note_own_request", None)
+        if callable(note):
+            note()
+
+    def _backend_answers(self) -> bool:
+        """False while koboldcpp, which failed a job without answering, still does not answer.
+
+        A crashed or restarting koboldcpp would otherwise fault every job
+        popped meanwhile (each one an aborted job on the Horde, on the way to
+        maintenance). The probe is koboldcpp's own readiness GET.
+        """
+        if not self.backend_suspect:
+            return True
+        if self.backend.ready():
+            self.backend_suspect = False
+            return True
+        return False

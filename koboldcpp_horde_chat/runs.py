@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from .backend import KoboldClient
 from .errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
 from .horde import HordeClient
+from .journal import Journal, JournalEntry
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,18 @@ class JobContext:
     settled: bool = False
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
+    _claimed: bool = field(default=False, repr=False)
+    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self) -> bool:
+        """Take the right to send the job's terminal action: True for the first
+        caller only (the loop's submit, or a fault sent from another thread when
+        the process exits), so that a job never gets two."""
+        with self._claim_lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def abandon(self, why: str) -> None:
         """Give the job up (from any thread); the job's run then faults it."""
@@ -159,6 +173,8 @@ class Edges:
         stop_event: set when the worker is asked to stop.
         note_own_request: called before each generation request the worker
             sends, so a standalone worker does not take it for a local user's.
+        wall: epoch seconds.
+        journal: the worker's job journal (None: no journal).
     """
 
     settings: WorkerSettings
@@ -167,6 +183,25 @@ class Edges:
     clock: Callable[[], float]
     stop_event: threading.Event
     note_own_request: Callable[[], None]
+    wall: Callable[[], float] = time.time
+    journal: Journal | None = None
+
+    def record_in_hand(self, ctx: JobContext) -> None:
+        """Journal the job before its generation starts (flushed to disk), so that
+        a restart after a crash faults it (``journal.recover``). Its lease end is
+        the latest the Horde could hold it: the lease cap from the pop."""
+        if self.journal is None:
+            return
+        lease_end = self.wall() + ctx.lease.popped_at + self.settings.lease_cap_s - self.clock()
+        self.journal.add(
+            JournalEntry(
+                job_id=ctx.id,
+                kind=ctx.kind,
+                model_id=ctx.model_id(self.settings.model_id) if ctx.chat else None,
+                genkey=ctx.genkey,
+                lease_end=lease_end,
+            )
+        )
 
     def pause(self, seconds: float) -> None:
         """Wait; a requested stop shortens waits between pops, not a job's own retries."""
@@ -175,12 +210,8 @@ class Edges:
         threading.Event().wait(seconds)
 
     def abort_quietly(self, genkey: str) -> None:
-        """Best-effort abort of the local generation, quick enough to leave the lease's
-        margin to the fault that usually follows (koboldcpp answers in about 0.1 s)."""
-        try:
-            self.backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
-        except BackendError as exc:
-            log.debug("abort of %s failed: %s", genkey, exc)
+        """Best-effort abort of the local generation (see :func:`abort_quietly`)."""
+        abort_quietly(self.backend, genkey)
 
     def with_busy_retry(
         self, call: Callable[[float], dict[str, Any]], ctx: JobContext
@@ -218,6 +249,16 @@ class Edges:
                 raise
             ctx.check_abandoned()
             return answer
+
+
+def abort_quietly(backend: KoboldClient, genkey: str) -> None:
+    """Best-effort abort of the local generation ``genkey``, quick enough to leave
+    the lease's margin to the fault that usually follows (koboldcpp answers in
+    about 0.1 s); a failure is logged at debug level only."""
+    try:
+        backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
+    except BackendError as exc:
+        log.debug("abort of %s failed: %s", genkey, exc)
 
 
 def new_genkey() -> str:

@@ -24,6 +24,35 @@ DEFAULT_HORDE_URL = "https://aihorde.net"
 DEFAULT_KCPP_URL = "http://127.0.0.1:5001"
 MIB = 1024 * 1024
 
+WORKER_NAME_MAX_CHARS = 100
+"""The longest worker name the Horde stores, in characters.
+
+From the AI Horde's source (Haidra-Org/AI-Horde): the ``name`` column of its
+worker table is ``db.String(100)`` (``horde/classes/base/worker.py``), and its
+rename check refuses a name over 100 characters (``TooLongWorkerName``). The
+Horde strips the name it is sent (``sanitize_string`` in ``horde/utils.py``).
+"""
+
+
+def worker_name_problem(name: str) -> str | None:
+    """Why the Horde would refuse ``name`` as a worker name, or None when it takes it.
+
+    The Horde strips leading and trailing whitespace, so an empty or
+    whitespace-only name is refused, and a stripped name longer than
+    :data:`WORKER_NAME_MAX_CHARS` characters is refused with the limit named.
+    Example: ``worker_name_problem("  ")`` -> ``"a worker name is required (not empty
+    or only spaces)"``.
+    """
+    stripped = name.strip()
+    if not stripped:
+        return "a worker name is required (not empty or only spaces)"
+    if len(stripped) > WORKER_NAME_MAX_CHARS:
+        return (
+            f"the name is {len(stripped)} characters long; the Horde takes at most "
+            f"{WORKER_NAME_MAX_CHARS}"
+        )
+    return None
+
 
 def kcpp_reserved_tokens(context: int) -> int:
     """Tokens koboldcpp keeps free for the prompt when it cuts a ``max_length``.

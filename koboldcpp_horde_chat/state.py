@@ -27,6 +27,7 @@ from typing import Protocol
 from . import guard, status
 from .errors import HordeRefusal
 from .guard import MaintenanceGuard, RefusalGuard
+from .journal import Journal
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class WorkerState:
         settings: the worker's configuration (``chat_withhold``, ``prompt_jobs``).
         stop_event: set to stop every loop.
         started_at: epoch seconds, for the statistics.
+        journal: the worker's job journal, shared by its loops (None: none kept).
     """
 
     def __init__(
@@ -96,8 +98,10 @@ class WorkerState:
         *,
         stop_event: threading.Event | None = None,
         started_at: float | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.settings = settings
+        self.journal = journal
         self.stop_event = stop_event if stop_event is not None else threading.Event()
         self.stats = WorkerStats(started_at=time.time() if started_at is None else started_at)
         self.exit_code = 0

@@ -9,6 +9,8 @@ deliberate no-submit (seed "The pop loop"). This module sends the first two:
   (seed "7. Fault a job"), logged in one line with its reason;
 - :meth:`SubmitPipeline.fault_now`: one quick fault when the process exits.
 
+After a job's terminal action it is cleared from the job journal.
+
 A lost answer (no answer, a reset, 5xx, 429) is retried with the same body
 while the lease lasts. ``DuplicateGen`` means the job was already settled,
 ``AbortedGen`` or 404 that it ended on the Horde; both are logged and dropped.
@@ -92,16 +94,38 @@ class SubmitPipeline:
     ) -> None:
         """Submit a job's reply; after a refusal, fault it with ``on_refused(exc)``.
 
-        ``detail`` goes into the log line of an accepted submit.
+        ``detail`` goes into the log line of an accepted submit. Nothing is
+        sent when another thread already claimed the job's terminal action
+        (:meth:`~runs.JobContext.claim`).
         """
+        if not ctx.claim():
+            return
         self._send(ctx, body, detail=detail, on_refused=on_refused)
+        self.forget(ctx)
+
+    def forget(self, ctx: JobContext) -> None:
+        """Clear a settled job from the journal (see ``journal.py``)."""
+        journal = self.state.journal
+        if journal is not None and ctx.settled and ctx.genkey:
+            journal.remove(ctx.id)
 
     def fault(self, ctx: JobContext, fault: JobFault) -> None:
         """Seed step 7: submit the job's fault (with ``fault_reason`` when one applies).
 
         A chat fault carries the job's ``model_id`` (it marks the body as a chat
         submit); a text fault is ``{"id", "generation": "", "state": "faulted"}``.
+        Nothing is sent when another thread already claimed the job's terminal action.
         """
+        if ctx.claim():
+            self._fault(ctx, fault)
+
+    def fault_after_error(self, ctx: JobContext, fault: JobFault) -> None:
+        """Fault a job whose serving or submit broke unexpectedly on the loop's
+        own thread (the loop may hold the claim already): the safety net."""
+        ctx.claim()
+        self._fault(ctx, fault)
+
+    def _fault(self, ctx: JobContext, fault: JobFault) -> None:
         self.state.record_fault(self.clock(), counts=fault.counts)
         log.warning(
             "job=%s kind=%s faulted%s: %s",
@@ -117,20 +141,26 @@ class SubmitPipeline:
         else:
             body = reply.text_fault_submit(ctx.id)
         self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
+        self.forget(ctx)
 
-    def fault_now(self, job_id: str, *, chat: bool) -> None:
-        """Fault a job with a single short submit attempt (the process is exiting)."""
+    def fault_now(self, ctx: JobContext) -> None:
+        """Fault a job with a single short submit attempt (the process is exiting).
+
+        It stays in the journal when the attempt fails, for the next start.
+        """
         body = (
-            reply.fault_submit(job_id, self.settings.model_id)
-            if chat
-            else reply.text_fault_submit(job_id)
+            reply.fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
+            if ctx.chat
+            else reply.text_fault_submit(ctx.id)
         )
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
         try:
             self.horde.submit(body, timeout_s=timeout)
-            log.warning("job=%s faulted: the worker is exiting now", job_id)
+            log.warning("job=%s faulted: the worker is exiting now", ctx.id)
         except HordeError as exc:
-            log.warning("job=%s left to expire: the worker is exiting now (%s)", job_id, exc)
+            log.warning("job=%s left to expire: the worker is exiting now (%s)", ctx.id, exc)
+            return
+        self.forget(ctx)
 
     def _send(
         self,
@@ -167,7 +197,7 @@ class SubmitPipeline:
                     # Any other definitive refusal of a reply: the job is still
                     # open on the Horde, so fault it now rather than let it expire.
                     log.warning("job=%s reply refused: %s", ctx.id, exc)
-                    self.fault(ctx, on_refused(exc))
+                    self._fault(ctx, on_refused(exc))
                 else:
                     self.state.record_dropped()
                     log.error("job=%s submit refused: %s; dropped", ctx.id, exc)

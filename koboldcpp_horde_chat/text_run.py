@@ -30,6 +30,7 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
     )
     ctx.check_abandoned()
     genkey = ctx.genkey = new_genkey()
+    edges.record_in_hand(ctx)
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(

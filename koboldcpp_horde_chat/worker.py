@@ -34,7 +34,6 @@ from .backoff import Backoff, EmptyPopBackoff
 from .chat_run import ChatRun
 from .declaration import BackendCapabilities, pop_body
 from .errors import (
-    BackendError,
     HordeError,
     HordeRefusal,
     HordeUnavailable,
@@ -44,8 +43,15 @@ from .errors import (
 )
 from .guard import MaintenanceGuard
 from .horde import HordeClient
-from .manners import LocalManners, NoManners
-from .runs import Edges, JobContext, Lease
+from .manners import (
+    MAINTENANCE_POLL_S,
+    OWN_TAIL_POLL_S,
+    OWN_TAIL_S,
+    LocalManners,
+    NoManners,
+    PopGate,
+)
+from .runs import Edges, JobContext, Lease, abort_quietly
 from .settings import WorkerSettings
 from .state import WorkerState, WorkerStats
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
@@ -53,22 +59,6 @@ from .submit import PopAhead, SubmitPipeline
 from .text_run import serve_text
 
 log = logging.getLogger(__name__)
-
-#: Seconds between pops while the Horde keeps the worker in maintenance.
-MAINTENANCE_POLL_S = 60.0
-#: Seconds between readiness probes while koboldcpp does not answer.
-BACKEND_PROBE_S = 3.0
-#: Seconds after the worker's own generation during which a busy koboldcpp is
-#: taken to be finishing that request (it releases its model lock just after
-#: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
-#: ``BUSY_POLL_S``.
-OWN_TAIL_S = 0.5
-OWN_TAIL_POLL_S = 0.01
-#: Seconds between two checks of a koboldcpp busy with someone else's request.
-BUSY_POLL_S = 0.2
-#: Seconds between two checks while a local user is generating.
-LOCAL_USER_POLL_S = 1.0
-
 
 class Worker:
     """One pop loop for chat and text jobs.
@@ -120,23 +110,24 @@ class Worker:
         self.worker_id = worker_id
         self.pop_horde = pop_horde
         self.abort_backend = abort_backend if abort_backend is not None else backend
+        self.gate = PopGate(self.manners, backend, state, settings, clock=clock, wall=wall)
         self.edges = Edges(
             settings=settings,
             horde=horde,
             backend=backend,
             clock=clock,
             stop_event=self.stop_event,
-            note_own_request=self._note_own_request,
+            note_own_request=self.gate.note_own_request,
+            wall=wall,
+            journal=state.journal,
         )
         self.pipeline = SubmitPipeline(
             settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause
         )
         self.current: JobContext | None = None
         self._ahead: PopAhead | None = None
-        self._own_done_at: float | None = None
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
-        self._backend_suspect = False
         self._pauses = PauseTracker(
             local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url
         )
@@ -233,7 +224,7 @@ class Worker:
             return self._after_pop(ahead.body, ahead.answer, ahead.error, ahead.popped_at)
         if self._stopping():
             return False
-        pause = self._pause()
+        pause = self.gate.pause()
         if pause is not None:
             reason, wait_s = pause
             line = self._pauses.pausing(reason, self.clock())
@@ -247,28 +238,6 @@ class Worker:
         except HordeError as exc:
             return self._after_pop(body, None, exc, self.clock())
         return self._after_pop(body, pop, None, self.clock())
-
-    def _pause(self) -> tuple[str, float] | None:
-        """Why the loop must not pop now, and how long to wait; None to pop.
-
-        Yields to a local user (20 s after their last generation) and to a
-        busy koboldcpp as koboldcpp's own worker does; waits while koboldcpp,
-        which failed a job, does not answer; pauses a chat-only worker whose
-        chat declaration is withdrawn.
-        """
-        last_local = self.manners.last_local_request_time()
-        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
-            return "local_user", LOCAL_USER_POLL_S
-        if self.manners.model_busy():
-            own = self._own_done_at
-            if own is not None and self.clock() - own < OWN_TAIL_S:
-                return "busy", OWN_TAIL_POLL_S
-            return "busy", BUSY_POLL_S
-        if not self._backend_answers():
-            return "backend_down", BACKEND_PROBE_S
-        if not self.state.update_chat_withdrawal(self.clock()):
-            return "chat_withdrawn", MAINTENANCE_POLL_S
-        return None
 
     def _after_pop(
         self,
@@ -312,7 +281,7 @@ class Worker:
                 raise
             # Whatever went wrong, a popped job is answered: never left to expire.
             log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
-            self.pipeline.fault(ctx, JobFault("internal error"))
+            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
             return True
         except BaseException:
             # A forced exit (a second SIGINT or SIGTERM): stop koboldcpp's generation,
@@ -358,41 +327,42 @@ class Worker:
             if fault.backend_failed:
                 # A killed koboldcpp shows as no answer, a reset or a stream cut
                 # short; check it is up before the next pop.
-                self._backend_suspect = True
+                self.gate.backend_suspect = True
             self._send_fault(ctx, fault)
             return True
         except JobEnded:
             ctx.settled = True  # cancelled or ended by the Horde: nothing to send
-            self._own_done_at = self.clock()
+            self.pipeline.forget(ctx)
+            self.gate.own_generation_ended()
             return True
-        self._own_done_at = self.clock()
+        self.gate.own_generation_ended()
         self._pop_ahead()
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
         return True
 
     def _send_fault(self, ctx: JobContext, fault: JobFault) -> None:
         if ctx.genkey:
-            self._own_done_at = self.clock()
+            self.gate.own_generation_ended()
         self._pop_ahead()
         self.pipeline.fault(ctx, fault)
 
     def _pop_ahead(self) -> None:
         """Send the next pop on its own thread, so that it overlaps this job's submit.
 
-        Only when the loop would pop now anyway (see :meth:`_pause`), waiting
+        Only when the loop would pop now anyway (``PopGate.pause``), waiting
         at most ``OWN_TAIL_S`` for koboldcpp to release the lock of the
         worker's own request; never while stopping.
         """
         if (
             self.pop_horde is None
             or self._ahead is not None
-            or self._backend_suspect
+            or self.gate.backend_suspect
             or self._stopping()
         ):
             return
         deadline = self.clock() + OWN_TAIL_S
         while True:
-            pause = self._pause()
+            pause = self.gate.pause()
             if pause is None:
                 break
             if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
@@ -429,25 +399,6 @@ class Worker:
             log.warning("worker %d: %s; retrying in %.1f s", self.worker_id, advice.line, delay)
             self.stop_event.wait(delay)
 
-    def _backend_answers(self) -> bool:
-        """False while koboldcpp, which failed a job without answering, still does not answer.
-
-        A crashed or restarting koboldcpp would otherwise fault every job
-        popped meanwhile (each one an aborted job on the Horde, on the way to
-        maintenance). The probe is koboldcpp's own readiness GET.
-        """
-        if not self._backend_suspect:
-            return True
-        if self.backend.ready():
-            self._backend_suspect = False
-            return True
-        return False
-
-    def _note_own_request(self) -> None:
-        note = getattr(self.manners, "note_own_request", None)
-        if callable(note):
-            note()
-
     # ------------------------------------------------------------ bounded stop
 
     def abandon_job(self, why: str) -> None:
@@ -458,20 +409,21 @@ class Worker:
             return
         ctx.abandon(why)
         if ctx.genkey:
-            try:
-                self.abort_backend.abort(ctx.genkey, timeout_s=2.0)
-            except BackendError as exc:
-                log.debug("abort of %s failed: %s", ctx.genkey, exc)
+            abort_quietly(self.abort_backend, ctx.genkey)
 
     def fault_job_now(self) -> None:
-        """Fault the job in hand with one quick submit (the process exits now)."""
+        """Fault the job in hand with one quick submit (the process exits now).
+
+        Claims the job first, so that the loop, whose generation the abort
+        ends, sends nothing more for it."""
         ctx = self.current
-        if ctx is None or ctx.settled:
+        if ctx is None or ctx.settled or not ctx.claim():
             return
         ctx.settled = True
+        ctx.abandon("the worker is exiting")
         if ctx.genkey:
             self.edges.abort_quietly(ctx.genkey)
-        self.pipeline.fault_now(ctx.id, chat=ctx.chat)
+        self.pipeline.fault_now(ctx)
 
 
 def run_worker(

@@ -37,7 +37,7 @@ def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     for name in CHEAP:
         assert f"-- {name} (bench/" in out, out[-3000:]
-    # the figures that have targets, with numbers
+    # the figures the targets apply to, with numbers
     figure = r"min\s+[\d.]+\s+median\s+[\d.]+\s+max\s+[\d.]+"
     for label in (
         "overhead per chat job, median (worker code)",

@@ -4,9 +4,11 @@ wrong koboldcpp password is told apart from a missing one."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,15 +103,22 @@ def test_a_signal_while_waiting_for_koboldcpp_exits_0_without_a_traceback(signum
         text=True,
     )
     try:
-        time.sleep(2.0)
+        # Signal once it says it waits (its handlers are set by then), however
+        # long a loaded machine takes to start Python.
+        assert proc.stderr is not None
+        watchdog = threading.Timer(60.0, proc.kill)  # a silent process cannot hang the test
+        watchdog.start()
+        first = proc.stderr.readline()
+        watchdog.cancel()
+        assert "waiting for koboldcpp at http://127.0.0.1:9" in first, first
+        time.sleep(1.0)
         assert proc.poll() is None, "it should wait for koboldcpp"
         proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=10)
+        assert proc.wait(timeout=10) == 0
+        stderr = first + proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr
-    assert "waiting for koboldcpp at http://127.0.0.1:9" in stderr
     assert "Traceback" not in stderr
 
 
@@ -144,3 +153,98 @@ def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any
     finally:
         worker.stop()
     assert horde.ledger[0]["action"] == "submitted"
+
+
+# ----------------------------------------------------- environment variables, names, waiting
+
+
+def parsed(*flags: str, name: str = "w") -> Any:
+    return build_parser().parse_args(["--hordekey", "k", "--hordeworkername", name, *flags])
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_url_variable_falls_back_to_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_HORDE_URL", value)
+    monkeypatch.setenv("KCPP_URL", value)
+    args = parsed()
+    check_flags(args)
+    assert (args.horde_url, args.kcpp_url) == ("https://aihorde.net", "http://127.0.0.1:5001")
+
+
+def test_url_variables_are_used_and_a_flag_wins_over_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_HORDE_URL", "http://127.0.0.1:7001/api/v2")
+    monkeypatch.setenv("KCPP_URL", "http://127.0.0.1:5002/")
+    args = parsed()
+    check_flags(args)
+    assert (args.horde_url, args.kcpp_url) == ("http://127.0.0.1:7001", "http://127.0.0.1:5002")
+    args = parsed("--horde-url", "http://h:1", "--kcpp-url", "http://k:2")
+    check_flags(args)
+    assert (args.horde_url, args.kcpp_url) == ("http://h:1", "http://k:2")
+
+
+@pytest.mark.parametrize("variable", ["AI_HORDE_URL", "KCPP_URL"])
+def test_a_bad_url_variable_is_reported_under_its_own_name(variable: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("AI_HORDE_URL", "KCPP_URL")}
+    env[variable] = "localhost:7001"
+    result = subprocess.run(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, "--hordeworkername", "w"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"{variable} needs an http:// or https:// URL, not 'localhost:7001'" in result.stderr
+    assert "--horde-url" not in result.stderr and "--kcpp-url" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("", "--hordeworkername: a worker name is required (not empty or only spaces)"),
+        ("   \t", "--hordeworkername: a worker name is required (not empty or only spaces)"),
+        ("x" * 101, "--hordeworkername: the name is 101 characters long; the Horde takes at most 100"),
+    ],
+)
+def test_a_worker_name_the_horde_would_refuse_is_a_config_error(name: str, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        check_flags(parsed(name=name))
+    assert str(raised.value) == message
+
+
+def test_a_worker_name_is_stripped_as_the_horde_strips_it_and_100_characters_are_taken() -> None:
+    args = parsed(name="  My Worker \n")
+    check_flags(args)
+    assert args.hordeworkername == "My Worker"
+    args = parsed(name=" " + "x" * 100 + " ")
+    check_flags(args)
+    assert args.hordeworkername == "x" * 100
+
+
+def test_a_blank_worker_name_exits_2_at_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, "--hordeworkername", "  ",
+         "--kcpp-url", DEAD_URL],
+        cwd=ROOT, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "a worker name is required" in result.stderr
+
+
+def test_kcpp_wait_bounds_the_wait_for_koboldcpp_then_exits_2() -> None:
+    started = time.monotonic()
+    result = run_cli("--kcpp-url", DEAD_URL, "--horde-url", DEAD_URL, "--kcpp-wait", "1")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert elapsed < 15
+    assert "koboldcpp at http://127.0.0.1:9 does not answer (waited 1 s)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_negative_kcpp_wait_is_a_flag_mistake() -> None:
+    with pytest.raises(ConfigError, match="--kcpp-wait must not be negative"):
+        check_flags(parsed("--kcpp-wait", "-1"))
+
+
+def test_every_flag_of_the_worker_has_help_text() -> None:
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest not in ("help", "version"):
+            assert action.help and len(action.help) > 10, action.option_strings

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
@@ -38,11 +39,12 @@ POP = {
     "chat_limits": {"max_context_length": 2048, "max_length": 512},
     "model_id": MODEL,
     "image_transports": [],
+    "bridge_agent": BRIDGE_AGENT,  # a validated agent: the dev Horde skips others
 }
 
 
 def client(horde: DevHorde) -> HordeClient:
-    return HordeClient(horde.url, API_KEY, bridge_agent="journal-test:1")
+    return HordeClient(horde.url, API_KEY, bridge_agent=BRIDGE_AGENT)
 
 
 def pop_chat_job(horde: DevHorde) -> tuple[str, dict[str, Any]]:

@@ -234,7 +234,11 @@ def test_the_patch_applies_to_the_koboldcpp_tree(koboldcpp_src: Path, tmp_path: 
     source = (patched / "koboldcpp.py").read_text(encoding="utf-8")
     compile(source, "koboldcpp.py", "exec")
     original = (koboldcpp_src / "koboldcpp.py").read_text(encoding="utf-8").splitlines()
-    assert len(source.splitlines()) == len(original) + 7
+    added = [
+        line for line in patch.read_text(encoding="utf-8").splitlines() if line.startswith("+ ")
+    ]
+    assert len(added) == 9
+    assert len(source.splitlines()) == len(original) + len(added)
 
 
 @pytest.mark.slow

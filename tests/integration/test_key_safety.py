@@ -4,8 +4,7 @@ A mixed run of the real standalone worker (chat, streamed chat, text, an
 offloaded ``messages_url``, an image by signed URL, a backend failure, a
 refused reply) while every server records every request it receives. The key
 must appear only in the ``apikey`` header of requests to the Horde port, and in
-no log line, exception text or repr (seed: "Fetch offloaded messages", seed 004;
-the issue's "Key safety").
+no log line, exception text or repr (seed: "Fetch offloaded messages", seed 004).
 """
 
 from __future__ import annotations

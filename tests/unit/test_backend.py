@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -665,3 +666,12 @@ def test_a_session_passed_in_is_used_as_it_is() -> None:
     session = requests.Session()
     KoboldClient(BASE, session=session)
     assert session.trust_env is True and session.proxies == {}
+
+
+def test_a_refused_connection_is_said_in_a_few_words_without_the_http_library_text() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(BackendError) as caught:
+        KoboldClient(f"http://127.0.0.1:{port}").info(timeout_s=2)
+    assert str(caught.value) == "GET /api/v1/model connection failed (refused)"

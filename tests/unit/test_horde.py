@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -235,7 +235,7 @@ def test_429_with_retry_after_seconds() -> None:
 
 @responses.activate
 def test_503_with_retry_after_http_date() -> None:
-    when = datetime.now(UTC) + timedelta(seconds=120)
+    when = datetime.now(timezone.utc) + timedelta(seconds=120)
     responses.post(SUBMIT, status=503, headers={"Retry-After": format_datetime(when, usegmt=True)})
     with pytest.raises(HordeUnavailable) as info:
         client().submit(SUBMIT_BODY, timeout_s=5)
@@ -250,7 +250,7 @@ def test_503_with_retry_after_http_date() -> None:
      ("Wed, 21 Oct 2015 07:28:30 GMT", 30.0), ("Wed, 21 Oct 2015 07:27:00 GMT", 0.0)],
 )
 def test_parse_retry_after(value: str | None, expected: float | None) -> None:
-    now = datetime(2015, 10, 21, 7, 28, 0, tzinfo=UTC)
+    now = datetime(2015, 10, 21, 7, 28, 0, tzinfo=timezone.utc)
     assert parse_retry_after(value, now=now) == expected
 
 

@@ -445,9 +445,8 @@ def test_a_failing_write_is_logged_once_retried_and_its_recovery_logged_once(
         raise error
 
     monkeypatch.setattr(target, where, fail)
-    for i in range(4):
+    for i in range(5):
         journal.add(chat_entry(f"during-{i}"))  # never raises
-    journal.remove("before")
     lines = journal_lines(caplog)
     assert len(lines) == 1
     assert "cannot be written" in lines[0] and error.strerror in lines[0]
@@ -461,7 +460,7 @@ def test_a_failing_write_is_logged_once_retried_and_its_recovery_logged_once(
     lines = journal_lines(caplog)
     assert len(lines) == 2 and "written again" in lines[1]
     assert [e.job_id for e in Journal(path).load()] == [
-        "during-0", "during-1", "during-2", "during-3", "after", "after-2",
+        "before", "during-0", "during-1", "during-2", "during-3", "during-4", "after", "after-2",
     ]
 
 

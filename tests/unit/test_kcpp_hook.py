@@ -11,6 +11,7 @@ import argparse
 import io
 import logging
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -232,7 +233,7 @@ def test_vision_needs_a_projector_that_reads_images(
     assert s.vision is vision
     body = pop_body(s, kcpp_hook.capabilities(s))
     assert ("vision" in body["chat_features"]) is vision
-    # Seed 004's messages_url, plus base64 and (issue 7) url with vision.
+    # Seed 004's messages_url, plus base64 and url with vision.
     assert body["image_transports"] == (
         ["messages_url", "base64", "url"] if vision else ["messages_url"]
     )
@@ -624,7 +625,9 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
     assert all(line.startswith("    ") for line in added)
     code = "\n".join(added)
     assert "from koboldcpp_horde_chat import kcpp_hook" in code
-    assert "except ImportError:" in code
+    # Silent only when the package is not installed; any other failure is said.
+    assert 'isinstance(hookerr, ModuleNotFoundError) and hookerr.name == "koboldcpp_horde_chat"' in code
+    assert "print(" in code
     assert (
         "kcpp_hook.run_horde_worker(sys.modules[__name__], args, api_key, worker_name, "
         "worker_id, parallel_batching_threads)" in code
@@ -673,8 +676,22 @@ def test_patched_koboldcpp_hands_its_worker_to_the_hook(
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_patched_koboldcpp_runs_its_own_worker_when_the_package_is_missing(
-    release: str, monkeypatch: pytest.MonkeyPatch
+def test_patched_koboldcpp_runs_its_own_worker_silently_when_the_package_is_missing(
+    release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
+    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat", None)  # not installed
+    run = patched_function(release, monkeypatch)
+    assert run(argparse.Namespace(), API_KEY, "my-worker", 1, 1) == (
+        "koboldcpp loop",
+        "http://localhost:5001",
+    )
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patched_koboldcpp_says_why_when_the_installed_package_does_not_import(
+    release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
     monkeypatch.delattr(koboldcpp_horde_chat, "kcpp_hook")
@@ -684,3 +701,82 @@ def test_patched_koboldcpp_runs_its_own_worker_when_the_package_is_missing(
         "koboldcpp loop",
         "http://localhost:5001",
     )
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, out
+    assert out.startswith("koboldcpp-horde-chat is installed but does not import (")
+    assert "koboldcpp's own Horde worker runs" in out
+
+
+BROKEN_PACKAGES = {
+    # what the package's __init__ does -> the error named on the console line
+    "a Python too old for the package": (
+        "raise ImportError(\"cannot import name 'UTC' from 'datetime'\")",
+        "ImportError: cannot import name 'UTC' from 'datetime'",
+    ),
+    "a missing dependency": ("import requests_not_installed_here", "ModuleNotFoundError"),
+    "a damaged file": ("def broken(:", "SyntaxError"),
+}
+
+
+def run_patched_koboldcpp(release: str, tmp_path: Path, package_init: str | None) -> str:
+    """Run the patched ``run_horde_worker`` in a fresh interpreter; returns its stdout.
+
+    The interpreter is isolated (``-I -S``: no site-packages, no environment,
+    no current directory), so ``koboldcpp_horde_chat`` is importable only when
+    ``package_init`` gives it a stand-in ``__init__.py`` in ``tmp_path``.
+    """
+    body = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))[1][
+        0
+    ][4]
+    new_side = [line[1:] for line in body if line[:1] in (" ", "+")]
+    end = new_side.index("    epurl = get_my_epurl()")
+    (tmp_path / "koboldcpp.py").write_text(
+        "import sys\n"
+        "def get_my_epurl():\n"
+        "    print('koboldcpp own worker: started')\n"
+        "    return 'http://localhost:5001'\n"
+        + "\n".join(new_side[: end + 1])
+        + "\n    return epurl\n",
+        encoding="utf-8",
+    )
+    if package_init is not None:
+        (tmp_path / "koboldcpp_horde_chat").mkdir()
+        (tmp_path / "koboldcpp_horde_chat" / "__init__.py").write_text(package_init + "\n")
+    runner = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import koboldcpp; "
+        "koboldcpp.run_horde_worker(None, 'key', 'my-worker', 1, 1)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", runner],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    return result.stdout
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_without_the_package_koboldcpp_runs_its_own_worker_and_says_nothing(
+    release: str, tmp_path: Path
+) -> None:
+    assert run_patched_koboldcpp(release, tmp_path, None) == "koboldcpp own worker: started\n"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("broken", sorted(BROKEN_PACKAGES))
+def test_a_broken_install_prints_one_line_then_koboldcpp_runs_its_own_worker(
+    release: str, broken: str, tmp_path: Path
+) -> None:
+    package_init, error = BROKEN_PACKAGES[broken]
+    lines = run_patched_koboldcpp(release, tmp_path, package_init).splitlines()
+    assert len(lines) == 2, lines
+    said, fallback = lines
+    assert said.startswith("koboldcpp-horde-chat is installed but does not import (")
+    assert error in said
+    assert "so koboldcpp's own Horde worker runs (text jobs only)" in said
+    assert f"Fix: reinstall it for this Python ({sys.executable} -m pip install" in said
+    assert said.endswith("or uninstall it.")
+    assert fallback == "koboldcpp own worker: started"

@@ -20,10 +20,16 @@ PURE_CORE = (
     "backoff",
     "guard",
     "images",
+    "status",
+    "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
 # Modules above the core: I/O edges, orchestration and hosts.
-UPPER_LAYERS = {"horde", "backend", "fetch", "worker", "kcpp_hook", "cli", "__main__", "devkit"}
+UPPER_LAYERS = {
+    "horde", "backend", "fetch", "journal", "worker", "manners", "state", "runs", "submit",
+    "chat_run", "text_run", "streamed", "kcpp_hook", "cli", "standalone", "demo", "__main__",
+    "devkit",
+}
 
 EXISTING = [name for name in PURE_CORE if (PACKAGE / f"{name}.py").exists()]
 

@@ -12,9 +12,10 @@ from typing import Any, cast
 
 import pytest
 
-from koboldcpp_horde_chat.errors import HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.manners import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import MAINTENANCE_POLL_S, Worker
+from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
 KEY = "unit-key-5f2e9c"
@@ -272,6 +273,23 @@ def test_an_unexpected_error_while_serving_faults_the_job_instead_of_leaving_it(
     backend.tokencounts.append(RuntimeError("a bug"))
     worker, horde, _, _ = make([chat_pop("j1")], backend=backend)
     assert worker.run_once() is True
+    assert horde.verdicts() == {"j1": "faulted"}
+
+
+def test_an_unexpected_error_in_the_submit_itself_still_faults_the_job() -> None:
+    worker, horde, _, _ = make([chat_pop("j1")])
+    real_submit = horde.submit
+    calls: list[dict[str, Any]] = []
+
+    def submit(body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        calls.append(body)
+        if len(calls) == 1:
+            raise RuntimeError("a bug after the claim")
+        return real_submit(body, timeout_s=timeout_s)
+
+    horde.submit = submit  # type: ignore[method-assign]
+    assert worker.run_once() is True
+    assert [body.get("state") for body in calls] == ["ok", "faulted"]
     assert horde.verdicts() == {"j1": "faulted"}
 
 
@@ -592,3 +610,42 @@ def test_the_workers_own_request_after_a_cached_answer_is_not_a_local_user() -> 
     clock.advance(0.8)
     assert manners.last_local_request_time() is None
     assert backend.reads == 2
+
+
+def test_a_restarted_koboldcpps_start_is_not_taken_for_a_local_user() -> None:
+    """koboldcpp counts its own start as the last request; after a restart that
+    must not pause the worker for 20 s as if a local user had come."""
+    down = BackendError("GET /api/extra/perf connection failed (refused)")
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        down,
+        {"idle": 1, "queue": 0, "idletime": 2.0, "uptime": 2.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(1.5)
+    assert manners.last_local_request_time() is None  # koboldcpp went away
+    clock.advance(1.5)
+    assert manners.last_local_request_time() is None  # and came back: not a local user
+
+
+def test_a_restart_seen_only_as_a_lower_uptime_is_not_a_local_user_either() -> None:
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        {"idle": 1, "queue": 0, "idletime": 1.0, "uptime": 1.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(5.0)
+    assert manners.last_local_request_time() is None
+
+
+def test_a_local_request_after_the_worker_started_is_still_a_local_user() -> None:
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        {"idle": 1, "queue": 0, "idletime": 0.5, "uptime": 55.0},
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    clock.advance(5.0)
+    assert manners.last_local_request_time() == clock() - 0.5

@@ -1,0 +1,111 @@
+"""``koboldcpp-horde-chat devhorde``: the dev Horde by itself, for trying a worker by hand.
+
+Starts :class:`~koboldcpp_horde_chat.devkit.horde.DevHorde` on ``--host`` and
+``--port`` (127.0.0.1:7001 by default; ``--port 0`` takes a free port), prints
+its URL, the API key it accepts and how to point a worker at it, and serves
+until Ctrl-C or SIGTERM. Its log lines (requests queued, pops, submits, faults)
+go to stderr.
+
+The first line printed is always ``Dev Horde at <url> (API key: <key>)``, so a
+script can read the URL from it. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when
+the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+
+DEFAULT_PORT = 7001
+DEFAULT_KEY = "devkey"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``koboldcpp-horde-chat devhorde``."""
+    p = argparse.ArgumentParser(
+        prog="koboldcpp-horde-chat devhorde",
+        description="Start a local development AI Horde (chat and text jobs) and keep it "
+        "running until Ctrl-C, to point the worker or a patched koboldcpp at.",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"the port to listen on (default {DEFAULT_PORT}; 0 takes a free one)",
+    )
+    p.add_argument(
+        "--key",
+        default=DEFAULT_KEY,
+        help=f"the worker API key it accepts (default {DEFAULT_KEY})",
+    )
+    p.add_argument(
+        "--trusted",
+        action="store_true",
+        help="treat workers as trusted (a streamed job's lease may then grow to 600 s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log level of the dev Horde's lines on stderr (default INFO)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Run the dev Horde until Ctrl-C or SIGTERM; returns the exit code (0, or 2)."""
+    args = build_parser().parse_args(list(argv))
+    logging.basicConfig(
+        level=args.log_level,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    horde = DevHorde(api_keys=(args.key,), host=args.host, port=args.port, trusted=args.trusted)
+    try:
+        horde.start()
+    except OSError as exc:
+        print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+    url = horde.url
+    print(
+        f"Dev Horde at {url} (API key: {args.key})\n"
+        "\n"
+        "The standalone worker, beside a running koboldcpp:\n"
+        f"  koboldcpp-horde-chat --horde-url {url} --hordekey {args.key} "
+        "--hordeworkername my-worker\n"
+        "A patched koboldcpp:\n"
+        f"  AI_HORDE_URL={url} python koboldcpp.py --model MODEL.gguf "
+        f"--hordekey {args.key} --hordeworkername my-worker\n"
+        "Send a chat request, then read its status:\n"
+        f"  curl -s -X POST {url}/api/v2/generate/chat/async -H 'Content-Type: "
+        "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n"
+        f"  curl -s {url}/api/v2/generate/chat/status/REQUEST_ID\n"
+        "\n"
+        "Ctrl-C stops it.",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        horde.stop()
+    print("Dev Horde stopped.", flush=True)
+    return 0

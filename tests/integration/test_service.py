@@ -1,0 +1,237 @@
+"""The standalone worker as a service: a bounded stop, jobs that survive a crash, state lines.
+
+``python -m koboldcpp_horde_chat`` runs in a subprocess against the dev Horde
+and the scripted koboldcpp of this test process, as a supervisor (docker,
+systemd) would run it: real signals, a real SIGKILL and a restart, and the
+lines an operator reads.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+from koboldcpp_horde_chat.journal import journal_path
+
+from .conftest import API_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+FINAL = ("submitted", "faulted", "cancelled", "expired")
+WORKER_NAME = "service-worker"
+
+
+class Worker:
+    """The worker process; its log lines (stderr) are read as they come."""
+
+    def __init__(self, horde: DevHorde, kcpp: ScriptedKoboldcpp, journal_dir: Path, *extra: str):
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "koboldcpp_horde_chat",
+                "--hordekey", API_KEY,
+                "--hordeworkername", WORKER_NAME,
+                "--horde-url", horde.url,
+                "--kcpp-url", kcpp.url,
+                "--hordegenlen", "512",
+                "--journal-dir", str(journal_dir),
+                "--log-level", "INFO",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def said(self, text: str) -> int:
+        return sum(text in line for line in self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = 15.0) -> None:
+        until(lambda: self.said(text) > 0, timeout_s, f"no line with {text!r}:\n" + self.log())
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-40:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)
+
+
+@pytest.fixture
+def workers(horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(*extra: str) -> Worker:
+        worker = Worker(horde, kcpp, tmp_path / "state", *extra)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 15.0, why: str = "timed out") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.02)
+
+
+def terminal_actions(horde: DevHorde) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for entry in horde.ledger:
+        if entry["action"] in FINAL:
+            out.setdefault(entry["job_id"], []).append(entry["action"])
+    return out
+
+
+def slow(kcpp: ScriptedKoboldcpp, seconds: float) -> None:
+    """Every generation takes about ``seconds`` (40 tokens)."""
+    kcpp.token_delay_s = seconds / 40
+    kcpp.script(lambda body: ScriptedReply(text="sky " * 40))
+
+
+# --- a stop a supervisor can wait for ----------------------------------------------------
+
+
+def test_sigterm_during_a_generation_longer_than_the_grace_aborts_and_faults_it_then_exits_0(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+) -> None:
+    slow(kcpp, 20.0)
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    worker = workers("--stop-grace", "2")
+    until(lambda: kcpp.generating, 20)
+    worker.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    code = worker.proc.wait(15)
+    took = time.monotonic() - signalled
+    assert code == 0, worker.log()
+    assert 1.8 <= took < 6.0, took  # the grace period, then the abort and one fault
+    (job_id,) = horde.status(rid)["job_ids"]
+    assert terminal_actions(horde) == {job_id: ["faulted"]}
+    assert len(kcpp.aborts) >= 1 and kcpp.aborts[0].startswith("HORDEREQ_")
+    assert not kcpp.generating
+    assert worker.said("did not end within the 2 s stop grace period") == 1
+    # The request went back to the queue for another worker.
+    assert horde.status(rid)["state"] == "waiting"
+
+
+def test_sigterm_during_a_generation_within_the_grace_submits_it(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+) -> None:
+    slow(kcpp, 1.5)
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    worker = workers("--stop-grace", "8")
+    until(lambda: kcpp.generating, 20)
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(15) == 0, worker.log()
+    (job_id,) = horde.status(rid)["job_ids"]
+    assert terminal_actions(horde) == {job_id: ["submitted"]}
+    assert kcpp.aborts == []
+
+
+# --- jobs that survive a crash -----------------------------------------------------------
+
+
+def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it_pops(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    slow(kcpp, 30.0)
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    first = workers()
+    until(lambda: kcpp.generating, 20)
+    path = journal_path(WORKER_NAME, tmp_path / "state")
+    journaled = json.loads(path.read_text())["jobs"]
+    (job_id,) = horde.status(rid)["job_ids"]
+    assert [(e["job_id"], e["kind"]) for e in journaled] == [(job_id, "chat")]
+    assert journaled[0]["genkey"].startswith("HORDEREQ_")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    assert terminal_actions(horde) == {}  # the Horde still holds the job
+    assert kcpp.generating  # and koboldcpp still generates it
+
+    restarted_at = time.monotonic()
+    slow(kcpp, 0.2)
+    second = workers()
+    until(lambda: job_id in terminal_actions(horde), 20, second.log())
+    assert terminal_actions(horde)[job_id] == ["faulted"]
+    assert kcpp.aborts[:1] == [journaled[0]["genkey"]]  # its generation was aborted
+    # The fault was the restarted worker's first call to the Horde: before any pop.
+    calls = [r for r in horde.requests_log if r["port"] == "horde" and r["at"] > restarted_at]
+    assert calls[0]["path"].endswith("/generate/text/submit")
+    assert json.loads(calls[0]["body"]) == {
+        "id": job_id, "state": "faulted", "model_id": "koboldcpp/scripted-model"
+    }
+    assert second.said(f"job={job_id} kind=chat faulted after a restart") == 1
+    # The request was requeued and the restarted worker served it.
+    assert horde.wait([rid], timeout_s=20)
+    until(lambda: json.loads(path.read_text())["jobs"] == [], 5, path.read_text())
+
+
+# --- what the worker is doing -----------------------------------------------------------
+
+
+def test_a_local_user_and_another_client_are_said_once_each_and_so_is_popping_again(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+) -> None:
+    worker = workers()
+    until(lambda: len(horde.pops) >= 1, 20)
+    time.sleep(1.5)  # requests within 1 s of the worker's first look are koboldcpp's own start
+    kcpp.local_generate(3.0)  # a local user's generation (no HORDEREQ_ genkey)
+    worker.wait_for("a local user is generating: not popping until 20 s after their last request")
+    pops = len(horde.pops)
+    worker.wait_for("no local request for 20 s: popping again", timeout_s=30)
+    assert len(horde.pops) > pops
+    assert worker.said("a local user is generating") == 1
+    assert worker.said("popping again") == 1
+
+
+def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
+    horde: DevHorde, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
+
+    first = Kcpp(max_context_length=4096).start()
+    second = Kcpp(max_context_length=4096, port=first.port)
+    try:
+        horde.add_worker_message("Please rename your model.", worker=WORKER_NAME)
+        url = first.url
+        worker = Worker(horde, first, tmp_path / "state")
+        try:
+            worker.wait_for("message from the Horde (origin moderator")
+            until(lambda: len(horde.pops) >= 3, 20)
+            first.kill()
+            horde.send_chat({"messages": [{"role": "user", "content": "Hi"}]}, best_effort=True)
+            worker.wait_for(f"koboldcpp at {url} does not answer: not popping until it does")
+            second.start()
+            worker.wait_for(f"koboldcpp at {url} answers again: popping", timeout_s=20)
+            assert worker.said("Please rename your model.") == 1
+            assert worker.said("does not answer") == 1
+            lines = [line for line in worker.lines if "koboldcpp_horde_chat" in line]
+            assert lines and max(len(line) for line in lines) < 400
+            assert not any("Traceback" in line or "urllib3" in line for line in worker.lines)
+        finally:
+            worker.stop()
+    finally:
+        first.stop()
+        second.stop()

@@ -1,0 +1,284 @@
+"""What a packager relies on: the sdist carries its tests, the metadata agrees with
+itself, the package has no import cycle, and the lint tests skip (or, in CI,
+fail) without their pinned tools."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import koboldcpp_horde_chat
+from tests import test_static
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "koboldcpp_horde_chat"
+SUPPORTED = ("3.10", "3.11", "3.12", "3.13")
+
+
+def setup_cfg() -> configparser.ConfigParser:
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    return config
+
+
+# ------------------------------------------------------------------------- the sdist
+
+
+def git_files() -> list[str]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an unpacked sdist has no .git)")
+    result = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
+    )
+    return [f for f in result.stdout.decode("utf-8").split("\0") if f]
+
+
+def manifest_selects(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The files MANIFEST.in's commands select, evaluated by setuptools itself."""
+    egg_info = pytest.importorskip("setuptools.command.egg_info")
+    monkeypatch.chdir(ROOT)
+    files = egg_info.FileList()
+    files.findall(".")
+    for line in (ROOT / "MANIFEST.in").read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            files.process_template_line(line)
+    return {os.path.normpath(f).replace(os.sep, "/") for f in files.files}
+
+
+def test_the_sdist_carries_every_tracked_file_its_tests_and_docs_need(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every file git tracks is in the sdist (MANIFEST.in, or the package itself),
+    except the CI script and .gitignore, so the unpacked sdist can run its tests."""
+    tracked = git_files()
+    selected = manifest_selects(monkeypatch)
+    package_code = {f for f in tracked if f.startswith(f"{PACKAGE}/") and f.endswith(".py")}
+    not_shipped = {".gitignore", ".ci/run"}
+    missing = sorted(set(tracked) - selected - package_code - not_shipped)
+    assert missing == [], f"MANIFEST.in does not ship: {missing}"
+    for needed in ("tests/data/bfcl/bfcl-chat-requests.jsonl", "bench/run.py", "CHANGELOG.md"):
+        assert needed in selected
+
+
+def test_the_sdist_ships_no_local_results_or_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    selected = manifest_selects(monkeypatch)
+    assert not [f for f in selected if "__pycache__" in f or f.endswith(".pyc")]
+    assert not [f for f in selected if f.startswith("bench/results/")]
+
+
+def test_the_wheel_carries_the_package_only() -> None:
+    """setup.cfg finds only the package (no tests, no bench) and adds py.typed."""
+    config = setup_cfg()
+    assert config["options.packages.find"]["include"].split(", ") == [PACKAGE, f"{PACKAGE}.*"]
+    assert config["options.package_data"][PACKAGE].strip() == "py.typed"
+    assert (ROOT / PACKAGE / "py.typed").exists()
+
+
+# ---------------------------------------------------------------------- the metadata
+
+
+def test_python_versions_agree_everywhere() -> None:
+    config = setup_cfg()
+    assert config["options"]["python_requires"] == ">=3.10"
+    classifiers = config["metadata"]["classifiers"].split("\n")
+    versions = [
+        c.rsplit(" :: ", 1)[1]
+        for c in classifiers
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c.strip())
+    ]
+    assert tuple(versions) == SUPPORTED
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'target-version = "py310"' in pyproject
+    assert 'python_version = "3.10"' in pyproject
+
+
+def test_license_and_project_urls_are_declared() -> None:
+    meta = setup_cfg()["metadata"]
+    assert meta["license"] == "MIT"
+    assert "License :: OSI Approved :: MIT License" in meta["classifiers"]
+    assert "Homepage = https://" in meta["project_urls"]
+    assert "pypi.org" not in meta["project_urls"]  # not published there
+
+
+def test_the_changelog_has_the_current_version() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    version = koboldcpp_horde_chat.__version__
+    assert re.search(rf"^## {re.escape(version)}\b", text, re.MULTILINE), version
+
+
+def test_the_extras_split_behaviour_tests_from_pinned_lint() -> None:
+    extras = setup_cfg()["options.extras_require"]
+    test = {re.split(r"[<>=]", r.strip())[0] for r in extras["test"].splitlines() if r.strip()}
+    assert test == {"pytest", "responses", "hypothesis", "jsonschema"}
+    assert test_static.lint_pins() == {
+        "ruff": "0.17.6",
+        "mypy": "2.4.1",
+        "types-requests": "2.33.0.20261030",
+    }
+
+
+# ------------------------------------------------------------- the lint tests' guard
+
+
+def fake_versions(monkeypatch: pytest.MonkeyPatch, **versions: str | None) -> None:
+    def version(name: str) -> str:
+        value = versions.get(name.replace("-", "_"))
+        if value is None:
+            raise metadata.PackageNotFoundError(name)
+        return value
+
+    monkeypatch.setattr(test_static.metadata, "version", version)
+
+
+def test_a_missing_linter_skips_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(test_static.REQUIRE_ENV, raising=False)
+    fake_versions(monkeypatch, ruff=None)
+    with pytest.raises(pytest.skip.Exception, match=r"ruff is not installed \(pinned to 0\.17\.6\)"):
+        test_static.require_pinned("ruff")
+
+
+def test_a_linter_at_another_version_skips_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(test_static.REQUIRE_ENV, raising=False)
+    fake_versions(monkeypatch, mypy="1.0.0", types_requests="2.33.0.20261030")
+    with pytest.raises(pytest.skip.Exception, match="mypy 1.0.0 is installed, the lint is pinned to 2.4.1"):
+        test_static.require_pinned("mypy", "types-requests")
+
+
+def test_with_require_lint_set_a_missing_linter_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(test_static.REQUIRE_ENV, "1")
+    fake_versions(monkeypatch, ruff=None)
+    with pytest.raises(pytest.fail.Exception, match="KCPP_HORDE_REQUIRE_LINT is set and ruff"):
+        test_static.require_pinned("ruff")
+
+
+def test_the_pinned_linters_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_versions(monkeypatch, ruff="0.17.6", mypy="2.4.1", types_requests="2.33.0.20261030")
+    test_static.require_pinned("ruff", "mypy", "types-requests")  # neither skips nor fails
+
+
+# --------------------------------------------------------------------- import cycles
+
+
+def is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported_modules(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The package's modules ``module`` imports at run time, at any depth of its code
+    (a function's import counts; an ``if TYPE_CHECKING:`` block does not)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name:
+                    found.add(name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target in modules:
+                found.add(target)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in modules:
+                    found.add(f"{target}.{alias.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    found.discard(module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    root = ROOT / PACKAGE
+    paths: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        paths[name] = path
+    modules = set(paths)
+    return {name: imported_modules(path, name, modules) for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = walk(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = walk(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = import_graph()
+    assert f"{PACKAGE}.standalone" in graph[f"{PACKAGE}.cli"]
+    assert f"{PACKAGE}.demo" in graph[f"{PACKAGE}.cli"]  # the subcommand, imported lazily
+    assert f"{PACKAGE}.cli" not in graph[f"{PACKAGE}.demo"]
+    cycle = find_cycle(graph)
+    assert cycle == [], " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
+    """The check above can fail: the circle cli and demo once made is found."""
+    (tmp_path / "cli.py").write_text("def main():\n    from .demo import main\n")
+    (tmp_path / "demo.py").write_text("def main():\n    from .cli import run\n")
+    (tmp_path / "types_only.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .cli import main\n"
+    )
+    modules = {"p.cli", "p.demo", "p.types_only"}
+    graph = {m: imported_modules(tmp_path / f"{m[2:]}.py", m, modules) for m in modules}
+    assert graph["p.types_only"] == set()
+    assert find_cycle(graph) == ["p.cli", "p.demo", "p.cli"]
+
+
+def test_the_package_imports_on_this_python() -> None:
+    """Every module imports in a fresh interpreter (on 3.10 too: CI runs this there)."""
+    names = sorted(n for n in import_graph() if not n.endswith("__main__"))
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

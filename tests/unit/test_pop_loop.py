@@ -1,0 +1,240 @@
+"""The pop loop's manners and words, with in-process fakes of the Horde and koboldcpp.
+
+The overlap of a submit with the next pop, the quick re-check of a koboldcpp
+finishing the worker's own request, the Horde's messages to the owner, refusals
+named by their rc, empty pops' skipped counts and the periodic totals line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, cast
+
+import pytest
+
+from koboldcpp_horde_chat.errors import HordeRefusal
+from koboldcpp_horde_chat.manners import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
+from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.status import SUMMARY_EVERY_S
+from koboldcpp_horde_chat.worker import Worker
+from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
+from tests.unit.test_worker_unit import KEY, MODEL, chat_pop, text_pop
+
+
+class Manners:
+    """Local-use signals as a script: ``busy`` answers in turn (then False)."""
+
+    def __init__(self, busy: list[bool] | None = None) -> None:
+        self.busy = list(busy or [])
+        self.busy_checks = 0
+
+    def last_local_request_time(self) -> float | None:
+        return None
+
+    def model_busy(self) -> bool:
+        self.busy_checks += 1
+        return self.busy.pop(0) if self.busy else False
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def build(
+    pops: list[Any],
+    *,
+    overlap: bool = False,
+    manners: Manners | None = None,
+    horde: FakeHorde | None = None,
+    clock: FakeClock | None = None,
+) -> tuple[Worker, FakeHorde, FakeClock, FakeStopEvent]:
+    clock = clock or FakeClock()
+    horde = horde or FakeHorde(clock, pops=pops)
+    stop = FakeStopEvent(clock)
+    worker = Worker(
+        WorkerSettings(
+            api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
+        ),
+        horde=cast(Any, horde),
+        backend=cast(Any, FakeBackend()),
+        stop_event=stop,
+        manners=cast(Any, manners or Manners()),
+        clock=clock,
+        wall=clock,
+        pop_horde=cast(Any, horde) if overlap else None,
+    )
+    return worker, horde, clock, stop
+
+
+def messages_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("koboldcpp_horde_chat")]
+
+
+# --- the submit overlaps the next pop ---------------------------------------------------------
+
+
+class OrderedHorde(FakeHorde):
+    """Records the order of calls. The k-th submit waits (up to 2 s) for the (k+1)-th
+    pop: it comes at once when the loop sent the next pop beside the submit, never
+    when the loop pops only after the submit."""
+
+    def __init__(self, clock: FakeClock, pops: list[Any]) -> None:
+        super().__init__(clock, pops=pops)
+        self.calls: list[str] = []
+        self._changed = threading.Condition()
+        self._pops = 0
+        self._submits = 0
+
+    def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        with self._changed:
+            self._pops += 1
+            self.calls.append("pop")
+            self._changed.notify_all()
+        return super().pop(body, timeout_s=timeout_s)
+
+    def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        with self._changed:
+            self._submits += 1
+            wanted = self._submits + 1
+            overlapped = self._changed.wait_for(lambda: self._pops >= wanted, timeout=2.0)
+            self.calls.append(
+                f"submit {body['id']}" + (" (after the next pop went out)" if overlapped else "")
+            )
+        return super().submit(body, timeout_s=timeout_s)
+
+
+def test_the_next_pop_goes_out_while_the_job_is_submitted_and_every_job_ends_once() -> None:
+    clock = FakeClock()
+    horde = OrderedHorde(clock, [chat_pop("j1"), text_pop("t2"), chat_pop("j3")])
+    worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock)
+    for _ in range(3):
+        assert worker.run_once() is True
+    stop.set()
+    worker.drain()
+    assert horde.verdicts() == {"j1": "submitted", "t2": "submitted", "j3": "submitted"}
+    assert horde.calls[:4] == [
+        "pop",
+        "pop",
+        "submit j1 (after the next pop went out)",
+        "pop",
+    ]
+    assert "submit t2 (after the next pop went out)" in horde.calls
+
+
+def test_without_a_second_horde_client_each_submit_ends_before_the_next_pop() -> None:
+    clock = FakeClock()
+    horde = OrderedHorde(clock, [chat_pop("j1"), chat_pop("j2")])
+    worker, _, _, _ = build([], horde=horde, clock=clock)
+    worker.run_once()
+    worker.run_once()
+    assert horde.calls[0:2] == ["pop", "submit j1"]
+
+
+def test_a_job_popped_while_the_loop_stops_is_still_served() -> None:
+    worker, horde, _, stop = build([chat_pop("j1"), chat_pop("j2")], overlap=True)
+    worker.run_once()  # serves j1; j2 is popped meanwhile
+    stop.set()
+    worker.drain()
+    assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
+    assert horde.pop_calls == 2
+
+
+# --- koboldcpp finishing the worker's own request ---------------------------------------------
+
+
+def test_after_its_own_job_the_worker_rechecks_a_busy_koboldcpp_every_10_ms() -> None:
+    manners = Manners()
+    worker, horde, clock, stop = build([chat_pop("j1")], manners=manners)
+    worker.run_once()
+    manners.busy = [True, True, True]  # koboldcpp still holds its lock for a moment
+    waited_before = stop.waited
+    for _ in range(3):
+        assert worker.run_once() is False
+    assert stop.waited - waited_before == pytest.approx(3 * OWN_TAIL_POLL_S)
+
+
+def test_someone_elses_long_generation_is_checked_every_0_2_s_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    manners = Manners([True] * 30)
+    worker, horde, clock, stop = build([], manners=manners)
+    for _ in range(30):
+        assert worker.run_once() is False
+    assert stop.waited == pytest.approx(30 * 0.2)
+    lines = [m for m in messages_logged(caplog) if "busy" in m]
+    assert lines == [
+        "worker 1: koboldcpp is busy with another client's request: not popping until it is free"
+    ]
+    worker.run_once()  # free again: pops
+    assert "worker 1: koboldcpp is free: popping again" in messages_logged(caplog)
+
+
+# --- the Horde's words ------------------------------------------------------------------------
+
+
+def test_each_moderator_message_is_logged_once_however_many_pops_carry_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    note = {"id": "m-1", "message": "Your worker name is odd.", "origin": "AI Horde Moderators"}
+    empty = {"id": None, "ids": [], "skipped": {}, "messages": [note]}
+    job = chat_pop("j1")
+    job["messages"] = [note]
+    worker, horde, _, _ = build([empty, job, empty, dict(empty, messages=[note, {"id": "m-2", "message": "Thanks."}])])
+    for _ in range(4):
+        worker.run_once()
+    said = [m for m in messages_logged(caplog) if "message from the Horde" in m]
+    assert said == [
+        "worker 1: message from the Horde (origin AI Horde Moderators): Your worker name is odd.",
+        "worker 1: message from the Horde: Thanks.",
+    ]
+    assert horde.verdicts() == {"j1": "submitted"}
+
+
+def test_too_many_workers_is_named_by_its_rc_and_retried_a_minute_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    refusal = HordeRefusal(
+        "To avoid abuse, untrusted users can only have up to 3 distinct workers.",
+        status=403,
+        rc="TooManyWorkers",
+    )
+    worker, horde, clock, stop = build([refusal, refusal, chat_pop("j1")])
+    for _ in range(3):
+        worker.run_once()
+    lines = messages_logged(caplog)
+    refused = [m for m in lines if "TooManyWorkers" in m]
+    assert len(refused) == 1
+    assert "keep --hordeworkername the same across runs" in refused[0]
+    assert not any("maintenance" in m for m in lines)
+    assert stop.waited >= 2 * MAINTENANCE_POLL_S
+    assert horde.verdicts() == {"j1": "submitted"}
+    assert worker.exit_code == 0
+    assert "worker 1: the Horde takes pops again: popping" in lines
+
+
+def test_empty_pops_say_what_was_skipped_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    empty = {"id": None, "ids": [], "skipped": {"untrusted": 2}, "messages": []}
+    worker, _, _, _ = build([empty] * 40)
+    for _ in range(40):
+        worker.run_once()  # 1 s, then 2 s, then 3 s between empty pops: 85 s in all
+    said = [m for m in messages_logged(caplog) if "skipped" in m]
+    assert said[0] == "worker 1: no job for this worker: 2 requests skipped: untrusted=2"
+    assert len(said) == 2
+
+
+def test_a_totals_line_comes_every_ten_minutes(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    worker, horde, clock, _ = build([chat_pop("j1")])
+    worker.run_once()
+    clock.advance(SUMMARY_EVERY_S + 1)
+    worker.run_once()
+    worker.run_once()
+    lines = [m for m in messages_logged(caplog) if "uptime" in m]
+    assert len(lines) == 1
+    assert lines[0].startswith("worker 1: 1 jobs, 12 kudos (") and "0 faults" in lines[0]
