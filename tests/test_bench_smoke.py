@@ -152,6 +152,12 @@ def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
     # at the same generation time (0.8 s) ours earns 1.0 / 0.95 and 1.5 / 1.425 as much
     same = by_name["kudos/hour ours/own at the same generation time, 1 slot, 0 ms"]
     assert [round(v, 4) for v in same["values"]] == [1.0526, 1.0526]
+    assert "target" not in same  # judged at 150 ms
+    same_150 = by_name["kudos/hour ours/own at the same generation time, 1 slot, 150 ms"]
+    # idle 450 vs 200 ms in round 1: (0.8 + 0.45) / (0.8 + 0.2) = 1.25
+    assert round(same_150["median"], 4) == 1.25 and same_150["met"] is True
+    same_per_job = by_name["per-job time ours/own at the same generation time, 1 slot, 0 ms"]
+    assert round(same_per_job["median"], 4) == 0.95 and same_per_job["met"] is True
     factor = by_name["2-slot factor (jobs/hour 2 slots / 1), ours, 0 ms"]
     assert abs(factor["median"] - 1 / 0.9) < 1e-3 and factor["met"] is True
     assert "target" not in by_name["2-slot factor (jobs/hour 2 slots / 1), own, 0 ms"]
