@@ -4,10 +4,10 @@ Reproduce (from the repository root):
 
     python bench/bench_overhead.py [--runs 3] [--jobs 300] [--quick] [--profile] [--json OUT]
 
-For a chat job with 20 messages and 2 tools, the worker's
-own time from receiving the pop response to sending the backend request, plus
-from the backend's last byte to sending the submit, network and backend time
-excluded. Target: median at most 2 ms, p99 at most 10 ms.
+For a chat job with 20 messages and 2 tools, the worker's own time from
+receiving the pop response to sending the backend request, plus from the
+backend's last byte to sending the submit, network and backend time excluded.
+Target: median at most 2 ms, p99 at most 10 ms.
 
 Two measurements of the same jobs:
 

@@ -2,8 +2,8 @@
 
 Reproduce (from the repository root):
 
-    python bench/run.py                 # all benchmarks, about 5 minutes
-    python bench/run.py --quick         # shorter runs, under a minute
+    python bench/run.py                 # all benchmarks, about 5 minutes (+ 15 with koboldcpp)
+    python bench/run.py --quick         # shorter runs, about a minute (+ 3 with koboldcpp)
     python bench/run.py --only overhead,throughput
     python bench/run.py --compare bench/results/<earlier>.json
 
@@ -17,14 +17,19 @@ the change of every median against an earlier file, to compare commits.
 
 Benchmarks (``--only``/``--skip`` names):
 
-* ``overhead``   bench_overhead.py   per-job overhead of a chat job (1)
-* ``throughput`` bench_throughput.py jobs/s, koboldcpp's loop for scale, idle gap (2, 3)
-* ``offload``    bench_offload.py    a 36 MiB offloaded conversation with 20 images (4)
-* ``sse``        bench_sse.py        SSE decoding throughput (5)
-* ``progress``   bench_progress.py   progress post interval and latency (5)
-* ``memory``     bench_memory.py     RSS after start-up, growth over 10,000 jobs (6)
+* ``overhead``   bench_overhead.py   the worker's own time per chat job, backend and network excluded
+* ``throughput`` bench_throughput.py jobs/s through the loop, koboldcpp's loop for scale, idle gap
+* ``offload``    bench_offload.py    a 36 MiB offloaded conversation with 20 images
+* ``sse``        bench_sse.py        SSE decoding throughput
+* ``progress``   bench_progress.py   progress post interval and token-to-post delay
+* ``memory``     bench_memory.py     RSS after start-up, growth over 10,000 jobs
 * ``soak``       soak.py             10,000 jobs with injected faults (memory, correctness)
-* ``real``       bench_real.py       a real koboldcpp, directly and through the worker (7)
+* ``real``       bench_real.py       a real koboldcpp, directly and through the worker
+* ``kudos``      bench_kudos.py      a real koboldcpp: its own embedded worker vs the patched
+  one, kudos/hour and per-job time at 0 and 150 ms, 1 and 2 slots
+
+``real`` and ``kudos`` need a built koboldcpp and a model (``KCPP_DIR``,
+``KCPP_MODEL``); without them they say they were skipped.
 
 The machine matters: the figures in README were taken on 2 shared vCPUs with
 other work running, so compare medians of runs taken close together.
@@ -110,6 +115,7 @@ BENCHES: tuple[Bench, ...] = (
         ),
     ),
     Bench("real", "bench_real.py", (), ("--quick",), 400),
+    Bench("kudos", "bench_kudos.py", (), ("--quick",), 3600),
 )
 
 _MIN_MED_MAX = re.compile(
@@ -261,7 +267,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter runs (under a minute)")
+    ap.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
     ap.add_argument("--only", default="", help="comma-separated names to run")
     ap.add_argument("--skip", default="", help="comma-separated names not to run")
     ap.add_argument("--out", default=str(BENCH / "results"), help="directory for the JSON")

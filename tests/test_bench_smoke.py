@@ -1,5 +1,9 @@
 """The benchmarks must not rot: a quick run of the cheap ones exits 0 and prints figures.
 
+The kudos benchmark needs a real koboldcpp: here it is run without one (it must
+say it was skipped and exit 0), and its arithmetic is checked on a made-up
+record of the dev Horde.
+
 Runs ``python bench/run.py --quick --only overhead,throughput,sse --no-save`` (about
 10 s: the dev Horde and a scripted koboldcpp in a server process, the worker in
 another) and checks that every selected benchmark printed its figures, its
@@ -9,10 +13,13 @@ machine's load decides those, and ``bench/run.py`` reports them.
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = ("overhead", "throughput", "sse")
@@ -45,3 +52,114 @@ def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
     assert "reproduce: python bench/bench_throughput.py" in out
     assert "== summary" in out
     assert "figure(s) off target" in out
+
+
+def test_kudos_bench_without_koboldcpp_says_it_was_skipped_and_exits_0() -> None:
+    env = dict(os.environ, KCPP_DIR="/nonexistent/koboldcpp")
+    env.pop("BENCH_PKG_ROOT", None)
+    result = subprocess.run(
+        [sys.executable, "bench/bench_kudos.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skipped: no koboldcpp.py in /nonexistent/koboldcpp (set KCPP_DIR)" in result.stdout
+    assert "reproduce: KCPP_DIR=/nonexistent/koboldcpp python bench/bench_kudos.py --quick" in (
+        result.stdout
+    )
+
+
+def _kudos_module() -> Any:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module("bench_kudos")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_kudos_bench_reads_gap_pop_to_submit_and_wall_from_the_horde_record() -> None:
+    bk = _kudos_module()
+    call = bk.Call
+    # one slot, 150 ms: job a popped (answer ready at 0.15), submitted at 1.15 (answer 1.30);
+    # the pop for b overlaps that submit (arrives 1.16); b submitted 2.31 (answer 2.46);
+    # the pop for c arrives 2.56 (after b's answer); c submitted 3.71 (answer 3.86)
+    calls = [
+        call("pop", 0.00, 0.15, 200, "a"),
+        call("submit", 1.15, 1.30, 200, "a", reward=5.0),
+        call("pop", 1.16, 1.31, 200, "b"),
+        call("submit", 2.31, 2.46, 200, "b", reward=5.0),
+        call("pop", 2.56, 2.71, 200, "c"),
+        call("submit", 3.71, 3.86, 200, "c", reward=5.0),
+        call("pop", 3.90, 4.05, 200, None),  # empty: not a job pop
+    ]
+    fig = bk.analyse_batch(calls, {"a", "b", "c"}, slots=1)
+    assert fig["ok"] == 3
+    assert fig["kudos"] == 15.0
+    assert abs(fig["wall_s"] - 3.86) < 1e-9
+    assert [round(g) for g in fig["gaps_ms"]] == [-140, 100]
+    assert [round(x, 2) for x in fig["pop_to_submit_s"]] == [1.0, 1.0, 1.0]
+    assert fig["bad"] == {}
+    # two slots: the threads' calls cannot be told apart, so no gap
+    assert bk.analyse_batch(calls, {"a", "b", "c"}, slots=2)["gaps_ms"] == []
+
+
+def test_kudos_bench_reads_generation_times_from_koboldcpp_log_lines() -> None:
+    bk = _kudos_module()
+    text = (
+        "[13:16:24] CtxLimit:73/1024, Init:0.00s, Processed:1 in 0.02s (47.62T/s), "
+        "Generated:48/48 in 0.81s (59.63T/s), Total:0.83s[13:16:24] horde-worker-1 INFO: "
+        "job=x kind=text submitted: 204 chars, 0.9 s, 5 kudos\n"
+        "[13:17:41] BatchRequest:11, Prompt:25, Generated:48/48 in 1.87s (25.73T/s), Stop:0\n"
+    )
+    assert bk.logged_generation_times(text) == [0.83, 1.87]
+
+
+def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
+    bk = _kudos_module()
+
+    def batch(worker: str, slots: int, latency: int, rnd: int, wall: float) -> Any:
+        return bk.Batch(
+            worker=worker,
+            slots=slots,
+            latency_ms=latency,
+            round=rnd,
+            jobs=10,
+            ok=10,
+            wall_s=wall,
+            kudos=50.0,
+            gen_times_s=[0.8] * 10,
+            gaps_ms=[1.0 if worker == "ours" else 100.0],
+        )
+
+    batches = []
+    for rnd, drift in ((1, 1.0), (2, 1.5)):  # the machine is 1.5x slower in round 2
+        for latency, own_wall, ours_wall in ((0, 10.0, 9.5), (150, 12.5, 10.0)):
+            batches.append(batch("own", 1, latency, rnd, own_wall * drift))
+            batches.append(batch("ours", 1, latency, rnd, ours_wall * drift))
+            batches.append(batch("own", 2, latency, rnd, own_wall * drift * 1.1))
+            batches.append(batch("ours", 2, latency, rnd, ours_wall * drift * 0.9))
+    lines, figures = bk.summarise(batches, [0, 150], [1, 2], [0.9, 0.95])
+    by_name = {f["name"]: f for f in figures}
+    kudos = by_name["kudos/hour ours/own, 1 slot, 150 ms"]
+    assert kudos["values"] == [1.25, 1.25] and kudos["met"] is True
+    per_job = by_name["per-job time ours/own, 1 slot, 0 ms"]
+    assert per_job["values"] == [0.95, 0.95] and per_job["met"] is True
+    assert by_name["gap submit answer -> next pop, ours, 1 slot, 0 ms"]["met"] is True
+    # idle per job: own 200 ms and ours 150 ms in round 1, 700 and 625 ms in round 2;
+    # at the same generation time (0.8 s) ours earns 1.0 / 0.95 and 1.5 / 1.425 as much
+    same = by_name["kudos/hour ours/own at the same generation time, 1 slot, 0 ms"]
+    assert [round(v, 4) for v in same["values"]] == [1.0526, 1.0526]
+    assert "target" not in same  # judged at 150 ms
+    same_150 = by_name["kudos/hour ours/own at the same generation time, 1 slot, 150 ms"]
+    # idle 450 vs 200 ms in round 1: (0.8 + 0.45) / (0.8 + 0.2) = 1.25
+    assert round(same_150["median"], 4) == 1.25 and same_150["met"] is True
+    same_per_job = by_name["per-job time ours/own at the same generation time, 1 slot, 0 ms"]
+    assert round(same_per_job["median"], 4) == 0.95 and same_per_job["met"] is True
+    factor = by_name["2-slot factor (jobs/hour 2 slots / 1), ours, 0 ms"]
+    assert abs(factor["median"] - 1 / 0.9) < 1e-3 and factor["met"] is True
+    assert "target" not in by_name["2-slot factor (jobs/hour 2 slots / 1), own, 0 ms"]
+    assert any("ours/own" in line and "1.250x" in line for line in lines)
+    assert any("koboldcpp alone" in line and "0.925x" in line for line in lines)
