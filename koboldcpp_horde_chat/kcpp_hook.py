@@ -224,6 +224,12 @@ class KcppManners:
         locked = _get(lock, "locked", None)
         return bool(locked()) if callable(locked) else False
 
+    def requests_queued(self) -> bool:
+        """``requestsinqueue > 0``: requests wait for koboldcpp's model lock (a local
+        user's, say, behind the tail of the worker's own request)."""
+        queued = _get(self._kcpp, "requestsinqueue", 0)
+        return isinstance(queued, int) and queued > 0
+
     def should_stop(self) -> bool:
         """koboldcpp is shutting down: ``exitcounter >= 100`` (it sets 999 when
         closing), the interpreter is finalising, or koboldcpp's main thread ended."""

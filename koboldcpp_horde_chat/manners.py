@@ -116,6 +116,7 @@ class StandaloneManners:
         self.last_own_request_time = 0.0
         self._baseline: float | None = None
         self._uptime: float | None = None
+        self._queued = False
         self._busy = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
@@ -144,7 +145,8 @@ class StandaloneManners:
             # koboldcpp may be restarting: its next start is not a local user either.
             self._baseline = None
             return None
-        self._busy = perf.get("idle") == 0 or bool(perf.get("queue"))
+        self._queued = bool(perf.get("queue"))
+        self._busy = perf.get("idle") == 0 or self._queued
         uptime = _number(perf.get("uptime"))
         if uptime is not None and self._uptime is not None and uptime < self._uptime:
             self._baseline = None  # koboldcpp restarted between two reads
@@ -175,6 +177,10 @@ class StandaloneManners:
         """koboldcpp's last ``/api/extra/perf`` said it is generating or has a queue
         (always False when ``check_busy`` is off)."""
         return self._busy and self._check_busy
+
+    def requests_queued(self) -> bool:
+        """koboldcpp's last ``/api/extra/perf`` counted requests waiting for its lock."""
+        return self._queued
 
     def should_stop(self) -> bool:
         return False
@@ -230,12 +236,23 @@ class PopGate:
         if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
             return "local_user", LOCAL_USER_POLL_S
         if self.manners.model_busy():
-            return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
+            if self.own_tail() and not self._others_queued():
+                # koboldcpp holds its lock 50 ms after answering the worker's own
+                # request, and nobody waits for it: pop now (the next request
+                # only queues behind that tail).
+                pass
+            else:
+                return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
         if not self._backend_answers():
             return "backend_down", BACKEND_PROBE_S
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
         return None
+
+    def _others_queued(self) -> bool:
+        """Requests wait for koboldcpp's model lock (True when the manners cannot say)."""
+        queued = getattr(self.manners, "requests_queued", None)
+        return bool(queued()) if callable(queued) else True
 
     def own_tail(self) -> bool:
         """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""

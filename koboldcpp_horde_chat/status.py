@@ -23,8 +23,8 @@ from typing import Any
 #: one said when it pops again.
 PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
     "local_user": (
-        "a local user is generating: not popping until {local_idle_s:g} s after their "
-        "last request, as koboldcpp's own worker does",
+        "koboldcpp had a local request (or just started): not popping until "
+        "{local_idle_s:g} s after it, as koboldcpp's own worker does",
         "no local request for {local_idle_s:g} s: popping again",
     ),
     "busy": (

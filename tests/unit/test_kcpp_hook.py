@@ -313,6 +313,16 @@ def test_with_vision_the_same_declaration_as_the_standalone_cli() -> None:
 # ---------------------------------------------------------------------- manners
 
 
+def test_manners_say_whether_requests_wait_for_the_model_lock() -> None:
+    kcpp = make_kcpp(requestsinqueue=0)
+    manners = kcpp_hook.KcppManners(kcpp)
+    assert manners.requests_queued() is False
+    kcpp.requestsinqueue = 2
+    assert manners.requests_queued() is True
+    del kcpp.requestsinqueue
+    assert manners.requests_queued() is False
+
+
 def test_manners_read_last_non_horde_req_time_live() -> None:
     kcpp = make_kcpp(last_non_horde_req_time=1000.0)
     manners = kcpp_hook.KcppManners(kcpp)

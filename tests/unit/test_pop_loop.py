@@ -153,6 +153,39 @@ def test_after_its_own_job_the_worker_rechecks_a_busy_koboldcpp_every_10_ms() ->
     assert stop.waited - waited_before == pytest.approx(3 * OWN_TAIL_POLL_S)
 
 
+class QueueManners(Manners):
+    """Manners that also say whether requests wait for koboldcpp's model lock."""
+
+    def __init__(self, busy: list[bool] | None = None, queued: bool = False) -> None:
+        super().__init__(busy)
+        self.queued = queued
+
+    def requests_queued(self) -> bool:
+        return self.queued
+
+
+def test_the_tail_of_its_own_request_does_not_hold_the_next_pop_when_nobody_waits() -> None:
+    """koboldcpp keeps its model lock 50 ms after answering; nobody queued: pop at once."""
+    manners = QueueManners()
+    worker, horde, clock, stop = build([chat_pop("j1"), chat_pop("j2")], manners=manners)
+    worker.run_once()
+    manners.busy = [True, True, True]
+    waited_before = stop.waited
+    assert worker.run_once() is True  # popped and served j2 without waiting
+    assert stop.waited == waited_before
+    assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
+
+
+def test_a_request_queued_behind_its_own_is_let_through_first() -> None:
+    manners = QueueManners(queued=True)
+    worker, horde, clock, stop = build([chat_pop("j1"), chat_pop("j2")], manners=manners)
+    worker.run_once()
+    manners.busy = [True, True]
+    assert worker.run_once() is False
+    assert worker.run_once() is False
+    assert horde.pop_calls == 1
+
+
 def test_someone_elses_long_generation_is_checked_every_0_2_s_and_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

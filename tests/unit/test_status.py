@@ -32,7 +32,7 @@ def test_a_lasting_pause_is_said_once_and_popping_again_once() -> None:
     lines = [t.pausing("local_user", 100.0 + i) for i in range(10)]
     said = [line for line in lines if line]
     assert said == [
-        "a local user is generating: not popping until 20 s after their last request, "
+        "koboldcpp had a local request (or just started): not popping until 20 s after it, "
         "as koboldcpp's own worker does"
     ]
     assert t.popping(111.0) == "no local request for 20 s: popping again"
