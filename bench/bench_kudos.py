@@ -6,10 +6,10 @@ Reproduce (from the repository root):
                                 [--slots 1,2] [--max-length 48] [--quick] [--json OUT]
 
 Needs a koboldcpp source tree with its library built (``$KCPP_DIR``, default
-``/work/kcpp/src-1.116.1``: ``koboldcpp.py`` and ``koboldcpp_default.so``) and
-a GGUF model (``$KCPP_MODEL``, default
-``/work/kcpp/models/SmolLM2-135M-Instruct.Q4_1.gguf``). Without them it prints
-that it was skipped and why, and exits 0.
+``kcpp-src`` in the repository, which git ignores: ``koboldcpp.py`` and
+``koboldcpp_default.so``) and a GGUF model (``$KCPP_MODEL``, default the first
+``*.gguf`` in ``$KCPP_DIR/models``). Without them it prints that it was
+skipped and why, and exits 0.
 
 Two workers serve the same text jobs from the same model, one after the other:
 
@@ -123,8 +123,7 @@ from bench_throughput import (  # noqa: E402
 from koboldcpp_horde_chat.devkit._http import Request, Response  # noqa: E402
 from koboldcpp_horde_chat.devkit.horde import DevHorde, is_validated_backend  # noqa: E402
 
-DEFAULT_KCPP_DIR = "/work/kcpp/src-1.116.1"
-DEFAULT_KCPP_MODEL = "/work/kcpp/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_KCPP_DIR = Path(__file__).resolve().parents[1] / "kcpp-src"
 API_KEY = "bench-kudos-key-0123456789"
 OWN, OURS = "own", "ours"
 #: The bridge agent koboldcpp's own worker sends, and the start of ours.
@@ -163,7 +162,8 @@ ODD_LINE = re.compile(
 def find_koboldcpp() -> tuple[Path | None, Path | None, str]:
     """(koboldcpp source dir, model, "") when both are at hand, else (None, None, why not)."""
     kdir = Path(os.environ.get("KCPP_DIR") or DEFAULT_KCPP_DIR)
-    model = Path(os.environ.get("KCPP_MODEL") or DEFAULT_KCPP_MODEL)
+    models = sorted((kdir / "models").glob("*.gguf"))
+    model = Path(os.environ.get("KCPP_MODEL") or (models[0] if models else kdir / "models"))
     if not (kdir / "koboldcpp.py").is_file():
         return None, None, f"no koboldcpp.py in {kdir} (set KCPP_DIR)"
     if not any(kdir.glob("koboldcpp_*.so")):

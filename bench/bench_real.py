@@ -4,10 +4,10 @@ Reproduce (from the repository root):
 
     python bench/bench_real.py [--runs 5] [--tokens 64] [--quick] [--json OUT]
 
-Needs a koboldcpp built locally: ``$KCPP_DIR`` (default
-``/work/kcpp/src-1.116.1``, holding ``koboldcpp.py`` and a built
+Needs a koboldcpp built locally: ``$KCPP_DIR`` (default ``kcpp-src`` in the
+repository, which git ignores, holding ``koboldcpp.py`` and a built
 ``koboldcpp_default.so``) and a GGUF model (``$KCPP_MODEL``, default the first
-``*.gguf`` in ``/work/kcpp/models``). Without them it prints that it was
+``*.gguf`` in ``$KCPP_DIR/models``). Without them it prints that it was
 skipped and why.
 
 The bench starts its own koboldcpp on a free 127.0.0.1 port (``--contextsize
@@ -63,8 +63,10 @@ from bench_throughput import (  # noqa: E402
     write_json,
 )
 
-KCPP_DIR = Path(os.environ.get("KCPP_DIR") or "/work/kcpp/src-1.116.1")
-MODELS_DIR = Path("/work/kcpp/models")
+KCPP_DIR = Path(
+    os.environ.get("KCPP_DIR") or Path(__file__).resolve().parents[1] / "kcpp-src"
+)
+MODELS_DIR = KCPP_DIR / "models"
 
 
 def find_koboldcpp() -> tuple[Path | None, Path | None, str]:

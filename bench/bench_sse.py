@@ -4,7 +4,7 @@ Reproduce (from the repository root):
 
     python bench/bench_sse.py [--runs 7] [--mib 8]
 
-The input is the recorded koboldcpp 1.116.1 streams in /work/shared/kcpp-samples/
+The input is the recorded koboldcpp 1.116.1 streams in tests/data/kcpp-samples/
 (or a synthetic stream of the same shape when they are absent) repeated to about
 ``--mib`` MiB, fed to a fresh decoder in three ways:
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from koboldcpp_horde_chat.sse import SSEDecoder  # noqa: E402
 
-SAMPLES = Path("/work/shared/kcpp-samples")
+SAMPLES = Path(__file__).resolve().parents[1] / "tests" / "data" / "kcpp-samples"
 NAMES = ("chat_stream.raw", "chat_stream_smollm.raw", "abort_chat_stream.raw")
 
 

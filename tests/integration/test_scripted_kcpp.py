@@ -3,8 +3,8 @@
 Shapes (key order and value types), statuses and headers of every scripted
 answer are compared with ``kcpp-samples/`` (recorded from a real koboldcpp
 1.116.1); ids, timestamps and text may differ. The samples are read from
-``tests/data/kcpp-samples`` or, failing that, ``$KCPP_SAMPLES`` or
-``/work/shared/kcpp-samples``; tests that need them skip when none exists.
+``tests/data/kcpp-samples`` or, failing that, ``$KCPP_SAMPLES``; tests that
+need them skip when none exists.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ def _samples_dir() -> Path | None:
     for candidate in (
         here,
         Path(os.environ.get("KCPP_SAMPLES", "")),
-        Path("/work/shared/kcpp-samples"),
     ):
         if str(candidate) and (candidate / "chat_nonstream.body").is_file():
             return candidate
