@@ -651,6 +651,10 @@ def build_worker(
         backend=backend,
         manners=StandaloneManners(backend) if manners == "standalone" else NoManners(),
         caps=BackendCapabilities(vision=vision),
+        # The second Horde session the next pop goes out on, beside each submit.
+        pop_horde=TimedHorde(
+            settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent
+        ),
     )
     return worker, horde, backend
 
