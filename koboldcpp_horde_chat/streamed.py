@@ -112,7 +112,8 @@ class _StreamedGeneration:
         )
         reader.start()
         try:
-            while True:
+            ended = False
+            while not ended:
                 now = edges.clock()
                 lease.deadline = max(lease.deadline, poster.lease_deadline)
                 if ctx.abandoned.is_set():
@@ -126,26 +127,17 @@ class _StreamedGeneration:
                 except queue.Empty:
                     self._post_due()
                     continue
-                if item is None:
-                    for event in decoder.close():
-                        self._feed(event.data)
-                    break
-                if isinstance(item, BaseException):
-                    self._close_and_abort()
-                    if isinstance(item, BackendError):
-                        raise item
-                    raise BackendError(f"stream failed: {item!r}")
-                for event in decoder.feed(item):
-                    self._feed(event.data)
-                    if accumulator.done or accumulator.error is not None:
+                ended = self._take(item, decoder)
+                # What koboldcpp sent while the last post was answered goes into the
+                # next post whole: a slow Horde must not turn into one post per chunk.
+                while not ended:
+                    try:
+                        item = chunks.get_nowait()
+                    except queue.Empty:
                         break
-                if accumulator.error is not None:
-                    # Abort at once: what koboldcpp sends after an error is not used.
-                    self._close_and_abort()
-                    raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
-                if accumulator.done:
-                    break
-                self._post_due()
+                    ended = self._take(item, decoder)
+                if not ended:
+                    self._post_due()
             if accumulator.error is not None:
                 raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
             if accumulator.native_finish_reason is None:
@@ -161,6 +153,32 @@ class _StreamedGeneration:
             return accumulator.result()
         finally:
             self.slot.close()
+
+    def _take(self, item: bytes | BaseException | None, decoder: SSEDecoder) -> bool:
+        """Feed one item of the reader's queue; True when the stream ended.
+
+        Raises BackendError (the stream failed) or ReplyError (koboldcpp reported
+        an error in the stream), after aborting the local generation.
+        """
+        accumulator = self.accumulator
+        if item is None:
+            for event in decoder.close():
+                self._feed(event.data)
+            return True
+        if isinstance(item, BaseException):
+            self._close_and_abort()
+            if isinstance(item, BackendError):
+                raise item
+            raise BackendError(f"stream failed: {item!r}")
+        for event in decoder.feed(item):
+            self._feed(event.data)
+            if accumulator.done or accumulator.error is not None:
+                break
+        if accumulator.error is not None:
+            # Abort at once: what koboldcpp sends after an error is not used.
+            self._close_and_abort()
+            raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
+        return accumulator.done
 
     def _open_stream(self) -> BackendStream:
         """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.

@@ -159,6 +159,27 @@ def test_a_streamed_reply_arrives_as_ordered_posts_whose_concatenation_is_the_su
     assert gaps and all(0.9 <= g <= 2.0 for g in gaps), gaps
 
 
+def test_a_slow_horde_gets_one_post_a_round_trip_not_one_post_a_token(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
+) -> None:
+    """At a 1 s round trip a post takes as long as the interval: what koboldcpp sent
+    meanwhile must go into the next post whole, not one chunk a post (which made a
+    100-token reply take over a minute and a long one run out of its lease)."""
+    kcpp.token_delay_s = 0.02
+    kcpp.script(lambda body: ScriptedReply(text=LONG_TEXT))  # ~130 tokens, ~2.6 s
+    rid = stream_request(horde)
+    horde.latency_s = 1.0
+    started = time.monotonic()
+    serve(horde, start_worker, rid, timeout_s=60)
+    took = time.monotonic() - started
+    job_id = only_job_id(horde, rid)
+    assert terminal(horde) == [(job_id, "submitted")]
+    stream = horde.status(rid)["stream"]
+    assert content_of(stream) == LONG_TEXT
+    assert len(progress_posts(horde)) <= 6, len(progress_posts(horde))
+    assert took < 15.0, took
+
+
 def test_a_job_with_tools_is_generated_whole_and_posts_no_progress(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
 ) -> None:
