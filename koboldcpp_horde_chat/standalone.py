@@ -49,7 +49,7 @@ KCPP_URL_ENV = "KCPP_URL"
 
 #: Seconds a job in hand may take to finish after a stop signal (docker stop
 #: sends SIGKILL 10 s after SIGTERM; Kubernetes 30 s; systemd 90 s).
-DEFAULT_STOP_GRACE_S = 8.0
+DEFAULT_STOP_GRACE_S = 6.0
 #: The most pop loops ``--parallelrequests`` runs (the Horde takes 1 to 50 ``threads``).
 MAX_PARALLEL_REQUESTS = 50
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds one submit attempt may take when the process is exiting.
 EXIT_SUBMIT_TIMEOUT_S = 5.0
+#: Seconds past the stop's grace period a submit may still take.
+STOP_SUBMIT_EXTRA_S = 1.0
 
 RefusalHandler = Callable[[HordeRefusal], JobFault]
 """Turns the Horde's refusal of a reply into the fault that follows it."""
@@ -162,6 +165,21 @@ class SubmitPipeline:
             return
         self.forget(ctx)
 
+    def _timeout(self) -> float:
+        """A submit's read timeout, seconds: ``submit_timeout_s``, but when the
+        worker is stopping no later than a second after the stop's grace period
+        (a supervisor kills the process soon after it)."""
+        timeout = self.settings.submit_timeout_s
+        deadline = self.state.stop_deadline
+        if deadline is not None:
+            timeout = min(timeout, max(1.0, deadline + STOP_SUBMIT_EXTRA_S - time.monotonic()))
+        return timeout
+
+    def _stop_overdue(self) -> bool:
+        """The worker is stopping and its grace period is over."""
+        deadline = self.state.stop_deadline
+        return deadline is not None and time.monotonic() >= deadline
+
     def _send(
         self,
         ctx: JobContext,
@@ -182,7 +200,7 @@ class SubmitPipeline:
         while True:
             attempts += 1
             try:
-                answer = self.horde.submit(body, timeout_s=self.settings.submit_timeout_s)
+                answer = self.horde.submit(body, timeout_s=self._timeout())
             except HordeRefusal as exc:
                 ctx.settled = True
                 if exc.rc == "DuplicateGen":
@@ -204,12 +222,14 @@ class SubmitPipeline:
                 return
             except HordeUnavailable as exc:
                 remaining = ctx.lease.remaining(self.clock())
-                if ctx.abandoned.is_set():
+                if ctx.abandoned.is_set() or self._stop_overdue():
                     # Stopping, and the grace period is over: the process exits now.
-                    ctx.settled = True
+                    # The job stays in the journal: the next start faults it.
                     self.state.record_dropped()
-                    log.error("job=%s submit failed (%s) and the worker is stopping; "
-                              "left to expire", ctx.id, exc)
+                    log.error(
+                        "job=%s submit failed (%s) and the worker is stopping: left to the "
+                        "next start, which faults it", ctx.id, exc
+                    )
                     return
                 if attempts >= 3 and remaining <= 0:
                     ctx.settled = True

@@ -156,6 +156,26 @@ def test_sigterm_during_a_generation_within_the_grace_submits_it(
     assert kcpp.aborts == []
 
 
+def test_a_submit_the_horde_does_not_answer_at_a_stop_is_left_to_the_next_start(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    """The stop stays bounded when the Horde hangs on the last submit: the worker
+    gives up a second after the grace period and keeps the job in its journal."""
+    slow(kcpp, 1.0)
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    horde.inject("submit", "hang:30")
+    worker = workers("--stop-grace", "2")
+    until(lambda: kcpp.generating, 20)
+    worker.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert worker.wait(15) == 0, worker.log()
+    assert time.monotonic() - signalled < 5.0
+    (job_id,) = horde.status(rid)["job_ids"]
+    journaled = json.loads(journal_path(WORKER_NAME, tmp_path / "state").read_text())["jobs"]
+    assert [e["job_id"] for e in journaled] == [job_id]
+    assert worker.said("left to the next start") == 1
+
+
 # --- jobs that survive a crash -----------------------------------------------------------
 
 
