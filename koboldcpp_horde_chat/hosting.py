@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .backend import KoboldClient
+from .errors import ConfigError
 from .horde import HordeClient
 from .journal import Journal, journal_path, recover
 from .settings import WorkerSettings
@@ -38,8 +39,20 @@ def open_state(
     Returns:
         The state to give every loop of the worker. Never raises for the
         Horde's or koboldcpp's answers (``journal.recover`` logs them).
+
+    Raises:
+        ConfigError: another process on this machine serves the same worker
+            name (it holds the journal, ``Journal.claim``).
     """
     journal = Journal(journal_path(settings.worker_name, journal_directory))
+    holder = journal.claim()
+    if holder is not None:
+        raise ConfigError(
+            f"another worker named {settings.worker_name!r} runs on this machine"
+            + (f" (process {holder})" if holder else "")
+            + ": the Horde sees one worker per name; stop that one, or give this one "
+            "another --hordeworkername"
+        )
     state = WorkerState(settings, stop_event=stop_event, journal=journal)
     stopper = state.stop_event
 

@@ -271,6 +271,48 @@ class Journal:
         self._entries: dict[str, JournalEntry] = {}
         self._loaded = False
         self._failing = False
+        self._claim_fd: int | None = None
+
+    def claim(self) -> int | None:
+        """Take the journal for this process, for as long as it lives.
+
+        Two processes serving the same worker name on one machine would share
+        the file: the second one's start would fault (and abort) the first
+        one's jobs in hand. An exclusive lock on ``<file>.lock`` (``flock``;
+        ``msvcrt.locking`` on Windows), which the system drops when the process
+        ends however it ends, prevents that.
+
+        Returns:
+            None when this process holds it now (or it cannot be locked at all:
+            the directory cannot be made, say; the worker then runs without
+            it), else the process id the holder wrote in the lock file (0 when
+            unknown).
+        """
+        if self._claim_fd is not None:
+            return None
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            log.warning("job journal %s cannot be locked (%s)", self.path, _reason(exc))
+            return None
+        try:
+            _lock_file(fd)
+        except OSError:
+            try:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            return int(holder) if holder.isdigit() else 0
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode("ascii"))
+        except OSError:
+            pass  # the lock holds; only the holder's id for the message is missing
+        self._claim_fd = fd
+        return None
 
     def __repr__(self) -> str:
         return f"Journal(path={str(self.path)!r})"
@@ -407,6 +449,19 @@ class Journal:
         if self._failing:
             self._failing = False
             log.warning("job journal %s is written again", self.path)
+
+
+def _lock_file(fd: int) -> None:
+    """An exclusive lock on the open file ``fd`` without waiting; OSError when
+    another process holds it."""
+    if sys.platform == "win32":
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _fsync_dir(directory: Path) -> None:

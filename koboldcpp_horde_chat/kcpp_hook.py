@@ -330,12 +330,17 @@ def run_horde_worker(
     )
     manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
     try:
+        state = shared_state(settings)
+    except ConfigError as exc:
+        log.error("worker %d: not started: %s", worker_id, exc)
+        return
+    try:
         code = _worker.run_worker(
             settings,
             manners=manners,
             caps=capabilities(settings),
             worker_id=worker_id,
-            state=shared_state(settings),
+            state=state,
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

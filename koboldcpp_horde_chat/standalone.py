@@ -411,7 +411,11 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         log.error("%s", exc)
         return 2
     directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
-    state = open_state(settings, directory, stop_event=stop_event)
+    try:
+        state = open_state(settings, directory, stop_event=stop_event)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     states.append(state)
     slots = args.parallelrequests
     manners = StandaloneManners(backend, check_busy=slots <= 1)

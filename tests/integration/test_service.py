@@ -215,6 +215,25 @@ def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it
     until(lambda: json.loads(path.read_text())["jobs"] == [], 5, path.read_text())
 
 
+def test_a_second_worker_process_with_the_same_name_refuses_to_start_and_leaves_the_job_alone(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+) -> None:
+    """Its start would otherwise fault the first one's job in hand and abort its
+    generation, which the first would then submit cut short."""
+    slow(kcpp, 4.0)
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    workers()  # the first worker, which takes the job
+    until(lambda: kcpp.generating, 20)
+    second = workers()
+    assert second.wait(15) == 2
+    assert second.said(f"another worker named '{WORKER_NAME}' runs on this machine (process ") == 1
+    assert horde.wait([rid], timeout_s=20)
+    (job_id,) = horde.status(rid)["job_ids"]
+    assert terminal_actions(horde) == {job_id: ["submitted"]}
+    assert kcpp.aborts == []
+    assert horde.status(rid)["message"]["content"] == "sky " * 40  # all of it
+
+
 # --- what the worker is doing -----------------------------------------------------------
 
 

@@ -770,3 +770,21 @@ def test_a_mixed_journal_gets_one_summary_line(
         "jobs in hand at the last stop: 1 faulted, 1 already settled, 1 expired, "
         "0 left to expire, 0 kept in the journal"
     ]
+
+
+def test_only_one_journal_object_at_a_time_holds_a_journal_file(tmp_path: Path) -> None:
+    """Two processes serving one worker name would fault each other's jobs at start:
+    the second cannot take the journal while the first holds it."""
+    path = tmp_path / "state" / "jobs.json"
+    first, second = Journal(path), Journal(path)
+    assert first.claim() is None
+    assert first.claim() is None  # taking it again is a no-op
+    assert second.claim() == os.getpid()
+    other = Journal(tmp_path / "state" / "jobs-other.json")
+    assert other.claim() is None  # another worker name is another journal
+
+
+def test_a_journal_whose_directory_cannot_be_made_is_run_without_a_lock(tmp_path: Path) -> None:
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the directory should be")
+    assert Journal(blocker / "jobs.json").claim() is None
