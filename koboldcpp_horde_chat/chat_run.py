@@ -204,10 +204,10 @@ class ChatRun:
                 "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
             )
         edges.record_in_hand(ctx)
-        edges.note_own_request()
         try:
             if stream:
-                backend_reply = generate_streamed(edges, job, ctx, backend_body)
+                with edges.own_request():
+                    backend_reply = generate_streamed(edges, job, ctx, backend_body)
             else:
                 body = edges.with_busy_retry(
                     lambda timeout: edges.backend.chat_completion(backend_body, timeout_s=timeout),

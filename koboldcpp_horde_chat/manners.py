@@ -116,6 +116,7 @@ class StandaloneManners:
         self.last_own_request_time = 0.0
         self._baseline: float | None = None
         self._uptime: float | None = None
+        self._own_in_flight = 0
         self._queued = False
         self._busy = False
         # The last idle answer: when it was read (monotonic) and the epoch time
@@ -126,6 +127,19 @@ class StandaloneManners:
     def note_own_request(self) -> None:
         """Record that the worker sent a generation request now."""
         with self._lock:
+            self._own_in_flight += 1
+            self.last_own_request_time = self._clock()
+
+    def note_own_request_done(self) -> None:
+        """Record that one of the worker's generation requests ended now.
+
+        koboldcpp notes a request's time when it takes the model lock, which
+        for a request that waited (behind another loop's, say) is later than
+        when it was sent: a request noted while one of the worker's own is in
+        flight, or up to its end, is the worker's own.
+        """
+        with self._lock:
+            self._own_in_flight = max(0, self._own_in_flight - 1)
             self.last_own_request_time = self._clock()
 
     def last_local_request_time(self) -> float | None:
@@ -167,7 +181,7 @@ class StandaloneManners:
 
     def _local(self, last_request: float | None) -> float | None:
         """``last_request`` when it came after the worker's own last request."""
-        if last_request is None or self._baseline is None:
+        if last_request is None or self._baseline is None or self._own_in_flight:
             return None
         if last_request > max(self.last_own_request_time, self._baseline) + 1.0:
             return last_request
@@ -266,6 +280,12 @@ class PopGate:
     def note_own_request(self) -> None:
         """The worker sends a generation request now (not a local user's)."""
         note = getattr(self.manners, "note_own_request", None)
+        if callable(note):
+            note()
+
+    def note_own_request_done(self) -> None:
+        """One of the worker's generation requests ended now."""
+        note = getattr(self.manners, "note_own_request_done", None)
         if callable(note):
             note()
 

@@ -21,7 +21,8 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +172,9 @@ class Edges:
         backend: the koboldcpp client.
         clock: monotonic seconds.
         stop_event: set when the worker is asked to stop.
-        note_own_request: called before each generation request the worker
-            sends, so a standalone worker does not take it for a local user's.
+        note_own_request, note_own_request_done: called before and after each
+            generation request the worker sends (:meth:`own_request`), so a
+            standalone worker does not take it for a local user's.
         wall: epoch seconds.
         journal: the worker's job journal (None: no journal).
     """
@@ -185,6 +187,17 @@ class Edges:
     note_own_request: Callable[[], None]
     wall: Callable[[], float] = time.time
     journal: Journal | None = None
+    note_own_request_done: Callable[[], None] = lambda: None
+
+    @contextmanager
+    def own_request(self) -> Iterator[None]:
+        """Around one generation request of the worker's to koboldcpp, so that a
+        standalone worker does not take it for a local user's."""
+        self.note_own_request()
+        try:
+            yield
+        finally:
+            self.note_own_request_done()
 
     def record_in_hand(self, ctx: JobContext) -> None:
         """Journal the job before its generation starts (flushed to disk), so that
@@ -232,10 +245,9 @@ class Edges:
             remaining = ctx.lease.remaining(self.clock()) - SUBMIT_MARGIN_S
             if remaining <= 1.0:
                 raise BackendError("the lease ran out before koboldcpp answered")
-            # Every generation request is the worker's own, not a local user's.
-            self.note_own_request()
             try:
-                answer = call(remaining)
+                with self.own_request():  # the worker's own, not a local user's
+                    answer = call(remaining)
             except BackendUnauthorized:
                 raise
             except BackendBusy:

@@ -118,6 +118,7 @@ class Worker:
             clock=clock,
             stop_event=self.stop_event,
             note_own_request=self.gate.note_own_request,
+            note_own_request_done=self.gate.note_own_request_done,
             wall=wall,
             journal=state.journal,
         )

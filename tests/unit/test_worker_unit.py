@@ -649,3 +649,25 @@ def test_a_local_request_after_the_worker_started_is_still_a_local_user() -> Non
     assert manners.last_local_request_time() is None
     clock.advance(5.0)
     assert manners.last_local_request_time() == clock() - 0.5
+
+
+def test_a_request_of_the_worker_that_waited_for_koboldcpps_lock_is_not_a_local_user() -> None:
+    """With two loops, one request waits for the other's to end; koboldcpp notes its
+    time only when it takes the lock, later than it was sent."""
+    backend = PerfBackend(
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        {"idle": 0, "queue": 0, "idletime": 0.0, "uptime": 55.0},  # noted while in flight
+        {"idle": 1, "queue": 0, "idletime": 2.5, "uptime": 60.0},  # after it ended
+        {"idle": 1, "queue": 0, "idletime": 0.5, "uptime": 63.0},  # someone else, later
+    )
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    manners.note_own_request()  # sent, waits for the lock
+    clock.advance(5.0)
+    assert manners.last_local_request_time() is None
+    clock.advance(2.0)
+    manners.note_own_request_done()
+    clock.advance(3.0)
+    assert manners.last_local_request_time() is None  # koboldcpp's stamp is the worker's own
+    clock.advance(3.0)
+    assert manners.last_local_request_time() == clock() - 0.5
