@@ -314,6 +314,12 @@ class Journal:
         self._claim_fd = fd
         return None
 
+    def release(self) -> None:
+        """Give the journal up (the process ends, or starts its loops again)."""
+        fd, self._claim_fd = self._claim_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def __repr__(self) -> str:
         return f"Journal(path={str(self.path)!r})"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from .backend import KoboldClient
@@ -69,6 +70,22 @@ class NoManners:
         return False
 
 
+@dataclass(frozen=True)
+class BackendIdentity:
+    """What koboldcpp serves, as far as the declaration depends on it."""
+
+    model_name: str
+    max_context_length: int
+    vision: bool
+
+    def describe(self) -> str:
+        """``"koboldcpp/Foo (context 4096)"``; ``", vision"`` added when it reads images."""
+        return (
+            f"{self.model_name} (context {self.max_context_length}"
+            + (", vision)" if self.vision else ")")
+        )
+
+
 class StandaloneManners:
     """Manners read from a separate koboldcpp's ``/api/extra/perf``.
 
@@ -95,6 +112,12 @@ class StandaloneManners:
         clock: epoch seconds (``idletime`` is turned into a time with it).
         monotonic: seconds, for the 1 s reuse (tests may pass fakes of both).
         check_busy: report koboldcpp's ``idle: 0`` as busy.
+        identity: what koboldcpp served when the worker started (model name,
+            context size, vision). After koboldcpp restarts it is read again;
+            when it differs, :attr:`changed` says how and :meth:`should_stop`
+            turns True, so the worker stops before it serves a job under a
+            declaration koboldcpp no longer matches (the host then starts it
+            again with what koboldcpp serves now).
     """
 
     PERF_IDLE_CACHE_S = 1.0
@@ -107,9 +130,12 @@ class StandaloneManners:
         monotonic: Callable[[], float] = time.monotonic,
         *,
         check_busy: bool = True,
+        identity: BackendIdentity | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._check_busy = check_busy
+        self._identity = identity
+        self.changed: str | None = None
         self._backend = backend
         self._clock = clock
         self._monotonic = monotonic
@@ -117,6 +143,7 @@ class StandaloneManners:
         self._baseline: float | None = None
         self._uptime: float | None = None
         self._own_in_flight = 0
+        self._maybe_restarted = False
         self._queued = False
         self._busy = False
         # The last idle answer: when it was read (monotonic) and the epoch time
@@ -158,13 +185,18 @@ class StandaloneManners:
             self._busy = False
             # koboldcpp may be restarting: its next start is not a local user either.
             self._baseline = None
+            self._maybe_restarted = True
             return None
         self._queued = bool(perf.get("queue"))
         self._busy = perf.get("idle") == 0 or self._queued
         uptime = _number(perf.get("uptime"))
         if uptime is not None and self._uptime is not None and uptime < self._uptime:
             self._baseline = None  # koboldcpp restarted between two reads
+            self._maybe_restarted = True
         self._uptime = uptime
+        if self._maybe_restarted:
+            self._maybe_restarted = False
+            self._check_identity()
         idletime = _number(perf.get("idletime"))
         last_request: float | None = None
         if idletime is not None:
@@ -187,6 +219,22 @@ class StandaloneManners:
             return last_request
         return None
 
+    def _check_identity(self) -> None:
+        """After a restart: does koboldcpp still serve what the worker declares?"""
+        if self._identity is None or self.changed is not None:
+            return
+        try:
+            info = self._backend.info()
+        except BackendError:
+            self._maybe_restarted = True  # ask again on the next read
+            return
+        now = BackendIdentity(info.model_name, info.max_context_length, info.vision)
+        if now != self._identity:
+            self.changed = (
+                f"koboldcpp restarted with {now.describe()} (it served "
+                f"{self._identity.describe()})"
+            )
+
     def model_busy(self) -> bool:
         """koboldcpp's last ``/api/extra/perf`` said it is generating or has a queue
         (always False when ``check_busy`` is off)."""
@@ -197,7 +245,8 @@ class StandaloneManners:
         return self._queued
 
     def should_stop(self) -> bool:
-        return False
+        """True once koboldcpp came back serving something else (:attr:`changed`)."""
+        return self.changed is not None
 
 
 def _number(value: object) -> float | None:

@@ -108,6 +108,8 @@ class WorkerSettings:
         model_id: the model name popped for and declared as ``model_id``,
             e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``.
         backend_max_context_length: koboldcpp's loaded context size.
+        backend_model_name: the model name koboldcpp reports (``/api/v1/model``),
+            when read from it (the standalone worker); ``""`` otherwise.
         horde_max_context_length: ``--hordemaxctx``; 0 means the backend's.
         max_length: ``--hordegenlen``, the most tokens asked for one job; the
             declared value is :attr:`declared_max_length`.
@@ -139,6 +141,7 @@ class WorkerSettings:
     worker_name: str
     model_id: str
     backend_max_context_length: int
+    backend_model_name: str = ""
     horde_max_context_length: int = 0
     max_length: int = 1024
     horde_url: str = DEFAULT_HORDE_URL

@@ -29,7 +29,7 @@ from .declaration import BackendCapabilities, model_id_warnings, standalone_mode
 from .errors import BackendError, BackendUnauthorized, ConfigError
 from .hosting import open_state
 from .journal import JOURNAL_DIR_ENV, default_state_dir, journal_dir
-from .manners import StandaloneManners
+from .manners import BackendIdentity, StandaloneManners
 from .settings import (
     DEFAULT_HORDE_URL,
     DEFAULT_KCPP_URL,
@@ -340,6 +340,7 @@ def settings_from_args(
         worker_name=args.hordeworkername,
         model_id=model_id,
         backend_max_context_length=info.max_context_length,
+        backend_model_name=info.model_name,
         horde_max_context_length=args.hordemaxctx,
         max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
         horde_url=args.horde_url,
@@ -398,27 +399,47 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
 
-    try:
-        check_flags(args)
-        backend = KoboldClient(args.kcpp_url, args.kcpp_password)
-        settings, caps = settings_from_args(
-            args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
-        )
-    except ConfigError as exc:
-        if stop_event.is_set():
-            log.info("%s", exc)
-            return 0
-        log.error("%s", exc)
-        return 2
     directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
-    try:
-        state = open_state(settings, directory, stop_event=stop_event)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    states.append(state)
-    slots = args.parallelrequests
-    manners = StandaloneManners(backend, check_busy=slots <= 1)
+    while True:
+        try:
+            check_flags(args)
+            backend = KoboldClient(args.kcpp_url, args.kcpp_password)
+            settings, caps = settings_from_args(
+                args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
+            )
+            state = open_state(settings, directory, stop_event=stop_event)
+        except ConfigError as exc:
+            if stop_event.is_set():
+                log.info("%s", exc)
+                return 0
+            log.error("%s", exc)
+            return 2
+        states[:] = [state]
+        manners = StandaloneManners(
+            backend,
+            check_busy=args.parallelrequests <= 1,
+            identity=BackendIdentity(
+                settings.backend_model_name, settings.backend_max_context_length, settings.vision
+            ),
+        )
+        try:
+            code = _serve(settings, caps, state, manners, args.parallelrequests)
+        finally:
+            if state.journal is not None:
+                state.journal.release()
+        if manners.changed is None or stop_event.is_set():
+            return code
+        log.warning("%s: reading it again to declare what it serves now", manners.changed)
+
+
+def _serve(
+    settings: WorkerSettings,
+    caps: BackendCapabilities,
+    state: WorkerState,
+    manners: StandaloneManners,
+    slots: int,
+) -> int:
+    """Run ``slots`` pop loops on threads of their own until they stop; the exit code."""
     codes: list[int] = []
 
     def serve(worker_id: int) -> None:

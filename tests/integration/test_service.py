@@ -281,3 +281,39 @@ def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
     finally:
         first.stop()
         second.stop()
+
+
+def test_koboldcpp_back_with_another_model_is_declared_anew_before_a_job_is_served(
+    horde: DevHorde, tmp_path: Path
+) -> None:
+    """The worker read koboldcpp's model and context at start: one restarted with
+    another model or a smaller context must not be served under the old declaration."""
+    from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
+
+    first = Kcpp(max_context_length=4096, model_name="koboldcpp/Small-Model").start()
+    port = first.port
+    second = Kcpp(max_context_length=1024, model_name="koboldcpp/Other-Model", port=port)
+    worker = Worker(horde, first, tmp_path / "state")
+    try:
+        until(lambda: len(horde.pops) >= 2, 20)
+        assert horde.pops[-1]["body"]["model_id"] == "koboldcpp/Small-Model"
+        first.kill()
+        time.sleep(1.5)
+        second.start()
+        worker.wait_for(
+            "koboldcpp restarted with koboldcpp/Other-Model (context 1024) (it served "
+            "koboldcpp/Small-Model (context 4096)): reading it again", timeout_s=20
+        )
+        pops = len(horde.pops)
+        until(lambda: len(horde.pops) > pops + 1, 20, worker.log())
+        body = horde.pops[-1]["body"]
+        assert body["model_id"] == "koboldcpp/Other-Model"
+        assert body["chat_limits"]["max_context_length"] == 1024
+        assert worker.proc.poll() is None  # the same process goes on
+        rid = horde.send_chat({"messages": [{"role": "user", "content": "Hi"}]}, best_effort=True)
+        assert horde.wait([rid], timeout_s=20)
+        assert horde.status(rid)["model"] == "koboldcpp/Other-Model"
+    finally:
+        worker.stop()
+        first.stop()
+        second.stop()

@@ -671,3 +671,50 @@ def test_a_request_of_the_worker_that_waited_for_koboldcpps_lock_is_not_a_local_
     assert manners.last_local_request_time() is None  # koboldcpp's stamp is the worker's own
     clock.advance(3.0)
     assert manners.last_local_request_time() == clock() - 0.5
+
+
+class InfoPerfBackend(PerfBackend):
+    """PerfBackend that also answers ``info()`` from a script."""
+
+    def __init__(self, infos: list[Any], *answers: dict[str, Any] | Exception) -> None:
+        super().__init__(*answers)
+        self.infos = infos
+
+    def info(self, *, timeout_s: float = 10.0) -> Any:
+        return self.infos.pop(0)
+
+
+def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
+    from koboldcpp_horde_chat.backend import BackendInfo
+    from koboldcpp_horde_chat.manners import BackendIdentity, StandaloneManners
+
+    def info(name: str, ctx: int) -> BackendInfo:
+        return BackendInfo(model_name=name, max_context_length=ctx, vision=False,
+                           version="1.116.1", protected=False, jinja=False)
+
+    down = BackendError("GET /api/extra/perf connection failed (refused)")
+    backend = InfoPerfBackend(
+        [info("koboldcpp/Small", 2048), info("koboldcpp/Big-70B", 1024)],
+        {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0},
+        down,
+        {"idle": 1, "queue": 0, "idletime": 1.0, "uptime": 1.0},  # back, same model
+        down,
+        {"idle": 1, "queue": 0, "idletime": 1.0, "uptime": 1.0},  # back, another model
+    )
+    clock = FakeClock()
+    manners = StandaloneManners(
+        cast(Any, backend), clock=clock, monotonic=clock,
+        identity=BackendIdentity("koboldcpp/Small", 2048, False),
+    )
+    for _ in range(3):
+        manners.last_local_request_time()
+        clock.advance(1.5)
+    assert manners.changed is None and manners.should_stop() is False
+    for _ in range(2):
+        manners.last_local_request_time()
+        clock.advance(1.5)
+    assert manners.should_stop() is True
+    assert manners.changed == (
+        "koboldcpp restarted with koboldcpp/Big-70B (context 1024) "
+        "(it served koboldcpp/Small (context 2048))"
+    )
