@@ -39,6 +39,8 @@ IMAGE_FETCH_THREADS = 4
 MESSAGES_FETCH_MAX_S = 120.0
 #: The longest a tokencount or the image fetches may take, seconds.
 PREPARE_MAX_S = 60.0
+#: Read timeout of the ``/api/extra/perf`` look that tells an abort from a stop sequence.
+ABORT_CHECK_TIMEOUT_S = 2.0
 
 
 class ChatRun:
@@ -219,6 +221,7 @@ class ChatRun:
             budget = kcpp_effective_max_length(
                 job.max_length, job.max_context_length, self.settings.backend_max_context_length
             )
+            self._check_not_aborted(backend_reply, budget)
             submit_body = reply.chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
         except (BackendError, ReplyError) as exc:
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
@@ -229,6 +232,31 @@ class ChatRun:
             f"calls={len(message.get('tool_calls') or [])}"
         )
         return Reply(submit_body, detail, self._refusal_fault)
+
+    def _check_not_aborted(self, backend_reply: reply.BackendReply, budget: int) -> None:
+        """A generation someone aborted on koboldcpp (its stop button) is not a
+        complete reply: fault it rather than submit it cut short.
+
+        koboldcpp says ``"length"`` for an abort as for a stop sequence; its
+        ``/api/extra/perf`` ``stop_reason`` tells them apart. Only with one
+        loop: with several, perf may describe another loop's generation.
+
+        Raises:
+            JobFault: the generation was aborted before its end.
+        """
+        if self.settings.threads > 1 or not reply.needs_stop_reason(
+            backend_reply.native_finish_reason, backend_reply.completion_tokens, budget
+        ):
+            return
+        try:
+            perf = self.edges.backend.perf(timeout_s=ABORT_CHECK_TIMEOUT_S)
+        except BackendError:
+            return
+        if reply.aborted_short(perf.get("stop_reason")):
+            raise JobFault(
+                f"koboldcpp's generation was aborted after {backend_reply.completion_tokens} "
+                f"of {budget} tokens (a stop on koboldcpp?): not submitted cut short"
+            )
 
     def _refusal_fault(self, exc: HordeRefusal) -> JobFault:
         """Seed "Submit refusals": the fault that follows a refused reply.

@@ -194,6 +194,28 @@ def map_finish_reason(
     raise ReplyError(f"unusable finish reason {native!r}")
 
 
+#: koboldcpp's C++ stop reason for a generation that ran out of tokens: its budget,
+#: or an abort (``/api/extra/perf`` ``stop_reason``, facts §4.9).
+KCPP_STOP_OUT_OF_TOKENS = 0
+
+
+def needs_stop_reason(native: str | None, completion_tokens: int | None, max_length: int) -> bool:
+    """True when koboldcpp's ``"length"`` below the budget may be an abort.
+
+    koboldcpp reports ``"length"`` for its budget, a stop sequence hit and an
+    abort alike; below the budget it is one of the last two, told apart only
+    by koboldcpp's raw stop reason (:func:`aborted_short`).
+    """
+    return native == "length" and completion_tokens is not None and completion_tokens < max_length
+
+
+def aborted_short(stop_reason: object) -> bool:
+    """koboldcpp's raw stop reason of a ``"length"`` generation below its budget
+    (:func:`needs_stop_reason`): True for an abort (``0``, out of tokens before
+    the budget), False for a stop sequence (``2``) or anything unknown."""
+    return stop_reason == KCPP_STOP_OUT_OF_TOKENS and not isinstance(stop_reason, bool)
+
+
 def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
     """The backend's tool calls in the submit's shape.
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import requests
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
@@ -250,6 +251,41 @@ def test_a_stop_sequence_hit_is_submitted_as_stop_not_length(
     assert kcpp.generations[-1]["finish_reason"] == "length"  # koboldcpp's quirk
     assert entry["body"]["finish_reason"] == "stop"
     assert entry["body"]["native_finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_generation_aborted_on_koboldcpp_is_faulted_not_submitted_cut_short(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any, stream: bool
+) -> None:
+    """koboldcpp's stop button (an abort without a genkey) ends the Horde's job too,
+    and koboldcpp reports it as "length", as it does a stop sequence: the worker
+    must not submit the cut reply as a complete one."""
+    kcpp.token_delay_s = 0.05
+    kcpp.script(lambda body: ScriptedReply(text="The sky is blue today. " * 20))
+    rid = horde.send_chat(
+        {"messages": [{"role": "user", "content": "Sky?"}], "max_tokens": 300, "stream": stream},
+        best_effort=True,
+        max_attempts=1,
+    )
+    worker = start_worker()
+    try:
+        deadline = time.monotonic() + 20
+        while not kcpp.generating:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert requests.post(f"{kcpp.url}/api/extra/abort", json={}, timeout=5).json() == {
+            "success": "true", "done": "true"
+        }
+        assert horde.wait([rid], timeout_s=20)
+    finally:
+        worker.stop()
+    (entry,) = [e for e in horde.ledger if e["action"] != "refused"]
+    assert entry["action"] == "faulted"
+    assert entry["body"] == {
+        "id": entry["job_id"], "state": "faulted", "model_id": "koboldcpp/scripted-model"
+    }
+    assert kcpp.generations[-1]["aborted"] is True
 
 
 def test_a_conversation_that_does_not_fit_is_faulted_with_prompt_overflow_and_not_generated(

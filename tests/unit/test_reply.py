@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from koboldcpp_horde_chat import reply
 from koboldcpp_horde_chat.errors import ReplyError
 from koboldcpp_horde_chat.reply import (
     FAULT_PROMPT_OVERFLOW,
@@ -597,3 +598,23 @@ def test_a_reply_cut_at_koboldcpps_budget_is_length_and_a_stop_sequence_is_stop(
     assert body["message"] == {"role": "assistant", "content": "",
                                "reasoning_content": "Let me weigh"}
     assert body["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("native", "tokens", "budget", "needed"),
+    [
+        ("length", 40, 300, True),  # below the budget: a stop sequence or an abort
+        ("length", 300, 300, False),  # the budget ran out
+        ("length", None, 300, False),  # no count: nothing to tell
+        ("stop", 40, 300, False),
+    ],
+)
+def test_only_a_length_below_the_budget_needs_koboldcpps_stop_reason(
+    native: str, tokens: int | None, budget: int, needed: bool
+) -> None:
+    assert reply.needs_stop_reason(native, tokens, budget) is needed
+
+
+@pytest.mark.parametrize(("stop_reason", "aborted"), [(0, True), (2, False), (-1, False), (None, False), (False, False), ("0", False)])
+def test_koboldcpps_out_of_tokens_below_the_budget_is_an_abort(stop_reason: object, aborted: bool) -> None:
+    assert reply.aborted_short(stop_reason) is aborted
