@@ -48,13 +48,19 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
         "the Horde refuses this worker's pops: not popping for a minute at a time",
         "the Horde takes pops again: popping",
     ),
+    "horde_down": (
+        "the Horde at {horde_url} does not answer: trying again, up to a minute apart",
+        "the Horde answers again: popping",
+    ),
 }
 
 #: A pause shorter than this, seconds, is not said (a local user's single
 #: request or koboldcpp finishing a request flickers in and out).
 PAUSE_REPORT_AFTER_S = 2.0
 #: Pauses said at once: they do not flicker, and the operator should know at once.
-IMMEDIATE_PAUSES = frozenset({"backend_down", "maintenance", "chat_withdrawn", "refused"})
+IMMEDIATE_PAUSES = frozenset(
+    {"backend_down", "maintenance", "chat_withdrawn", "refused", "horde_down"}
+)
 #: Seconds between two lines about empty pops' ``skipped`` counts.
 SKIPPED_EVERY_S = 60.0
 #: Seconds between two summary lines.

@@ -130,7 +130,9 @@ class Worker:
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
         self._pauses = PauseTracker(
-            local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url
+            local_idle_s=settings.local_idle_s,
+            kcpp_url=settings.kcpp_url,
+            horde_url=settings.horde_url,
         )
         self._skipped = SkippedReporter()
 
@@ -255,7 +257,11 @@ class Worker:
                 delay = self._error_backoff.next_delay(
                     error.retry_after_s if isinstance(error, HordeUnavailable) else None
                 )
-                log.warning("pop failed: %s; retrying in %.1f s", error, delay)
+                line = self._pauses.pausing("horde_down", self.clock())
+                if line is not None:
+                    log.warning("worker %d: %s (%s)", self.worker_id, line, error)
+                else:
+                    log.debug("pop failed: %s; retrying in %.1f s", error, delay)
                 self.stop_event.wait(delay)
             return False
         self._error_backoff.reset()

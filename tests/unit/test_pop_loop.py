@@ -271,3 +271,20 @@ def test_a_totals_line_comes_every_ten_minutes(caplog: pytest.LogCaptureFixture)
     lines = [m for m in messages_logged(caplog) if "uptime" in m]
     assert len(lines) == 1
     assert lines[0].startswith("worker 1: 1 jobs, 12 kudos (") and "0 faults" in lines[0]
+
+
+def test_a_horde_that_does_not_answer_is_said_once_not_at_every_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    worker, horde, _, _ = build(["unavailable", "lost", "unavailable", "rate_limited", chat_pop("j1")])
+    for _ in range(5):
+        worker.run_once()
+    lines = messages_logged(caplog)
+    down = [m for m in lines if "does not answer" in m]
+    assert down == [
+        "worker 1: the Horde at https://aihorde.net does not answer: trying again, up to a "
+        "minute apart (pop: HTTP 502 (status=502))"
+    ]
+    assert "worker 1: the Horde answers again: popping" in lines
+    assert horde.verdicts() == {"j1": "submitted"}
