@@ -17,7 +17,9 @@ subclass here, so none escapes:
 
 ``Authorization: Bearer <password>`` is sent only when a password is set, and
 only to koboldcpp; the Horde API key is never sent here. Error messages never
-contain the password.
+contain the password, nor the HTTP library's own text: a failure without an
+answer reads ``"POST /v1/chat/completions connection failed (reset)"``,
+``"... timed out"``, ``"... connection failed (refused)"``.
 
 One :class:`requests.Session` per client: sessions are not documented as
 thread-safe, so use one client per thread (a :class:`BackendStream` may be
@@ -40,7 +42,6 @@ import json
 import logging
 import os
 import socket
-import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
+from . import netfail
 from .errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from .fetch import read_body
 from .jsonbody import RAW_STRING_MIN_CHARS, encode_json
@@ -560,55 +562,14 @@ def _detail(raw: bytes) -> str:
     return json.dumps(decoded)[:_DETAIL_CHARS]
 
 
-#: Texts that mark a message as the HTTP library's own (left out of log lines).
-_LIBRARY_TEXT = ("Max retries exceeded", "ConnectionPool(", "Caused by", " object at 0x")
-
-
 def _describe(exc: BaseException, what: str, password: str) -> str:
-    """``"<what> <what went wrong>"`` in a few words, the password masked.
+    """``"<what> <what went wrong>"`` in a few words, e.g. ``"GET /api/v1/model
+    connection failed (refused)"`` or ``"reading the chat stream timed out"``.
 
-    ``"GET /api/v1/model connection failed (refused)"``, ``"... timed out"``:
-    the HTTP library's own text (pools, retries, object reprs) is left out,
-    a short message of another kind (a proxy's answer) is kept after a colon.
+    Only the exception's type and what it wraps are described
+    (:func:`.netfail.describe`), never its text; the password is masked all the same.
     """
-    message = f"{what} {_failure_kind(exc)}"
-    text = " ".join(str(exc).split())
-    if text and len(text) <= 120 and not any(mark in text for mark in _LIBRARY_TEXT):
-        message += f": {text}"
+    message = f"{what} {netfail.describe(exc)}"
     if password:
         message = message.replace(password, "***")
-    return message[:300]
-
-
-def _failure_kind(exc: BaseException) -> str:
-    """``"timed out"``, ``"connection failed (refused)"``, ``"connection failed"``...
-    from the exception and the ones it wraps."""
-    if isinstance(exc, requests.Timeout) or isinstance(
-        exc, (urllib3.exceptions.TimeoutError, TimeoutError)
-    ):
-        return "timed out"
-    detail = ""
-    seen: set[int] = set()
-    stack: list[object] = [exc]
-    while stack and not detail:
-        item = stack.pop()
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, ConnectionRefusedError):
-            detail = "refused"
-        elif isinstance(item, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
-            detail = "reset"
-        elif isinstance(item, socket.gaierror):
-            detail = "host name not found"
-        elif isinstance(item, ssl.SSLCertVerificationError):
-            detail = "TLS certificate not trusted"
-        elif isinstance(item, ssl.SSLError):
-            detail = "TLS error"
-        elif isinstance(item, (TimeoutError, socket.timeout)):
-            return "timed out"
-        stack.extend([item.__cause__, item.__context__, getattr(item, "reason", None)])
-        stack.extend(arg for arg in item.args if isinstance(arg, BaseException))
-    if isinstance(exc, requests.ConnectionError) or detail:
-        return f"connection failed ({detail})" if detail else "connection failed"
-    return "failed"
+    return message

@@ -23,7 +23,9 @@ The rules every download here follows:
   soon as the decoded size passes ``max_bytes``, so a small gzip bomb never
   inflates past the cap in memory. The raw bytes read are capped too.
 * **Signed URLs are credentials.** Error messages and log lines name a URL as
-  ``scheme://host[:port]/path`` only, never its query string.
+  ``scheme://host[:port]/path`` only, never its query string. A network failure
+  is said in a few words (``"messages_url https://host/path: connection failed
+  (refused)"``), never in the HTTP library's own text, which quotes URLs.
 
 A failed fetch faults the job without ``fault_reason`` (seed: "A fetch that
 fails is a faulted job... Send it without fault_reason").
@@ -34,7 +36,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import re
 import time
 import zlib
 from typing import Any, Final
@@ -44,7 +45,7 @@ import requests
 import requests.auth
 import urllib3.exceptions
 
-from . import __version__
+from . import __version__, netfail
 from .errors import FetchError
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ ACCEPT_ENCODING: Final = "gzip, deflate"
 USER_AGENT: Final = f"koboldcpp-horde-chat/{__version__}"
 
 _CREDENTIAL_HEADERS: Final = ("apikey", "authorization", "cookie", "x-api-key")
-_QUERY_RE: Final = re.compile(r"\?[^\s'\")\]>]*")
-_MAX_DETAIL_CHARS: Final = 300
 
 
 def redact_url(url: str) -> str:
@@ -81,35 +80,6 @@ def redact_url(url: str) -> str:
     if port is not None:
         netloc = f"{netloc}:{port}"
     return f"{parts.scheme}://{netloc}{parts.path}"
-
-
-def _scrub(text: str, url: str | None = None) -> str:
-    """``text`` without query strings (and without ``url``'s query), shortened."""
-    if url:
-        query = urlsplit(url).query
-        if query:
-            text = text.replace(query, "<query>")
-    text = _QUERY_RE.sub("?<query>", text)
-    if len(text) > _MAX_DETAIL_CHARS:
-        text = text[: _MAX_DETAIL_CHARS - 1] + "\u2026"
-    return text
-
-
-def _describe(exc: BaseException, url: str | None = None) -> str:
-    """A short description of a network exception: its innermost cause, scrubbed."""
-    inner: BaseException = exc
-    while True:
-        if isinstance(inner, urllib3.exceptions.MaxRetryError) and inner.reason is not None:
-            inner = inner.reason
-        elif (
-            isinstance(inner, requests.exceptions.RequestException)
-            and inner.args
-            and isinstance(inner.args[0], BaseException)
-        ):
-            inner = inner.args[0]
-        else:
-            break
-    return _scrub(f"{type(inner).__name__}: {inner}", url)
 
 
 class _NoCredentials(requests.auth.AuthBase):
@@ -297,7 +267,7 @@ def read_body(
         ) as exc:
             if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError):
                 raise FetchError(f"body not received in time ({raw_total} bytes read)") from None
-            raise FetchError(f"body read failed: {_describe(exc)}") from None
+            raise FetchError(f"body read failed: {netfail.describe(exc)}") from None
         if not chunk:
             break
         raw_total += len(chunk)
@@ -379,7 +349,7 @@ def _fetch(
                 ) from None
             except requests.exceptions.RequestException as exc:
                 raise FetchError(
-                    f"{what} {redact_url(current)}: {_describe(exc, current)}"
+                    f"{what} {redact_url(current)}: {netfail.describe(exc)}"
                 ) from None
             try:
                 target = sess.get_redirect_target(response) if response.is_redirect else None

@@ -17,8 +17,12 @@ Errors are mapped by HTTP status and the Horde's ``rc``, never by message text:
   ``ChatProgressOutOfSequence`` whose body carries ``expected_seq``).
 * no answer: :class:`HordeUnavailable` with status 0 and ``sent=False`` when the
   request certainly did not leave (connection refused, DNS failure, connect
-  timeout), ``sent=None`` when it may have (read timeout, reset). A TLS failure
-  says so and points at ``REQUESTS_CA_BUNDLE`` (or ``CURL_CA_BUNDLE``).
+  timeout), ``sent=None`` when it may have (read timeout, reset). The message
+  says what failed in a few words, never in the HTTP library's own text:
+  ``"POST /api/v2/generate/text/pop: could not connect to aihorde.net
+  (refused)"``, ``"... no answer from aihorde.net in time"``, ``"... connection
+  to aihorde.net lost (reset)"``. A TLS failure says so and points at
+  ``REQUESTS_CA_BUNDLE`` (or ``CURL_CA_BUNDLE``).
 * an answer body over the cap (64 MiB for pop, which may carry base64 images;
   1 MiB for the others): :class:`HordeUnavailable`.
 
@@ -42,7 +46,7 @@ from urllib.parse import urlsplit
 import requests
 import urllib3.exceptions
 
-from . import __version__
+from . import __version__, netfail
 from .errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
 from .fetch import read_body, redact_url
 
@@ -295,8 +299,8 @@ class HordeClient:
                 stream=True,
             )
         except requests.exceptions.RequestException as exc:
-            log.debug("POST %s: no answer (%s) after %.2f s",
-                      route, type(exc).__name__, time.monotonic() - start)
+            log.debug("POST %s: no answer after %.2f s: %s",
+                      route, time.monotonic() - start, netfail.describe(exc))
             raise self._network_error(route, exc, job_id) from None
         try:
             return self._answer(route, response, job_id, max_bytes, deadline, start)
@@ -384,18 +388,25 @@ class HordeClient:
     def _network_error(
         self, route: str, exc: requests.exceptions.RequestException, job_id: str | None
     ) -> HordeUnavailable:
-        """Maps a ``requests`` exception raised before any answer to HordeUnavailable."""
+        """Maps a ``requests`` exception raised before any answer to HordeUnavailable.
+
+        The message says what failed in a few words, e.g. ``"POST
+        /api/v2/generate/text/pop: could not connect to aihorde.net (refused)"``;
+        the exception's own text (connection pools, retries, object reprs) is
+        left out.
+        """
         inner: BaseException = exc
         if exc.args and isinstance(exc.args[0], BaseException):
             inner = exc.args[0]
         if isinstance(inner, urllib3.exceptions.MaxRetryError) and inner.reason is not None:
             inner = inner.reason
-        detail = f"{type(inner).__name__}: {inner}"
+        why = netfail.cause(exc)
+        because = f" ({why})" if why not in ("", netfail.TIMED_OUT, netfail.TLS_FAILED) else ""
         sent: bool | None
         if isinstance(exc, requests.exceptions.SSLError):
             what = (
-                f"TLS failure talking to {self._host}; if a proxy or private CA sits in "
-                "between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
+                f"TLS failure talking to {self._host}{because}; if a proxy or private CA sits "
+                "in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
             )
             sent = None
         elif isinstance(exc, requests.exceptions.ConnectTimeout):
@@ -405,11 +416,11 @@ class HordeClient:
         elif isinstance(exc, requests.exceptions.ConnectionError) and isinstance(
             inner, urllib3.exceptions.NewConnectionError | ConnectionRefusedError
         ):
-            what, sent = f"could not connect to {self._host}", False
+            what, sent = f"could not connect to {self._host}{because}", False
         elif isinstance(exc, requests.exceptions.ConnectionError):
-            what, sent = f"connection to {self._host} lost", None
+            what, sent = f"connection to {self._host} lost{because}", None
         else:
-            what, sent = f"request to {self._host} failed", None
+            what, sent = f"request to {self._host} failed{because}", None
         return HordeUnavailable(
-            self._safe(f"{route}: {what} ({detail})"), status=0, job_id=job_id, sent=sent
+            self._safe(f"POST {route}: {what}"), status=0, job_id=job_id, sent=sent
         )

@@ -311,7 +311,7 @@ class ProgressPoster:
             accepted = data.get("accepted_seq")
             if isinstance(accepted, int) and accepted != seq:
                 log.warning(
-                    "job %s: progress post seq %d answered with accepted_seq %d",
+                    "job=%s progress post seq %d answered with accepted_seq %d",
                     self.job_id, seq, accepted,
                 )
             last = self._accept(now, extend=not self._in_flight_resent)
@@ -375,8 +375,8 @@ class ProgressPoster:
                 r_bytes = _utf8_len(reasoning)
                 content = _trim_utf8(content, remaining - r_bytes)
                 c_bytes = _utf8_len(content)
-                log.info(
-                    "job %s: progress byte cap of %d bytes reached; last post trimmed",
+                log.debug(
+                    "job=%s progress byte cap of %d bytes reached; last post trimmed",
                     self.job_id, self.cap_bytes,
                 )
             if r_bytes + c_bytes == 0:
@@ -426,8 +426,9 @@ class ProgressPoster:
         conflicts = self._conflicts_in_row + 1
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
-            log.info(
-                "job %s: horde expects seq %d after our seq %d; counting it as accepted",
+            log.debug(
+                "job=%s progress: the Horde expects seq %d after our seq %d; "
+                "counting it as accepted",
                 self.job_id, expected, seq,
             )
             last = self._accept(now, extend=False)
@@ -460,7 +461,8 @@ class ProgressPoster:
             return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
         delta = self._in_flight["delta"]
         log.warning(
-            "job %s: horde expects seq %d, below our seq %d; resending %d posts' text as seq %d",
+            "job=%s progress: the Horde expects seq %d, below our seq %d; "
+            "resending %d posts' text as seq %d",
             self.job_id, expected, seq, len(drop), expected,
         )
         self._in_flight = _make_body(
@@ -474,9 +476,9 @@ class ProgressPoster:
         self._in_flight_last = self._in_flight_last or expected >= self.max_posts
         return ProgressAction.RETRY
 
-    def _stop_posting(self, reason: str) -> ProgressAction:
-        if self.posting:
-            log.info("job %s: stop posting progress: %s", self.job_id, reason)
+    def _stop_posting(self, reason: str, *, logged: bool = False) -> ProgressAction:
+        if self.posting and not logged:
+            log.debug("job=%s progress: stop posting: %s", self.job_id, reason)
         self.posting = False
         self.stop_reason = self.stop_reason or reason
         self._in_flight = None
@@ -485,8 +487,8 @@ class ProgressPoster:
         return ProgressAction.STOP_POSTING
 
     def _stop_generating(self, why: str, reason: str) -> ProgressAction:
-        log.info("job %s: stop generating: %s", self.job_id, reason)
-        self._stop_posting(reason)
+        log.debug("job=%s progress: stop generating: %s", self.job_id, reason)
+        self._stop_posting(reason, logged=True)
         self.stopped_generating = why
         return ProgressAction.STOP_GENERATING
 

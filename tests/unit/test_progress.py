@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,45 @@ def test_cancelled_on_the_answer_to_a_retry_stops_generation_too() -> None:
     p.due(T0)
     assert p.on_lost(T0 + 10) is A.RETRY
     assert p.on_response(200, ok(1, cancelled=True), T0 + 11) is A.STOP_GENERATING
+
+
+def test_a_cancel_logs_one_debug_line_naming_the_job(caplog: pytest.LogCaptureFixture) -> None:
+    """The job run logs the cancel at INFO; the poster adds one DEBUG line, not two INFO ones."""
+    caplog.set_level(logging.DEBUG, logger="koboldcpp_horde_chat.progress")
+    p = poster()
+    p.add("Blue", "")
+    p.due(T0)
+    assert p.on_response(200, ok(1, cancelled=True), T0 + 0.1) is A.STOP_GENERATING
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, "job=job-1 progress: stop generating: cancelled on seq 1"),
+    ]
+
+
+def test_every_progress_line_names_the_job_as_job_equals_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="koboldcpp_horde_chat.progress")
+    p = poster(max_length=1)  # a 16-byte cap
+    p.add("Blue", "")
+    p.due(T0)
+    assert p.on_response(200, ok(7), T0 + 0.1) is A.CONTINUE  # accepted_seq mismatch
+    p.add("Green", "")
+    p.due(T0 + 2)
+    assert p.on_response(409, refusal("ChatProgressOutOfSequence", expected_seq=1), T0 + 2.1) is (
+        A.RETRY
+    )
+    assert p.on_response(409, refusal("ChatProgressOutOfSequence", expected_seq=3), T0 + 2.2) is (
+        A.CONTINUE
+    )
+    p.add("x" * 40, "")
+    p.due(T0 + 4)  # trimmed to the cap: the last post
+    assert p.on_response(200, ok(3), T0 + 4.1) is A.STOP_POSTING
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5, lines
+    assert all(line.startswith("job=job-1 progress") for line in lines), lines
+    assert [r.levelno for r in caplog.records if r.levelno > logging.DEBUG] == [
+        logging.WARNING, logging.WARNING,
+    ]
 
 
 def test_chat_job_aborted_stops_generation() -> None:

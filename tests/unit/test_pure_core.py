@@ -26,7 +26,7 @@ PURE_CORE = (
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
 # Modules above the core: I/O edges, orchestration and hosts.
 UPPER_LAYERS = {
-    "horde", "backend", "fetch", "journal", "worker", "manners", "state", "runs", "submit",
+    "horde", "backend", "fetch", "netfail", "journal", "worker", "manners", "state", "runs", "submit",
     "chat_run", "text_run", "streamed", "kcpp_hook", "cli", "standalone", "demo", "__main__",
     "devkit",
 }
