@@ -5,7 +5,9 @@ one answers and the devkit's scripted koboldcpp otherwise (said plainly),
 runs the real standalone worker against them, sends requests as a client
 would, prints each request's final status as the requester sees it, and exits
 0 when every request reached its expected end. An image request is included
-when the backend reports vision (the scripted koboldcpp does).
+when the backend reports vision (the scripted koboldcpp does). The worker keeps
+its job journal in a temporary directory removed at the end, never in the
+user's state directory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -346,6 +349,9 @@ def main(argv: Sequence[str] = ()) -> int:
     print(f"Dev Horde at {horde.url}")
     stop = threading.Event()
     result: dict[str, int] = {}
+    journal = tempfile.TemporaryDirectory(
+        prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
+    )
     worker_args = [
         "--hordekey",
         DEMO_KEY,
@@ -357,6 +363,8 @@ def main(argv: Sequence[str] = ()) -> int:
         kcpp_url,
         "--hordegenlen",
         "256",
+        "--journal-dir",
+        journal.name,
         "--log-level",
         args.log_level,
     ]
@@ -408,6 +416,7 @@ def main(argv: Sequence[str] = ()) -> int:
         horde.stop()
         if scripted_kcpp is not None:
             scripted_kcpp.stop()
+        journal.cleanup()
         time.sleep(0)
 
 

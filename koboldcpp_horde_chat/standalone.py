@@ -84,10 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="koboldcpp-horde-chat",
         description=(
-            "Serve AI Horde chat and text jobs with the model of a running koboldcpp. "
-            "Run 'koboldcpp-horde-chat demo' to watch the whole path against a local dev Horde, "
-            "or 'koboldcpp-horde-chat devhorde' to start a local dev Horde to point a worker at."
+            "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"
+            "Two subcommands, named first, try it on this machine (see below)."
         ),
+        epilog=(
+            "subcommands (each takes --help):\n"
+            "  koboldcpp-horde-chat demo      watch the whole path against a local dev Horde\n"
+            "  koboldcpp-horde-chat devhorde  start a local dev Horde to point a worker at"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
@@ -134,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hordegenlen",
         type=int,
         default=0,
-        help="the most tokens your worker will generate for one job (default 1024)",
+        help="the most tokens your worker will generate for one job (0 or unset: 1024)",
     )
     p.add_argument(
         "--hordemaxctx",

@@ -2,9 +2,9 @@
 
 Starts :class:`~koboldcpp_horde_chat.devkit.horde.DevHorde` on ``--host`` and
 ``--port`` (127.0.0.1:7001 by default; ``--port 0`` takes a free port), prints
-its URL, the API key it accepts and how to point a worker at it, and serves
-until Ctrl-C or SIGTERM. Its log lines (requests queued, pops, submits, faults)
-go to stderr.
+its URL, the API key it accepts, how to point a worker at it and a chat and a
+text request to send it with ``curl``, and serves until Ctrl-C or SIGTERM. Its
+log lines (requests queued, pops, submits, faults) go to stderr.
 
 The first line printed is always ``Dev Horde at <url> (API key: <key>)``, so a
 script can read the URL from it. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when
@@ -24,6 +24,9 @@ from koboldcpp_horde_chat.devkit.horde import DevHorde
 
 DEFAULT_PORT = 7001
 DEFAULT_KEY = "devkey"
+#: The bodies of the printed example requests (64 tokens each, so a reply comes quickly).
+CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
+TEXT_EXAMPLE = '{"prompt": "Once upon a time", "params": {"max_length": 64}}'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,10 +97,14 @@ def main(argv: Sequence[str] = ()) -> int:
         "A patched koboldcpp:\n"
         f"  AI_HORDE_URL={url} python koboldcpp.py --model MODEL.gguf "
         f"--hordekey {args.key} --hordeworkername my-worker\n"
-        "Send a chat request, then read its status:\n"
+        "Send a chat request, then read its status (the dev Horde needs no client key):\n"
         f"  curl -s -X POST {url}/api/v2/generate/chat/async -H 'Content-Type: "
-        "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n"
+        f"application/json' -d '{CHAT_EXAMPLE}'\n"
         f"  curl -s {url}/api/v2/generate/chat/status/REQUEST_ID\n"
+        "Send a text request, then read its status:\n"
+        f"  curl -s -X POST {url}/api/v2/generate/text/async -H 'Content-Type: "
+        f"application/json' -d '{TEXT_EXAMPLE}'\n"
+        f"  curl -s {url}/api/v2/generate/text/status/REQUEST_ID\n"
         "\n"
         "Ctrl-C stops it.",
         flush=True,

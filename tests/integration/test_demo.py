@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from koboldcpp_horde_chat import demo
 from koboldcpp_horde_chat.demo import main
+from koboldcpp_horde_chat.journal import JOURNAL_DIR_ENV
 
 
 def test_the_scripted_demo_passes_every_case(capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,3 +101,26 @@ def test_every_demo_flag_has_help_text() -> None:
     assert {a.dest for a in flags} == {"kcpp_url", "scripted", "kcpp_password", "timeout", "log_level"}
     for action in flags:
         assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_the_demo_writes_nothing_to_the_users_state_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's worker keeps its job journal in a temporary folder it removes at the end,
+    never in the user's state directory (a real run would leave a jobs-demo-worker file there)."""
+    home, state, temp = tmp_path / "home", tmp_path / "state", tmp_path / "tmp"
+    for folder in (home, state, temp):
+        folder.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv(JOURNAL_DIR_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    every_case = demo.demo_cases
+    monkeypatch.setattr(  # one chat job: the journal is written while a job is in hand
+        demo, "demo_cases", lambda *a, **kw: [c for c in every_case(*a, **kw) if c.name == "plain chat"]
+    )
+    assert main(["--scripted", "--timeout", "60"]) == 0
+    assert "Demo passed." in capsys.readouterr().out
+    assert list(home.rglob("*")) == []
+    assert list(state.rglob("*")) == []
+    assert list(temp.iterdir()) == []  # the demo's own temporary folder is gone too

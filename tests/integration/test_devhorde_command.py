@@ -1,25 +1,30 @@
 """``koboldcpp-horde-chat devhorde``: the dev Horde by itself, as a user starts it by hand.
 
 It runs as a subprocess: the first line names its URL and key, a worker pops
-from it with that key, a client's request is queued, and Ctrl-C stops it with
-exit code 0.
+from it with that key, a client's request is queued, the printed example
+requests are served by the real worker, and Ctrl-C stops it with exit code 0.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
+from koboldcpp_horde_chat.cli import run_standalone
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_LINE = re.compile(r"Dev Horde at (http://127\.0\.0\.1:\d+) \(API key: (\S+)\)")
@@ -51,6 +56,24 @@ def first_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> str:
     reader.join(timeout_s)
     assert got, "no line printed in time"
     return got[0]
+
+
+def lines_until(proc: subprocess.Popen[str], last: str, timeout_s: float = 30.0) -> list[str]:
+    """The process's stdout lines up to and including ``last``, read within ``timeout_s``."""
+    assert proc.stdout is not None
+    got: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            got.append(line.rstrip("\n"))
+            if line.strip() == last:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert got and got[-1].strip() == last, got
+    return got
 
 
 @pytest.fixture
@@ -105,3 +128,47 @@ def test_devhorde_on_a_port_in_use_exits_2_with_one_line() -> None:
     assert out.startswith(f"Cannot listen on 127.0.0.1:{port}: ")
     assert len(out.splitlines()) == 1
     assert "Traceback" not in err
+
+
+def test_the_printed_chat_and_text_requests_are_served_with_64_tokens(
+    devhorde: tuple[subprocess.Popen[str], str, str], kcpp: ScriptedKoboldcpp
+) -> None:
+    """Run as printed: the standalone worker's command (beside the scripted koboldcpp),
+    each example request as its curl would send it, and its status command."""
+    proc, url, key = devhorde
+    lines = lines_until(proc, "Ctrl-C stops it.")
+    commands = [shlex.split(line) for line in lines if line.startswith("  ")]
+    worker = next(c for c in commands if c[0] == "koboldcpp-horde-chat")
+    sends = {c[4].rsplit("/", 2)[-2]: c for c in commands if c[:4] == ["curl", "-s", "-X", "POST"]}
+    statuses = {c[2].rsplit("/", 3)[-3]: c[2] for c in commands if c[:2] == ["curl", "-s"] and len(c) == 3}
+    assert sorted(sends) == sorted(statuses) == ["chat", "text"]
+
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=run_standalone, args=([*worker[1:], "--kcpp-url", kcpp.url],), kwargs={"stop_event": stop}, daemon=True
+    )
+    thread.start()
+    try:
+        ids: dict[str, str] = {}
+        for kind, curl in sends.items():
+            assert curl[5:8] == ["-H", "Content-Type: application/json", "-d"] and len(curl) == 9, curl
+            answer = requests.post(curl[4], data=curl[8].encode(), headers={"Content-Type": "application/json"}, timeout=10)
+            assert answer.status_code == 202, answer.text
+            ids[kind] = answer.json()["id"]
+        final: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + 60
+        while len(final) < 2 and time.monotonic() < deadline:
+            for kind, status_url in statuses.items():
+                status = requests.get(status_url.replace("REQUEST_ID", ids[kind]), timeout=10).json()
+                if status["done"] or status["faulted"]:
+                    final[kind] = status
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert final["chat"]["done"] and not final["chat"]["faulted"] and final["chat"]["message"]["content"], final
+    assert final["text"]["done"] and isinstance(final["text"]["generation"], str), final
+    bodies = {r["path"]: r["body"] for r in kcpp.requests if r["method"] == "POST"}
+    assert bodies["/v1/chat/completions"]["max_tokens"] == 64
+    assert bodies["/api/v1/generate"]["max_length"] == 64

@@ -714,7 +714,7 @@ def test_patched_koboldcpp_says_why_when_the_installed_package_does_not_import(
     out = capsys.readouterr().out
     assert out.count("\n") == 1, out
     assert out.startswith("koboldcpp-horde-chat is installed but does not import (")
-    assert "koboldcpp's own Horde worker runs" in out
+    assert "koboldcpp's own Horde worker runs (text jobs only, on https://aihorde.net: it ignores AI_HORDE_URL)" in out
 
 
 BROKEN_PACKAGES = {
@@ -786,7 +786,8 @@ def test_a_broken_install_prints_one_line_then_koboldcpp_runs_its_own_worker(
     said, fallback = lines
     assert said.startswith("koboldcpp-horde-chat is installed but does not import (")
     assert error in said
-    assert "so koboldcpp's own Horde worker runs (text jobs only)" in said
+    # koboldcpp's own worker serves the public Horde whatever AI_HORDE_URL says.
+    assert "so koboldcpp's own Horde worker runs (text jobs only, on https://aihorde.net: it ignores AI_HORDE_URL)" in said
     assert f"Fix: reinstall it for this Python ({sys.executable} -m pip install" in said
     assert said.endswith("or uninstall it.")
     assert fallback == "koboldcpp own worker: started"

@@ -106,8 +106,10 @@ def test_license_and_project_urls_are_declared() -> None:
     meta = setup_cfg()["metadata"]
     assert meta["license"] == "MIT"
     assert "License :: OSI Approved :: MIT License" in meta["classifiers"]
-    assert "Homepage = https://" in meta["project_urls"]
-    assert "pypi.org" not in meta["project_urls"]  # not published there
+    # The package's PyPI page, the URL its bridge agent names; nothing else.
+    homepage = "https://pypi.org/project/koboldcpp-horde-chat/"
+    assert meta["project_urls"].strip().splitlines() == [f"Homepage = {homepage}"]
+    assert koboldcpp_horde_chat.BRIDGE_AGENT.endswith(" " + homepage)
 
 
 def test_the_changelog_has_the_current_version() -> None:
