@@ -255,7 +255,9 @@ class _StreamedGeneration:
                 raise JobEnded("cancelled or ended by the Horde")
             if action is ProgressAction.STOP_POSTING:
                 log.info(
-                    "job=%s progress posts stopped; the job goes on to its submit", self.ctx.id
+                    "job=%s progress posts stopped (%s); the job goes on to its submit",
+                    self.ctx.id,
+                    poster.stop_reason or "the Horde said so",
                 )
             return
 
