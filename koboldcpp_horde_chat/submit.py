@@ -281,24 +281,34 @@ class PopAhead:
     koboldcpp's own worker submits on a thread of its own so that its next pop
     overlaps the submit; this is the same overlap the other way round: the
     terminal action stays on the loop's thread (one at a time, in order) and
-    the pop goes out beside it. ``join()`` waits for the answer: then
-    ``answer`` (the pop's JSON) or ``error`` (a ``HordeError``) is set, and
-    ``popped_at`` (monotonic seconds) is when it arrived.
+    the pop goes out beside it. The thread first asks ``prepare`` for the pop
+    body (the loop's checks of whether to pop now, which may read koboldcpp:
+    the submit does not wait for them); None means no pop (``skipped``).
+    ``join()`` waits for the thread: then ``answer`` (the pop's JSON) or
+    ``error`` (a ``HordeError``) is set, and ``popped_at`` (monotonic seconds)
+    is when it arrived.
 
     Args:
         horde: a Horde client used by no other thread meanwhile.
-        body: the pop body; timeout_s: the pop's read timeout, seconds.
+        prepare: returns the pop body, or None not to pop now.
+        timeout_s: the pop's read timeout, seconds.
         clock: monotonic seconds.
     """
 
     def __init__(
-        self, horde: HordeClient, body: dict[str, Any], timeout_s: float, clock: Callable[[], float]
+        self,
+        horde: HordeClient,
+        prepare: Callable[[], dict[str, Any] | None],
+        timeout_s: float,
+        clock: Callable[[], float],
     ) -> None:
-        self.body = body
+        self.body: dict[str, Any] = {}
+        self.skipped = False
         self.answer: dict[str, Any] | None = None
         self.error: HordeError | None = None
         self.popped_at = 0.0
         self._horde = horde
+        self._prepare = prepare
         self._timeout_s = timeout_s
         self._clock = clock
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
@@ -306,7 +316,16 @@ class PopAhead:
 
     def _run(self) -> None:
         try:
-            self.answer = self._horde.pop(self.body, timeout_s=self._timeout_s)
+            body = self._prepare()
+        except Exception:  # the loop pops the usual way instead, and logs what breaks there
+            log.debug("the pop beside the submit was not prepared", exc_info=True)
+            body = None
+        if body is None:
+            self.skipped = True
+            return
+        self.body = body
+        try:
+            self.answer = self._horde.pop(body, timeout_s=self._timeout_s)
         except HordeError as exc:
             self.error = exc
         except Exception as exc:  # handed to the loop, which logs it

@@ -224,7 +224,8 @@ class Worker:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.join()
-            return self._after_pop(ahead.body, ahead.answer, ahead.error, ahead.popped_at)
+            if not ahead.skipped:
+                return self._after_pop(ahead.body, ahead.answer, ahead.error, ahead.popped_at)
         if self._stopping():
             return False
         pause = self.gate.pause()
@@ -356,9 +357,9 @@ class Worker:
     def _pop_ahead(self) -> None:
         """Send the next pop on its own thread, so that it overlaps this job's submit.
 
-        Only when the loop would pop now anyway (``PopGate.pause``), waiting
-        at most ``OWN_TAIL_S`` for koboldcpp to release the lock of the
-        worker's own request; never while stopping.
+        Only when the loop would pop now anyway (``PopGate.pause``, checked on
+        that thread, waiting at most ``OWN_TAIL_S`` for koboldcpp to release
+        the lock of the worker's own request); never while stopping.
         """
         if (
             self.pop_horde is None
@@ -367,17 +368,20 @@ class Worker:
             or self._stopping()
         ):
             return
+        self._ahead = PopAhead(
+            self.pop_horde, self._prepare_pop_ahead, self.settings.pop_timeout_s, self.clock
+        )
+
+    def _prepare_pop_ahead(self) -> dict[str, Any] | None:
+        """The next pop's body when the loop may pop now, else None (see ``_pop_ahead``)."""
         deadline = self.clock() + OWN_TAIL_S
         while True:
             pause = self.gate.pause()
             if pause is None:
-                break
+                return self._pop_body()
             if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
-                return
+                return None
             self.stop_event.wait(OWN_TAIL_POLL_S)
-        self._ahead = PopAhead(
-            self.pop_horde, self._pop_body(), self.settings.pop_timeout_s, self.clock
-        )
 
     def _pop_body(self) -> dict[str, Any]:
         """The pop body with the declaration as the shared state has it now."""
