@@ -139,6 +139,40 @@ def test_a_job_popped_while_the_loop_stops_is_still_served() -> None:
     assert horde.pop_calls == 2
 
 
+
+def test_the_submit_does_not_wait_for_the_check_of_koboldcpp_before_the_next_pop() -> None:
+    """Whether to pop again is asked of koboldcpp (its perf, a round trip) beside the submit."""
+    submitted = threading.Event()
+    order: list[str] = []
+
+    class SlowManners(Manners):
+        armed = False
+
+        def model_busy(self) -> bool:
+            if self.armed:
+                answered_after = submitted.wait(2.0)
+                order.append("checked after the submit" if answered_after else "checked first")
+            return False
+
+    class SubmitHorde(FakeHorde):
+        def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+            manners.armed = True  # from the first job on, each check takes until a submit
+            return super().pop(body, timeout_s=timeout_s)
+
+        def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+            submitted.set()
+            return super().submit(body, timeout_s=timeout_s)
+
+    manners = SlowManners()
+    clock = FakeClock()
+    horde = SubmitHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
+    worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock, manners=manners)
+    assert worker.run_once() is True
+    stop.set()
+    worker.drain()
+    assert order and order[0] == "checked after the submit"
+    assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
+
 # --- koboldcpp finishing the worker's own request ---------------------------------------------
 
 
