@@ -315,6 +315,10 @@ class PopAhead:
         self._thread.start()
 
     def _run(self) -> None:
+        # Let the loop's thread have the interpreter first: its submit goes on
+        # the wire before this thread's Python work, which then runs while the
+        # submit waits for its answer.
+        time.sleep(0)
         try:
             body = self._prepare()
         except Exception:  # the loop pops the usual way instead, and logs what breaks there
