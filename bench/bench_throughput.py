@@ -467,9 +467,10 @@ Event = tuple[str, float, float, str | None]
 class TimedHorde(HordeClient):
     """A ``HordeClient`` that records when each call was entered and returned."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, events: list[Event] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.events: list[Event] = []
+        # the loop's client and the one its next pop goes out on share one record
+        self.events: list[Event] = events if events is not None else []
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -535,9 +536,10 @@ class TimedStream(BackendStream):
 class TimedKobold(KoboldClient):
     """A ``KoboldClient`` that records each call; ``sent_bodies`` keeps the last chat body."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, events: list[Event] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.events: list[Event] = []
+        # the loop's client and the one its next pop goes out on share one record
+        self.events: list[Event] = events if events is not None else []
         self._last_chat_body: dict[str, Any] | bytes | bytearray | None = None
 
     @property
@@ -653,7 +655,10 @@ def build_worker(
         caps=BackendCapabilities(vision=vision),
         # The second Horde session the next pop goes out on, beside each submit.
         pop_horde=TimedHorde(
-            settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent
+            settings.horde_url,
+            settings.api_key,
+            bridge_agent=settings.bridge_agent,
+            events=horde.events,
         ),
     )
     return worker, horde, backend
@@ -826,73 +831,98 @@ def split_events(events: list[Event]) -> dict[str, list[Event]]:
     return out
 
 
+def _jobs_by_pop(pops: list[tuple[str, float]], calls: list[Event]) -> dict[str, dict[str, Any]]:
+    """Hand each backend call to the job of the last pop answered before the call began.
+
+    ``pops``: (job id, when its answer was back). One slot serves one job at a
+    time, and the next pop (sent beside a submit) is answered before that job's
+    first backend call, so this holds with or without the overlap.
+    """
+    pops = sorted(pops, key=lambda p: p[1])
+    jobs: dict[str, dict[str, Any]] = {jid: {"pop_done": t} for jid, t in pops}
+    for name, t0, t1, _ in sorted(calls, key=lambda e: e[1]):
+        owner = None
+        for jid, t in pops:
+            if t > t0:
+                break
+            owner = jid
+        if owner is not None:
+            jobs[owner].setdefault(name, (t0, t1))
+    return jobs
+
+
+def _overhead(
+    job: dict[str, Any], submit_t0: float, submits_done: list[float]
+) -> dict[str, float] | None:
+    """pre/post/total (ms) of one job from its calls, or None (streamed or incomplete).
+
+    The job's ``pre`` starts when its pop was answered, or when the previous
+    job's submit was (``submits_done``), whichever came last: a pop sent beside
+    a submit waits for that submit, which is the Horde's time, not the worker's.
+    """
+    gen = job.get("chat") or job.get("generate")
+    if gen is None or "chat_stream" in job or job.get("progress"):
+        return None
+    ready = max([job["pop_done"], *(t for t in submits_done if t <= gen[0])])
+    pre = gen[0] - ready
+    if "tokencount" in job:
+        pre -= job["tokencount"][1] - job["tokencount"][0]
+    post = submit_t0 - gen[1]
+    return {"pre_ms": pre * 1e3, "post_ms": post * 1e3, "total_ms": (pre + post) * 1e3}
+
+
 def client_overheads(h_events: list[Event], k_events: list[Event]) -> list[dict[str, float]]:
     """Per served job, the worker's own time between the client calls (ms).
 
     Chat: (tokencount entered - pop returned) + (chat entered - tokencount
     returned) = ``pre``; (submit entered - chat returned) = ``post``. Text:
     (generate entered - pop returned) and (submit entered - generate returned).
+    Calls are paired with their job by id (pop, submit, progress) and by time
+    (backend calls), so a pop sent beside the previous submit is counted right.
     """
-    merged = sorted(h_events + k_events, key=lambda e: e[1])
+    pops = [(jid, t1) for name, _t0, t1, jid in h_events if name == "pop" and jid]
+    jobs = _jobs_by_pop(pops, k_events)
+    for name, _t0, _t1, jid in h_events:
+        if name == "progress" and jid in jobs:
+            jobs[jid]["progress"] = True
+    done = [t1 for name, _t0, t1, _jid in h_events if name == "submit"]
     out: list[dict[str, float]] = []
-    cur: dict[str, float] | None = None
-    for name, t0, t1, jid in merged:
-        if name == "pop":
-            cur = {"pop_ret": t1} if jid else None
-        elif cur is None:
-            continue
-        elif name == "tokencount":
-            cur["tc_in"], cur["tc_ret"] = t0, t1
-        elif name in ("chat", "generate", "chat_stream"):
-            cur["gen_in"], cur["gen_ret"], cur["kind"] = t0, t1, 1.0 if name == "chat" else 0.0
-            if name == "chat_stream":
-                cur["stream"] = 1.0
-        elif name == "submit" and "gen_ret" in cur and "stream" not in cur:
-            pre = cur["gen_in"] - cur["pop_ret"]
-            if "tc_in" in cur:
-                pre -= cur["tc_ret"] - cur["tc_in"]
-            post = t0 - cur["gen_ret"]
-            out.append({"pre_ms": pre * 1e3, "post_ms": post * 1e3, "total_ms": (pre + post) * 1e3})
-            cur = None
+    for name, t0, _t1, jid in sorted(h_events, key=lambda e: e[1]):
+        if name == "submit" and jid in jobs and not jobs[jid].get("submitted"):
+            jobs[jid]["submitted"] = True
+            row = _overhead(jobs[jid], t0, done)
+            if row is not None:
+                out.append(row)
     return out
 
 
 def server_overheads(servers_times: dict[str, Any]) -> list[dict[str, float]]:
     """Per served job, the gaps seen by the servers (ms): from the Horde's pop answer to
     koboldcpp's tokencount arrival, from tokencount's answer to the chat request's
-    arrival, and from the chat answer to the submit's arrival at the Horde."""
-    ev: list[tuple[str, float, float, str | None]] = []
-    for path, t0, t1, jid in servers_times["horde"]:
-        ev.append(("h" + path.rsplit("/", 1)[-1], t0, t1, jid))
-    for path, t0, t1, _n in servers_times["kcpp"]:
-        name = {
-            "/api/extra/tokencount": "tokencount",
-            "/v1/chat/completions": "chat",
-            "/api/v1/generate": "generate",
-            "/api/extra/perf": "perf",
-        }.get(path, path)
-        ev.append((name, t0, t1, None))
-    ev.sort(key=lambda e: e[1])
+    arrival, and from the chat answer to the submit's arrival at the Horde. Calls are
+    paired with their job as in ``client_overheads``."""
+    names = {
+        "/api/extra/tokencount": "tokencount",
+        "/v1/chat/completions": "chat",
+        "/api/v1/generate": "generate",
+    }
+    calls: list[Event] = [
+        (names[path], t0, t1, None) for path, t0, t1, _n in servers_times["kcpp"] if path in names
+    ]
+    horde = [(path.rsplit("/", 1)[-1], t0, t1, jid) for path, t0, t1, jid in servers_times["horde"]]
+    pops = [(jid, t1) for name, _t0, t1, jid in horde if name == "pop" and jid]
+    jobs = _jobs_by_pop(pops, calls)
+    for name, _t0, _t1, jid in horde:
+        if name == "progress" and jid in jobs:
+            jobs[jid]["progress"] = True
+    done = [t1 for name, _t0, t1, _jid in horde if name == "submit"]
     out: list[dict[str, float]] = []
-    cur: dict[str, Any] | None = None
-    for name, t0, t1, jid in ev:
-        if name == "hpop":
-            cur = {"pop_done": t1, "id": jid} if jid else None
-        elif cur is None:
-            continue
-        elif name == "tokencount":
-            cur["tc_in"], cur["tc_done"] = t0, t1
-        elif name in ("chat", "generate"):
-            cur["gen_in"], cur["gen_done"] = t0, t1
-        elif name == "hprogress":
-            cur["stream"] = True
-        elif name == "hsubmit" and jid == cur["id"] and "gen_done" in cur and not cur.get("stream"):
-            pre = cur["gen_in"] - cur["pop_done"]
-            if "tc_in" in cur:
-                pre -= cur["tc_done"] - cur["tc_in"]
-            post = t0 - cur["gen_done"]
-            out.append({"pre_ms": pre * 1e3, "post_ms": post * 1e3, "total_ms": (pre + post) * 1e3})
-            cur = None
+    for name, t0, _t1, jid in sorted(horde, key=lambda e: e[1]):
+        if name == "submit" and jid in jobs and not jobs[jid].get("submitted"):
+            jobs[jid]["submitted"] = True
+            row = _overhead(jobs[jid], t0, done)
+            if row is not None:
+                out.append(row)
     return out
 
 

@@ -163,3 +163,33 @@ def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
     assert "target" not in by_name["2-slot factor (jobs/hour 2 slots / 1), own, 0 ms"]
     assert any("ours/own" in line and "1.250x" in line for line in lines)
     assert any("koboldcpp alone" in line and "0.925x" in line for line in lines)
+
+
+def _throughput_module() -> Any:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module("bench_throughput")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_overhead_pairs_each_job_with_its_own_calls_when_the_next_pop_overlaps_a_submit() -> None:
+    bt = _throughput_module()
+    # job a: pop answered 0.010, tokencount 0.011-0.015, chat 0.016-0.100, submit 0.101-0.110;
+    # the pop for b goes out beside a's submit (0.1005) and is answered first (0.105);
+    # b's calls start after a's submit returned (0.110): 0.111 tokencount, chat 0.116-0.200
+    h_events = [
+        ("pop", 0.000, 0.010, "a"),
+        ("pop", 0.1005, 0.105, "b"),
+        ("submit", 0.101, 0.110, "a"),
+        ("submit", 0.2015, 0.210, "b"),
+    ]
+    k_events = [
+        ("tokencount", 0.011, 0.015, None),
+        ("chat", 0.016, 0.100, None),
+        ("tokencount", 0.111, 0.115, None),
+        ("chat", 0.116, 0.200, None),
+    ]
+    rows = bt.client_overheads(h_events, k_events)
+    # a: pre 1 + 1 ms, post 1 ms; b: pre from a's submit returning (0.110) 1 + 1 ms, post 1.5 ms
+    assert [round(r["total_ms"], 3) for r in rows] == [3.0, 3.5]
