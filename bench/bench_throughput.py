@@ -871,6 +871,25 @@ def _overhead(
     return {"pre_ms": pre * 1e3, "post_ms": post * 1e3, "total_ms": (pre + post) * 1e3}
 
 
+def _per_job_overheads(horde: list[Event], calls: list[Event]) -> list[dict[str, float]]:
+    """The rows of ``client_overheads``: ``horde`` holds pop, submit and progress
+    calls with their job ids, ``calls`` the backend's tokencount, chat and generate."""
+    pops = [(jid, t1) for name, _t0, t1, jid in horde if name == "pop" and jid]
+    jobs = _jobs_by_pop(pops, calls)
+    for name, _t0, _t1, jid in horde:
+        if name == "progress" and jid in jobs:
+            jobs[jid]["progress"] = True
+    done = [t1 for name, _t0, t1, _jid in horde if name == "submit"]
+    out: list[dict[str, float]] = []
+    for name, t0, _t1, jid in sorted(horde, key=lambda e: e[1]):
+        if name == "submit" and jid in jobs and not jobs[jid].get("submitted"):
+            jobs[jid]["submitted"] = True
+            row = _overhead(jobs[jid], t0, done)
+            if row is not None:
+                out.append(row)
+    return out
+
+
 def client_overheads(h_events: list[Event], k_events: list[Event]) -> list[dict[str, float]]:
     """Per served job, the worker's own time between the client calls (ms).
 
@@ -880,20 +899,7 @@ def client_overheads(h_events: list[Event], k_events: list[Event]) -> list[dict[
     Calls are paired with their job by id (pop, submit, progress) and by time
     (backend calls), so a pop sent beside the previous submit is counted right.
     """
-    pops = [(jid, t1) for name, _t0, t1, jid in h_events if name == "pop" and jid]
-    jobs = _jobs_by_pop(pops, k_events)
-    for name, _t0, _t1, jid in h_events:
-        if name == "progress" and jid in jobs:
-            jobs[jid]["progress"] = True
-    done = [t1 for name, _t0, t1, _jid in h_events if name == "submit"]
-    out: list[dict[str, float]] = []
-    for name, t0, _t1, jid in sorted(h_events, key=lambda e: e[1]):
-        if name == "submit" and jid in jobs and not jobs[jid].get("submitted"):
-            jobs[jid]["submitted"] = True
-            row = _overhead(jobs[jid], t0, done)
-            if row is not None:
-                out.append(row)
-    return out
+    return _per_job_overheads(h_events, k_events)
 
 
 def server_overheads(servers_times: dict[str, Any]) -> list[dict[str, float]]:
@@ -910,20 +916,7 @@ def server_overheads(servers_times: dict[str, Any]) -> list[dict[str, float]]:
         (names[path], t0, t1, None) for path, t0, t1, _n in servers_times["kcpp"] if path in names
     ]
     horde = [(path.rsplit("/", 1)[-1], t0, t1, jid) for path, t0, t1, jid in servers_times["horde"]]
-    pops = [(jid, t1) for name, _t0, t1, jid in horde if name == "pop" and jid]
-    jobs = _jobs_by_pop(pops, calls)
-    for name, _t0, _t1, jid in horde:
-        if name == "progress" and jid in jobs:
-            jobs[jid]["progress"] = True
-    done = [t1 for name, _t0, t1, _jid in horde if name == "submit"]
-    out: list[dict[str, float]] = []
-    for name, t0, _t1, jid in sorted(horde, key=lambda e: e[1]):
-        if name == "submit" and jid in jobs and not jobs[jid].get("submitted"):
-            jobs[jid]["submitted"] = True
-            row = _overhead(jobs[jid], t0, done)
-            if row is not None:
-                out.append(row)
-    return out
+    return _per_job_overheads(horde, calls)
 
 
 def idle_gaps(servers_times: dict[str, Any]) -> list[float]:

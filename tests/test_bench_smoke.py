@@ -72,16 +72,16 @@ def test_kudos_bench_without_koboldcpp_says_it_was_skipped_and_exits_0() -> None
     )
 
 
-def _kudos_module() -> Any:
+def _bench_module(name: str = "bench_kudos") -> Any:
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        return importlib.import_module("bench_kudos")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "bench"))
 
 
 def test_kudos_bench_reads_gap_pop_to_submit_and_wall_from_the_horde_record() -> None:
-    bk = _kudos_module()
+    bk = _bench_module()
     call = bk.Call
     # one slot, 150 ms: job a popped (answer ready at 0.15), submitted at 1.15 (answer 1.30);
     # the pop for b overlaps that submit (arrives 1.16); b submitted 2.31 (answer 2.46);
@@ -107,7 +107,7 @@ def test_kudos_bench_reads_gap_pop_to_submit_and_wall_from_the_horde_record() ->
 
 
 def test_kudos_bench_reads_generation_times_from_koboldcpp_log_lines() -> None:
-    bk = _kudos_module()
+    bk = _bench_module()
     text = (
         "[13:16:24] CtxLimit:73/1024, Init:0.00s, Processed:1 in 0.02s (47.62T/s), "
         "Generated:48/48 in 0.81s (59.63T/s), Total:0.83s[13:16:24] horde-worker-1 INFO: "
@@ -118,7 +118,7 @@ def test_kudos_bench_reads_generation_times_from_koboldcpp_log_lines() -> None:
 
 
 def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
-    bk = _kudos_module()
+    bk = _bench_module()
 
     def batch(worker: str, slots: int, latency: int, rnd: int, wall: float) -> Any:
         return bk.Batch(
@@ -165,16 +165,8 @@ def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
     assert any("koboldcpp alone" in line and "0.925x" in line for line in lines)
 
 
-def _throughput_module() -> Any:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module("bench_throughput")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-
-
 def test_overhead_pairs_each_job_with_its_own_calls_when_the_next_pop_overlaps_a_submit() -> None:
-    bt = _throughput_module()
+    bt = _bench_module("bench_throughput")
     # job a: pop answered 0.010, tokencount 0.011-0.015, chat 0.016-0.100, submit 0.101-0.110;
     # the pop for b goes out beside a's submit (0.1005) and is answered first (0.105);
     # b's calls start after a's submit returned (0.110): 0.111 tokencount, chat 0.116-0.200
