@@ -75,7 +75,9 @@ def _child(horde_url: str, kcpp_url: str) -> int:
     t0 = time.monotonic()
     served = worker.run_once()
     t1 = time.monotonic()
-    events = {name: (a, b) for name, a, b, _ in horde.events + backend.events}
+    events: dict[str, tuple[float, float]] = {}
+    for name, a, b, _ in sorted(horde.events + backend.events, key=lambda e: e[1]):
+        events.setdefault(name, (a, b))  # the job's own calls, not the next pop's
     print(
         json.dumps(
             {
