@@ -216,6 +216,9 @@ class ChatRun:
                     ctx,
                 )
                 backend_reply = reply.parse_chat_completion(body)
+            # Given up while the generation ended (the stop's abort): say so, not
+            # "aborted on koboldcpp".
+            ctx.check_abandoned()
             # koboldcpp cuts a budget near its context (settings.kcpp_effective_max_length):
             # "length" means the budget it really used ran out.
             budget = kcpp_effective_max_length(

@@ -8,6 +8,8 @@ action per job (seed: "The pop loop", steps 1-8, worked example).
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from typing import Any
 
@@ -506,3 +508,45 @@ def test_a_job_over_the_declared_max_length_is_faulted_without_a_reason(
     bad = [json.loads(r["body"]) for r in horde.requests_log if r["path"].endswith("/submit") and b"big-job" in r["body"]]
     assert bad == [{"id": "big-job", "state": "faulted", "model_id": "koboldcpp/scripted-model"}]
     assert chat_requests(kcpp) and all(r["body"]["max_tokens"] < 10**12 for r in chat_requests(kcpp))
+
+
+def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_abort(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The stop's grace runs out: the worker gives the job up and aborts its generation.
+    When the aborted stream ends before the run looks at the job again, the fault
+    still names the stop, not a stop button on koboldcpp."""
+    from koboldcpp_horde_chat import chat_run
+
+    real = chat_run.generate_streamed
+    why = "the job did not end within the 6 s stop grace period"
+
+    def given_up_as_it_ends(edges: Any, job: Any, ctx: Any, body: bytes) -> Any:
+        def grace_over() -> None:
+            time.sleep(0.5)
+            requests.post(f"{kcpp.url}/api/extra/abort", json={"genkey": ctx.genkey}, timeout=5)
+
+        threading.Thread(target=grace_over, daemon=True).start()
+        result = real(edges, job, ctx, body)
+        ctx.abandon(why)  # landed just after the stream's last look at the job
+        return result
+
+    monkeypatch.setattr(chat_run, "generate_streamed", given_up_as_it_ends)
+    caplog.set_level(logging.INFO)
+    kcpp.token_delay_s = 0.05
+    kcpp.script(lambda body: ScriptedReply(text="The sky is blue today. " * 20))
+    rid = horde.send_chat(
+        {"messages": [{"role": "user", "content": "Sky?"}], "max_tokens": 300, "stream": True},
+        best_effort=True,
+        max_attempts=1,
+    )
+    serve(horde, start_worker, [rid])
+    (entry,) = [e for e in horde.ledger if e["action"] != "refused"]
+    assert entry["action"] == "faulted"
+    faults = [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
+    assert any(why in line for line in faults), faults
+    assert not any("a stop on koboldcpp" in line for line in faults), faults
