@@ -53,6 +53,9 @@ DEFAULT_STOP_GRACE_S = 6.0
 #: The most pop loops ``--parallelrequests`` runs (the Horde takes 1 to 50 ``threads``).
 MAX_PARALLEL_REQUESTS = 50
 
+#: Log levels --log-level (or the variable) takes.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = "KCPP_HORDE_LOG_LEVEL"
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 #: Features and guarantees an operator may withhold with --chat-withhold.
@@ -195,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--log-level",
-        default=os.environ.get("KCPP_HORDE_LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper() or "INFO",
+        choices=LOG_LEVELS,
         type=str.upper,
-        help="log level (default INFO)",
+        help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)",
     )
     return p
 
@@ -268,6 +271,10 @@ def check_flags(args: argparse.Namespace) -> None:
     strips the worker name. Raises ConfigError with a message naming the flag
     (or the environment variable a bad URL came from).
     """
+    if args.log_level not in LOG_LEVELS:  # argparse checks the flag, not its default
+        raise ConfigError(
+            f"{LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}"
+        )
     if not args.hordekey:
         raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
     problem = worker_name_problem(args.hordeworkername)
@@ -279,11 +286,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.kcpp_max_request_mb < 1:
         raise ConfigError("--kcpp-max-request-mb must be at least 1")
     if args.kcpp_wait is not None and not args.kcpp_wait >= 0:
-        raise ConfigError("--kcpp-wait must not be negative")
+        raise ConfigError("--kcpp-wait must be a number of seconds, 0 or more")
     if not 1 <= args.parallelrequests <= MAX_PARALLEL_REQUESTS:
         raise ConfigError(f"--parallelrequests must be 1 to {MAX_PARALLEL_REQUESTS}")
     if not args.stop_grace >= 0:
-        raise ConfigError("--stop-grace must not be negative")
+        raise ConfigError("--stop-grace must be a number of seconds, 0 or more")
     parse_withhold(args.chat_withhold)
     args.horde_url = resolve_url(args.horde_url, HORDE_URL_FLAG, HORDE_URL_ENV, DEFAULT_HORDE_URL)
     args.kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
@@ -376,7 +383,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     refused, 3 for an API key the Horde refused, 130 after a second signal.
     """
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level if args.log_level in LOG_LEVELS else "INFO")
     if stop_event is None:
         stop_event = threading.Event()
     stopper = stop_event

@@ -239,9 +239,27 @@ def test_kcpp_wait_bounds_the_wait_for_koboldcpp_then_exits_2() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_a_negative_kcpp_wait_is_a_flag_mistake() -> None:
-    with pytest.raises(ConfigError, match="--kcpp-wait must not be negative"):
-        check_flags(parsed("--kcpp-wait", "-1"))
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_kcpp_wait_or_stop_grace_that_is_not_seconds_is_a_flag_mistake(value: str) -> None:
+    with pytest.raises(ConfigError, match="--kcpp-wait must be a number of seconds, 0 or more"):
+        check_flags(parsed("--kcpp-wait", value))
+    with pytest.raises(ConfigError, match="--stop-grace must be a number of seconds, 0 or more"):
+        check_flags(parsed("--stop-grace", value))
+
+
+def test_an_unknown_log_level_in_the_environment_exits_2_naming_the_variable() -> None:
+    env = dict(os.environ, KCPP_HORDE_LOG_LEVEL="bogus")
+    result = subprocess.run(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY,
+         "--hordeworkername", "w", "--kcpp-url", DEAD_URL],
+        cwd=ROOT, capture_output=True, text=True, timeout=20, env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "KCPP_HORDE_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, not 'BOGUS'"
+        in result.stderr
+    )
+    assert "Traceback" not in result.stderr
 
 
 def test_every_flag_of_the_worker_has_help_text() -> None:
