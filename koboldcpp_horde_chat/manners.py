@@ -136,6 +136,8 @@ class StandaloneManners:
         self._check_busy = check_busy
         self._identity = identity
         self.changed: str | None = None
+        #: The last read of ``/api/extra/perf`` got no answer: koboldcpp is down.
+        self.unreachable = False
         self._backend = backend
         self._clock = clock
         self._monotonic = monotonic
@@ -183,10 +185,12 @@ class StandaloneManners:
             perf = self._backend.perf()
         except BackendError:
             self._busy = False
+            self.unreachable = True
             # koboldcpp may be restarting: its next start is not a local user either.
             self._baseline = None
             self._maybe_restarted = True
             return None
+        self.unreachable = False
         self._queued = bool(perf.get("queue"))
         self._busy = perf.get("idle") == 0 or self._queued
         uptime = _number(perf.get("uptime"))
@@ -292,10 +296,14 @@ class PopGate:
 
         Yields to a local user (``local_idle_s`` after their last generation)
         and to a busy koboldcpp as koboldcpp's own worker does; waits while
-        koboldcpp, which failed a job, does not answer; pauses a chat-only
+        koboldcpp, which failed a job or a read of its perf, does not answer
+        (its readiness GET); pauses a chat-only
         worker whose chat declaration is withdrawn.
         """
         last_local = self.manners.last_local_request_time()
+        if getattr(self.manners, "unreachable", False):
+            # Not answering even an idle read: do not pop a job it cannot serve.
+            self.backend_suspect = True
         if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
             return "local_user", LOCAL_USER_POLL_S
         if self.manners.model_busy():

@@ -236,6 +236,8 @@ class Worker:
                 log.info("worker %d: %s", self.worker_id, line)
             self.stop_event.wait(wait_s)
             return False
+        if self._stopping():  # the checks may have found koboldcpp serving something else
+            return False
         body = self._pop_body()
         try:
             pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
@@ -378,7 +380,7 @@ class Worker:
         while True:
             pause = self.gate.pause()
             if pause is None:
-                return self._pop_body()
+                return None if self._stopping() else self._pop_body()
             if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
                 return None
             self.stop_event.wait(OWN_TAIL_POLL_S)

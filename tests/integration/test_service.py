@@ -283,6 +283,38 @@ def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
         second.stop()
 
 
+def test_a_job_queued_while_koboldcpp_is_down_waits_for_it_and_its_new_declaration(
+    horde: DevHorde, tmp_path: Path
+) -> None:
+    """A koboldcpp that does not answer is not popped for (README: the worker stops
+    popping; it does not fault jobs it cannot serve), also when no job failed first;
+    when it comes back serving another context, the waiting job is popped under the
+    new declaration."""
+    from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
+
+    first = Kcpp(max_context_length=4096, model_name="koboldcpp/Small-Model").start()
+    port = first.port
+    second = Kcpp(max_context_length=1024, model_name="koboldcpp/Small-Model", port=port)
+    worker = Worker(horde, first, tmp_path / "state")
+    try:
+        until(lambda: len(horde.pops) >= 2, 20)
+        first.kill()
+        worker.wait_for("does not answer: not popping until it does", timeout_s=20)
+        rid = horde.send_chat({"messages": [{"role": "user", "content": "Hi"}]}, best_effort=True)
+        time.sleep(3)
+        assert horde.status(rid)["job_ids"] == [], worker.log()  # nobody popped it
+        second.start()
+        assert horde.wait([rid], timeout_s=30), worker.log()
+        (job_id,) = horde.status(rid)["job_ids"]
+        assert terminal_actions(horde) == {job_id: ["submitted"]}
+        (pop,) = [p for p in horde.pops if (p.get("response") or {}).get("id") == job_id]
+        assert pop["body"]["chat_limits"]["max_context_length"] == 1024
+        assert worker.proc.poll() is None
+    finally:
+        worker.stop()
+        first.stop()
+        second.stop()
+
 def test_koboldcpp_back_with_another_model_is_declared_anew_before_a_job_is_served(
     horde: DevHorde, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, cast
 
 import pytest
@@ -73,6 +74,15 @@ def messages_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
 # --- the submit overlaps the next pop ---------------------------------------------------------
 
 
+def popped(horde: FakeHorde, n: int) -> None:
+    """Wait (up to 2 s) until the pop sent beside a submit went out: a stop that
+    comes before it means no pop (the loop is stopping), not a job to serve."""
+    deadline = time.monotonic() + 2.0
+    while horde.pop_calls < n:
+        assert time.monotonic() < deadline, f"{horde.pop_calls} pops"
+        time.sleep(0.005)
+
+
 class OrderedHorde(FakeHorde):
     """Records the order of calls. The k-th submit waits (up to 2 s) for the (k+1)-th
     pop: it comes at once when the loop sent the next pop beside the submit, never
@@ -133,6 +143,7 @@ def test_without_a_second_horde_client_each_submit_ends_before_the_next_pop() ->
 def test_a_job_popped_while_the_loop_stops_is_still_served() -> None:
     worker, horde, _, stop = build([chat_pop("j1"), chat_pop("j2")], overlap=True)
     worker.run_once()  # serves j1; j2 is popped meanwhile
+    popped(horde, 2)
     stop.set()
     worker.drain()
     assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
@@ -168,6 +179,7 @@ def test_the_submit_does_not_wait_for_the_check_of_koboldcpp_before_the_next_pop
     horde = SubmitHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
     worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock, manners=manners)
     assert worker.run_once() is True
+    popped(horde, 2)
     stop.set()
     worker.drain()
     assert order and order[0] == "checked after the submit"
