@@ -36,6 +36,9 @@ BACKEND_PROBE_S = 3.0
 #: ``BUSY_POLL_S``.
 OWN_TAIL_S = 0.5
 OWN_TAIL_POLL_S = 0.01
+#: A request koboldcpp noted within this many seconds of the worker's own last
+#: one (sent or ended) is taken for the worker's own.
+OWN_MARGIN_S = 1.0
 #: Seconds between two checks of a koboldcpp busy with someone else's request.
 BUSY_POLL_S = 0.2
 #: Seconds between two checks while a local user is generating.
@@ -92,7 +95,12 @@ class StandaloneManners:
     koboldcpp reports ``idle`` (0 while generating or with requests queued) and
     ``idletime`` (seconds since the last generation request, ours included).
     A request that arrived after our own last one came from someone else: a
-    local user, whom the worker yields to for ``local_idle_s``.
+    local user, whom the worker yields to for ``local_idle_s``. koboldcpp
+    notes a request when it takes the model lock, so one that waited behind
+    the worker's own is seen otherwise: koboldcpp with a queue, or busy with
+    a request that took the lock after the worker's last one ended, while
+    none of the worker's requests is in flight, counts as a local user at the
+    time it is seen.
 
     While koboldcpp is idle, ``/api/extra/perf`` is read at most once every
     :attr:`PERF_IDLE_CACHE_S` (1 s) and the last answer is reused in between
@@ -145,6 +153,8 @@ class StandaloneManners:
         self._baseline: float | None = None
         self._uptime: float | None = None
         self._own_in_flight = 0
+        # Epoch seconds someone else was last seen using koboldcpp (see _read_local).
+        self._other_seen_at: float | None = None
         self._maybe_restarted = False
         self._queued = False
         self._busy = False
@@ -210,18 +220,29 @@ class StandaloneManners:
                 # (re)started (its own start-up counts as one), are not a local
                 # user to yield to.
                 self._baseline = last_request
+            elif self._busy and not self._own_in_flight and (
+                self._queued or last_request > self.last_own_request_time
+            ):
+                # None of the worker's requests is in flight, yet someone waits
+                # for the model lock, or took it after the worker's last request
+                # ended: a local user. koboldcpp stamps a request when it takes
+                # the lock, so one queued behind the worker's own looks like the
+                # worker's to the rule in _local.
+                self._other_seen_at = self._clock()
         if not self._busy:
             self._idle_read_at = now
             self._idle_last_request = last_request
         return self._local(last_request)
 
     def _local(self, last_request: float | None) -> float | None:
-        """``last_request`` when it came after the worker's own last request."""
+        """``last_request`` when it came after the worker's own last request; else
+        the last time someone else was seen using koboldcpp (or None)."""
+        seen = self._other_seen_at
         if last_request is None or self._baseline is None or self._own_in_flight:
-            return None
-        if last_request > max(self.last_own_request_time, self._baseline) + 1.0:
+            return seen
+        if last_request > max(self.last_own_request_time, self._baseline) + OWN_MARGIN_S:
             return last_request
-        return None
+        return seen
 
     def _check_identity(self) -> None:
         """After a restart: does koboldcpp still serve what the worker declares?"""

@@ -252,6 +252,30 @@ def test_a_local_user_and_another_client_are_said_once_each_and_so_is_popping_ag
     assert worker.said("popping again") == 1
 
 
+def test_a_local_user_queued_behind_the_workers_job_is_yielded_to_after_it(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+) -> None:
+    """koboldcpp notes a request's time when it takes the model lock: a local user who
+    asked while the worker's job generated gets it right after that job, and must
+    be yielded to like one who asked while koboldcpp was idle."""
+    slow(kcpp, 3.0)
+    worker = workers()
+    until(lambda: len(horde.pops) >= 1, 20)
+    time.sleep(1.5)  # requests within 1 s of the worker's first look are koboldcpp's own start
+    rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
+    until(lambda: kcpp.generating, 20)
+    time.sleep(1.0)
+    kcpp.local_generate(2.0)  # waits for the worker's generation, then runs
+    assert horde.wait([rid], timeout_s=20)
+    worker.wait_for(
+        "koboldcpp had a local request (or just started): not popping until 20 s after it",
+        timeout_s=10,
+    )
+    second = horde.send_chat({"messages": [{"role": "user", "content": "Sea?"}]}, best_effort=True)
+    time.sleep(8)
+    assert horde.status(second)["job_ids"] == [], worker.log()  # still yielding
+
+
 def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
     horde: DevHorde, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:

@@ -673,6 +673,55 @@ def test_a_request_of_the_worker_that_waited_for_koboldcpps_lock_is_not_a_local_
     assert manners.last_local_request_time() == clock() - 0.5
 
 
+def test_a_local_request_queued_behind_the_workers_own_is_a_local_user_when_seen() -> None:
+    """koboldcpp stamps a queued request when it takes the lock, just after the
+    worker's own: its stamp looks like the worker's, its queue and lock do not."""
+    start = {"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0}
+    backend = PerfBackend(start)
+    manners, clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    manners.note_own_request()
+    backend.answers = [{"idle": 0, "queue": 1, "idletime": 3.0, "uptime": 53.0}]
+    clock.advance(3.0)
+    assert manners.last_local_request_time() is None  # the worker's own is in flight
+    manners.note_own_request_done()
+    assert manners.last_local_request_time() == clock()  # someone waits: not the worker
+    seen = clock()
+    backend.answers = [{"idle": 1, "queue": 0, "idletime": 4.9, "uptime": 58.0}]
+    clock.advance(5.0)  # they took the lock 0.1 s after the worker's end, now done
+    assert manners.last_local_request_time() == seen
+
+
+def test_koboldcpp_busy_with_a_request_that_took_the_lock_after_the_workers_is_a_local_user() -> None:
+    backend = PerfBackend({"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0})
+    manners, clock = standalone(backend)
+    manners.last_local_request_time()
+    started = clock()
+    manners.note_own_request()  # takes the lock at once: koboldcpp stamps it now
+    clock.advance(2.0)
+    manners.note_own_request_done()
+    # still busy 3 s on with the worker's own request (an abort that lands late):
+    # the lock holder's stamp is from before the worker's request ended
+    backend.answers = [{"idle": 0, "queue": 0, "idletime": 5.0, "uptime": 55.0}]
+    clock.advance(3.0)
+    assert clock() - 5.0 == started
+    assert manners.last_local_request_time() is None
+    # someone else took the lock 0.05 s after the worker's request ended
+    backend.answers = [{"idle": 0, "queue": 0, "idletime": 2.95, "uptime": 55.0}]
+    assert manners.last_local_request_time() == clock()
+
+
+def test_a_perf_read_without_answer_marks_koboldcpp_unreachable_until_one_answers() -> None:
+    from koboldcpp_horde_chat.errors import BackendError
+
+    backend = PerfBackend(BackendError("connection refused"), IDLE)
+    manners, _clock = standalone(backend)
+    manners.last_local_request_time()
+    assert manners.unreachable is True
+    manners.last_local_request_time()
+    assert manners.unreachable is False
+
+
 class InfoPerfBackend(PerfBackend):
     """PerfBackend that also answers ``info()`` from a script."""
 
