@@ -1888,6 +1888,11 @@ class DevHorde:
                     answer = self._text_reply(job, req, body)
                 else:
                     answer = self._chat_reply(job, req, body)
+                if state != "faulted":
+                    log.info(
+                        "job %s submitted (%s kudos); request %s is %s",
+                        job.id, answer.get("reward"), req.id, req.state,
+                    )
             except _ApiError as err:
                 action = {"DuplicateGen": "duplicate", "AbortedGen": "aborted_gen"}.get(
                     err.rc or "", "refused"

@@ -8,7 +8,7 @@ log lines (requests queued, pops, submits, faults) go to stderr.
 
 The first line printed is always ``Dev Horde at <url> (API key: <key>)``, so a
 script can read the URL from it. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when
-the port cannot be bound.
+the port cannot be bound or ``--latency-ms`` is not a number of milliseconds.
 """
 
 from __future__ import annotations
@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="treat workers as trusted (a streamed job's lease may then grow to 600 s)",
     )
     p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="a network round trip to add to each pop, submit and progress answer "
+        "(half before, half after), as a Horde far away would (default 0)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -73,7 +80,16 @@ def main(argv: Sequence[str] = ()) -> int:
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
-    horde = DevHorde(api_keys=(args.key,), host=args.host, port=args.port, trusted=args.trusted)
+    if not args.latency_ms >= 0:
+        print("--latency-ms must be a number of milliseconds, 0 or more", flush=True)
+        return 2
+    horde = DevHorde(
+        api_keys=(args.key,),
+        host=args.host,
+        port=args.port,
+        trusted=args.trusted,
+        latency_s=args.latency_ms / 1000.0,
+    )
     try:
         horde.start()
     except OSError as exc:

@@ -172,3 +172,24 @@ def test_the_printed_chat_and_text_requests_are_served_with_64_tokens(
     bodies = {r["path"]: r["body"] for r in kcpp.requests if r["method"] == "POST"}
     assert bodies["/v1/chat/completions"]["max_tokens"] == 64
     assert bodies["/api/v1/generate"]["max_length"] == 64
+
+
+def test_devhorde_latency_ms_delays_each_worker_answer_as_a_round_trip() -> None:
+    proc = start("--port", "0", "--key", "k-latency", "--latency-ms", "300")
+    try:
+        m = FIRST_LINE.fullmatch(first_line(proc).strip())
+        assert m
+        url = m.group(1)
+        started = time.monotonic()
+        pop = requests.post(
+            f"{url}/api/v2/generate/text/pop", json=POP, headers={"apikey": "k-latency"}, timeout=10
+        )
+        assert pop.status_code == 200
+        assert time.monotonic() - started >= 0.3
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+    bad = start("--port", "0", "--latency-ms", "nan")
+    out, _ = bad.communicate(timeout=30)
+    assert bad.returncode == 2
+    assert out.strip() == "--latency-ms must be a number of milliseconds, 0 or more"
