@@ -185,6 +185,34 @@ def test_the_submit_does_not_wait_for_the_check_of_koboldcpp_before_the_next_pop
     assert order and order[0] == "checked after the submit"
     assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
 
+
+def test_a_stop_that_comes_while_the_next_pop_is_prepared_sends_no_pop() -> None:
+    release = threading.Event()
+
+    class HeldManners(Manners):
+        armed = False
+
+        def model_busy(self) -> bool:
+            if self.armed:
+                release.wait(2.0)  # koboldcpp's perf answers after the stop
+            return False
+
+    class ArmingHorde(FakeHorde):
+        def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+            manners.armed = True
+            return super().pop(body, timeout_s=timeout_s)
+
+    manners = HeldManners()
+    clock = FakeClock()
+    horde = ArmingHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
+    worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock, manners=manners)
+    assert worker.run_once() is True
+    stop.set()
+    release.set()
+    worker.drain()
+    assert horde.pop_calls == 1
+    assert horde.verdicts() == {"j1": "submitted"}
+
 # --- koboldcpp finishing the worker's own request ---------------------------------------------
 
 
