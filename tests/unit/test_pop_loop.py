@@ -151,60 +151,65 @@ def test_a_job_popped_while_the_loop_stops_is_still_served() -> None:
 
 
 
+class HeldCheck(Manners):
+    """From the first pop on, each busy check waits (up to 2 s) for ``until`` and
+    records in ``checks`` whether it came."""
+
+    def __init__(self, until: threading.Event) -> None:
+        super().__init__()
+        self.until = until
+        self.armed = False
+        self.checks: list[bool] = []
+
+    def model_busy(self) -> bool:
+        if self.armed:
+            self.checks.append(self.until.wait(2.0))
+        return False
+
+
+class ArmingHorde(FakeHorde):
+    """Arms ``manners`` at its first pop; sets ``submitted`` at each submit."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        pops: list[Any],
+        manners: HeldCheck,
+        submitted: threading.Event | None = None,
+    ) -> None:
+        super().__init__(clock, pops=pops)
+        self.manners = manners
+        self.submitted = submitted or threading.Event()
+
+    def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        self.manners.armed = True
+        return super().pop(body, timeout_s=timeout_s)
+
+    def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        self.submitted.set()
+        return super().submit(body, timeout_s=timeout_s)
+
+
 def test_the_submit_does_not_wait_for_the_check_of_koboldcpp_before_the_next_pop() -> None:
     """Whether to pop again is asked of koboldcpp (its perf, a round trip) beside the submit."""
     submitted = threading.Event()
-    order: list[str] = []
-
-    class SlowManners(Manners):
-        armed = False
-
-        def model_busy(self) -> bool:
-            if self.armed:
-                answered_after = submitted.wait(2.0)
-                order.append("checked after the submit" if answered_after else "checked first")
-            return False
-
-    class SubmitHorde(FakeHorde):
-        def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-            manners.armed = True  # from the first job on, each check takes until a submit
-            return super().pop(body, timeout_s=timeout_s)
-
-        def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-            submitted.set()
-            return super().submit(body, timeout_s=timeout_s)
-
-    manners = SlowManners()
+    manners = HeldCheck(until=submitted)
     clock = FakeClock()
-    horde = SubmitHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
+    horde = ArmingHorde(clock, [chat_pop("j1"), chat_pop("j2")], manners, submitted)
     worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock, manners=manners)
     assert worker.run_once() is True
     popped(horde, 2)
     stop.set()
     worker.drain()
-    assert order and order[0] == "checked after the submit"
+    assert manners.checks and manners.checks[0] is True  # answered after the submit went out
     assert horde.verdicts() == {"j1": "submitted", "j2": "submitted"}
 
 
 def test_a_stop_that_comes_while_the_next_pop_is_prepared_sends_no_pop() -> None:
-    release = threading.Event()
-
-    class HeldManners(Manners):
-        armed = False
-
-        def model_busy(self) -> bool:
-            if self.armed:
-                release.wait(2.0)  # koboldcpp's perf answers after the stop
-            return False
-
-    class ArmingHorde(FakeHorde):
-        def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-            manners.armed = True
-            return super().pop(body, timeout_s=timeout_s)
-
-    manners = HeldManners()
+    release = threading.Event()  # koboldcpp's perf answers after the stop
+    manners = HeldCheck(until=release)
     clock = FakeClock()
-    horde = ArmingHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
+    horde = ArmingHorde(clock, [chat_pop("j1"), chat_pop("j2")], manners)
     worker, _, _, stop = build([], overlap=True, horde=horde, clock=clock, manners=manners)
     assert worker.run_once() is True
     stop.set()
