@@ -327,14 +327,11 @@ class PopGate:
             self.backend_suspect = True
         if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
             return "local_user", LOCAL_USER_POLL_S
-        if self.manners.model_busy():
-            if self.own_tail() and not self._others_queued():
-                # koboldcpp holds its lock 50 ms after answering the worker's own
-                # request, and nobody waits for it: pop now (the next request
-                # only queues behind that tail).
-                pass
-            else:
-                return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
+        # koboldcpp holds its lock 50 ms after answering the worker's own request:
+        # when nobody waits for it, pop now (the next request only queues behind
+        # that tail).
+        if self.manners.model_busy() and (not self.own_tail() or self._others_queued()):
+            return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
         if not self._backend_answers():
             return "backend_down", BACKEND_PROBE_S
         if not self.state.update_chat_withdrawal(self.clock()):
