@@ -96,7 +96,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -112,6 +111,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_real import free_port, koboldcpp_argv  # noqa: E402
 from bench_throughput import (  # noqa: E402
     MACHINE_NOTE,
     PKG_ROOT,
@@ -221,13 +221,6 @@ def prepare_tree(kdir: Path, work: Path) -> tuple[Path, str, str, str]:
     return tree, own, ours, release
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _die_with_parent() -> None:
     """In the child before exec (Linux): get SIGTERM when the bench dies, even by SIGKILL."""
     try:
@@ -260,7 +253,7 @@ class KcppProcess:
         pythonpath: str | None,
         log_path: Path,
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ)
@@ -270,20 +263,7 @@ class KcppProcess:
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
         args = [
-            sys.executable,
-            script,
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--contextsize",
-            "2048",
-            "--threads",
-            "1",
-            "--skiplauncher",
-            "--quiet",
+            *koboldcpp_argv(script, model, self.port),
             "--hordekey",
             API_KEY,
             "--hordeworkername",

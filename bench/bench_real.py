@@ -88,37 +88,44 @@ def find_koboldcpp() -> tuple[Path | None, Path | None, str]:
     return KCPP_DIR, models[0], ""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
 
 
+def koboldcpp_argv(script: str, model: Path, port: int) -> list[str]:
+    """How the benchmarks start koboldcpp: ``script`` (its ``koboldcpp.py``) on
+    127.0.0.1:``port`` with ``model``, a 2048 context, one thread, no launcher."""
+    return [
+        sys.executable,
+        script,
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--contextsize",
+        "2048",
+        "--threads",
+        "1",
+        "--skiplauncher",
+        "--quiet",
+    ]
+
+
 class RealKoboldcpp:
     """A koboldcpp process on a free port; ``url`` once ready. Context manager."""
 
     def __init__(self, kdir: Path, model: Path, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "koboldcpp.py",
-                "--model",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--contextsize",
-                "2048",
-                "--threads",
-                "1",
-                "--skiplauncher",
-                "--quiet",
-            ],
+            koboldcpp_argv("koboldcpp.py", model, self.port),
             cwd=str(kdir),
             stdout=self._log,
             stderr=subprocess.STDOUT,
