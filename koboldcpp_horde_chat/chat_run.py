@@ -24,6 +24,7 @@ from .declaration import BackendCapabilities
 from .errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
 from .fetch import fetch_image, fetch_messages
 from .guard import refusal_features
+from .joblife import Move
 from .jsonbody import encode_json
 from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
 from .settings import MIB, kcpp_effective_max_length
@@ -86,6 +87,7 @@ class ChatRun:
             job.stream_progress,
             payload_keys(job.payload),
         )
+        self.ctx.move(Move.PREPARE)
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
@@ -105,11 +107,13 @@ class ChatRun:
             raw: object = job.messages
         else:
             assert job.messages_url is not None
+            url, timeout = job.messages_url, self._prepare_timeout(MESSAGES_FETCH_MAX_S)
             try:
-                raw = fetch_messages(
-                    job.messages_url,
-                    timeout_s=self._prepare_timeout(MESSAGES_FETCH_MAX_S),
-                    max_bytes=self.settings.messages_max_bytes,
+                raw = self.edges.until_given_up(
+                    self.ctx,
+                    lambda: fetch_messages(
+                        url, timeout_s=timeout, max_bytes=self.settings.messages_max_bytes
+                    ),
                 )
             except FetchError as exc:
                 raise JobFault(f"messages_url fetch failed: {exc}") from None
@@ -129,26 +133,14 @@ class ChatRun:
         """
         if not self.caps.vision:
             raise JobFault("images sent to a worker without vision")
+        timeout = self._prepare_timeout(PREPARE_MAX_S)
         plan = images.plan_images(messages)
-        fetched: dict[tuple[int, int], bytes] = {}
         try:
-            if plan.to_fetch:
-                timeout = self._prepare_timeout(PREPARE_MAX_S)
-                workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
-                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
-                try:
-                    futures = {
-                        (i, j): pool.submit(
-                            fetch_image, url, timeout_s=timeout, max_bytes=images.MAX_IMAGE_BYTES
-                        )
-                        for i, j, url in plan.to_fetch
-                    }
-                    for key, future in futures.items():
-                        fetched[key] = future.result()
-                finally:
-                    # A failed fetch faults the job at once: queued fetches are cancelled
-                    # and those under way end by their own deadline.
-                    pool.shutdown(wait=False, cancel_futures=True)
+            fetched = (
+                self.edges.until_given_up(self.ctx, lambda: _fetch_images(plan, timeout))
+                if plan.to_fetch
+                else {}
+            )
             return images.finish_images(messages, plan, fetched)
         except FetchError as exc:
             raise JobFault(f"image unusable: {exc}") from None
@@ -169,11 +161,12 @@ class ChatRun:
         prompt = fit.fit_prompt(
             messages, job.payload.get("tools"), job.payload.get("response_format")
         )
+        # The fault that follows a failure must still land within the lease.
+        timeout = self._prepare_timeout(PREPARE_MAX_S)
+        backend = self.edges.backend
         try:
-            counted = self.edges.backend.tokencount(
-                prompt,
-                # The fault that follows a failure must still land within the lease.
-                timeout_s=self._prepare_timeout(PREPARE_MAX_S),
+            counted = self.edges.until_given_up(
+                self.ctx, lambda: backend.tokencount(prompt, timeout_s=timeout)
             )
         except BackendError as exc:
             raise JobFault(f"tokencount failed: {exc}", backend_failed=True) from None
@@ -192,7 +185,7 @@ class ChatRun:
         """Generate through ``/v1/chat/completions`` and build the structured submit."""
         job, ctx, edges = self.job, self.ctx, self.edges
         ctx.check_abandoned()
-        genkey = ctx.genkey = new_genkey()
+        genkey = new_genkey()
         stream = job.stream_progress and not job.has_tools
         backend_body = encode_json(
             jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
@@ -205,7 +198,7 @@ class ChatRun:
                 f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
                 "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
             )
-        edges.record_in_hand(ctx)
+        edges.generating(ctx, genkey)
         try:
             if stream:
                 with edges.own_request():
@@ -280,3 +273,28 @@ class ChatRun:
                 )
             self.state.record_nonconformant(names, self.edges.clock())
         return refused_reply_fault(exc)
+
+
+def _fetch_images(plan: images.ImagePlan, timeout_s: float) -> dict[tuple[int, int], bytes]:
+    """Fetch ``plan.to_fetch`` (without credentials, bounded, in parallel up to
+    ``IMAGE_FETCH_THREADS``): the bytes by ``(message, part)`` index.
+
+    Raises:
+        FetchError: a fetch failed (queued fetches are then cancelled and those
+            under way end by their own deadline).
+    """
+    fetched: dict[tuple[int, int], bytes] = {}
+    workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
+    try:
+        futures = {
+            (i, j): pool.submit(
+                fetch_image, url, timeout_s=timeout_s, max_bytes=images.MAX_IMAGE_BYTES
+            )
+            for i, j, url in plan.to_fetch
+        }
+        for key, future in futures.items():
+            fetched[key] = future.result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return fetched

@@ -4,11 +4,12 @@ When the worker process dies with a job in hand (killed for memory, a crash,
 a power loss, koboldcpp closed), the Horde holds the job until its lease
 ends: the client waits for nothing (150 s, up to 600 s for a trusted streamed
 job) and the worker is charged a dropped job. So the worker records each job
-in a small file before it generates, flushed to disk, and clears it after the
-job's terminal action. At the next start, before the first pop,
-:func:`recover` faults every recorded job whose lease has not ended (seed
-"7. Fault a job": the request gets the job back for another worker) and
-aborts its local generation on koboldcpp by genkey.
+in a small file as soon as the pop's answer carries it (and again with its
+genkey before it generates), and clears it after the job's terminal action.
+At the next start, before the first pop, :func:`recover` faults every
+recorded job whose lease has not ended (seed "7. Fault a job": the request
+gets the job back for another worker) and aborts its local generation on
+koboldcpp by genkey.
 
 - :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
   genkey, lease end in epoch seconds). No API key, no password and no
@@ -16,9 +17,11 @@ aborts its local generation on koboldcpp by genkey.
 - :func:`default_state_dir` and :func:`journal_path`: where the file lives,
   one file per worker name.
 - :class:`Journal`: the file, shared by the pop loops of one worker. A write
-  is a temporary file in the same directory, flushed and ``fsync``-ed, then
-  ``os.replace``-d over the journal, then the directory ``fsync``-ed where the
-  platform allows. A failed write never stops the worker: it is logged once.
+  is a temporary file in the same directory, then ``os.replace``-d over the
+  journal: a process killed at any instant leaves the old file or the new
+  one whole. Only on request (``durable``) is each written ``fsync``-ed, and
+  the directory too where the platform allows. A failed write never stops
+  the worker: it is logged once.
 - :func:`recover`: the start-up pass over what an earlier process left.
 
 The file::
@@ -391,16 +394,19 @@ class Journal:
 
     # -- writing ------------------------------------------------------------------
 
-    def add(self, entry: JournalEntry) -> None:
+    def add(self, entry: JournalEntry, *, durable: bool = False) -> None:
         """Record a job in hand (replacing an entry with the same ``job_id``).
 
-        Returns after the file is written and flushed to disk, or after the
-        write failed (logged; never raised).
+        Returns after the file is written (the kernel keeps a killed process's
+        writes: what a SIGKILL, an OOM kill or a crash must survive), or after
+        the write failed (logged; never raised). ``durable`` also waits for the
+        disk (``fsync``), which only a machine going down needs: the worker
+        does not ask for it on a job's path.
         """
         with self._lock:
             self._load_locked()
             self._entries[entry.job_id] = entry
-            self._write_locked()
+            self._write_locked(durable=durable)
 
     def remove(self, job_id: str) -> None:
         """Clear a job after its terminal action.

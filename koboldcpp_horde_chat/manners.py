@@ -30,6 +30,8 @@ from .state import WorkerState
 MAINTENANCE_POLL_S = 60.0
 #: Seconds between readiness probes while koboldcpp does not answer.
 BACKEND_PROBE_S = 3.0
+#: Seconds between checks of whether a submit retried on its own thread is settled.
+SUBMIT_RETRY_POLL_S = 0.5
 #: Seconds after the worker's own generation during which a busy koboldcpp is
 #: taken to be finishing that request (it releases its model lock just after
 #: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
@@ -260,6 +262,17 @@ class StandaloneManners:
                 f"{self._identity.describe()})"
             )
 
+    def recheck(self) -> str | None:
+        """Read koboldcpp's perf and model now (not from the 1 s reuse) and say
+        whether it serves something else than the worker declares:
+        :attr:`changed`, or None. (A restart shows in perf's ``uptime`` only when
+        the new process has run for less time than the old one had.)"""
+        with self._lock:
+            self._idle_read_at = None
+            self._maybe_restarted = True
+            self._read_local()
+        return self.changed
+
     def model_busy(self) -> bool:
         """koboldcpp's last ``/api/extra/perf`` said it is generating or has a queue
         (always False when ``check_busy`` is off)."""
@@ -334,6 +347,9 @@ class PopGate:
             return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
         if not self._backend_answers():
             return "backend_down", BACKEND_PROBE_S
+        if self.state.retrying_submits:
+            # A job popped now could not be delivered either: it would expire.
+            return "submit_retry", SUBMIT_RETRY_POLL_S
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
         return None
@@ -342,6 +358,13 @@ class PopGate:
         """Requests wait for koboldcpp's model lock (True when the manners cannot say)."""
         queued = getattr(self.manners, "requests_queued", None)
         return bool(queued()) if callable(queued) else True
+
+    def backend_changed(self) -> str | None:
+        """Whether koboldcpp came back (restarted) serving something else than the
+        worker declares, read now: how, or None (also for hosts that cannot
+        tell: inside koboldcpp a restart restarts the worker too)."""
+        recheck = getattr(self.manners, "recheck", None)
+        return recheck() if callable(recheck) else None
 
     def own_tail(self) -> bool:
         """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""

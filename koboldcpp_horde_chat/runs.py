@@ -24,15 +24,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from .backend import KoboldClient
 from .errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
 from .horde import HordeClient
+from .joblife import ENDED, Move, Phase, may, next_phase
 from .journal import Journal, JournalEntry
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Seconds kept free at the end of a lease for the submit.
 SUBMIT_MARGIN_S = 5.0
@@ -78,7 +81,13 @@ class Lease:
 
 @dataclass
 class JobContext:
-    """One popped job, from the pop to its terminal action.
+    """One popped job, from the pop's answer to its terminal action: its one owner.
+
+    Every change of where the job is goes through :meth:`move`, checked by
+    ``joblife.next_phase`` (seed "The pop loop": one terminal action per
+    job). The loop, the pop sent beside a submit, the submit pipeline, the
+    stop and the journal (``state.WorkerState.receive``/``release``) all
+    read and move the job here, from any thread.
 
     Attributes:
         id: the Horde's job id.
@@ -89,13 +98,16 @@ class JobContext:
             job's assigned model and its ``chat_features`` what was declared
             (seed step 6: "model_id is the job's assigned model, taken from the
             worker's declaration at pop").
+        worker_id: the pop loop that holds the job.
         genkey: the ``HORDEREQ_`` key of the local generation once one was
             sent, else ``""`` (an abort targets it).
-        settled: True once a terminal action was definitive (accepted,
-            refused, or a deliberate no-submit); the loop's safety net then
-            sends nothing more.
-        abandoned: set when the worker gives the job up (a stop whose grace
-            period ran out); ``abandon_why`` says why.
+        phase: where the job is (``joblife.Phase``).
+        abandoned: set when the worker gives the job up (the stop's deadline
+            came); ``abandon_why`` says why. Every blocking step of the job
+            ends at it (:meth:`Edges.until_given_up`, the generation's abort).
+        stop_generation: set by the loop while the job's generation runs:
+            ends it on koboldcpp (abort by genkey, connection closed); called
+            by :meth:`give_up` from any thread.
     """
 
     id: str
@@ -103,33 +115,86 @@ class JobContext:
     lease: Lease
     started: float
     pop_body: dict[str, Any] = field(default_factory=dict)
+    worker_id: int = 1
     genkey: str = ""
-    settled: bool = False
+    phase: Phase = Phase.POPPED
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
-    _claimed: bool = field(default=False, repr=False)
-    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    stop_generation: Callable[[], None] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _wakers: list[threading.Event] = field(default_factory=list, repr=False)
 
-    def claim(self) -> bool:
-        """Take the right to send the job's terminal action: True for the first
-        caller only (the loop's submit, or a fault sent from another thread when
-        the process exits), so that a job never gets two."""
-        with self._claim_lock:
-            if self._claimed:
+    def move(self, move: Move) -> None:
+        """Move the job on (``joblife.MOVES``); thread-safe.
+
+        Raises:
+            IllegalMove: the move may not follow the job's phase.
+        """
+        with self._lock:
+            self.phase = next_phase(self.phase, move)
+
+    def settle(self) -> bool:
+        """Take the right to send the job's terminal action (the move to
+        ``settling``): True for the first caller only, False once it was
+        taken or the job ended, so a job never gets two."""
+        with self._lock:
+            if not may(self.phase, Move.SETTLE):
                 return False
-            self._claimed = True
+            self.phase = Phase.SETTLING
             return True
 
-    def abandon(self, why: str) -> None:
-        """Give the job up (from any thread); the job's run then faults it."""
-        if not self.abandoned.is_set():
+    def end(self, move: Move) -> bool:
+        """End the job with ``move`` (``SETTLED``, ``NO_SUBMIT`` or ``ABANDON``)
+        when the table allows it now; False when it does not (already ended)."""
+        with self._lock:
+            if not may(self.phase, move):
+                return False
+            self.phase = next_phase(self.phase, move)
+            return True
+
+    @property
+    def settled(self) -> bool:
+        """True once the job's life ended (settled or abandoned): nothing more is sent."""
+        return self.phase in ENDED
+
+    @property
+    def in_hand(self) -> bool:
+        """True until the job's life ended."""
+        return self.phase not in ENDED
+
+    def give_up(self, why: str) -> None:
+        """Give the job up (the stop's deadline came), from any thread: its blocking
+        step ends, its generation is stopped, and its run faults it."""
+        with self._lock:
+            if self.abandoned.is_set() or self.phase in ENDED:
+                return
             self.abandon_why = why
             self.abandoned.set()
+            wakers = list(self._wakers)
+            stop = self.stop_generation
+        for waker in wakers:
+            waker.set()
+        if stop is not None and self.genkey:
+            stop()
 
     def check_abandoned(self) -> None:
-        """Raise JobFault when the job was given up (see :meth:`abandon`)."""
+        """Raise JobFault when the job was given up (see :meth:`give_up`)."""
         if self.abandoned.is_set():
             raise JobFault(self.abandon_why or "the job was given up")
+
+    def add_waker(self, waker: threading.Event) -> None:
+        """Set ``waker`` when the job is given up (now, if it already was)."""
+        with self._lock:
+            self._wakers.append(waker)
+            if not self.abandoned.is_set():
+                return
+        waker.set()
+
+    def remove_waker(self, waker: threading.Event) -> None:
+        """Stop setting ``waker`` (see :meth:`add_waker`)."""
+        with self._lock:
+            if waker in self._wakers:
+                self._wakers.remove(waker)
 
     @property
     def chat(self) -> bool:
@@ -199,10 +264,11 @@ class Edges:
         finally:
             self.note_own_request_done()
 
-    def record_in_hand(self, ctx: JobContext) -> None:
-        """Journal the job before its generation starts (flushed to disk), so that
-        a restart after a crash faults it (``journal.recover``). Its lease end is
-        the latest the Horde could hold it: the lease cap from the pop."""
+    def record(self, ctx: JobContext) -> None:
+        """Write the job to the journal as it is now (a plain write: a killed
+        process's writes are kept by the kernel), so that a restart after a
+        crash faults it (``journal.recover``). Its lease end is the latest the
+        Horde could hold it: the lease cap from the pop."""
         if self.journal is None:
             return
         lease_end = self.wall() + ctx.lease.popped_at + self.settings.lease_cap_s - self.clock()
@@ -215,6 +281,55 @@ class Edges:
                 lease_end=lease_end,
             )
         )
+
+    def generating(self, ctx: JobContext, genkey: str) -> None:
+        """The job's generation starts under ``genkey``: journal the genkey (so
+        a restart aborts it on koboldcpp) before the request goes out.
+
+        Raises:
+            JobFault: the job was given up meanwhile.
+        """
+        ctx.check_abandoned()
+        ctx.genkey = genkey
+        ctx.move(Move.GENERATE)
+        self.record(ctx)
+
+    def until_given_up(self, ctx: JobContext, call: Callable[[], T]) -> T:
+        """``call()``'s result, or JobFault as soon as the job is given up.
+
+        For a blocking step before the generation (a fetch, the token count):
+        its own timeout keeps it within the lease, and this keeps it within the
+        stop's deadline. The call runs on a thread of its own; one given up
+        finishes there by its own timeout, its result unused.
+
+        Raises:
+            JobFault: the job was given up (before or during the call).
+            Exception: whatever ``call`` raises.
+        """
+        ctx.check_abandoned()
+        done = threading.Event()
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # handed to the job's thread
+                box.append((False, exc))
+            finally:
+                done.set()
+
+        ctx.add_waker(done)
+        try:
+            threading.Thread(target=run, name=f"job-step-{ctx.id[:8]}", daemon=True).start()
+            done.wait()
+        finally:
+            ctx.remove_waker(done)
+        if not box:  # woken by the give-up, the call still under way
+            raise JobFault(ctx.abandon_why or "the job was given up")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return cast(T, value)
 
     def pause(self, seconds: float) -> None:
         """Wait; a requested stop shortens waits between pops, not a job's own retries."""

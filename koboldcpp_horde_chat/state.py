@@ -22,13 +22,17 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from . import guard, status
 from .errors import HordeRefusal
 from .guard import MaintenanceGuard, RefusalGuard
+from .joblife import Phase
 from .journal import Journal
 from .settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from .runs import JobContext
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +43,10 @@ HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
 
 
 class Slot(Protocol):
-    """A pop loop as the shared state sees it (for a bounded stop)."""
-
-    def abandon_job(self, why: str) -> None:
-        """Give up the job in hand: abort its generation; the loop then faults it."""
+    """A pop loop as the shared state sees it (for a forced exit)."""
 
     def fault_job_now(self) -> None:
-        """Fault the job in hand at once (the process is exiting)."""
+        """Fault the jobs the loop holds at once (the process is exiting)."""
 
 
 def is_key_refusal(exc: HordeRefusal) -> bool:
@@ -115,6 +116,11 @@ class WorkerState:
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: threading.Timer | None = None
+        self._grace_s = 0.0
+        self._in_hand: dict[str, JobContext] = {}
+        self._ended = threading.Condition(self.lock)
+        #: Submits being retried on threads of their own (no pop meanwhile).
+        self.retrying_submits = 0
 
     @property
     def chat_enabled(self) -> bool:
@@ -148,28 +154,38 @@ class WorkerState:
         self.stop_event.set()
 
     def request_stop(self, grace_s: float) -> None:
-        """Stop popping now; give the jobs in hand ``grace_s`` seconds to end.
+        """Stop popping now; give the jobs in hand until ``grace_s`` seconds from
+        now (the stop's deadline) to end.
 
-        A job still generating when the grace period ends is abandoned: its
-        local generation is aborted and the loop faults it. Calling it again
-        keeps the first deadline.
+        At the deadline every job still in hand, whenever it was popped (also a
+        job whose pop was in flight at the signal), is given up
+        (``JobContext.give_up``: its blocking step ends, its generation is
+        stopped, and its loop faults it); a job received after the deadline is
+        given up at once. Calling it again keeps the first deadline.
         """
         with self.lock:
             if self.stop_deadline is not None:
                 return
             self.stop_deadline = time.monotonic() + grace_s
-            timer = threading.Timer(max(0.0, grace_s), self._grace_over, args=(grace_s,))
+            self._grace_s = grace_s
+            timer = threading.Timer(max(0.0, grace_s), self._grace_over)
             timer.daemon = True
             timer.name = "stop-grace"
             self._watchdog = timer
         self.stop_event.set()
         timer.start()
 
-    def _grace_over(self, grace_s: float) -> None:
-        with self.lock:
-            slots = list(self.slots)
-        for slot in slots:
-            slot.abandon_job(f"the job did not end within the {grace_s:g} s stop grace period")
+    def _grace_why(self) -> str:
+        return f"the job did not end within the {self._grace_s:g} s stop grace period"
+
+    def stop_overdue(self) -> bool:
+        """The worker is stopping and the stop's deadline has passed."""
+        deadline = self.stop_deadline
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _grace_over(self) -> None:
+        for ctx in self.jobs_in_hand():
+            ctx.give_up(self._grace_why())
 
     def fault_jobs_now(self) -> None:
         """Fault every job in hand at once (a second signal: the process exits)."""
@@ -179,6 +195,44 @@ class WorkerState:
                 self._watchdog.cancel()
         for slot in slots:
             slot.fault_job_now()
+
+    # ------------------------------------------------------------ jobs in hand
+
+    def hold(self, ctx: JobContext) -> None:
+        """A popped job is in hand (before anything else happens to it): counted
+        for the stop, and given up at once when the stop's deadline has passed."""
+        with self.lock:
+            self._in_hand[ctx.id] = ctx
+        if self.stop_overdue():
+            ctx.give_up(self._grace_why())
+
+    def release(self, ctx: JobContext) -> None:
+        """The job's life ended: no longer in hand; cleared from the journal when
+        it was settled (an abandoned job stays there for the next start)."""
+        with self.lock:
+            if self._in_hand.get(ctx.id) is ctx:
+                del self._in_hand[ctx.id]
+            self._ended.notify_all()
+        if self.journal is not None and ctx.phase is Phase.SETTLED:
+            self.journal.remove(ctx.id)
+
+    def jobs_in_hand(self, worker_id: int | None = None) -> list[JobContext]:
+        """The jobs in hand (of loop ``worker_id`` only, when given)."""
+        with self.lock:
+            return [
+                c for c in self._in_hand.values() if worker_id is None or c.worker_id == worker_id
+            ]
+
+    def wait_jobs_ended(self, worker_id: int, timeout_s: float) -> bool:
+        """Wait until loop ``worker_id`` holds no job (at most ``timeout_s``); True when none."""
+        end = time.monotonic() + timeout_s
+        with self._ended:
+            while self.jobs_in_hand(worker_id):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ended.wait(left)
+        return True
 
     # -------------------------------------------------------------- counting
 
@@ -265,6 +319,27 @@ class WorkerState:
         elif change == "restore":
             log.info("faults have quietened (%d in the last hour): declaring chat again", recent)
         return enabled or self.settings.prompt_jobs
+
+    def outcome_may_withdraw(self, ctx: JobContext, *, is_fault: bool, now: float) -> bool:
+        """Could the Horde's answer to this job's terminal action change what the
+        next pop declares? True when one more counted fault would withdraw chat
+        (a fault, or a chat reply the Horde could refuse, which is then faulted)
+        or one more ``ChatSubmitNonconformant`` refusal would withdraw a feature
+        this job's pop declared. The next pop then waits for that answer."""
+        with self.lock:
+            mguard = self.maintenance_guard
+            if (is_fault or ctx.chat) and mguard.chat_enabled and (
+                mguard.recent(now) + 1 >= mguard.withdraw_at
+            ):
+                return True
+            if is_fault or not ctx.chat:
+                return False
+            rguard = self.refusal_guard
+            return any(
+                rguard.count(name, now) + 1 >= rguard.threshold
+                for name in ctx.declared_features()
+                if name not in self.withheld
+            )
 
     def record_nonconformant(self, names: Iterable[str], now: float) -> None:
         """Count a ``ChatSubmitNonconformant`` refusal against the declared

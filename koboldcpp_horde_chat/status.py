@@ -52,6 +52,11 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
         "the Horde at {horde_url} does not answer: trying again, up to a minute apart",
         "the Horde answers again: popping",
     ),
+    "submit_retry": (
+        "a submit to the Horde failed and is being retried: not popping a job that "
+        "could not be delivered either until it is settled",
+        "the retried submit is settled: popping again",
+    ),
 }
 
 #: A pause shorter than this, seconds, is not said (a local user's single
@@ -59,7 +64,7 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
 PAUSE_REPORT_AFTER_S = 2.0
 #: Pauses said at once: they do not flicker, and the operator should know at once.
 IMMEDIATE_PAUSES = frozenset(
-    {"backend_down", "maintenance", "chat_withdrawn", "refused", "horde_down"}
+    {"backend_down", "maintenance", "chat_withdrawn", "refused", "horde_down", "submit_retry"}
 )
 #: Seconds between two lines about empty pops' ``skipped`` counts.
 SKIPPED_EVERY_S = 60.0

@@ -31,6 +31,7 @@ from typing import Any
 from . import reply
 from .errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
 from .horde import HordeClient
+from .joblife import Move, Phase
 from .runs import JobContext
 from .settings import WorkerSettings
 from .state import WorkerState, is_key_refusal
@@ -62,12 +63,25 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
 class SubmitPipeline:
     """Sends terminal actions for one pop loop (see the module docstring).
 
+    Each method takes the job's terminal action (``JobContext.settle``) first,
+    so a job never gets two, and ends the job's life when the Horde's answer
+    is definitive (``WorkerState.release``: out of hand, out of the journal).
+
+    A submit whose first attempt got no answer is retried on a thread of its
+    own (with a Horde client from ``retry_horde``), so that a job already
+    popped beside it is served meanwhile instead of waiting behind the
+    retries; while any submit is retried the loop pops nothing
+    (``WorkerState.retrying_submits``): a job it could not deliver either
+    would only expire on the Horde.
+
     Args:
         settings: the worker's configuration (``submit_timeout_s``, ``model_id``).
         horde: the Horde client.
         state: the worker's shared state (statistics, maintenance counting, stop).
         clock: monotonic seconds; wall: epoch seconds.
         pause: waits between retries (seconds).
+        retry_horde: makes a Horde client for a retry thread; None: retries
+            stay on the caller's thread.
     """
 
     def __init__(
@@ -79,6 +93,7 @@ class SubmitPipeline:
         clock: Callable[[], float],
         wall: Callable[[], float],
         pause: Callable[[float], None],
+        retry_horde: Callable[[], HordeClient] | None = None,
     ) -> None:
         self.settings = settings
         self.horde = horde
@@ -86,6 +101,7 @@ class SubmitPipeline:
         self.clock = clock
         self.wall = wall
         self.pause = pause
+        self.retry_horde = retry_horde
 
     def reply(
         self,
@@ -98,37 +114,31 @@ class SubmitPipeline:
         """Submit a job's reply; after a refusal, fault it with ``on_refused(exc)``.
 
         ``detail`` goes into the log line of an accepted submit. Nothing is
-        sent when another thread already claimed the job's terminal action
-        (:meth:`~runs.JobContext.claim`).
+        sent when the job's terminal action was already taken.
         """
-        if not ctx.claim():
+        if not ctx.settle():
             return
-        self._send(ctx, body, detail=detail, on_refused=on_refused)
-        self.forget(ctx)
-
-    def forget(self, ctx: JobContext) -> None:
-        """Clear a settled job from the journal (see ``journal.py``)."""
-        journal = self.state.journal
-        if journal is not None and ctx.settled and ctx.genkey:
-            journal.remove(ctx.id)
+        if not self._send(ctx, body, detail=detail, on_refused=on_refused):
+            self.state.release(ctx)
 
     def fault(self, ctx: JobContext, fault: JobFault) -> None:
         """Seed step 7: submit the job's fault (with ``fault_reason`` when one applies).
 
         A chat fault carries the job's ``model_id`` (it marks the body as a chat
         submit); a text fault is ``{"id", "generation": "", "state": "faulted"}``.
-        Nothing is sent when another thread already claimed the job's terminal action.
+        Nothing is sent when the job's terminal action was already taken.
         """
-        if ctx.claim():
-            self._fault(ctx, fault)
+        if ctx.settle() and not self._fault(ctx, fault):
+            self.state.release(ctx)
 
     def fault_after_error(self, ctx: JobContext, fault: JobFault) -> None:
         """Fault a job whose serving or submit broke unexpectedly on the loop's
-        own thread (the loop may hold the claim already): the safety net."""
-        ctx.claim()
-        self._fault(ctx, fault)
+        own thread (the loop may be sending its terminal action): the safety net."""
+        if (ctx.phase is Phase.SETTLING or ctx.settle()) and not self._fault(ctx, fault):
+            self.state.release(ctx)
 
-    def _fault(self, ctx: JobContext, fault: JobFault) -> None:
+    def _fault(self, ctx: JobContext, fault: JobFault) -> bool:
+        """Send the fault (the job is ``settling``); True when its retries were handed off."""
         self.state.record_fault(self.clock(), counts=fault.counts)
         log.warning(
             "job=%s kind=%s faulted%s: %s",
@@ -143,14 +153,15 @@ class SubmitPipeline:
             )
         else:
             body = reply.text_fault_submit(ctx.id)
-        self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
-        self.forget(ctx)
+        return self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
 
     def fault_now(self, ctx: JobContext) -> None:
         """Fault a job with a single short submit attempt (the process is exiting).
 
         It stays in the journal when the attempt fails, for the next start.
         """
+        if not ctx.settle():
+            return
         body = (
             reply.fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
             if ctx.chat
@@ -162,8 +173,10 @@ class SubmitPipeline:
             log.warning("job=%s faulted: the worker is exiting now", ctx.id)
         except HordeError as exc:
             log.warning("job=%s left to expire: the worker is exiting now (%s)", ctx.id, exc)
-            return
-        self.forget(ctx)
+            ctx.end(Move.ABANDON)
+        else:
+            ctx.end(Move.SETTLED)
+        self.state.release(ctx)
 
     def _timeout(self) -> float:
         """A submit's read timeout, seconds: ``submit_timeout_s``, but when the
@@ -175,11 +188,6 @@ class SubmitPipeline:
             timeout = min(timeout, max(1.0, deadline + STOP_SUBMIT_EXTRA_S - time.monotonic()))
         return timeout
 
-    def _stop_overdue(self) -> bool:
-        """The worker is stopping and its grace period is over."""
-        deadline = self.state.stop_deadline
-        return deadline is not None and time.monotonic() >= deadline
-
     def _send(
         self,
         ctx: JobContext,
@@ -188,21 +196,22 @@ class SubmitPipeline:
         detail: str,
         on_refused: RefusalHandler | None,
         started: float | None = None,
-    ) -> None:
+        attempts: int = 0,
+    ) -> bool:
         """Send one submit, retrying lost answers with the same body while the lease lasts.
 
         ``on_refused`` is None for a fault: a refused fault is dropped. The
-        reply is never sent twice after a definitive answer.
+        reply is never sent twice after a definitive answer. Returns True when
+        the retries were handed to a thread of their own (which ends the job's
+        life), False when the job's life ended here.
         """
         is_fault = on_refused is None
         started = ctx.started if started is None else started
-        attempts = 0
         while True:
             attempts += 1
             try:
                 answer = self.horde.submit(body, timeout_s=self._timeout())
             except HordeRefusal as exc:
-                ctx.settled = True
                 if exc.rc == "DuplicateGen":
                     log.info("job=%s already settled (DuplicateGen): nothing more to send", ctx.id)
                 elif is_key_refusal(exc):
@@ -215,14 +224,15 @@ class SubmitPipeline:
                     # Any other definitive refusal of a reply: the job is still
                     # open on the Horde, so fault it now rather than let it expire.
                     log.warning("job=%s reply refused: %s", ctx.id, exc)
-                    self._fault(ctx, on_refused(exc))
+                    return self._fault(ctx, on_refused(exc))
                 else:
                     self.state.record_dropped()
                     log.error("job=%s submit refused: %s; dropped", ctx.id, exc)
-                return
+                ctx.end(Move.SETTLED)
+                return False
             except HordeUnavailable as exc:
                 remaining = ctx.lease.remaining(self.clock())
-                if ctx.abandoned.is_set() or self._stop_overdue():
+                if ctx.abandoned.is_set() or self.state.stop_overdue():
                     # Stopping, and the grace period is over: the process exits now.
                     # The job stays in the journal: the next start faults it.
                     self.state.record_dropped()
@@ -230,22 +240,27 @@ class SubmitPipeline:
                         "job=%s submit failed (%s) and the worker is stopping: left to the "
                         "next start, which faults it", ctx.id, exc
                     )
-                    return
+                    ctx.end(Move.ABANDON)
+                    return False
                 if attempts >= 3 and remaining <= 0:
-                    ctx.settled = True
                     self.state.record_dropped()
                     if not is_fault:  # the job expires on the Horde: an aborted job there
                         self.state.record_expired(self.clock())
                     log.error("job=%s submit failed (%s), the lease is over; dropped", ctx.id, exc)
-                    return
+                    ctx.end(Move.SETTLED)
+                    return False
                 delay = min(max(1.0, exc.retry_after_s or 0.0) * attempts, 10.0)
                 log.warning("job=%s submit failed (%s); retrying in %.1f s", ctx.id, exc, delay)
+                if self.retry_horde is not None:
+                    self._retry_elsewhere(ctx, body, detail, on_refused, started, attempts, delay)
+                    return True
                 self.pause(delay)
                 continue
             except HordeError as exc:  # pragma: no cover - the two subclasses above cover all
                 log.error("job=%s submit failed: %s", ctx.id, exc)
-                return
-            ctx.settled = True
+                ctx.end(Move.SETTLED)
+                return False
+            ctx.end(Move.SETTLED)
             seconds = self.clock() - started
             if is_fault:
                 log.info("job=%s kind=%s fault accepted (%.1f s)", ctx.id, ctx.kind, seconds)
@@ -261,7 +276,47 @@ class SubmitPipeline:
                     kudos,
                     self.state.summary(self.wall()),
                 )
-            return
+            return False
+
+    def _retry_elsewhere(
+        self,
+        ctx: JobContext,
+        body: dict[str, Any],
+        detail: str,
+        on_refused: RefusalHandler | None,
+        started: float,
+        attempts: int,
+        delay: float,
+    ) -> None:
+        """Go on retrying ``body`` on a thread of its own (see the class docstring)."""
+        assert self.retry_horde is not None
+        make_horde = self.retry_horde
+        with self.state.lock:
+            self.state.retrying_submits += 1
+
+        def run() -> None:
+            horde = make_horde()
+            sender = SubmitPipeline(
+                self.settings, horde, self.state, clock=self.clock, wall=self.wall,
+                pause=self.pause,
+            )
+            try:
+                self.pause(delay)
+                sender._send(
+                    ctx, body, detail=detail, on_refused=on_refused, started=started,
+                    attempts=attempts,
+                )
+            except Exception:  # never lose the job to an unexpected error: fault it
+                log.exception("job=%s unexpected error while retrying its submit", ctx.id)
+                if ctx.phase is Phase.SETTLING:
+                    sender._fault(ctx, JobFault("internal error"))
+            finally:
+                with self.state.lock:
+                    self.state.retrying_submits -= 1
+                self.state.release(ctx)
+                horde.close()
+
+        threading.Thread(target=run, name=f"submit-retry-{ctx.id[:8]}", daemon=True).start()
 
 
 def reward_kudos(reward: object) -> float:
@@ -280,17 +335,20 @@ class PopAhead:
 
     koboldcpp's own worker submits on a thread of its own so that its next pop
     overlaps the submit; this is the same overlap the other way round: the
-    terminal action stays on the loop's thread (one at a time, in order) and
-    the pop goes out beside it. The thread first asks ``prepare`` for the pop
-    body (the loop's checks of whether to pop now, which may read koboldcpp:
-    the submit does not wait for them); None means no pop (``skipped``).
-    ``join()`` waits for the thread: then ``answer`` (the pop's JSON) or
-    ``error`` (a ``HordeError``) is set, and ``popped_at`` (monotonic seconds)
-    is when it arrived.
+    terminal action goes out on the loop's thread and the pop beside it. The
+    thread first asks ``prepare`` for the pop body (the loop's checks of
+    whether to pop now, which may read koboldcpp: the submit does not wait for
+    them); None means no pop (``skipped``). When the pop answers, ``receive``
+    takes the job it carries in hand on this thread at once (journaled before
+    the loop is free to serve it). ``join()`` waits for the thread: then
+    ``answer`` (the pop's JSON) or ``error`` (a ``HordeError``) is set,
+    ``popped_at`` (monotonic seconds) is when it arrived and ``ctx`` the job
+    in hand (None when the answer carried no job id).
 
     Args:
         horde: a Horde client used by no other thread meanwhile.
         prepare: returns the pop body, or None not to pop now.
+        receive: takes ``(body, answer, popped_at)`` and returns the job in hand, or None.
         timeout_s: the pop's read timeout, seconds.
         clock: monotonic seconds.
     """
@@ -299,6 +357,7 @@ class PopAhead:
         self,
         horde: HordeClient,
         prepare: Callable[[], dict[str, Any] | None],
+        receive: Callable[[dict[str, Any], dict[str, Any], float], JobContext | None],
         timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
@@ -307,8 +366,10 @@ class PopAhead:
         self.answer: dict[str, Any] | None = None
         self.error: HordeError | None = None
         self.popped_at = 0.0
+        self.ctx: JobContext | None = None
         self._horde = horde
         self._prepare = prepare
+        self._receive = receive
         self._timeout_s = timeout_s
         self._clock = clock
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
@@ -329,12 +390,22 @@ class PopAhead:
             return
         self.body = body
         try:
-            self.answer = self._horde.pop(body, timeout_s=self._timeout_s)
+            answer = self._horde.pop(body, timeout_s=self._timeout_s)
         except HordeError as exc:
             self.error = exc
         except Exception as exc:  # handed to the loop, which logs it
             self.error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
+        else:
+            self.popped_at = self._clock()
+            try:
+                self.ctx = self._receive(body, answer, self.popped_at)
+            except Exception:  # the loop takes the job in hand itself
+                log.debug("the job popped beside the submit was not received", exc_info=True)
+            self.answer = answer
+            return
         self.popped_at = self._clock()
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the pop (at most ``timeout_s``); True when it ended."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

@@ -28,9 +28,8 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
         job.payload.get("max_length", "?"),
         job.payload.get("max_context_length", "?"),
     )
-    ctx.check_abandoned()
-    genkey = ctx.genkey = new_genkey()
-    edges.record_in_hand(ctx)
+    genkey = new_genkey()
+    edges.generating(ctx, genkey)
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(

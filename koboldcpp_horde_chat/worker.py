@@ -43,6 +43,7 @@ from .errors import (
 )
 from .guard import MaintenanceGuard
 from .horde import HordeClient
+from .joblife import Move, Phase
 from .manners import (
     MAINTENANCE_POLL_S,
     OWN_TAIL_POLL_S,
@@ -55,10 +56,16 @@ from .runs import Edges, JobContext, Lease, abort_quietly
 from .settings import WorkerSettings
 from .state import WorkerState, WorkerStats
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
-from .submit import PopAhead, SubmitPipeline
+from .submit import STOP_SUBMIT_EXTRA_S, PopAhead, SubmitPipeline
 from .text_run import serve_text
 
 log = logging.getLogger(__name__)
+
+#: Seconds past the stop's deadline the loop waits for a pop sent beside a submit.
+DRAIN_POP_EXTRA_S = 1.0
+#: A job served this many seconds after its pop or later is served only after
+#: koboldcpp is read again (it may have restarted meanwhile).
+RECHECK_AFTER_WAIT_S = 1.0
 
 class Worker:
     """One pop loop for chat and text jobs.
@@ -78,6 +85,8 @@ class Worker:
             None: no overlap, each submit ends before the next pop.
         abort_backend: a second koboldcpp client for aborts sent from another
             thread at the end of a stop's grace period (default ``backend``).
+        retry_horde: makes a Horde client for a submit retried on a thread of
+            its own (``submit.SubmitPipeline``); None: retries on the loop's thread.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class Worker:
         state: WorkerState | None = None,
         pop_horde: HordeClient | None = None,
         abort_backend: KoboldClient | None = None,
+        retry_horde: Callable[[], HordeClient] | None = None,
     ) -> None:
         self.settings = settings
         self.horde = horde
@@ -123,9 +133,9 @@ class Worker:
             journal=state.journal,
         )
         self.pipeline = SubmitPipeline(
-            settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause
+            settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause,
+            retry_horde=retry_horde,
         )
-        self.current: JobContext | None = None
         self._ahead: PopAhead | None = None
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
@@ -190,6 +200,7 @@ class Worker:
             while not self._stopping():
                 self._pass()
             self.drain()
+            self._wait_jobs_ended()
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
@@ -205,9 +216,31 @@ class Worker:
 
     def drain(self) -> None:
         """Serve the job of a pop still in flight, if any: a popped job always gets
-        its terminal action, also when the loop is stopping."""
+        its terminal action, also when the loop is stopping (under the stop's
+        deadline: a pop that has not answered a second after it is given up)."""
         while self._ahead is not None:
+            deadline = self.state.stop_deadline
+            if deadline is not None:
+                wait_s = max(0.0, deadline + DRAIN_POP_EXTRA_S - time.monotonic())
+                if not self._ahead.join(wait_s):
+                    log.warning(
+                        "worker %d: the pop sent beside the last submit did not answer "
+                        "by the stop's deadline; not waiting for it", self.worker_id,
+                    )
+                    self._ahead = None
+                    return
             self._pass()
+
+    def _wait_jobs_ended(self) -> None:
+        """Wait for submits of this loop still retried on threads of their own
+        (bounded by the stop's deadline, or by the longest lease)."""
+        deadline = self.state.stop_deadline
+        bound = (
+            deadline + STOP_SUBMIT_EXTRA_S + 0.5 - time.monotonic()
+            if deadline is not None
+            else self.settings.lease_cap_s
+        )
+        self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
 
     def _stopping(self) -> bool:
         return self.stop_event.is_set() or self.manners.should_stop()
@@ -225,7 +258,9 @@ class Worker:
         if ahead is not None:
             ahead.join()
             if not ahead.skipped:
-                return self._after_pop(ahead.body, ahead.answer, ahead.error, ahead.popped_at)
+                return self._after_pop(
+                    ahead.body, ahead.answer, ahead.error, ahead.popped_at, ahead.ctx
+                )
         if self._stopping():
             return False
         pause = self.gate.pause()
@@ -251,8 +286,13 @@ class Worker:
         pop: dict[str, Any] | None,
         error: HordeError | None,
         popped_at: float,
+        ctx: JobContext | None = None,
     ) -> bool:
-        """Handle a pop's answer (or its failure): serve the job it carries, if any."""
+        """Handle a pop's answer (or its failure): serve the job it carries, if any.
+
+        ``ctx`` is the job already taken in hand where the answer arrived
+        (the pop sent beside a submit), else None.
+        """
         if error is not None or pop is None:
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
@@ -273,17 +313,10 @@ class Worker:
             log.info("worker %d: %s", self.worker_id, line)
         for message in self.state.new_moderator_lines(pop.get("messages")):
             log.warning("worker %d: %s", self.worker_id, message)
-        raw_id = pop.get("id")
-        if not (isinstance(raw_id, str) and raw_id):
+        if ctx is None:
+            ctx = self.receive(body, pop, popped_at)
+        if ctx is None:
             return self._serve_popped(pop, None)
-        ctx = JobContext(
-            id=raw_id,
-            kind="chat" if pop.get("chat") is True else "text",
-            lease=Lease.from_pop(pop, popped_at, self.settings.lease_s, self.settings.lease_cap_s),
-            started=popped_at,
-            pop_body=body,
-        )
-        self.current = ctx
         try:
             return self._serve_popped(pop, ctx)
         except Exception:
@@ -298,8 +331,32 @@ class Worker:
             # one quick fault, then go.
             self.fault_job_now()
             raise
-        finally:
-            self.current = None
+
+    def receive(
+        self, body: dict[str, Any], pop: dict[str, Any], popped_at: float
+    ) -> JobContext | None:
+        """Take the job a pop's answer carries in hand, before anything else happens
+        to it: its owner (``runs.JobContext``) is made, counted in hand for the
+        stop (given up at once past the stop's deadline) and journaled, so a
+        SIGKILL from here on leaves it for the next start to fault. None when
+        the answer carries no usable job id. Runs on the thread the answer
+        arrived on."""
+        raw_id = pop.get("id")
+        if not (isinstance(raw_id, str) and raw_id):
+            return None
+        ctx = JobContext(
+            id=raw_id,
+            kind="chat" if pop.get("chat") is True else "text",
+            lease=Lease.from_pop(pop, popped_at, self.settings.lease_s, self.settings.lease_cap_s),
+            started=popped_at,
+            pop_body=body,
+            worker_id=self.worker_id,
+        )
+        ctx.stop_generation = lambda: self._stop_generation(ctx)
+        self.state.hold(ctx)
+        self.edges.record(ctx)
+        ctx.move(Move.JOURNAL)
+        return ctx
 
     def _serve_popped(self, pop: dict[str, Any], ctx: JobContext | None) -> bool:
         """Parse a pop answer and serve its job, if any. True when a job was served.
@@ -310,11 +367,14 @@ class Worker:
             job = jobs.parse_pop(pop, default_ttl_s=self.settings.lease_s)
         except PayloadError as exc:
             self._empty_backoff.reset()
-            if exc.job_id and ctx is not None:
-                log.warning("job=%s malformed payload at %s: %s", exc.job_id, exc.path, exc.problem)
+            if ctx is not None:
+                log.warning("job=%s malformed payload at %s: %s", ctx.id, exc.path, exc.problem)
                 self._send_fault(ctx, JobFault("malformed payload"))
             else:
                 log.warning("pop returned a job without a usable id (%s); skipped", exc.path)
+            return True
+        if job is None and ctx is not None:  # an id, yet no job the payload describes
+            self._send_fault(ctx, JobFault("malformed payload"))
             return True
         if job is None or ctx is None:
             line = self._skipped.line(pop.get("skipped"), self.clock())
@@ -329,6 +389,8 @@ class Worker:
         ctx.lease = Lease(popped_at, popped_at + min(job.ttl_s, self.settings.lease_cap_s))
         ctx.started = self.clock()
         try:
+            ctx.check_abandoned()  # given up already: popped after the stop's deadline
+            self._check_backend_unchanged(ctx)
             if isinstance(job, jobs.ChatJob):
                 outcome = ChatRun(self.edges, self.caps, self.state, job, ctx).serve()
             else:
@@ -341,37 +403,63 @@ class Worker:
             self._send_fault(ctx, fault)
             return True
         except JobEnded:
-            ctx.settled = True  # cancelled or ended by the Horde: nothing to send
-            self.pipeline.forget(ctx)
+            # Cancelled or ended by the Horde: nothing to send.
+            ctx.end(Move.NO_SUBMIT)
+            self.state.release(ctx)
             self.gate.own_generation_ended()
             return True
+        ctx.move(Move.OUTCOME)
         self.gate.own_generation_ended()
-        self._pop_ahead()
+        self._pop_ahead(ctx, is_fault=False)
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
         return True
+
+    def _check_backend_unchanged(self, ctx: JobContext) -> None:
+        """Before serving a job that waited since its pop (behind a slow submit, say)
+        or after koboldcpp failed: has koboldcpp restarted serving another model
+        or context than the job's pop declared? Then the job is not served
+        under limits koboldcpp no longer has.
+
+        Raises:
+            JobFault: koboldcpp serves something else now.
+        """
+        waited = self.clock() - ctx.lease.popped_at
+        if waited < RECHECK_AFTER_WAIT_S and not self.gate.backend_suspect:
+            return
+        changed = self.gate.backend_changed()
+        if changed is not None:
+            raise JobFault(f"{changed}: the job was popped under the old declaration")
 
     def _send_fault(self, ctx: JobContext, fault: JobFault) -> None:
         if ctx.genkey:
             self.gate.own_generation_ended()
-        self._pop_ahead()
+        self._pop_ahead(ctx, is_fault=True)
         self.pipeline.fault(ctx, fault)
 
-    def _pop_ahead(self) -> None:
+    def _pop_ahead(self, ctx: JobContext, *, is_fault: bool) -> None:
         """Send the next pop on its own thread, so that it overlaps this job's submit.
 
         Only when the loop would pop now anyway (``PopGate.pause``, checked on
         that thread, waiting at most ``OWN_TAIL_S`` for koboldcpp to release
-        the lock of the worker's own request); never while stopping.
+        the lock of the worker's own request); never while stopping, and never
+        when the answer to this job's terminal action could change what the
+        next pop declares (``WorkerState.outcome_may_withdraw``): that pop
+        waits for the answer.
         """
         if (
             self.pop_horde is None
             or self._ahead is not None
             or self.gate.backend_suspect
             or self._stopping()
+            or self.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=self.clock())
         ):
             return
         self._ahead = PopAhead(
-            self.pop_horde, self._prepare_pop_ahead, self.settings.pop_timeout_s, self.clock
+            self.pop_horde,
+            self._prepare_pop_ahead,
+            self.receive,
+            self.settings.pop_timeout_s,
+            self.clock,
         )
 
     def _prepare_pop_ahead(self) -> dict[str, Any] | None:
@@ -414,29 +502,21 @@ class Worker:
 
     # ------------------------------------------------------------ bounded stop
 
-    def abandon_job(self, why: str) -> None:
-        """Give up the job in hand (the stop's grace period ran out): abort its
-        local generation; its run then faults it. Called from another thread."""
-        ctx = self.current
-        if ctx is None or ctx.settled:
-            return
-        ctx.abandon(why)
+    def _stop_generation(self, ctx: JobContext) -> None:
+        """End the job's local generation from another thread (the job was given
+        up): abort it by its genkey on koboldcpp."""
         if ctx.genkey:
             abort_quietly(self.abort_backend, ctx.genkey)
 
     def fault_job_now(self) -> None:
-        """Fault the job in hand with one quick submit (the process exits now).
-
-        Claims the job first, so that the loop, whose generation the abort
-        ends, sends nothing more for it."""
-        ctx = self.current
-        if ctx is None or ctx.settled or not ctx.claim():
-            return
-        ctx.settled = True
-        ctx.abandon("the worker is exiting")
-        if ctx.genkey:
-            self.edges.abort_quietly(ctx.genkey)
-        self.pipeline.fault_now(ctx)
+        """Fault the jobs this loop holds with one quick submit each (the process
+        exits now). Each job's terminal action is taken first, so that the loop,
+        whose generation the abort ends, sends nothing more for it."""
+        for ctx in self.state.jobs_in_hand(self.worker_id):
+            if ctx.phase is Phase.SETTLING:
+                continue  # its submit is on the wire: the journal keeps it if that fails
+            ctx.give_up("the worker is exiting")
+            self.pipeline.fault_now(ctx)
 
 
 def run_worker(
@@ -481,5 +561,6 @@ def run_worker(
         state=state,
         pop_horde=horde_client(),
         abort_backend=kcpp_client(),
+        retry_horde=horde_client,
     )
     return worker.run()

@@ -532,7 +532,7 @@ def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_ab
 
         threading.Thread(target=grace_over, daemon=True).start()
         result = real(edges, job, ctx, body)
-        ctx.abandon(why)  # landed just after the stream's last look at the job
+        ctx.give_up(why)  # landed just after the stream's last look at the job
         return result
 
     monkeypatch.setattr(chat_run, "generate_streamed", given_up_as_it_ends)

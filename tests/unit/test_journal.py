@@ -210,7 +210,7 @@ def test_add_returns_with_the_entry_on_disk(tmp_path: Path) -> None:
     assert journal.entries() == [text_entry()]
 
 
-def test_add_flushes_to_disk_before_replacing_the_file(
+def test_a_durable_add_flushes_to_disk_before_replacing_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "jobs.json"
@@ -227,11 +227,30 @@ def test_add_flushes_to_disk_before_replacing_the_file(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    Journal(path).add(chat_entry())
+    Journal(path).add(chat_entry(), durable=True)
     assert order[:2] == ["fsync", "replace"]  # the data, then the rename
     if os.name != "nt":
         assert order[2:] == ["fsync"]  # then the directory
     assert not [p for p in tmp_path.iterdir() if p.name != "jobs.json"]  # no temp file left
+
+
+def test_an_add_on_a_jobs_path_is_a_plain_write_that_a_killed_process_leaves_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a SIGKILL must survive the kernel keeps: the job's path waits for no disk."""
+    path = tmp_path / "jobs.json"
+    order: list[str] = []
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        order.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", lambda fd: order.append("fsync"))
+    monkeypatch.setattr(os, "replace", replace)
+    Journal(path).add(chat_entry())
+    assert order == ["replace"]
+    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()]}
 
 
 def test_the_directory_is_made_on_the_first_write_private(tmp_path: Path) -> None:
@@ -445,8 +464,9 @@ def test_a_failing_write_is_logged_once_retried_and_its_recovery_logged_once(
         raise error
 
     monkeypatch.setattr(target, where, fail)
+    durable = where == "fsync"  # only a durable write waits for the disk
     for i in range(5):
-        journal.add(chat_entry(f"during-{i}"))  # never raises
+        journal.add(chat_entry(f"during-{i}"), durable=durable)  # never raises
     lines = journal_lines(caplog)
     assert len(lines) == 1
     assert "cannot be written" in lines[0] and error.strerror in lines[0]

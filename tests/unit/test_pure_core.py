@@ -22,13 +22,14 @@ PURE_CORE = (
     "images",
     "status",
     "jsonbody",
+    "joblife",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
 # Modules above the core: I/O edges, orchestration and hosts.
 UPPER_LAYERS = {
     "horde", "backend", "fetch", "netfail", "journal", "worker", "manners", "state", "runs", "submit",
     "chat_run", "text_run", "streamed", "kcpp_hook", "cli", "standalone", "demo", "__main__",
-    "devkit",
+    "devkit", "hosting",
 }
 
 EXISTING = [name for name in PURE_CORE if (PACKAGE / f"{name}.py").exists()]
