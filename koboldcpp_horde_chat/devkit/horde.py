@@ -19,7 +19,8 @@ Worker routes (``apikey`` header checked; a missing or unknown key answers 401
 of another key's worker answers 403 ``WrongCredentials``):
 
 * ``POST /api/v2/generate/text/pop``: step 1 "Declaration checks and
-  withdrawal" (400 ``ChatDeclarationInvalid``), the eligibility rules of steps 1,
+  withdrawal" (400 ``ChatDeclarationInvalid``; a worker ``name`` over 100
+  characters is 400 ``TooLongWorkerName``), the eligibility rules of steps 1,
   4 and 5, the job shapes of step 2 ("One chat job in full") and step 8. As on
   the public AI Horde: a request keeps ``validated_backends: true`` unless its
   client opts out and then goes only to a worker whose ``bridge_agent`` names a
@@ -27,10 +28,13 @@ of another key's worker answers 403 ``WrongCredentials``):
   moderator messages for the worker (``messages``, :meth:`DevHorde.add_worker_message`),
   and an answer without a job counts the requests it passed over in
   ``skipped`` (``models``, ``max_context_length``, ``max_length``,
-  ``bridge_version``).
+  ``bridge_version``). A worker in maintenance is answered 403
+  ``WorkerMaintenance`` (see "Aborted jobs and maintenance" below).
 * ``POST /api/v2/generate/text/submit``: steps 6 and 7, "Submit refusals"
   (``ChatSubmitInvalid``, ``ChatModelMismatch``, ``ChatSubmitNonconformant``),
-  ``DuplicateGen`` and ``AbortedGen``; 400 ``NulByteInPayload`` for a body with
+  ``DuplicateGen`` and ``AbortedGen`` (a fault for a job that already ended
+  without a reply is answered 200 ``{"reward": 0}``, as on the real Horde); 400
+  ``NulByteInPayload`` for a body with
   U+0000 anywhere; 400 input validation (no ``rc``) for a ``state`` outside
   ok, censored, faulted, csam and for a text submit (a text job's, or a chat
   job's fault without ``model_id``) without ``generation``. A worker whose
@@ -68,7 +72,20 @@ A request with images goes only to a worker declaring ``vision`` and ``url`` or
 ``base64``.
 
 Leases are checked lazily: a job whose lease passed is expired at the next call
-that looks at state (any HTTP route, :meth:`status`, :meth:`wait`).
+that looks at state (any HTTP route, :meth:`status`, :meth:`wait`,
+:meth:`worker`, :meth:`job`, :attr:`ledger`).
+
+Aborted jobs and maintenance, as on the real AI Horde: every job of a worker
+that ends without a reply is an aborted job of that worker, whether the worker
+faulted it (except a fault after a ``ChatSubmitNonconformant`` refusal, counted
+apart under ``nonconformant_replies``) or its lease ran out without a submit. A
+worker that aborts more than 20 jobs within an hour (a window that starts at
+its first pop and starts again at the first aborted job more than an hour
+later) is put into maintenance and its count starts again from 0; from then on
+every pop it sends is answered 403 ``WorkerMaintenance`` until
+:meth:`DevHorde.set_maintenance` ends it. :meth:`DevHorde.worker` shows
+``aborted_jobs`` (this window's count), ``uncompleted_jobs`` (every aborted
+job) and ``maintenance_mode``.
 """
 
 from __future__ import annotations
@@ -196,6 +213,29 @@ BRIDGE_AGENT_MAX_CHARS = 1000
 SUBMIT_STATES: tuple[str, ...] = ("ok", "censored", "faulted", "csam")
 #: How long a moderator message to a worker stays active by default, seconds (12 h).
 WORKER_MESSAGE_S = 12 * 3600.0
+#: The longest worker name a pop may send, characters. The real Horde stores at most
+#: 100 (the real Horde's horde/classes/base/worker.py: the ``name`` column, and
+#: ``check_for_bad_actor``, which cuts a new worker's longer name to 100 and raises
+#: its suspicion). Its pop has no check of its own: the worker is registered under
+#: the cut name, so later pops under the name as sent find no worker of that name.
+#: The dev Horde refuses such a pop outright, with the return code the real Horde
+#: gives for the same limit when a worker is renamed (horde/apis/v2/base.py
+#: ``WorkerSingle.put``: 400 ``TooLongWorkerName``).
+WORKER_NAME_MAX_CHARS = 100
+#: A worker that aborts more than this many jobs within one window is put into
+#: maintenance (the real Horde's horde/classes/base/worker.py ``log_aborted_job``,
+#: outside raid mode).
+MAX_ABORTED_JOBS = 20
+#: The window of that count, seconds (one hour in ``log_aborted_job``).
+ABORTED_JOBS_WINDOW_S = 3600.0
+#: What a pop of a worker the dev Horde put into maintenance is told (403 ``WorkerMaintenance``).
+MAINTENANCE_MESSAGE = (
+    f"This worker is in maintenance: it aborted more than {MAX_ABORTED_JOBS} jobs "
+    "within an hour (faulted, or left to expire without a submit). Find out why "
+    "before taking jobs again."
+)
+#: What a pop is told when :meth:`DevHorde.set_maintenance` put its worker into maintenance.
+OWNER_MAINTENANCE_MESSAGE = "This worker was put into maintenance by its owner."
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _FINAL_STATES = frozenset({"done", "faulted", "cancelled"})
 _IMAGE_MARK = "devhorde-image:"
@@ -337,12 +377,22 @@ class _Declaration:
 
 @dataclass
 class _Worker:
+    """A worker's record: its last declaration and its counts.
+
+    ``aborted_jobs`` counts this window's aborted jobs (the window starts at
+    ``aborted_since``, time.monotonic()); ``uncompleted_jobs`` every aborted job.
+    """
+
     name: str
     decl: _Declaration
     owner_key: str = ""
     nonconformant_replies: int = 0
     aborted_jobs: int = 0
     last_pop: float = 0.0
+    aborted_since: float = 0.0
+    uncompleted_jobs: int = 0
+    maintenance: bool = False
+    maintenance_msg: str = ""
 
 
 @dataclass
@@ -636,6 +686,9 @@ class DevHorde:
             as a network round trip would (e.g. 0.15 for benchmarks that compare
             workers at a 150 ms round trip). The attribute of that name can be
             changed at any time; the next call uses the new value.
+        aborted_jobs_window_s: the window in which more than 20 aborted jobs put
+            a worker into maintenance, seconds: one hour, as on the real Horde (a
+            test hook: a short window shows the count starting again).
     """
 
     def __init__(
@@ -653,8 +706,10 @@ class DevHorde:
         image_converter: ImageConverter | None = None,
         image_url_s: float | None = None,
         latency_s: float = 0.0,
+        aborted_jobs_window_s: float = ABORTED_JOBS_WINDOW_S,
     ) -> None:
         self.api_keys = frozenset(api_keys)
+        self.aborted_jobs_window_s = float(aborted_jobs_window_s)
         self.latency_s = float(latency_s)
         self.trusted = trusted
         self.offload_bytes = offload_bytes
@@ -697,9 +752,10 @@ class DevHorde:
     def expire_leases(self) -> list[str]:
         """End the lease of every job still open now, as if its ttl had passed.
 
-        Returns their ids. Each is recorded ``expired`` in the ledger and its
-        request goes back to the queue (or faults after ``max_attempts``), so a
-        test of a lost job need not wait out a real lease.
+        Returns their ids. Each is recorded ``expired`` in the ledger, counts as
+        an aborted job of its worker, and its request goes back to the queue (or
+        faults after ``max_attempts``), so a test of a lost job need not wait out
+        a real lease.
         """
         with self._lock:
             now = time.monotonic()
@@ -761,9 +817,11 @@ class DevHorde:
 
         Each entry: ``{"job_id", "request_id", "kind": "chat"|"text", "worker",
         "action": "submitted"|"faulted"|"refused"|"duplicate"|"aborted_gen"|
-        "cancelled"|"expired", "status": HTTP status answered (None for cancelled
-        and expired), "rc": return code or None, "fault_reason": kept reason or
-        None, "body": the submit body or None}``.
+        "late_fault"|"cancelled"|"expired", "status": HTTP status answered (None
+        for cancelled and expired), "rc": return code or None, "fault_reason":
+        kept reason or None, "body": the submit body or None}``. ``late_fault``
+        is a fault for a job that had already ended without a reply (expired,
+        faulted or cancelled): answered 200 ``{"reward": 0}``, counted nowhere.
         """
         with self._lock:
             self._expire_locked()
@@ -787,10 +845,32 @@ class DevHorde:
             return copy.deepcopy(self._requests_log)
 
     def worker(self, name: str) -> dict[str, Any] | None:
-        """The worker details the Horde shows (``GET /api/v2/workers/name/<name>``)."""
+        """The worker details the Horde shows (``GET /api/v2/workers/name/<name>``).
+
+        ``{"name", "models", "max_length", "max_context_length",
+        "accepts_chat_jobs", "accepts_prompt_jobs", "nonconformant_replies",
+        "aborted_jobs" (this window's aborted jobs; 0 again after the window or
+        once they put the worker into maintenance), "uncompleted_jobs" (every
+        aborted job), "maintenance_mode", "bridge_agent", "chat"?}``; None for a
+        worker that never popped. Leases that passed are expired first.
+        """
         with self._lock:
+            self._expire_locked()
             w = self._workers.get(name)
             return None if w is None else self._worker_details(w)
+
+    def set_maintenance(self, name: str, active: bool, message: str | None = None) -> None:
+        """Put worker ``name`` into maintenance or take it out, as its owner can.
+
+        In maintenance every pop of the worker is answered 403 ``WorkerMaintenance``
+        with ``message`` (:data:`OWNER_MAINTENANCE_MESSAGE` when None). Taking it out leaves the
+        aborted-job count as it is. Raises ``KeyError`` for a worker that never popped.
+        """
+        with self._lock:
+            w = self._workers[name]
+            w.maintenance = bool(active)
+            w.maintenance_msg = (message or OWNER_MAINTENANCE_MESSAGE) if active else ""
+        log.info("worker %s maintenance %s", name, "on" if active else "off")
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         """A job's state for tests: ``{"id", "request_id", "kind", "worker", "model",
@@ -1519,6 +1599,13 @@ class DevHorde:
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise _ApiError(400, "BadRequest", "name is required.")
+        if len(name) > WORKER_NAME_MAX_CHARS:
+            raise _ApiError(
+                400,
+                "TooLongWorkerName",
+                f"The worker name is {len(name)} characters long; the Horde takes at "
+                f"most {WORKER_NAME_MAX_CHARS}.",
+            )
         models = body.get("models") or []
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise _ApiError(400, "BadRequest", "models must be a list of model names.")
@@ -1642,9 +1729,27 @@ class DevHorde:
                     403, "WrongCredentials", "This worker name belongs to another API key."
                 )
             if worker is None:
-                worker = self._workers[decl.name] = _Worker(decl.name, decl, owner_key=key)
+                worker = self._workers[decl.name] = _Worker(
+                    decl.name, decl, owner_key=key, aborted_since=now
+                )
             worker.decl = decl
             worker.last_pop = now
+            if worker.maintenance:
+                # The real Horde's horde/apis/v2/base.py JobPopTemplate: a worker in
+                # maintenance is offered only its owner's own requests, and a pop that
+                # finds none is answered 403 WorkerMaintenance with the worker's
+                # maintenance message. Every dev Horde request is a client's.
+                refusal = {"message": worker.maintenance_msg, "rc": "WorkerMaintenance"}
+                self._pops.append(
+                    {
+                        "worker": decl.name,
+                        "body": copy.deepcopy(body),
+                        "status": 403,
+                        "response": copy.deepcopy(refusal),
+                    }
+                )
+                log.info("pop by %s refused: the worker is in maintenance", decl.name)
+                return Response.json(403, refusal)
             chosen: _Req | None = None
             text_model: str | None = None
             skipped: dict[str, int] = {}
@@ -1815,16 +1920,44 @@ class DevHorde:
     # -- leases ----------------------------------------------------------------------
 
     def _expire_locked(self) -> None:
+        """Expire every open job whose lease passed: an aborted job of its worker (the
+        real Horde's horde/database/threads.py ``check_waiting_prompts`` calls
+        ``abort()`` on each stale job, horde/classes/base/processing_generation.py
+        ``abort`` calls the worker's ``log_aborted_job``)."""
         now = time.monotonic()
         for job in self._jobs.values():
             if job.action is None and now > job.lease_until:
                 job.action = "expired"
                 self._record(job, "expired", None, None, None, None)
                 log.info("job %s expired (lease passed)", job.id)
+                self._log_aborted_job(job.worker, now)
                 req = self._requests[job.request_id]
                 if req.state == "processing" and req.job_ids[-1] == job.id:
                     self._restart(req)
                 self._changed.notify_all()
+
+    def _log_aborted_job(self, name: str, now: float) -> None:
+        """Count an aborted job of worker ``name``; more than 20 in the window put it
+        into maintenance and start the count again (the real Horde's
+        horde/classes/base/worker.py ``log_aborted_job``: the count starts again when
+        an aborted job comes more than an hour after the window began, which is
+        when the worker was created or the count last started again)."""
+        worker = self._workers.get(name)
+        if worker is None:
+            return
+        if now - worker.aborted_since > self.aborted_jobs_window_s:
+            worker.aborted_jobs = 0
+            worker.aborted_since = now
+        worker.aborted_jobs += 1
+        worker.uncompleted_jobs += 1
+        if worker.aborted_jobs > MAX_ABORTED_JOBS:
+            worker.maintenance = True
+            worker.maintenance_msg = MAINTENANCE_MESSAGE
+            worker.aborted_jobs = 0
+            log.warning(
+                "worker %s put into maintenance: more than %d aborted jobs within %g s",
+                name, MAX_ABORTED_JOBS, self.aborted_jobs_window_s,
+            )
 
     def _restart(self, req: _Req) -> None:
         req.restarted += 1
@@ -1870,10 +2003,12 @@ class DevHorde:
                     raise _invalid_input(
                         "state", f"{state!r} is not one of {list(SUBMIT_STATES)}"
                     )
-                if job.action in ("submitted", "faulted"):
-                    raise _ApiError(400, "DuplicateGen", "This job was already submitted.")
-                if job.action in ("cancelled", "expired"):
-                    raise _ApiError(400, "AbortedGen", "This job has ended; it was not stored.")
+                if state == "faulted":
+                    self._check_fault_shape(job, body)
+                if job.action is not None:
+                    answer = self._ended(job, body, state)
+                    self._changed.notify_all()
+                    return Response.json(200, answer)
                 where = _nul_path(body)
                 if where is not None:
                     raise _ApiError(
@@ -1898,7 +2033,7 @@ class DevHorde:
                     err.rc or "", "refused"
                 )
                 self._record(job, action, err.status, err.rc, None, body)
-                if action == "refused":
+                if action == "refused" and job.action is None:
                     job.last_refusal = (err.rc, err.message)
                     req.refusals.append({"job_id": job.id, "rc": err.rc, "message": err.message})
                 log.info("submit of job %s refused: %s %s", job.id, err.rc, err.message)
@@ -1906,8 +2041,27 @@ class DevHorde:
             self._changed.notify_all()
         return Response.json(200, answer)
 
-    def _fault(self, job: _Job, req: _Req, body: dict[str, Any]) -> dict[str, Any]:
-        """Step 7: accept a faulted submit, reward 0, give the request back to the queue.
+    def _ended(self, job: _Job, body: dict[str, Any], state: str) -> dict[str, Any]:
+        """A submit for a job that already ended; raises its refusal as an ``_ApiError``.
+
+        As the real Horde's horde/apis/v2/base.py ``JobSubmitTemplate.validate``
+        answers what horde/classes/kobold/processing_generation.py ``set_generation``
+        returns: a job with a stored reply answers 400 ``DuplicateGen`` to any
+        submit; a job that ended without one (expired, faulted, or cancelled: the
+        real Horde marks each faulted) answers a fault 200 ``{"reward": 0}`` (the
+        ``kudos == -1`` branch for ``state == "faulted"``), counted nowhere since the
+        job was counted when it ended, and anything else 400 ``AbortedGen``.
+        """
+        if job.action == "submitted":
+            raise _ApiError(400, "DuplicateGen", "This job was already submitted.")
+        if state != "faulted":
+            raise _ApiError(400, "AbortedGen", "This job has ended; it was not stored.")
+        self._record(job, "late_fault", 200, None, None, body)
+        log.info("job %s faulted after it ended (%s): nothing counted", job.id, job.action)
+        return {"reward": 0}
+
+    def _check_fault_shape(self, job: _Job, body: dict[str, Any]) -> None:
+        """The input check of a faulted submit (before any state is looked at).
 
         ``model_id`` marks a chat submit, which needs no ``generation``; any other
         faulted submit (a text job's, or a chat job's without ``model_id``) is a
@@ -1925,17 +2079,26 @@ class DevHorde:
                 "ChatSubmitInvalid",
                 "A faulted chat submit has neither generation nor message.",
             )
+
+    def _fault(self, job: _Job, req: _Req, body: dict[str, Any]) -> dict[str, Any]:
+        """Step 7: accept a faulted submit, reward 0, give the request back to the queue.
+
+        The fault counts as an aborted job of the worker (the real Horde's
+        horde/classes/kobold/processing_generation.py ``set_generation`` calls
+        ``abort()`` for ``state == "faulted"``), except a fault after a
+        ``ChatSubmitNonconformant`` refusal, counted under ``nonconformant_replies``.
+        """
         reason = body.get("fault_reason")
         kept = reason if reason in FAULT_REASON_SENTENCES else None
         job.action = "faulted"
         self._record(job, "faulted", 200, None, kept, body)
         worker = self._workers.get(job.worker)
         refusal = job.last_refusal
-        if worker is not None:
-            if refusal is not None and refusal[0] == "ChatSubmitNonconformant":
+        if refusal is not None and refusal[0] == "ChatSubmitNonconformant":
+            if worker is not None:
                 worker.nonconformant_replies += 1
-            else:
-                worker.aborted_jobs += 1
+        else:
+            self._log_aborted_job(job.worker, time.monotonic())
         if kept is not None:
             req.fault_reasons.append(kept)
             req.return_code = "ChatWorkerFault"
@@ -2243,6 +2406,8 @@ class DevHorde:
             "accepts_prompt_jobs": decl.prompt_jobs,
             "nonconformant_replies": w.nonconformant_replies,
             "aborted_jobs": w.aborted_jobs,
+            "uncompleted_jobs": w.uncompleted_jobs,
+            "maintenance_mode": w.maintenance,
             "bridge_agent": decl.bridge_agent,
         }
         if decl.chat_jobs:

@@ -575,8 +575,11 @@ def test_a_fault_returns_the_request_to_the_queue_until_its_attempts_run_out(hor
     assert (status["state"], status["faulted"], status["fault_reasons"]) == ("faulted", True, ["prompt_overflow"])
     assert horde.ledger[-1]["fault_reason"] is None
     assert w.pop(decl())["id"] is None
+    # A repeated fault (its first answer lost) is answered as the first, and counted once.
     again = w.submit({"id": first, "state": "faulted", "model_id": MODEL})
-    assert again.json()["rc"] == "DuplicateGen"
+    assert (again.status_code, again.json()) == (200, {"reward": 0})
+    assert horde.ledger[-1]["action"] == "late_fault"
+    assert horde.worker("w1")["uncompleted_jobs"] == 1  # type: ignore[index]
 
 
 # --- progress ----------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_a_job_submitted_just_before_the_crash_is_already_settled(
     assert Journal(path).load() == []
 
 
-def test_a_job_whose_lease_ended_on_the_horde_is_settled_without_a_fault(
+def test_a_job_whose_lease_ended_on_the_horde_is_counted_once(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
 ) -> None:
     rid, answer = pop_chat_job(horde)
@@ -149,9 +149,11 @@ def test_a_job_whose_lease_ended_on_the_horde_is_settled_without_a_fault(
 
     result = restart(path, horde, kcpp.url)
 
-    assert result == RecoveryResult(settled=1)
-    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["expired", "aborted_gen"]
+    # As the real Horde, the fault of a job that already ended is answered {"reward": 0}.
+    assert result == RecoveryResult(faulted=1)
+    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["expired", "late_fault"]
     assert horde.status(rid)["restarted"] == 1  # requeued once, by the expiry only
+    assert horde.worker(POP["name"])["uncompleted_jobs"] == 1  # type: ignore[index]
 
 
 def test_an_entry_past_its_lease_sends_nothing(
