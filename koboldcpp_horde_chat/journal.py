@@ -107,7 +107,8 @@ class JournalEntry:
             recovery never aborts a local user's generation.
         lease_end: epoch seconds when the job's lease ends on the Horde at the
             latest (for a streamed job, the lease cap counted from the pop is a
-            safe value: a fault after the lease only gets ``AbortedGen``).
+            safe value: the Horde answers a fault after the lease with
+            ``{"reward": 0}`` and counts the job once).
 
     Raises:
         ValueError: a field of the wrong type or value.
@@ -413,7 +414,8 @@ class Journal:
 
         Written like :meth:`add` but not waited for on disk: a removal lost
         in a crash only makes the next start fault a job that was settled,
-        which the Horde answers with ``DuplicateGen`` or ``AbortedGen``. A job
+        which the Horde answers with ``DuplicateGen`` (after a reply) or
+        ``{"reward": 0}`` (after a fault or the job's end). A job
         that is not recorded leaves the file as it is.
         """
         with self._lock:
