@@ -788,6 +788,10 @@ def test_a_broken_install_prints_one_line_then_koboldcpp_runs_its_own_worker(
     assert error in said
     # koboldcpp's own worker serves the public Horde whatever AI_HORDE_URL says.
     assert "so koboldcpp's own Horde worker runs (text jobs only, on https://aihorde.net: it ignores AI_HORDE_URL)" in said
-    assert f"Fix: reinstall it for this Python ({sys.executable} -m pip install" in said
+    # It names what to install, as the README installs it: the package's source tree or wheel.
+    assert (
+        f"Fix: reinstall it for this Python ({sys.executable} -m pip install "
+        "/path/to/koboldcpp-horde-chat, its source tree or wheel;"
+    ) in said
     assert said.endswith("or uninstall it.")
     assert fallback == "koboldcpp own worker: started"
