@@ -14,9 +14,6 @@ __version__ = "0.1.0"
 # backend (and pays the others 0.3 x the kudos). The worker is koboldcpp's embedded
 # Horde worker, so it sends koboldcpp's name and version field (koboldcpp itself
 # sends "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"); the free
-# text names this package and its version, so the Horde's operators can tell the
-# two apart.
-BRIDGE_AGENT = (
-    f"KoboldCppEmbedWorker:2:koboldcpp-horde-chat {__version__} "
-    "https://pypi.org/project/koboldcpp-horde-chat/"
-)
+# text names this package and its version alone (it has no web page to name), so
+# the Horde's operators can tell the two apart.
+BRIDGE_AGENT = f"KoboldCppEmbedWorker:2:koboldcpp-horde-chat {__version__}"

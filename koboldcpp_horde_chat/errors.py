@@ -55,12 +55,12 @@ class HordeError(HordeChatError):
         self.body = body if body is not None else {}
 
     def __str__(self) -> str:
-        parts = [f"status={self.status}"]
+        parts = [f"status={self.status}"] if self.status else []  # 0: no HTTP answer
         if self.rc:
             parts.append(f"rc={self.rc}")
         if self.job_id:
             parts.append(f"job={self.job_id}")
-        return f"{self.message} ({', '.join(parts)})"
+        return f"{self.message} ({', '.join(parts)})" if parts else self.message
 
 
 class HordeRefusal(HordeError):

@@ -37,6 +37,7 @@ import email.utils
 import json
 import logging
 import os
+import threading
 import time
 from datetime import datetime, timezone
 from types import TracebackType
@@ -51,6 +52,20 @@ from .errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
 from .fetch import read_body, redact_url
 
 log = logging.getLogger(__name__)
+
+_PLAIN_HTTP_WARNED: set[str] = set()
+"""Horde URLs already warned about as plain http in this process (each once)."""
+_PLAIN_HTTP_LOCK = threading.Lock()
+
+
+def _warn_plain_http_once(base_url: str) -> None:
+    """Warn that ``base_url`` sends the API key unencrypted, once per process and URL
+    (a worker makes several clients: one per loop, one for its start-up recovery)."""
+    with _PLAIN_HTTP_LOCK:
+        if base_url in _PLAIN_HTTP_WARNED:
+            return
+        _PLAIN_HTTP_WARNED.add(base_url)
+    log.warning("the Horde URL %s is plain http: the API key travels unencrypted", base_url)
 
 MIB: Final = 1024 * 1024
 ROUTE_POP: Final = "/api/v2/generate/text/pop"
@@ -169,8 +184,7 @@ class HordeClient:
         self._base_url = redact_url(base_url.strip()).rstrip("/")
         self._host = self._base_url.split("://", 1)[1].split("/", 1)[0]
         if parts.scheme.lower() == "http" and host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("the Horde URL %s is plain http: the API key travels unencrypted",
-                        self._base_url)
+            _warn_plain_http_once(self._base_url)
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._own_session = session is None

@@ -254,6 +254,30 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
+def reason(exc: OSError) -> str:
+    """An OS error in a few words (``"No such file or directory"``), for a log line."""
+    return _reason(exc)
+
+
+def check_directory(directory: Path) -> None:
+    """Make ``directory`` (mode 0o700, with its parents) and check a file can be
+    written in it (a temporary file is created and removed).
+
+    Raises:
+        OSError: it cannot be made (``/proc/nope``: "No such file or
+            directory"; a file in the way: "a file is in the way of its
+            directory") or written ("Permission denied", "Read-only file
+            system").
+    """
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of its directory") from None
+    fd, probe = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 class Journal:
     """The journal file of one worker, shared by its pop loops (thread-safe).
 
@@ -287,20 +311,19 @@ class Journal:
         ends however it ends, prevents that.
 
         Returns:
-            None when this process holds it now (or it cannot be locked at all:
-            the directory cannot be made, say; the worker then runs without
-            it), else the process id the holder wrote in the lock file (0 when
-            unknown).
+            None when this process holds it now, else the process id the
+            holder wrote in the lock file (0 when unknown).
+
+        Raises:
+            OSError: the journal cannot be kept in its directory
+                (:func:`check_directory`) or its lock file cannot be opened;
+                nothing is logged (the host says what it does then).
         """
         if self._claim_fd is not None:
             return None
         lock_path = self.path.with_name(self.path.name + ".lock")
-        try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            log.warning("job journal %s cannot be locked (%s)", self.path, _reason(exc))
-            return None
+        check_directory(self.path.parent)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             _lock_file(fd)
         except OSError:

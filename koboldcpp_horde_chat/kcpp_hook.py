@@ -53,7 +53,7 @@ from typing import Any
 from . import worker as _worker
 from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from .errors import ConfigError
-from .hosting import open_state
+from .hosting import check_limits, check_url, check_worker_name, open_state, serving_line
 from .journal import journal_dir
 from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from .state import WorkerState
@@ -72,6 +72,15 @@ KCPP_SHUTDOWN_EXITCOUNTER = 100
 LOG_FORMAT = "[%(asctime)s] %(threadName)s %(levelname)s: %(message)s"
 LOG_DATEFMT = "%H:%M:%S"
 """koboldcpp prints ``[HH:MM:SS] text``; our lines add the worker thread and level."""
+
+STOPPED_BECAUSE = {
+    0: "stopped: koboldcpp is shutting down",
+    2: "stopped: the Horde refused a setting (above); koboldcpp serves on without this worker",
+    3: "stopped: the Horde refused the API key (above); koboldcpp serves on without this worker",
+}
+"""The last line of a worker thread, by ``run_worker``'s code: nothing exits inside
+koboldcpp, so the line says why the worker stopped, never an exit code."""
+STOPPED_OTHERWISE = "stopped; koboldcpp serves on without this worker"
 
 _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
@@ -96,16 +105,15 @@ def _as_int(value: object, what: str) -> int:
 def horde_url_from_env(environ: Mapping[str, str] | None = None) -> str:
     """The Horde's base URL without a trailing slash.
 
-    ``AI_HORDE_URL`` when set and not empty, else ``"https://aihorde.net"``.
+    ``AI_HORDE_URL`` when set and not empty, else ``"https://aihorde.net"``,
+    checked as the standalone worker checks it (:func:`hosting.check_url`).
     Raises ConfigError when the variable is not an ``http://`` or ``https://`` URL.
     """
     env = os.environ if environ is None else environ
     url = env.get(HORDE_URL_ENV, "").strip()
     if not url:
         return DEFAULT_HORDE_URL
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{HORDE_URL_ENV} must be an http:// or https:// URL, not {url!r}")
-    return url.rstrip("/")
+    return check_url(url, HORDE_URL_ENV, horde=True)
 
 
 def kcpp_url(kcpp: types.ModuleType, args: object) -> str:
@@ -149,8 +157,19 @@ def settings_from_kcpp(
     image transport beside ``base64``, beyond seed 004's embedded worker, as
     the standalone CLI declares it).
 
-    Raises ConfigError for a non-integer limit or a bad ``AI_HORDE_URL``.
+    The worker name and the limits are checked as the standalone worker
+    checks them (:mod:`hosting`): a name the Horde refuses (over 100
+    characters once stripped, or blank) and a negative ``--hordegenlen`` or
+    ``--hordemaxctx`` (which koboldcpp itself ignores) are refused.
+
+    Raises ConfigError for a refused name, a negative or non-integer limit or
+    a bad ``AI_HORDE_URL``.
     """
+    worker_name = check_worker_name(worker_name, "--hordeworkername")
+    check_limits(
+        _as_int(_get(args, "hordegenlen", 0) or 0, "--hordegenlen"),
+        _as_int(_get(args, "hordemaxctx", 0) or 0, "--hordemaxctx"),
+    )
     horde_max_ctx = _as_int(_get(kcpp, "maxhordectx", 0), "maxhordectx")
     vision = bool(_get(args, "mmproj", "")) and bool(_get(kcpp, "has_vision_support", False))
     return WorkerSettings(
@@ -262,14 +281,64 @@ def shared_state(
         return state
 
 
-def configure_logging(*, debug: bool = False) -> bool:
+class ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record on a line of its own on koboldcpp's console.
+
+    koboldcpp ends each generation with a statistics line it leaves
+    unterminated (``printf("\n[%s] CtxLimit:... Total:%.2fs")`` in
+    ``gpttype_adapter.cpp``), and prints its progress with ``\r``; its own
+    worker prints an empty line after each generation (``print("")`` in
+    ``run_horde_worker``). This handler starts a record with a newline when
+    koboldcpp may have printed since the last record: a generation started
+    since (``totalgens`` changed), or one was running then or is now
+    (``modelbusy`` held, ``requestsinqueue`` above 0, or ``currentusergenkey``
+    set); and before the first record. Otherwise the console's last output is
+    the previous record, which ended its line, and no empty line is added.
+
+    Args:
+        kcpp: koboldcpp's module object, read on every record.
+    """
+
+    def __init__(self, kcpp: types.ModuleType) -> None:
+        super().__init__(sys.stdout)
+        self._kcpp = kcpp
+        self._last: tuple[object, bool] | None = None
+
+    def _mark(self) -> tuple[object, bool]:
+        """(``totalgens``, a generation is running or waiting)."""
+        lock = _get(self._kcpp, "modelbusy", None)
+        locked = _get(lock, "locked", None)
+        queued = _get(self._kcpp, "requestsinqueue", 0)
+        busy = (
+            (callable(locked) and bool(locked()))
+            or (isinstance(queued, int) and queued > 0)
+            or bool(_get(self._kcpp, "currentusergenkey", ""))
+        )
+        return _get(self._kcpp, "totalgens", None), busy
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write the record, after a newline when koboldcpp may be mid-line."""
+        try:
+            msg = self.format(record)
+            mark = self._mark()
+            last, self._last = self._last, mark
+            fresh_line = last is not None and last[0] == mark[0] and not (last[1] or mark[1])
+            self.stream.write(("" if fresh_line else "\n") + msg + self.terminator)
+            self.flush()
+        except Exception:  # logging's rule: a failing handler never raises
+            self.handleError(record)
+
+
+def configure_logging(*, debug: bool = False, kcpp: types.ModuleType | None = None) -> bool:
     """Print this package's logs to stdout like koboldcpp's own lines, once.
 
     Only when the root logger has no handlers (koboldcpp configures none) and
-    this package's logger has none yet: one ``StreamHandler`` on the
+    this package's logger has none yet: one handler on the
     ``koboldcpp_horde_chat`` logger with :data:`LOG_FORMAT`, level INFO (DEBUG
-    with ``--debugmode 1``). Returns True when it added the handler. Safe to
-    call from several worker threads at once.
+    with ``--debugmode 1``): a :class:`ConsoleHandler` reading ``kcpp`` (so
+    each record starts on a line of its own), a plain ``StreamHandler`` when
+    ``kcpp`` is None. Returns True when it added the handler. Safe to call
+    from several worker threads at once.
     """
     global _logging_configured
     with _LOGGING_LOCK:
@@ -279,7 +348,7 @@ def configure_logging(*, debug: bool = False) -> bool:
         package_logger = logging.getLogger(__package__ or "koboldcpp_horde_chat")
         if logging.getLogger().handlers or package_logger.handlers:
             return False
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(sys.stdout) if kcpp is None else ConsoleHandler(kcpp)
         handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
         package_logger.addHandler(handler)
         package_logger.setLevel(logging.DEBUG if debug else logging.INFO)
@@ -310,7 +379,7 @@ def run_horde_worker(
     errors are logged, never raised, so koboldcpp's other threads carry on.
     """
     threading.current_thread().name = f"horde-worker-{worker_id}"
-    configure_logging(debug=_get(args, "debugmode", 0) == 1)
+    configure_logging(debug=_get(args, "debugmode", 0) == 1, kcpp=kcpp)
     try:
         settings = settings_from_kcpp(kcpp, args, api_key, worker_name, parallel_batching_threads)
     except ConfigError as exc:
@@ -321,13 +390,7 @@ def run_horde_worker(
         return
     for warning in model_id_warnings(settings.model_id):
         log.warning("worker %d: %s", worker_id, warning)
-    log.info(
-        "worker %d: serving chat and text jobs for %s from %s via %s",
-        worker_id,
-        settings.model_id,
-        settings.horde_url,
-        settings.kcpp_url,
-    )
+    log.info("worker %d: %s", worker_id, serving_line(settings))
     manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
     try:
         state = shared_state(settings)
@@ -345,4 +408,4 @@ def run_horde_worker(
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)
         return
-    log.info("worker %d: finished with exit code %d", worker_id, code)
+    log.info("worker %d: %s", worker_id, STOPPED_BECAUSE.get(code, STOPPED_OTHERWISE))

@@ -21,13 +21,19 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from urllib.parse import urlsplit
 
 from . import __version__
 from .backend import KoboldClient
 from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from .errors import BackendError, BackendUnauthorized, ConfigError
-from .hosting import open_state
+from .hosting import (
+    check_journal_dir,
+    check_limits,
+    check_url,
+    check_worker_name,
+    open_state,
+    serving_line,
+)
 from .journal import JOURNAL_DIR_ENV, default_state_dir, journal_dir
 from .manners import BackendIdentity, StandaloneManners
 from .settings import (
@@ -35,7 +41,6 @@ from .settings import (
     DEFAULT_KCPP_URL,
     MIB,
     WorkerSettings,
-    worker_name_problem,
 )
 from .state import WorkerState
 from .worker import run_worker
@@ -222,23 +227,14 @@ def parse_withhold(text: str) -> frozenset[str]:
 
 
 def normalise_url(value: str, flag: str) -> str:
-    """``value`` as a base URL without a trailing slash.
+    """``value`` as a base URL without a trailing slash (:func:`hosting.check_url`).
 
     ``flag`` names where the value came from (``--horde-url``, ``AI_HORDE_URL``,
     ``--kcpp-url`` or ``KCPP_URL``). A Horde URL given with the API path
     (``https://aihorde.net/api/v2``) is cut back to its base. Raises
     ConfigError, naming ``flag``, for anything but an http(s) URL.
     """
-    url = value.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{flag} needs an http:// or https:// URL, not {value!r}")
-    for suffix in ("/api/v2", "/api"):
-        if flag in (HORDE_URL_FLAG, HORDE_URL_ENV) and parts.path.endswith(suffix):
-            url = url[: -len(suffix)]
-            log.warning("%s: using %s (the worker adds the /api/v2 routes itself)", flag, url)
-            break
-    return url
+    return check_url(value, flag, horde=flag in (HORDE_URL_FLAG, HORDE_URL_ENV))
 
 
 def resolve_url(
@@ -277,12 +273,8 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if not args.hordekey:
         raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
-    problem = worker_name_problem(args.hordeworkername)
-    if problem:
-        raise ConfigError(f"--hordeworkername: {problem}")
-    args.hordeworkername = args.hordeworkername.strip()
-    if args.hordegenlen < 0 or args.hordemaxctx < 0:
-        raise ConfigError("--hordegenlen and --hordemaxctx must not be negative")
+    args.hordeworkername = check_worker_name(args.hordeworkername, "--hordeworkername")
+    check_limits(args.hordegenlen, args.hordemaxctx)
     if args.kcpp_max_request_mb < 1:
         raise ConfigError("--kcpp-max-request-mb must be at least 1")
     if args.kcpp_wait is not None and not args.kcpp_wait >= 0:
@@ -411,15 +403,27 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
 
-    directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
+    # A directory the operator named must keep the journal (else exit 2); the
+    # default one only turns crash recovery off, saying so (hosting.open_state).
+    journal_source: str | None = None
+    if args.journal_dir:
+        directory, journal_source = Path(args.journal_dir).expanduser(), "--journal-dir"
+    else:
+        directory = journal_dir()
+        if os.environ.get(JOURNAL_DIR_ENV, "").strip():
+            journal_source = JOURNAL_DIR_ENV
     while True:
         try:
             check_flags(args)
+            if journal_source is not None:
+                check_journal_dir(directory, journal_source)
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
             settings, caps = settings_from_args(
                 args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
             )
-            state = open_state(settings, directory, stop_event=stop_event)
+            state = open_state(
+                settings, directory, stop_event=stop_event, journal_setting="--journal-dir"
+            )
         except ConfigError as exc:
             if stop_event.is_set():
                 log.info("%s", exc)
@@ -427,6 +431,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             log.error("%s", exc)
             return 2
         states[:] = [state]
+        log.info("%s", serving_line(settings))
         manners = StandaloneManners(
             backend,
             check_busy=args.parallelrequests <= 1,

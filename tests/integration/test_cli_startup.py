@@ -20,6 +20,8 @@ from koboldcpp_horde_chat.cli import build_parser, check_flags, normalise_url, s
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
+from koboldcpp_horde_chat.journal import JOURNAL_DIR_ENV
+from tests.startup_cases import REFUSED_AT_START
 
 from .conftest import API_KEY
 
@@ -285,3 +287,94 @@ def test_help_names_the_two_subcommands_and_what_hordegenlen_0_means() -> None:
     assert "--hordekey HORDEKEY" in result.stdout  # the worker's own flags are still listed
     genlen = " ".join(build_parser().format_help().split()).split("--hordegenlen HORDEGENLEN ", 1)[1]
     assert genlen.startswith("the most tokens your worker will generate for one job (0 or unset: 1024)")
+
+
+# ------------------------------------------- the same start-up checks as inside koboldcpp
+
+
+def run_cli_env(*args: str, env: dict[str, str], timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
+    """The standalone command with ``env`` added to (or, for a None value, removed from) ours."""
+    full = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=full,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_AT_START))
+def test_what_koboldcpps_hook_refuses_the_standalone_worker_refuses_in_the_same_line(case: str) -> None:
+    refused = REFUSED_AT_START[case]
+    result = run_cli_env(
+        "--hordeworkername", refused.name, "--hordegenlen", str(refused.genlen), "--kcpp-url", DEAD_URL,
+        env={"AI_HORDE_URL": "", **refused.env},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("ERROR koboldcpp_horde_chat: " + refused.line), lines
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("--journal-dir", "No such file or directory"), (JOURNAL_DIR_ENV, "No such file or directory"),
+     ("a file in the way", "a file is in the way of its directory")],
+)  # fmt: skip
+def test_a_journal_directory_named_explicitly_that_cannot_be_used_exits_2_at_once(
+    how: str, reason: str, tmp_path: Path
+) -> None:
+    """The operator asked for crash recovery there: running without it would be a surprise."""
+    if how == "a file in the way":
+        (tmp_path / "file").write_text("x")
+        directory, flags, env = str(tmp_path / "file" / "journal"), ["--journal-dir", str(tmp_path / "file" / "journal")], {}
+    elif how == "--journal-dir":
+        directory, flags, env = "/proc/nope", ["--journal-dir", "/proc/nope"], {}
+    else:
+        directory, flags, env = "/proc/nope", [], {JOURNAL_DIR_ENV: "/proc/nope"}
+    source = JOURNAL_DIR_ENV if how == JOURNAL_DIR_ENV else "--journal-dir"
+    started = time.monotonic()
+    result = run_cli_env("--hordeworkername", "w", "--kcpp-url", DEAD_URL, *flags, env=env)
+    assert result.returncode == 2, result.stderr
+    assert time.monotonic() - started < 10  # before any wait for koboldcpp
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(
+        f"ERROR koboldcpp_horde_chat: {source} {directory}: the job journal cannot be kept there ({reason})"
+    )
+
+
+def test_an_unusable_default_journal_directory_turns_crash_recovery_off_in_one_line_and_serves_on(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp
+) -> None:
+    """Also: the start line names the Horde and koboldcpp, and nothing says status=0."""
+    env = {**os.environ, "XDG_STATE_HOME": "/proc/nope", "AI_HORDE_URL": "", "KCPP_URL": ""}
+    env.pop(JOURNAL_DIR_ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "--hordekey", API_KEY, "--hordeworkername", "w",
+         "--horde-url", horde.url, "--kcpp-url", kcpp.url],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not horde.pops and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert horde.pops, "the worker did not pop"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    off = [line for line in stderr.splitlines() if "crash recovery is off" in line]
+    assert len(off) == 1, stderr
+    assert off[0].endswith(
+        "WARNING koboldcpp_horde_chat.hosting: job journal directory "
+        "/proc/nope/koboldcpp-horde-chat cannot be used (No such file or directory): crash "
+        "recovery is off, so a job in hand when the worker dies is left to expire on the Horde; "
+        "point --journal-dir at a writable directory to turn it on"
+    )
+    serving = [line for line in stderr.splitlines() if ": serving " in line]
+    assert len(serving) == 1, stderr
+    assert serving[0].endswith(
+        f"INFO koboldcpp_horde_chat: serving chat and text jobs for {kcpp.model_name} "
+        f"from {horde.url} via {kcpp.url}"
+    ), serving
+    assert "status=0" not in stderr and "Traceback" not in stderr

@@ -726,14 +726,14 @@ def test_scripted_faults_answer_the_next_calls_then_service_resumes(horde: DevHo
 
 UNVALIDATED_AGENTS = [
     None,  # no bridge_agent: the Horde reads "unknown:0:unknown"
-    "koboldcpp-horde-chat:0.1.0:https://pypi.org/project/koboldcpp-horde-chat/",
+    "koboldcpp-horde-chat:0.1.0:koboldcpp-horde-chat 0.1.0",
     "KoboldCppEmbedWorker:2",  # no third field: the agent does not parse
     "KoboldCppEmbedWorker:v2:https://github.com/LostRuins/koboldcpp",  # not a version
     "koboldcppembedworker:2:https://github.com/LostRuins/koboldcpp",  # names are exact
 ]
 VALIDATED_AGENTS = [
     KCPP_AGENT,
-    "KoboldCppEmbedWorker:2:koboldcpp-horde-chat 0.1.0 https://pypi.org/project/koboldcpp-horde-chat/",
+    "KoboldCppEmbedWorker:2:koboldcpp-horde-chat 0.1.0",
     "AI Horde Worker:24:https://github.com/Haidra-Org/AI-Horde-Worker",
     "AI Horde Worker~aphrodite~oai:1.2.3:https://example.org",
     "AI Horde Worker~aphrodite~kai:4:x",

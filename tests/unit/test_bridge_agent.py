@@ -47,8 +47,9 @@ def test_the_bridge_agent_names_koboldcpps_embedded_worker_a_validated_backend()
     assert name in HORDE_VALIDATED_BACKENDS
     assert (name, version) == tuple(KOBOLDCPP_AGENT.split(":", 2)[:2])
     assert re.fullmatch(r"0|[1-9][0-9]*", version)  # a version the Horde parses
-    # The free text tells this package apart from koboldcpp's own worker.
-    assert free_text.startswith(f"koboldcpp-horde-chat {__version__} ")
+    # The free text tells this package apart from koboldcpp's own worker: its name
+    # and version alone (the package has no web page to name).
+    assert free_text == f"koboldcpp-horde-chat {__version__}"
     assert BRIDGE_AGENT != KOBOLDCPP_AGENT
     # Stored unchanged: no surrounding space and nothing the Horde HTML-escapes.
     assert BRIDGE_AGENT == BRIDGE_AGENT.strip() and not set("<>&") & set(BRIDGE_AGENT)

@@ -595,3 +595,17 @@ def test_a_trickling_answer_is_cut() -> None:
             c.submit(SUBMIT_BODY, timeout_s=0.5)
         assert time.monotonic() - started < 2
     assert info.value.sent is True
+
+
+def test_a_plain_http_horde_url_is_warned_about_once_however_many_clients_use_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker makes a client per loop and one for its start-up recovery: one warning."""
+    caplog.set_level(logging.WARNING, logger="koboldcpp_horde_chat.horde")
+    for _ in range(3):
+        HordeClient("http://horde.plain-http.test/", "k", bridge_agent="a:1:b").close()
+    HordeClient("https://horde.plain-http.test", "k", bridge_agent="a:1:b").close()
+    HordeClient("http://127.0.0.1:7001", "k", bridge_agent="a:1:b").close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the Horde URL http://horde.plain-http.test is plain http: the API key travels unencrypted"
+    ]

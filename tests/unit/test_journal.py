@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat import hosting
+from koboldcpp_horde_chat import journal as journal_mod
+from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal, HordeUnavailable
 from koboldcpp_horde_chat.journal import (
     APP_DIR_NAME,
     Journal,
@@ -25,6 +27,7 @@ from koboldcpp_horde_chat.journal import (
     journal_path,
     recover,
 )
+from koboldcpp_horde_chat.settings import WorkerSettings
 
 NOW = 1_700_000_000.0
 MODEL = "koboldcpp/Qwen3-8B-Q4_K_M"
@@ -804,7 +807,52 @@ def test_only_one_journal_object_at_a_time_holds_a_journal_file(tmp_path: Path) 
     assert other.claim() is None  # another worker name is another journal
 
 
-def test_a_journal_whose_directory_cannot_be_made_is_run_without_a_lock(tmp_path: Path) -> None:
-    blocker = tmp_path / "state"
-    blocker.write_text("a file where the directory should be")
-    assert Journal(blocker / "jobs.json").claim() is None
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [("a file in the way", "a file is in the way of its directory"),
+     ("/proc/nope", "No such file or directory")],
+)  # fmt: skip
+def test_a_journal_whose_directory_cannot_be_used_is_not_claimed_and_the_host_is_told_why(
+    where: str, reason: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host decides: exit 2 for a directory the operator named, else crash recovery off."""
+    if where == "a file in the way":
+        (tmp_path / "state").write_text("a file where the directory should be")
+        directory = tmp_path / "state"
+    else:
+        directory = Path(where)
+    with pytest.raises(OSError) as raised:
+        Journal(directory / "jobs.json").claim()
+    assert journal_mod.reason(raised.value) == reason
+    assert caplog.records == []  # the host says it, once
+
+
+def test_the_host_runs_without_a_journal_when_its_directory_cannot_be_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = WorkerSettings(
+        api_key="k", worker_name="w", model_id="m", backend_max_context_length=4096,
+        horde_url="http://127.0.0.1:9", kcpp_url="http://127.0.0.1:9",
+    )  # fmt: skip
+    state = hosting.open_state(settings, Path("/proc/nope"), journal_setting="--journal-dir")
+    assert state.journal is None
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "job journal directory /proc/nope cannot be used (No such file or directory): crash "
+            "recovery is off, so a job in hand when the worker dies is left to expire on the "
+            "Horde; point --journal-dir at a writable directory to turn it on",
+        )
+    ]
+
+
+def test_an_explicit_journal_directory_that_cannot_be_used_is_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        hosting.check_journal_dir(Path("/proc/nope"), "--journal-dir")
+    assert str(raised.value) == (
+        "--journal-dir /proc/nope: the job journal cannot be kept there (No such file or directory)"
+    )
+    hosting.check_journal_dir(tmp_path / "new" / "dir", "--journal-dir")  # made, and writable
+    assert (tmp_path / "new" / "dir").is_dir() and list((tmp_path / "new" / "dir").iterdir()) == []

@@ -27,6 +27,7 @@ from koboldcpp_horde_chat import cli, declaration, kcpp_hook
 from koboldcpp_horde_chat import worker as worker_mod
 from koboldcpp_horde_chat.declaration import pop_body
 from koboldcpp_horde_chat.settings import WorkerSettings
+from tests.startup_cases import REFUSED_AT_START
 
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
 RELEASES = ("1.116.1", "1.117.1")
@@ -502,7 +503,7 @@ def test_a_bad_horde_url_or_no_model_does_not_start_the_loop(
     monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: started.append(1) or 0)
     monkeypatch.setenv("AI_HORDE_URL", "ftp://example.invalid")
     kcpp_hook.run_horde_worker(make_kcpp(), make_kcpp().args, API_KEY, "w", 1, 1)
-    assert "AI_HORDE_URL must be an http:// or https:// URL" in caplog.text
+    assert "AI_HORDE_URL needs an http:// or https:// URL" in caplog.text
     monkeypatch.delenv("AI_HORDE_URL")
     kcpp_hook.run_horde_worker(
         make_kcpp(friendlymodelname="inactive"), make_kcpp().args, API_KEY, "w", 1, 1
@@ -788,6 +789,158 @@ def test_a_broken_install_prints_one_line_then_koboldcpp_runs_its_own_worker(
     assert error in said
     # koboldcpp's own worker serves the public Horde whatever AI_HORDE_URL says.
     assert "so koboldcpp's own Horde worker runs (text jobs only, on https://aihorde.net: it ignores AI_HORDE_URL)" in said
-    assert f"Fix: reinstall it for this Python ({sys.executable} -m pip install" in said
+    # It names what to install, as the README installs it: the package's source tree or wheel.
+    assert (
+        f"Fix: reinstall it for this Python ({sys.executable} -m pip install "
+        "/path/to/koboldcpp-horde-chat, its source tree or wheel;"
+    ) in said
     assert said.endswith("or uninstall it.")
     assert fallback == "koboldcpp own worker: started"
+
+
+# ------------------------------------------ start-up checks, journal and console in koboldcpp
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_AT_START))
+def test_what_the_standalone_worker_refuses_is_refused_inside_koboldcpp_in_one_line(
+    case: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same checks as standalone: the worker thread says why in one line and does
+    not start; koboldcpp carries on (the hook returns, nothing raised)."""
+    refused = REFUSED_AT_START[case]
+    started: list[int] = []
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: started.append(1) or 0)
+    monkeypatch.delenv("AI_HORDE_URL", raising=False)
+    for name, value in refused.env.items():
+        monkeypatch.setenv(name, value)
+    kcpp = make_kcpp(args_={"hordegenlen": refused.genlen, "hordeworkername": refused.name})
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
+    assert kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, refused.name, 1, 1) is None
+    assert started == []
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "worker 1: not started: " + refused.line)
+    ]
+
+
+def test_a_name_of_100_characters_once_stripped_is_served_stripped_inside_koboldcpp() -> None:
+    kcpp = make_kcpp()
+    settings = kcpp_hook.settings_from_kcpp(kcpp, kcpp.args, API_KEY, " " + "x" * 100 + " ", 1, environ={})
+    assert settings.worker_name == "x" * 100
+
+
+def test_a_journal_directory_that_cannot_be_used_turns_crash_recovery_off_in_one_line_and_serves_on(
+    real_loop: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inside koboldcpp nothing can exit for it: one line says why, and the worker pops."""
+    monkeypatch.setattr(kcpp_hook, "_SHARED", {})
+    monkeypatch.setenv("KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR", "/proc/nope")
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
+    kcpp = make_kcpp()
+    threads = [start_hook(kcpp, worker_id=i, threads=2) for i in (1, 2)]
+    try:
+        assert real_loop["horde"].popped.wait(3.0), "the worker did not serve on"
+    finally:
+        for thread in threads:
+            shut_down(kcpp, thread)
+    off = [r for r in caplog.records if "crash recovery is off" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in off] == [
+        (
+            "WARNING",
+            "job journal directory /proc/nope cannot be used (No such file or directory): crash "
+            "recovery is off, so a job in hand when the worker dies is left to expire on the "
+            "Horde; point KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR at a writable directory to turn it on",
+        )
+    ]
+    assert all(call["state"].journal is None for call in real_loop["calls"])
+
+
+@pytest.mark.parametrize(
+    ("code", "line"),
+    [
+        (0, "worker 1: stopped: koboldcpp is shutting down"),
+        (2, "worker 1: stopped: the Horde refused a setting (above); koboldcpp serves on without this worker"),
+        (3, "worker 1: stopped: the Horde refused the API key (above); koboldcpp serves on without this worker"),
+    ],
+)
+def test_the_last_line_says_why_the_worker_stopped_never_an_exit_code(
+    code: int, line: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kcpp_hook, "_SHARED", {})
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: code)
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
+    kcpp = make_kcpp()
+    kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "my-worker", 1, 1)
+    assert caplog.records[-1].getMessage() == line
+    assert "exit code" not in caplog.text
+
+
+def test_the_start_line_names_the_horde_and_koboldcpp_as_the_standalone_one_does(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kcpp_hook, "_SHARED", {})
+    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: 0)
+    monkeypatch.setenv("AI_HORDE_URL", "http://127.0.0.1:7001/api/v2/")
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
+    kcpp = make_kcpp(args_={"port": 5005})
+    kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "my-worker", 2, 2)
+    assert (
+        "worker 2: serving chat and text jobs for koboldcpp/Qwen3-8B-Q4_K_M from "
+        "http://127.0.0.1:7001 via http://localhost:5005, 2 at once"
+    ) in [r.getMessage() for r in caplog.records]
+
+
+def console(bare_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch, kcpp: types.ModuleType) -> io.StringIO:
+    """koboldcpp's console (stdout) with the hook's handler on it."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert kcpp_hook.configure_logging(kcpp=kcpp) is True
+    return out
+
+
+def test_each_worker_line_starts_on_a_line_of_its_own_after_koboldcpps_unterminated_stats_line(
+    bare_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kcpp = make_kcpp(totalgens=0, currentusergenkey="")
+    out = console(bare_logging, monkeypatch, kcpp)
+    log = logging.getLogger("koboldcpp_horde_chat.submit")
+    log.info("worker 1: ready")
+    log.info("job=j1 kind=chat received")
+    # koboldcpp generates: it counts the generation, then prints its statistics
+    # line without a newline at the end (gpttype_adapter.cpp).
+    kcpp.totalgens = 1
+    out.write("\n[19:41:00] CtxLimit:120/4096, Init:0.01s, Processed:100 in 0.20s, Generated:20/64 in 0.28s, Total:0.49s")
+    log.info("job=j1 kind=chat submitted")
+    log.info("job=j2 kind=chat received")
+    lines = [
+        re.sub(r"^\[\d\d:\d\d:\d\d\] ([\w-]+ INFO: )?", "[T] ", line)
+        for line in out.getvalue().split("\n")
+    ]
+    assert lines == [
+        "",  # before the first line: koboldcpp's last output is not known
+        "[T] worker 1: ready",
+        "[T] job=j1 kind=chat received",  # no empty line between the worker's own lines
+        "",  # koboldcpp's statistics line starts with a newline of its own
+        "[T] CtxLimit:120/4096, Init:0.01s, Processed:100 in 0.20s, Generated:20/64 in 0.28s, Total:0.49s",
+        "[T] job=j1 kind=chat submitted",
+        "[T] job=j2 kind=chat received",
+        "",
+    ]
+
+
+def test_while_koboldcpp_generates_a_worker_line_starts_on_a_new_line(
+    bare_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """koboldcpp's progress ("Generating (12 / 64 tokens)") is written with a carriage return."""
+    kcpp = make_kcpp(totalgens=3)
+    out = console(bare_logging, monkeypatch, kcpp)
+    log = logging.getLogger("koboldcpp_horde_chat.worker")
+    log.info("first")
+    kcpp.modelbusy.acquire()
+    out.write("\rGenerating (12 / 64 tokens)")
+    log.info("during")
+    kcpp.modelbusy.release()
+    out.write("\n[19:41:00] CtxLimit:1/4096, Total:0.49s")
+    log.info("after")
+    text = out.getvalue()
+    assert "tokens)\n[" in text and "Total:0.49s\n[" in text

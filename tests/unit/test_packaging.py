@@ -102,14 +102,32 @@ def test_python_versions_agree_everywhere() -> None:
     assert 'python_version = "3.10"' in pyproject
 
 
-def test_license_and_project_urls_are_declared() -> None:
+def test_the_license_is_declared_and_no_url_that_does_not_exist() -> None:
+    """The package has no web page and no public source URL yet: the metadata and
+    the bridge agent name none (a PyPI page that does not exist sent operators
+    nowhere)."""
     meta = setup_cfg()["metadata"]
     assert meta["license"] == "MIT"
     assert "License :: OSI Approved :: MIT License" in meta["classifiers"]
-    # The package's PyPI page, the URL its bridge agent names; nothing else.
-    homepage = "https://pypi.org/project/koboldcpp-horde-chat/"
-    assert meta["project_urls"].strip().splitlines() == [f"Homepage = {homepage}"]
-    assert koboldcpp_horde_chat.BRIDGE_AGENT.endswith(" " + homepage)
+    assert "project_urls" not in meta and "url" not in meta
+    assert "://" not in koboldcpp_horde_chat.BRIDGE_AGENT.split(":", 2)[2]
+    assert "pypi.org" not in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_changelog_dates_each_release() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert releases
+    for heading in releases:
+        assert re.fullmatch(r"\d+\.\d+\.\d+ - \d{4}-\d{2}-\d{2}", heading), heading
+
+
+@pytest.mark.parametrize("patch", sorted((ROOT / "patches").glob("*.patch")), ids=lambda p: p.name)
+def test_each_patch_says_its_license_before_its_diff(patch: Path) -> None:
+    """The patches change koboldcpp's file, so they are under its license, AGPL-3.0;
+    the line sits in the description, which patch and git apply skip."""
+    header = patch.read_text(encoding="utf-8").split("\n--- a/", 1)[0]
+    assert "License: AGPL-3.0, koboldcpp's own license" in header.splitlines()[1]
 
 
 def test_the_changelog_has_the_current_version() -> None:
