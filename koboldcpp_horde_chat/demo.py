@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -447,6 +448,7 @@ def judge(
     models: dict[str, str | None],
     *,
     finished: bool,
+    causes: dict[str, str] | None = None,
 ) -> Verdict:
     """Judge what the worker did with one case's request.
 
@@ -457,6 +459,9 @@ def judge(
         ledger: the dev Horde's ledger entries of this request's jobs, in order.
         models: each job id's assigned model.
         finished: whether the request reached an end in time.
+        causes: why the worker faulted each job it faulted, by job id, as its
+            log line says (``"generation failed: tool_calls[0].function.name
+            is missing"``).
 
     The worker must give each job exactly one terminal action (an accepted
     submit or a fault) of the seed's shape: a chat reply with ``message``,
@@ -464,9 +469,11 @@ def judge(
     offered functions; a text reply with ``generation``; a fault with the
     assigned ``model_id`` and no reply. A refused reply must be followed by a
     ``reply_refused`` fault; when the refusal was about the model's output that
-    fault is the worker doing right, and the refusal is a model note. A case
-    with ``expect_fault`` must end in one fault with that reason; any other
-    fault is a problem. The case's ``hope`` gives the model notes.
+    fault is the worker doing right, and the refusal is a model note; so is a
+    fault without a reason whose cause is a reply the model wrote that no
+    submit can carry (:func:`unusable_model_output`). A case with
+    ``expect_fault`` must end in one fault with that reason; any other fault is
+    a problem. The case's ``hope`` gives the model notes.
     """
     problems: list[str] = []
     notes: list[str] = []
@@ -477,8 +484,10 @@ def judge(
     for job_id in status.get("job_ids") or []:
         if job_id not in job_ids and finished:
             job_ids.append(job_id)
+    causes = causes or {}
     faults: list[str | None] = []
-    model_refusals: list[str] = []
+    excused: list[str] = []  # what the model did, for each fault it caused
+    wrong_faults: list[str] = []
     submitted = 0
     for job_id in job_ids:
         entries = [e for e in ledger if e["job_id"] == job_id]
@@ -502,10 +511,15 @@ def judge(
         refused = [e for e in entries if e["action"] == "refused"]
         if len(refused) > 1:
             problems.append(f"job {short}'s reply was submitted again after a refusal")
+        model_refused = False
         for e in refused:
             text = refusal_text.get(job_id, "")
             if _model_refusal({**e, "message": text}):
-                model_refusals.append(text.rstrip("."))
+                model_refused = True
+                excused.append(
+                    f"the Horde refused the model's reply ({text.rstrip('.')})"
+                    "; the worker faulted it with reply_refused, as it must"
+                )
             else:
                 problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {text})")
             if end["action"] != "faulted" or end.get("fault_reason") != "reply_refused":
@@ -517,7 +531,16 @@ def judge(
                 for p in _submit_problems(end["kind"], body, models.get(job_id), case.offered)
             ]
         else:
-            faults.append(end.get("fault_reason"))
+            reason = end.get("fault_reason")
+            faults.append(reason)
+            why = causes.get(job_id, "")
+            if reason is None and unusable_model_output(why):
+                excused.append(
+                    f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
+                    "; the worker faulted the job, as it must"
+                )
+            elif not (reason == "reply_refused" and model_refused):
+                wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
             problems += [
                 f"job {short}: {p}" for p in _fault_problems(end["kind"], body, models.get(job_id))
             ]
@@ -532,21 +555,14 @@ def judge(
             else _did(faults, submitted)
         )
         return Verdict(not problems, did, problems, notes)
-    for reason in faults:
-        if reason == "reply_refused" and model_refusals:
-            continue  # the worker's right answer to a reply the model got wrong
+    for why in wrong_faults:
         problems.append(
-            "the worker faulted a job it should have served"
-            + (f" ({reason})" if reason else " (no reason: see its WARNING line above)")
+            "a job was faulted instead of served"
+            + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    if model_refusals:
-        counted = {text: model_refusals.count(text) for text in model_refusals}
-        for text, times in counted.items():
-            notes.append(
-                f"the Horde refused the model's reply ({text})"
-                + (f", {times} times" if times > 1 else "")
-                + "; the worker faulted it with reply_refused, as it must"
-            )
+    for text in dict.fromkeys(excused):
+        times = excused.count(text)
+        notes.append(text + (f" ({times} times)" if times > 1 else ""))
     if _done(status):
         note = case.hope(status)
         if note:
@@ -554,6 +570,16 @@ def judge(
         if status.get("stream") is not None and case.body.get("stream"):
             problems += _stream_problems(status)
     return Verdict(not problems, _did(faults, submitted), problems, notes)
+
+
+def unusable_model_output(why: str) -> bool:
+    """True when the worker's reason for a fault without ``fault_reason`` is a
+    reply the model wrote that no submit can carry: a tool call koboldcpp
+    returned without a function name, or not shaped as a function call
+    (``"generation failed: tool_calls[0].function.name is missing"``). The Horde
+    refuses such a call (seed 000, "Submit refusals"), so faulting the job is
+    the worker doing right."""
+    return why.startswith("generation failed: tool_calls")
 
 
 def _stream_problems(status: dict[str, Any]) -> list[str]:
@@ -650,6 +676,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The worker's line for a faulted job (``job=<id> kind=chat faulted (<reason>): <why>``).
+FAULT_LINE = re.compile(r"job=(\S+) kind=\w+ faulted(?: \(\w+\))?: (.*)")
+
+
+class FaultCauses(logging.Handler):
+    """Keeps why the worker faulted each job (``causes``: job id -> why), read
+    from its WARNING lines while the demo runs it in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.causes: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = FAULT_LINE.match(record.getMessage())
+        if match:
+            self.causes[match.group(1)] = match.group(2)
+
+
 def _say(text: str = "") -> None:
     """Print a line of the demo's report at once (the worker's log lines go to
     stderr between them, in the order they happen)."""
@@ -694,6 +738,7 @@ def main(argv: Sequence[str] = ()) -> int:
     from .devkit.kcpp import ScriptedKoboldcpp
 
     configure_logging(args.log_level)
+    fault_causes = FaultCauses()
     scripted_kcpp: ScriptedKoboldcpp | None = None
     explicit = args.kcpp_url is not None
     try:
@@ -773,6 +818,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 '("model:") does not fail it.'
             )
         _say(f"Starting the worker; {len(sent)} requests follow, one at a time.\n")
+        logging.getLogger(__package__).addHandler(fault_causes)
         thread.start()
         deadline = time.monotonic() + args.timeout
         failed: list[str] = []
@@ -795,7 +841,9 @@ def main(argv: Sequence[str] = ()) -> int:
             status = horde.status(case.request_id)
             ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
             models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
-            verdict = judge(case, status, ledger, models, finished=finished)
+            verdict = judge(
+                case, status, ledger, models, finished=finished, causes=fault_causes.causes
+            )
             for line in _result_lines(case, status, verdict, scripted=scripted):
                 _say(line)
             notes += len(verdict.model_notes)
@@ -825,6 +873,7 @@ def main(argv: Sequence[str] = ()) -> int:
     finally:
         stop.set()
         thread.join(timeout=10) if thread.is_alive() else None
+        logging.getLogger(__package__).removeHandler(fault_causes)
         horde.stop()
         if scripted_kcpp is not None:
             scripted_kcpp.stop()

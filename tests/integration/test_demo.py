@@ -119,9 +119,62 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
     )
     assert lines[at + 1] == (
         "       model: the Horde refused the model's reply (message.tool_calls[0] calls 'GetWeather', "
-        "not a function of the request), 3 times; the worker faulted it with reply_refused, as it must"
+        "not a function of the request); the worker faulted it with reply_refused, as it must (3 times)"
     )
     assert "Demo passed" in out
+
+
+NAMELESS_CALL = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "koboldcpp/scripted-model",
+    "usage": {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52},
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_12345", "type": "function", "function": {"arguments": "{}"}}],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+}
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_a_tool_call_without_a_name_is_faulted_and_blamed_on_the_model_only_against_a_real_koboldcpp(
+    scripted: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on SmolLM2-135M: koboldcpp returned a tool call without a function name. No
+    submit can carry it, so the worker faults the job (without a reason, as for a failed
+    generation) and the request is served on its next attempt. Against a real koboldcpp
+    that is a model note; against the scripted one, a fault fails the case."""
+
+    class NamelessOnce(ScriptedKoboldcpp):
+        def start(self) -> ScriptedKoboldcpp:
+            self.inject("chat", (200, NAMELESS_CALL))
+            return super().start()
+
+    monkeypatch.setattr(demo, "demo_cases", only("tool call"))
+    if scripted:
+        monkeypatch.setattr(kcpp_module, "ScriptedKoboldcpp", NamelessOnce)
+        assert main(["--scripted", "--timeout", "60"]) == 1
+    else:
+        with NamelessOnce() as kcpp:
+            assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index(case_line(out, "tool call"))
+    mark = "FAIL" if scripted else "ok  "
+    assert lines[at].startswith(f"[{mark}] tool call                faulted (no reason), then submitted: ")
+    note = (
+        "the model wrote a reply no submit can carry (tool_calls[0].function.name is missing); "
+        "the worker faulted the job, as it must"
+    )
+    assert lines[at + 1] == ("       not as expected: " if scripted else "       model: ") + note
 
 
 def test_a_worker_fault_fails_the_scripted_run(
@@ -144,7 +197,8 @@ def test_a_worker_fault_fails_the_scripted_run(
     at = lines.index(case_line(out, "plain chat"))
     assert lines[at].startswith("[FAIL] plain chat               faulted (no reason), then submitted: ")
     assert lines[at + 1] == (
-        "       worker: the worker faulted a job it should have served (no reason: see its WARNING line above)"
+        "       worker: a job was faulted instead of served "
+        "(generation failed: /v1/chat/completions: HTTP 500 scripted failure)"
     )
     assert out.rstrip().endswith("Demo FAILED: plain chat.")
 
