@@ -7,7 +7,9 @@ text request to send it with ``curl``, and serves until Ctrl-C or SIGTERM. Its
 log lines (requests queued, pops, submits, faults) go to stderr.
 
 The first line printed is always ``Dev Horde at <url> (API key: <key>)``, so a
-script can read the URL from it. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when
+script can read the URL from it; the second names the object store's port
+(signed URLs for chat images and offloaded messages). Logging starts once both
+ports are bound, so no log line comes before them. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when
 the port cannot be bound or ``--latency-ms`` is not a number of milliseconds.
 """
 
@@ -75,11 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] = ()) -> int:
     """Run the dev Horde until Ctrl-C or SIGTERM; returns the exit code (0, or 2)."""
     args = build_parser().parse_args(list(argv))
-    logging.basicConfig(
-        level=args.log_level,
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
     if not args.latency_ms >= 0:
         print("--latency-ms must be a number of milliseconds, 0 or more", flush=True)
         return 2
@@ -95,6 +92,13 @@ def main(argv: Sequence[str] = ()) -> int:
     except OSError as exc:
         print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
         return 2
+    # Logging starts after the ports are bound: the URL and key are the first thing
+    # printed, and the image store's port is named in plain words below them.
+    logging.basicConfig(
+        level=args.log_level,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -106,6 +110,9 @@ def main(argv: Sequence[str] = ()) -> int:
     url = horde.url
     print(
         f"Dev Horde at {url} (API key: {args.key})\n"
+        f"Its object store at {horde.storage_url} serves chat images and large requests' "
+        "messages by signed URL, as the real Horde's does.\n"
+        "Its log lines (requests queued, pops, submits, faults) go to stderr.\n"
         "\n"
         "The standalone worker, beside a running koboldcpp:\n"
         f"  koboldcpp-horde-chat --horde-url {url} --hordekey {args.key} "

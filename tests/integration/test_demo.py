@@ -1,25 +1,240 @@
-"""The README's first command: the demo reaches every request's expected end."""
+"""The README's first command: the demo judges the worker, case by case.
+
+A case fails for what the worker did wrong (a fault of a job it should have
+served, a reply built wrong); what a real model did not do (no tool call, a
+reply cut at max_tokens) is a note beside it. Against the scripted koboldcpp
+every case must be as expected.
+"""
 
 from __future__ import annotations
 
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from koboldcpp_horde_chat import demo
+from koboldcpp_horde_chat import reply as reply_module
 from koboldcpp_horde_chat.demo import main
+from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.journal import JOURNAL_DIR_ENV
+
+
+def after_opening(out: str) -> list[str]:
+    """The demo's lines after its three-line opening and the blank line below it."""
+    lines = out.splitlines()
+    assert tuple(lines[:3]) == demo.OPENING and lines[3] == "", lines[:4]
+    return lines[4:]
+
+
+def case_line(out: str, name: str) -> str:
+    """The result line of the case ``name`` (``[ok  ] name ...``)."""
+    found = [line for line in out.splitlines() if re.match(rf"\[(ok  |FAIL|skip)\] {re.escape(name)}  ", line)]
+    assert len(found) == 1, out
+    return found[0]
+
+
+def only(*names: str) -> Callable[..., list[demo.DemoCase]]:
+    """``demo_cases`` cut to the cases named, for a quick run."""
+    every_case = demo.demo_cases
+    return lambda *a, **kw: [c for c in every_case(*a, **kw) if c.name in names]
+
+
+def test_the_opening_says_what_a_horde_a_job_and_a_fault_are() -> None:
+    assert len(demo.OPENING) == 3
+    horde, job, fault = demo.OPENING
+    assert "AI Horde: the queue where clients leave requests and workers take them" in horde
+    assert "Each request becomes a job" in job
+    assert "faults, telling the Horde why" in fault
 
 
 def test_the_scripted_demo_passes_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--scripted", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("--scripted: using the devkit's SCRIPTED koboldcpp at http://127.0.0.1:")
-    assert "FAIL" not in out and "Demo passed." in out
+    rest = after_opening(out)
+    assert rest[0].startswith("--scripted: using the devkit's SCRIPTED koboldcpp at http://127.0.0.1:")
+    assert "FAIL" not in out and "model:" not in out and "[skip]" not in out
+    assert out.rstrip().endswith("Demo passed: the worker did right in all 10 cases.")
     for case in ("plain chat", "tool call", "json_object", "does not fit", "streamed reply", "text job", "image"):
-        assert case in out
+        assert case_line(out, case).startswith("[ok  ]")
+    assert "submitted: finish_reason=tool_calls, tool_calls=['get_weather']" in case_line(out, "tool call")
+    assert case_line(out, "does not fit").endswith("faulted with prompt_overflow, as it must")
+
+
+def test_the_expected_prompt_overflow_warning_is_announced_before_it(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "demo_cases", only("does not fit"))
+    assert main(["--scripted", "--timeout", "60"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(
+        "       The next WARNING is expected: this conversation is longer than the model's context, "
+        "and the worker must fault it with prompt_overflow."
+    )
+    assert lines[at + 1].startswith("[ok  ] does not fit ")
+
+
+def test_a_model_that_does_not_call_a_tool_is_not_a_worker_failure(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real koboldcpp whose model answers in text, cut at max_tokens, under a required
+    tool_choice: the worker submitted the reply it got, which is right; the case says what
+    the model did, apart, and the demo passes."""
+    monkeypatch.setattr(demo, "demo_cases", only("tool call", "plain chat"))
+    with ScriptedKoboldcpp() as kcpp:
+        kcpp.script(lambda body: ScriptedReply(text="The weather in", finish="length") if body.get("tools") else None)
+        url = kcpp.url
+        assert main(["--kcpp-url", url, "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert after_opening(out)[0] == f"Using the koboldcpp at {url}."
+    lines = out.splitlines()
+    at = lines.index(case_line(out, "tool call"))
+    assert lines[at].startswith("[ok  ] tool call                submitted: finish_reason=length")
+    assert lines[at + 1] == (
+        "       model: the model did not call a tool (small models often don't); "
+        "its reply was cut at max_tokens 128 (finish_reason=length)"
+    )
+    assert out.rstrip().endswith(
+        "Demo passed: the worker did right in all 2 cases. (1 model note: what the model did, not the worker)"
+    )
+
+
+def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_passes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model calls GetWeather, which the request does not offer: the Horde refuses each
+    reply and the worker faults each job with reply_refused, as it must. Against a real
+    koboldcpp that is a model note; the request ending faulted is not the worker's doing."""
+    monkeypatch.setattr(demo, "demo_cases", only("tool call"))
+    with ScriptedKoboldcpp() as kcpp:
+        kcpp.script(lambda body: ScriptedReply(tool_calls=[{"name": "GetWeather", "arguments": {"city": "Paris"}}]))
+        assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index(case_line(out, "tool call"))
+    assert lines[at] == (
+        "[ok  ] tool call                faulted 3 times (reply_refused); the request ended faulted"
+    )
+    assert lines[at + 1] == (
+        "       model: the Horde refused the model's reply (message.tool_calls[0] calls 'GetWeather', "
+        "not a function of the request); the worker faulted it with reply_refused, as it must (3 times)"
+    )
+    assert "Demo passed" in out
+
+
+NAMELESS_CALL = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "koboldcpp/scripted-model",
+    "usage": {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52},
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_12345", "type": "function", "function": {"arguments": "{}"}}],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+}
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_a_tool_call_without_a_name_is_faulted_and_blamed_on_the_model_only_against_a_real_koboldcpp(
+    scripted: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on SmolLM2-135M: koboldcpp returned a tool call without a function name. No
+    submit can carry it, so the worker faults the job (without a reason, as for a failed
+    generation) and the request is served on its next attempt. Against a real koboldcpp
+    that is a model note; against the scripted one, a fault fails the case."""
+
+    class NamelessOnce(ScriptedKoboldcpp):
+        def start(self) -> ScriptedKoboldcpp:
+            self.inject("chat", (200, NAMELESS_CALL))
+            return super().start()
+
+    monkeypatch.setattr(demo, "demo_cases", only("tool call"))
+    if scripted:
+        monkeypatch.setattr(kcpp_module, "ScriptedKoboldcpp", NamelessOnce)
+        assert main(["--scripted", "--timeout", "60"]) == 1
+    else:
+        with NamelessOnce() as kcpp:
+            assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index(case_line(out, "tool call"))
+    mark = "FAIL" if scripted else "ok  "
+    assert lines[at].startswith(f"[{mark}] tool call                faulted (no reason), then submitted: ")
+    note = (
+        "the model wrote a reply no submit can carry (tool_calls[0].function.name is missing); "
+        "the worker faulted the job, as it must"
+    )
+    assert lines[at + 1] == ("       not as expected: " if scripted else "       model: ") + note
+
+
+def test_a_worker_fault_fails_the_scripted_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """koboldcpp answers one chat request with an error: the worker faults that job and the
+    request is served on its second attempt. Against the scripted koboldcpp any fault of a
+    job the worker should have served fails the demo (it passed before: the request ended done)."""
+
+    class FailingOnce(ScriptedKoboldcpp):
+        def start(self) -> ScriptedKoboldcpp:
+            self.inject("chat", (500, {"detail": {"msg": "scripted failure", "type": "server_error"}}))
+            return super().start()
+
+    monkeypatch.setattr(kcpp_module, "ScriptedKoboldcpp", FailingOnce)
+    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
+    assert main(["--scripted", "--timeout", "60"]) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index(case_line(out, "plain chat"))
+    assert lines[at].startswith("[FAIL] plain chat               faulted (no reason), then submitted: ")
+    assert lines[at + 1] == (
+        "       worker: a job was faulted instead of served "
+        "(generation failed: /v1/chat/completions: HTTP 500 scripted failure)"
+    )
+    assert out.rstrip().endswith("Demo FAILED: plain chat.")
+
+
+def test_a_reply_the_worker_built_wrong_fails_even_against_a_real_koboldcpp(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit naming another model than the assigned one is the worker's mistake, not the
+    model's: its refusal and reply_refused fault fail the case whatever the koboldcpp."""
+    built = reply_module.chat_submit
+    monkeypatch.setattr(
+        reply_module, "chat_submit", lambda *a, **kw: {**built(*a, **kw), "model_id": "koboldcpp/other"}
+    )
+    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
+    with ScriptedKoboldcpp() as kcpp:
+        assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 1
+    out = capsys.readouterr().out
+    line = case_line(out, "plain chat")
+    assert line.startswith("[FAIL] plain chat               faulted 3 times (reply_refused)")
+    assert "reply was refused (ChatModelMismatch: model_id 'koboldcpp/other' is not the assigned model" in out
+    assert out.rstrip().endswith("Demo FAILED: plain chat.")
+
+
+def test_a_skipped_case_is_named_with_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A koboldcpp without vision: the image case is not sent, and says so."""
+    monkeypatch.setattr(demo, "demo_cases", only("plain chat", "image"))
+    with ScriptedKoboldcpp(vision=False) as kcpp:
+        assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert case_line(out, "image") == (
+        "[skip] image                    koboldcpp reports no vision (start it with --mmproj to "
+        "load a vision projector and this case runs)"
+    )
+    assert out.rstrip().endswith("Demo passed: the worker did right in all 1 cases. (skipped: image)")
 
 
 def test_an_explicit_koboldcpp_url_that_does_not_answer_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,7 +250,7 @@ def test_the_first_line_names_the_url_it_checked(
     monkeypatch.setattr(demo, "demo_cases", lambda *a, **kw: [])  # no requests: a quick run
     monkeypatch.setenv("KCPP_URL", "http://127.0.0.1:9/")
     assert main(["--timeout", "10"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    first = after_opening(capsys.readouterr().out)[0]
     assert re.fullmatch(
         r"No koboldcpp answers at http://127\.0\.0\.1:9: using the devkit's SCRIPTED koboldcpp "
         r"at http://127\.0\.0\.1:\d+ \(canned replies, real koboldcpp response shapes\)\.",
@@ -48,7 +263,7 @@ def test_with_scripted_the_first_line_says_so(
 ) -> None:
     monkeypatch.setattr(demo, "demo_cases", lambda *a, **kw: [])
     assert main(["--scripted", "--timeout", "10"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    first = after_opening(capsys.readouterr().out)[0]
     assert first.startswith("--scripted: using the devkit's SCRIPTED koboldcpp at http://127.0.0.1:")
 
 
@@ -60,7 +275,7 @@ def test_an_empty_kcpp_url_falls_back_to_the_default(
     monkeypatch.setattr(demo, "DEFAULT_KCPP_URL", "http://127.0.0.1:9")  # nothing answers there
     monkeypatch.setenv("KCPP_URL", value)
     assert main(["--timeout", "10"]) == 0
-    assert capsys.readouterr().out.startswith("No koboldcpp answers at http://127.0.0.1:9: ")
+    assert after_opening(capsys.readouterr().out)[0].startswith("No koboldcpp answers at http://127.0.0.1:9: ")
 
 
 def test_a_bad_kcpp_url_is_named_by_its_variable(
@@ -74,7 +289,7 @@ def test_a_bad_kcpp_url_is_named_by_its_variable(
 
 
 def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
-    case = demo.DemoCase("tool call", "chat", {}, "done", lambda s: True)
+    case = demo.DemoCase("tool call", "chat", {})
     status = {
         "done": True,
         "finish_reason": "tool_calls",
@@ -90,7 +305,7 @@ def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
     assert "content=null" in line and "'None'" not in line
     assert f"reasoning='{'r' * 39}\u2026'" in line
     assert f"arrived in 2 progress posts: ['short', '{'p' * 23}\u2026']" in line
-    text = demo.DemoCase("text job", "text", {}, "done", lambda s: True)
+    text = demo.DemoCase("text job", "text", {})
     assert demo._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
     assert demo._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
 
@@ -115,12 +330,52 @@ def test_the_demo_writes_nothing_to_the_users_state_directory(
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
     monkeypatch.delenv(JOURNAL_DIR_ENV, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    every_case = demo.demo_cases
-    monkeypatch.setattr(  # one chat job: the journal is written while a job is in hand
-        demo, "demo_cases", lambda *a, **kw: [c for c in every_case(*a, **kw) if c.name == "plain chat"]
-    )
+    # one chat job: the journal is written while a job is in hand
+    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
     assert main(["--scripted", "--timeout", "60"]) == 0
-    assert "Demo passed." in capsys.readouterr().out
+    assert "Demo passed: " in capsys.readouterr().out
     assert list(home.rglob("*")) == []
     assert list(state.rglob("*")) == []
     assert list(temp.iterdir()) == []  # the demo's own temporary folder is gone too
+
+
+def ledger_entry(action: str, body: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"job_id": "job-1", "request_id": "r", "kind": "chat", "action": action, "rc": None,
+            "fault_reason": None, "body": body, **extra}
+
+
+SUBMIT = {"id": "job-1", "message": {"role": "assistant", "content": "Blue."}, "finish_reason": "stop",
+          "model_id": "koboldcpp/m", "state": "ok"}
+DONE = {"done": True, "faulted": False, "message": {"role": "assistant", "content": "Blue."},
+        "finish_reason": "stop", "job_ids": ["job-1"], "refusals": []}
+
+
+@pytest.mark.parametrize(
+    ("ledger", "status", "problem"),
+    [
+        ([ledger_entry("expired")], {**DONE, "done": False},
+         "job job-1 was neither submitted nor faulted before its lease ran out"),
+        ([ledger_entry("submitted", SUBMIT), ledger_entry("duplicate", SUBMIT, rc="DuplicateGen")], DONE,
+         "job job-1 was submitted again after it ended (DuplicateGen)"),
+        ([ledger_entry("submitted", {**SUBMIT, "finish_reason": "eos_token"})], DONE,
+         "job job-1: finish_reason 'eos_token' is not one of stop, length, content_filter, tool_calls"),
+        ([ledger_entry("refused", SUBMIT, rc="ChatSubmitNonconformant"), ledger_entry("faulted", {})],
+         {**DONE, "done": False, "refusals": [{"job_id": "job-1", "rc": "ChatSubmitNonconformant", "message": "x"}]},
+         "job job-1 was not faulted with reply_refused after its refusal"),
+        ([ledger_entry("submitted", SUBMIT)], {**DONE, "stream": []},
+         "the streamed reply was submitted without a progress post"),
+    ],
+)
+def test_the_verdict_names_what_the_worker_did_wrong(
+    ledger: list[dict[str, Any]], status: dict[str, Any], problem: str
+) -> None:
+    case = demo.DemoCase("plain chat", "chat", {"messages": [], "stream": True})
+    verdict = demo.judge(case, status, ledger, {"job-1": "koboldcpp/m"}, finished=True)
+    assert not verdict.worker_ok and not verdict.passed(scripted=False)
+    assert problem in verdict.problems, verdict.problems
+
+
+def test_a_reply_submitted_once_in_the_seeds_shape_is_the_worker_doing_right() -> None:
+    case = demo.DemoCase("plain chat", "chat", {"messages": []}, demo._hope_reply)
+    verdict = demo.judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
+    assert verdict == demo.Verdict(True, "submitted", [], [])

@@ -193,3 +193,44 @@ def test_devhorde_latency_ms_delays_each_worker_answer_as_a_round_trip() -> None
     out, _ = bad.communicate(timeout=30)
     assert bad.returncode == 2
     assert out.strip() == "--latency-ms must be a number of milliseconds, 0 or more"
+
+
+def test_devhorde_names_its_object_store_below_the_url_and_logs_nothing_before(
+    devhorde: tuple[subprocess.Popen[str], str, str],
+) -> None:
+    """On a terminal the URL and key come first: no log line is written before them
+    (the object store's port was once logged first as "dev-storage listening on ...",
+    unexplained); the second line names that port in plain words."""
+    proc, url, key = devhorde
+    lines = lines_until(proc, "Ctrl-C stops it.")
+    store = re.fullmatch(
+        r"Its object store at (http://127\.0\.0\.1:\d+) serves chat images and large requests' "
+        r"messages by signed URL, as the real Horde's does\.",
+        lines[0],
+    )
+    assert store and store.group(1) != url, lines[:2]
+    assert lines[1] == "Its log lines (requests queued, pops, submits, faults) go to stderr."
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 0
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert "listening on" not in err, err
+
+
+def test_the_readme_shows_what_devhorde_prints(devhorde: tuple[subprocess.Popen[str], str, str]) -> None:
+    """README's devhorde block is its output, line for line (URL, key and the object
+    store's free port aside)."""
+    proc, url, key = devhorde
+    printed = lines_until(proc, "Ctrl-C stops it.")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("demo use) by itself and keeps it running until Ctrl-C. It prints:\n\n```text\n", 1)[1]
+    shown = block.split("\n```", 1)[0].splitlines()
+    assert shown[0] == "Dev Horde at http://127.0.0.1:7001 (API key: devkey)"
+    expected = [
+        re.sub(r"object store at http://127\.0\.0\.1:\d+", "object store at STORE", line)
+        .replace("http://127.0.0.1:7001", url)
+        .replace("devkey", key)
+        for line in shown[1:]
+    ]
+    got = [re.sub(r"object store at http://127\.0\.0\.1:\d+", "object store at STORE", line) for line in printed]
+    assert got == expected
