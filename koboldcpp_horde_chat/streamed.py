@@ -92,11 +92,7 @@ class _StreamedGeneration:
             base_lease_s=lease.deadline - lease.popped_at,
             lease_cap_s=edges.settings.lease_cap_s,
         )
-        stop = job.payload.get("stop_sequence")
-        stop_sequences = (
-            tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
-        )
-        self.accumulator = ChatStreamAccumulator(stop_sequences=stop_sequences)
+        self.accumulator = ChatStreamAccumulator(stop_sequences=job.stop_sequences)
         self.slot = _StreamSlot()
 
     def run(self) -> BackendReply:

@@ -157,6 +157,7 @@ class FakeHorde:
         self.default_ttl_s = default_ttl_s
         self.jobs: dict[str, FakeJob] = {}
         self.pop_bodies: list[dict[str, Any]] = []
+        self.progress_bodies: list[dict[str, Any]] = []
         self.pop_calls = 0
         self.submit_calls = 0
         self.progress_calls = 0
@@ -241,6 +242,7 @@ class FakeHorde:
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         self.progress_calls += 1
+        self.progress_bodies.append(copy.deepcopy(body))
         job_id = body.get("id")
         job = self.jobs.get(job_id) if isinstance(job_id, str) else None
         seq = body.get("seq")

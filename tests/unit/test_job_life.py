@@ -286,3 +286,4 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     assert job is not None and job.phase is Phase.JOURNALED
     assert [(e.job_id, e.genkey) for e in journal.entries()] == [("j9", "")]
     assert worker.state.jobs_in_hand() == [job]
+

@@ -767,3 +767,20 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
         "koboldcpp restarted with koboldcpp/Big-70B (context 1024) "
         "(it served koboldcpp/Small (context 2048))"
     )
+
+
+def test_a_stop_sequence_sent_as_one_string_is_held_back_from_progress_posts_too() -> None:
+    """``stop_sequence`` as a bare string (the worker accepts it) ends the content
+    posted as progress as it ends the submitted reply."""
+    from tests.fakes import sse_chunks
+
+    backend = FakeBackend()
+    backend.streams.append(sse_chunks("Blue sky.\nuser: and more words after it"))
+    worker, horde, _, _ = make(
+        [chat_pop("s1", stream_progress=True, stop_sequence="\nuser:")], backend=backend
+    )
+    worker.run_once()
+    posted = "".join(b["delta"].get("content", "") for b in horde.progress_bodies)
+    assert "user:" not in posted
+    (submitted,) = horde.jobs["s1"].bodies
+    assert submitted["message"]["content"] == "Blue sky."
