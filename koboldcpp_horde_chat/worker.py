@@ -421,6 +421,7 @@ class Worker:
         if ctx is None or ctx.settled:
             return
         ctx.abandon(why)
+        self.backend.hang_up()  # with batching, an abort by genkey stops nothing
         if ctx.genkey:
             abort_quietly(self.abort_backend, ctx.genkey)
 
@@ -434,6 +435,7 @@ class Worker:
             return
         ctx.settled = True
         ctx.abandon("the worker is exiting")
+        self.backend.hang_up()
         if ctx.genkey:
             self.edges.abort_quietly(ctx.genkey)
         self.pipeline.fault_now(ctx)
