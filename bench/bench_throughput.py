@@ -569,11 +569,18 @@ class TimedKobold(KoboldClient):
         return result
 
     def chat_completion(
-        self, body: dict[str, Any] | bytes | bytearray, *, timeout_s: float
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
     ) -> dict[str, Any]:
         self._last_chat_body = body
         result: dict[str, Any] = self._timed(
-            "chat", lambda: super(TimedKobold, self).chat_completion(body, timeout_s=timeout_s)
+            "chat",
+            lambda: super(TimedKobold, self).chat_completion(
+                body, timeout_s=timeout_s, cancel=cancel
+            ),
         )
         return result
 
@@ -587,9 +594,12 @@ class TimedKobold(KoboldClient):
         )
         return TimedStream(result, self.events)
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    def generate(
+        self, payload: dict[str, Any], *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> dict[str, Any]:
         result: dict[str, Any] = self._timed(
-            "generate", lambda: super(TimedKobold, self).generate(payload, timeout_s=timeout_s)
+            "generate",
+            lambda: super(TimedKobold, self).generate(payload, timeout_s=timeout_s, cancel=cancel),
         )
         return result
 

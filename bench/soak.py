@@ -81,11 +81,11 @@ class SoakBackend(FakeBackend):
         self.clock = clock
         self.rng = rng
 
-    def chat_completion(self, body: dict[str, Any], *, timeout_s: float) -> Any:
+    def chat_completion(self, body: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
         self.clock.advance(self.rng.uniform(2.0, 20.0))
         return super().chat_completion(body, timeout_s=timeout_s)
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> Any:
+    def generate(self, payload: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
         self.clock.advance(self.rng.uniform(2.0, 20.0))
         return super().generate(payload, timeout_s=timeout_s)
 

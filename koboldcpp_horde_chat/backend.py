@@ -23,13 +23,24 @@ answer reads ``"POST /v1/chat/completions connection failed (reset)"``,
 
 One :class:`requests.Session` per client: sessions are not documented as
 thread-safe, so use one client per thread (a :class:`BackendStream` may be
-closed from another thread, see there). A session the client makes itself does
+closed from another thread, see there, and :meth:`KoboldClient.hang_up` may
+be called from another thread). A session the client makes itself does
 not read the environment on each call (``trust_env`` off): no proxy (koboldcpp
 is local), no ``.netrc`` credentials; ``REQUESTS_CA_BUNDLE`` or
 ``CURL_CA_BUNDLE`` is read once, when the client is made.
 
 Request bodies are encoded by :func:`jsonbody.encode_json`, which copies a large image
 data URL once instead of three times.
+
+:meth:`KoboldClient.hang_up` closes the connection of the generation request
+in flight. With koboldcpp batching (``--parallelrequests`` > 1) an abort by
+genkey stops nothing: ``/api/extra/abort`` only sets the single-slot abort flag,
+which batched requests never check (koboldcpp 1.116.1 ``koboldcpp.py``
+L6532-6541, ``gpttype_adapter.cpp`` L3802-3809 against L4443). koboldcpp ends
+a batched *streamed* generation when its client hangs up (``koboldcpp.py``
+L5752-5753); a non-streamed one runs on to its end whatever the client does
+(no disconnect check outside streams, L5798-5812), but the hang-up still
+frees the worker at once.
 
 Seed section: "Worked example: koboldcpp's embedded worker" (the worker
 generates through koboldcpp's local ``/v1/chat/completions`` and
@@ -44,12 +55,17 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import requests
+import requests.adapters
 import urllib3.exceptions
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from . import netfail
 from .errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
@@ -207,6 +223,104 @@ class BackendStream:
         self.close()
 
 
+class _InFlight:
+    """The generation request a :class:`KoboldClient` has in flight (for ``hang_up``).
+
+    ``active`` while a generation call runs on thread ``thread``; ``conn`` is
+    the urllib3 connection it sends on, once known (the tracked connection
+    classes below register themselves when that thread connects or sends);
+    ``stream`` is the last stream :meth:`KoboldClient.open_chat_stream` opened.
+    Every field is read and written under ``lock``.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = False
+        self.hung_up = False
+        self.thread = 0
+        self.conn: HTTPConnection | None = None
+        self.stream: BackendStream | None = None
+
+
+_tracking = threading.local()
+"""``in_flight``: the :class:`_InFlight` of the generation call running on this thread."""
+
+
+def _track(conn: HTTPConnection) -> None:
+    """Register ``conn`` with the generation call running on this thread, if any.
+
+    Called by the tracked connections when they connect and before they send.
+    After a hang-up the socket is shut down at once and ``ConnectionAbortedError``
+    raised, so a request the hang-up came before is never sent.
+    """
+    in_flight: _InFlight | None = getattr(_tracking, "in_flight", None)
+    if in_flight is None:
+        return
+    with in_flight.lock:
+        if not in_flight.active or in_flight.thread != threading.get_ident():
+            return
+        in_flight.conn = conn
+        if not in_flight.hung_up:
+            return
+        _shut(conn.sock)
+    raise ConnectionAbortedError("the worker hung up")
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut a socket down both ways, which wakes a thread blocked on it; never raises."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _TrackedHTTPConnection(HTTPConnection):
+    """An HTTP connection that tells the generation call in flight about itself."""
+
+    def connect(self) -> None:
+        super().connect()
+        _track(self)
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _track(self)
+        super().request(*args, **kwargs)
+
+
+class _TrackedHTTPSConnection(HTTPSConnection):
+    """The HTTPS twin of :class:`_TrackedHTTPConnection`."""
+
+    def connect(self) -> None:
+        super().connect()
+        _track(self)
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _track(self)
+        super().request(*args, **kwargs)
+
+
+class _TrackedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
+class _TrackingAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter whose connections register with the generation call in flight."""
+
+    def init_poolmanager(
+        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
+    ) -> None:
+        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _TrackedHTTPPool,
+            "https": _TrackedHTTPSPool,
+        }
+
+
 class KoboldClient:
     """A client for one koboldcpp at ``base_url`` (e.g. ``"http://127.0.0.1:5001"``).
 
@@ -224,7 +338,7 @@ class KoboldClient:
     Every call uses a ``(connect_timeout_s, read timeout)`` pair; the read
     timeout bounds each wait for bytes (koboldcpp sends nothing until a whole
     generation is done, so a generation's read timeout is its whole budget).
-    One client per thread.
+    One client per thread; :meth:`hang_up` may come from any thread.
     """
 
     def __init__(
@@ -246,7 +360,12 @@ class KoboldClient:
             # the environment on every call (about 0.3 ms each); koboldcpp is local.
             session.trust_env = False
             session.verify = _ca_bundle_from_env()
+            # Generation requests can then be hung up from another thread (hang_up).
+            adapter = _TrackingAdapter()
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
         self._session = session
+        self._in_flight = _InFlight()
 
     def __repr__(self) -> str:
         return f"KoboldClient({self.base_url!r}, protected={bool(self._password)})"
@@ -340,23 +459,36 @@ class KoboldClient:
         return value
 
     def chat_completion(
-        self, body: dict[str, Any] | bytes | bytearray, *, timeout_s: float
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
     ) -> dict[str, Any]:
         """``POST /v1/chat/completions`` and return the decoded JSON object.
 
         ``body`` is sent as it is (``stream`` should be false or absent): a JSON
         object, or one already encoded (by :func:`encode_json`), sent unchanged.
         ``timeout_s`` bounds the wait for the answer, seconds: koboldcpp sends
-        nothing until the generation ends.
+        nothing until the generation ends. A generation request: :meth:`hang_up`
+        ends it from another thread; with ``cancel`` set before it was sent,
+        nothing is sent (set ``cancel``, then call :meth:`hang_up`, and the call
+        ends whichever came first).
 
         Raises ``BackendUnauthorized`` (401), ``BackendBusy`` (503),
         ``BackendError`` (other statuses, invalid JSON, a non-object, a body
-        over the cap, network failures and timeouts).
+        over the cap, network failures and timeouts, a hang-up).
         """
-        return self._post("/v1/chat/completions", body, timeout_s)
+        path = "/v1/chat/completions"
+        with self._generation(f"POST {path}", cancel):
+            return self._post(path, body, timeout_s)
 
     def open_chat_stream(
-        self, body: dict[str, Any] | bytes | bytearray, *, read_timeout_s: float
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        read_timeout_s: float,
+        cancel: threading.Event | None = None,
     ) -> BackendStream:
         """``POST /v1/chat/completions`` with ``"stream": true`` and return the open stream.
 
@@ -368,8 +500,12 @@ class KoboldClient:
         (facts §4.8). The answer's status and ``content-type`` are checked: a
         JSON answer where a stream was asked for raises ``BackendError``.
 
+        A generation request: :meth:`hang_up` ends it from another thread, while
+        it opens and once it is open (``cancel`` as for :meth:`chat_completion`).
+
         Raises ``BackendUnauthorized`` (401), ``BackendBusy`` (503),
-        ``BackendError`` (other statuses, not an event stream, network failures).
+        ``BackendError`` (other statuses, not an event stream, network failures,
+        a hang-up).
         """
         payload: dict[str, Any] | bytes | bytearray
         if isinstance(body, dict):
@@ -378,6 +514,12 @@ class KoboldClient:
         else:
             payload = body
         path = "/v1/chat/completions"
+        with self._generation(f"POST {path}", cancel):
+            return self._open_stream(path, payload, read_timeout_s)
+
+    def _open_stream(
+        self, path: str, payload: dict[str, Any] | bytes | bytearray, read_timeout_s: float
+    ) -> BackendStream:
         deadline = self._deadline(read_timeout_s)
         response = self._request(
             "POST",
@@ -389,7 +531,10 @@ class KoboldClient:
         status = response.status_code
         content_type = response.headers.get("content-type", "")
         if 200 <= status < 300 and "text/event-stream" in content_type.lower():
-            return BackendStream(response, password=self._password)
+            stream = BackendStream(response, password=self._password)
+            with self._in_flight.lock:
+                self._in_flight.stream = stream
+            return stream
         try:
             if not 200 <= status < 300:
                 self._decode(response, path, deadline)  # raises the mapped error
@@ -414,15 +559,84 @@ class KoboldClient:
         success = body.get("success")
         return success is True or success == "true"
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    def generate(
+        self,
+        payload: dict[str, Any],
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> dict[str, Any]:
         """``POST /api/v1/generate`` (Kobold API) and return the decoded JSON object.
 
         The answer is ``{"results": [{"text", "finish_reason", ...}]}``
-        (facts §5.7). Raises like :meth:`chat_completion`.
+        (facts §5.7). A generation request, which :meth:`hang_up` ends
+        (``cancel`` as for :meth:`chat_completion`). Raises like
+        :meth:`chat_completion`.
         """
-        return self._post("/api/v1/generate", payload, timeout_s)
+        path = "/api/v1/generate"
+        with self._generation(f"POST {path}", cancel):
+            return self._post(path, payload, timeout_s)
+
+    def hang_up(self) -> bool:
+        """Close the connection of this client's generation request in flight.
+
+        Callable from any thread. The blocked :meth:`chat_completion`,
+        :meth:`generate` or :meth:`open_chat_stream` returns at once, raising
+        ``BackendError`` ("... hung up by the worker"), and a stream it opened is
+        closed (its reader gets ``b""``). koboldcpp ends a streamed generation
+        whose client hung up, batched or not; a non-streamed one runs on inside
+        koboldcpp (see the module docstring), so abort it by genkey as well.
+
+        Returns True when something was hung up; False, doing nothing, when no
+        generation request is in flight (a request that had ended, a stream
+        already closed). Never raises. Only on a session the client made
+        itself: with a ``session`` passed in, only an open stream is closed.
+        """
+        in_flight = self._in_flight
+        hung = False
+        with in_flight.lock:
+            stream, in_flight.stream = in_flight.stream, None
+            if in_flight.active:
+                in_flight.hung_up = hung = True
+                if in_flight.conn is not None:
+                    _shut(in_flight.conn.sock)
+        if stream is not None and not stream.closed:
+            stream.close()
+            hung = True
+        return hung
 
     # -------------------------------------------------------------- helpers
+
+    @contextmanager
+    def _generation(self, what: str, cancel: threading.Event | None) -> Iterator[None]:
+        """Around one generation request on this thread: :meth:`hang_up` can end it.
+
+        Armed before ``cancel`` is looked at, so that a job given up (``cancel``
+        set, then :meth:`hang_up`) is either never sent or hung up.
+        """
+        in_flight = self._in_flight
+        with in_flight.lock:
+            in_flight.active = True
+            in_flight.hung_up = False
+            in_flight.thread = threading.get_ident()
+            in_flight.conn = None
+            in_flight.stream = None
+        _tracking.in_flight = in_flight
+        try:
+            if cancel is not None and cancel.is_set():
+                raise BackendError(f"{what}: not sent, the job was given up")
+            yield
+        except BackendError:
+            with in_flight.lock:
+                hung_up = in_flight.hung_up
+            if hung_up:
+                raise BackendError(f"{what}: hung up by the worker") from None
+            raise
+        finally:
+            _tracking.in_flight = None
+            with in_flight.lock:
+                in_flight.active = False
+                in_flight.conn = None
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}

@@ -27,7 +27,7 @@ from .guard import refusal_features
 from .joblife import Move
 from .jsonbody import encode_json
 from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
-from .settings import MIB, kcpp_effective_max_length
+from .settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
 from .state import WorkerState
 from .streamed import generate_streamed
 from .submit import refused_reply_fault
@@ -182,13 +182,26 @@ class ChatRun:
             )
 
     def _generate(self, messages: list[dict[str, Any]]) -> Reply:
-        """Generate through ``/v1/chat/completions`` and build the structured submit."""
+        """Generate through ``/v1/chat/completions`` and build the structured submit.
+
+        The fit check has passed, so koboldcpp is sent a context that cuts none
+        of the job's ``max_length`` (``settings.kcpp_context_keeping_budget``):
+        the job's own, or a little more when koboldcpp's 20 % rule would cut
+        the budget within it. The budget a reply was generated under is then
+        ``max_length``, capped by koboldcpp's ``--genlimit``.
+        """
         job, ctx, edges = self.job, self.ctx, self.edges
         ctx.check_abandoned()
         genkey = new_genkey()
         stream = job.stream_progress and not job.has_tools
+        kcpp_context = self.settings.backend_max_context_length
+        sent_context = kcpp_context_keeping_budget(
+            job.max_length, job.max_context_length, kcpp_context
+        )
         backend_body = encode_json(
-            jobs.chat_request_body(job, messages, genkey=genkey, stream=stream)
+            jobs.chat_request_body(
+                job, messages, genkey=genkey, stream=stream, max_context_length=sent_context
+            )
         )
         limit = self.settings.kcpp_max_request_bytes
         if len(backend_body) > limit:
@@ -205,17 +218,20 @@ class ChatRun:
                     backend_reply = generate_streamed(edges, job, ctx, backend_body)
             else:
                 body = edges.with_busy_retry(
-                    lambda timeout: edges.backend.chat_completion(backend_body, timeout_s=timeout),
+                    lambda timeout: edges.backend.chat_completion(
+                        backend_body, timeout_s=timeout, cancel=ctx.abandoned
+                    ),
                     ctx,
                 )
                 backend_reply = reply.parse_chat_completion(body)
             # Given up while the generation ended (the stop's abort): say so, not
             # "aborted on koboldcpp".
             ctx.check_abandoned()
-            # koboldcpp cuts a budget near its context (settings.kcpp_effective_max_length):
-            # "length" means the budget it really used ran out.
+            # koboldcpp cuts a budget near its context and at its --genlimit
+            # (settings.kcpp_effective_max_length): "length" means the budget it
+            # really used ran out.
             budget = kcpp_effective_max_length(
-                job.max_length, job.max_context_length, self.settings.backend_max_context_length
+                job.max_length, sent_context, kcpp_context, self.settings.kcpp_genlimit
             )
             self._check_not_aborted(backend_reply, budget)
             submit_body = reply.chat_submit(job.id, self.model_id, backend_reply, max_length=budget)

@@ -365,7 +365,12 @@ def _is_json_object_format(response_format: object) -> bool:
 
 
 def chat_request_body(
-    job: ChatJob, messages: list[dict[str, Any]], *, genkey: str, stream: bool
+    job: ChatJob,
+    messages: list[dict[str, Any]],
+    *,
+    genkey: str,
+    stream: bool,
+    max_context_length: int | None = None,
 ) -> dict[str, Any]:
     """The body for koboldcpp's ``POST /v1/chat/completions``.
 
@@ -384,6 +389,9 @@ def chat_request_body(
         genkey: koboldcpp's generation key; starts with ``HORDEREQ_`` so that the
             request does not count as local use.
         stream: ask koboldcpp for Server-Sent Events.
+        max_context_length: the context to send koboldcpp, tokens (None: the
+            job's ``max_context_length``); see
+            :func:`.settings.kcpp_context_keeping_budget`.
 
     Seed: "2. Recognise a chat job" (apply samplers as sent), "4. Serve tools
     and structured output".
@@ -392,7 +400,9 @@ def chat_request_body(
     body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": job.max_length,
-        "max_context_length": job.max_context_length,
+        "max_context_length": (
+            job.max_context_length if max_context_length is None else max_context_length
+        ),
     }
     for key in SAMPLER_KEYS:
         if key in payload:

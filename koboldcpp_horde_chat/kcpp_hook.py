@@ -26,6 +26,9 @@ This is the only module that knows koboldcpp's module globals and ``args``
   ``sslvalid``: the local URL, the way koboldcpp's ``get_my_epurl`` builds it;
 - ``args.maxrequestsize`` (``--maxrequestsize``, MB): the largest request body
   koboldcpp accepts, so a larger chat request is faulted without sending it;
+- ``args.genlimit`` (``--genlimit``, tokens, 0 = none): koboldcpp stops every
+  generation there (``koboldcpp.py`` L2175-2176) and reports a normal stop, so
+  the worker declares and budgets at most that many tokens;
 
 and, on every pass of the loop, its live state (:class:`KcppManners`):
 ``last_non_horde_req_time``, ``modelbusy`` and ``exitcounter``.
@@ -152,7 +155,8 @@ def settings_from_kcpp(
     :func:`kcpp_url`; ``horde_url`` from :func:`horde_url_from_env`; ``threads``
     = ``parallel_batching_threads``; ``kcpp_max_request_bytes`` =
     ``args.maxrequestsize`` MB (koboldcpp reads 0 or a missing value as 32)
-    times 1024 * 1024. Everything else keeps its default (text
+    times 1024 * 1024; ``kcpp_genlimit`` = ``args.genlimit`` (0, a missing or
+    negative value: none). Everything else keeps its default (text
     jobs served, nothing withheld, not trusted, and with vision the ``url``
     image transport beside ``base64``, beyond seed 004's embedded worker, as
     the standalone CLI declares it).
@@ -185,6 +189,7 @@ def settings_from_kcpp(
         vision=vision,
         threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
         kcpp_max_request_bytes=max_request_mb(args) * MIB,
+        kcpp_genlimit=max(0, _as_int(_get(args, "genlimit", 0) or 0, "genlimit")),
     )
 
 

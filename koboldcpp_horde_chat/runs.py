@@ -171,7 +171,9 @@ class JobContext:
             self.abandon_why = why
             self.abandoned.set()
             wakers = list(self._wakers)
-            stop = self.stop_generation
+            # Only a generation still under way is stopped: the client's next
+            # request may already be another job's.
+            stop = self.stop_generation if self.phase is Phase.GENERATING else None
         for waker in wakers:
             waker.set()
         if stop is not None and self.genkey:

@@ -5,9 +5,10 @@ Built by ``cli.py`` (standalone, from flags and the running koboldcpp) or by
 the field names. The API key and the koboldcpp password are kept out of
 ``repr`` so that a settings object can be logged.
 
-Also koboldcpp's own cut of a request's ``max_length`` (facts §2.8), which
-decides both the declared ``max_length`` and the budget a reply was generated
-under.
+Also koboldcpp's own cut of a request's ``max_length`` (facts §2.8) and its
+``--genlimit``, which decide both the declared ``max_length`` and the budget a
+reply was generated under, and the context to send koboldcpp so that it cuts
+none of a job's budget.
 
 Seed sections: "1. Declare chat on pop" and "Worked example: koboldcpp's
 embedded worker".
@@ -78,24 +79,65 @@ def kcpp_max_uncut_length(context: int) -> int:
 
 
 def kcpp_effective_max_length(
-    max_length: int, max_context_length: int, kcpp_max_context: int
+    max_length: int, max_context_length: int, kcpp_max_context: int, genlimit: int = 0
 ) -> int:
     """The budget koboldcpp really generates under for one request, tokens.
 
-    koboldcpp caps the request's ``max_context_length`` at its own context size
-    (``--contextsize``), then cuts a ``max_length`` that leaves less than
-    :func:`kcpp_reserved_tokens` of that context to the prompt (facts §2.8;
-    ``--genlimit``, which the worker cannot see, is not applied). It reports
+    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2167-2178, facts §2.8)
+    caps the request's ``max_context_length`` at its own context size
+    (``--contextsize``), caps ``max_length`` at ``--genlimit`` when that is
+    above 0, then cuts a ``max_length`` that leaves less than
+    :func:`kcpp_reserved_tokens` of the context to the prompt. It reports
     ``"length"`` when it used this budget up, e.g. ``(900, 1000, 4096) -> 800``,
-    ``(512, 4096, 4096) -> 512``, ``(4000, 8192, 4096) -> 3277``.
+    ``(512, 4096, 4096) -> 512``, ``(4000, 8192, 4096) -> 3277``,
+    ``(512, 4096, 4096, genlimit=200) -> 200``.
 
     Args:
         max_length: the ``max_tokens`` sent to koboldcpp (the job's ``max_length``).
         max_context_length: the ``max_context_length`` sent to koboldcpp.
         kcpp_max_context: koboldcpp's loaded context size.
+        genlimit: koboldcpp's ``--genlimit``; 0 (or less) means none.
     """
     context = min(max_context_length, kcpp_max_context)
+    if genlimit > 0:
+        max_length = min(max_length, genlimit)
     return min(max_length, kcpp_max_uncut_length(context))
+
+
+def kcpp_context_keeping_budget(
+    max_length: int, max_context_length: int, kcpp_max_context: int
+) -> int:
+    """The ``max_context_length`` to send koboldcpp so that it cuts none of ``max_length``.
+
+    koboldcpp cuts a ``max_length`` that leaves less than about 20 % of the
+    request's context to the prompt (:func:`kcpp_effective_max_length`), so a
+    job with context 500 and ``max_length`` 420 would get 400 tokens. This is
+    the smallest context at or above the job's, and at most koboldcpp's own,
+    within which ``max_length`` is generated whole: ``(420, 500, 4096) -> 524``,
+    ``(256, 4096, 4096) -> 4096`` (the job's own, already enough),
+    ``(4000, 4096, 4096) -> 4096`` (nothing larger to give). Send it only once
+    the fit check passed: the prompt then fits the job's context with the
+    budget, so a larger context makes koboldcpp drop nothing from it (it
+    trims a prompt only beyond ``context - max_length``), and the model sees
+    the same prompt.
+
+    Args:
+        max_length: the job's ``max_length``, tokens.
+        max_context_length: the job's ``max_context_length``, tokens.
+        kcpp_max_context: koboldcpp's loaded context size, tokens.
+    """
+    low = min(max_context_length, kcpp_max_context)
+    high = kcpp_max_context
+    if kcpp_max_uncut_length(low) >= max_length or kcpp_max_uncut_length(high) < max_length:
+        return low if kcpp_max_uncut_length(low) >= max_length else high
+    # kcpp_max_uncut_length never decreases as the context grows: bisect.
+    while high - low > 1:
+        middle = (low + high) // 2
+        if kcpp_max_uncut_length(middle) >= max_length:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 @dataclass(frozen=True)
@@ -134,6 +176,9 @@ class WorkerSettings:
             its ``--maxrequestsize`` (MB, default 32) times 1024 * 1024; koboldcpp
             answers a larger one with 500 "Payload is too big", so the worker
             faults a chat job whose encoded request is larger without sending it.
+        kcpp_genlimit: koboldcpp's ``--genlimit`` (tokens; 0: none): koboldcpp
+            caps every generation there and reports a normal stop, so the
+            worker declares and budgets at most that many tokens.
         lease_s: a job's base lease when the pop has no ``ttl``, seconds.
     """
 
@@ -161,6 +206,7 @@ class WorkerSettings:
     connect_timeout_s: float = 10.0
     messages_max_bytes: int = 36 * MIB
     kcpp_max_request_bytes: int = 32 * MIB
+    kcpp_genlimit: int = 0
     lease_s: float = 150.0
 
     @property
@@ -178,11 +224,16 @@ class WorkerSettings:
         declared context when it is larger: koboldcpp would cut a larger budget
         anyway, and a job with it leaves no room for a prompt (every one would
         be a ``prompt_overflow`` fault). E.g. ``--hordegenlen 100000`` on a
-        4096-token context declares 3277. Never below 1.
+        4096-token context declares 3277. Lowered to koboldcpp's ``--genlimit``
+        (:attr:`kcpp_genlimit`) too, where koboldcpp stops every generation.
+        Never below 1.
 
         Seed: "1. Declare chat on pop" (chat limits).
         """
-        return max(1, min(self.max_length, kcpp_max_uncut_length(self.max_context_length)))
+        declared = min(self.max_length, kcpp_max_uncut_length(self.max_context_length))
+        if self.kcpp_genlimit > 0:
+            declared = min(declared, self.kcpp_genlimit)
+        return max(1, declared)
 
     def max_length_warning(self) -> str | None:
         """One start-up warning line when ``--hordegenlen`` was lowered, else None.
@@ -194,6 +245,11 @@ class WorkerSettings:
         declared = self.declared_max_length
         if declared >= self.max_length:
             return None
+        if 0 < self.kcpp_genlimit <= declared:
+            return (
+                f"--hordegenlen {self.max_length} is lowered to {declared}: koboldcpp's "
+                f"--genlimit {self.kcpp_genlimit} stops every generation there"
+            )
         return (
             f"--hordegenlen {self.max_length} is lowered to {declared}: koboldcpp cuts a "
             f"max_length above {declared} on this worker's {self.max_context_length}-token "

@@ -164,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         "koboldcpp would be larger is faulted without sending it",
     )
     p.add_argument(
+        "--kcpp-genlimit",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="koboldcpp's --genlimit, when it was started with one (koboldcpp does not "
+        "report it): the worker then declares and generates at most that many tokens "
+        "(default 0: none)",
+    )
+    p.add_argument(
         "--chat-only", action="store_true", help="serve chat jobs only (pop with prompt_jobs false)"
     )
     p.add_argument(
@@ -277,6 +286,8 @@ def check_flags(args: argparse.Namespace) -> None:
     check_limits(args.hordegenlen, args.hordemaxctx)
     if args.kcpp_max_request_mb < 1:
         raise ConfigError("--kcpp-max-request-mb must be at least 1")
+    if args.kcpp_genlimit < 0:
+        raise ConfigError("--kcpp-genlimit must not be negative (0: none)")
     if args.kcpp_wait is not None and not args.kcpp_wait >= 0:
         raise ConfigError("--kcpp-wait must be a number of seconds, 0 or more")
     if not 1 <= args.parallelrequests <= MAX_PARALLEL_REQUESTS:
@@ -356,6 +367,7 @@ def settings_from_args(
         trusted=args.trusted,
         threads=args.parallelrequests,
         kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
+        kcpp_genlimit=args.kcpp_genlimit,
     )
     caps = BackendCapabilities(vision=info.vision, image_url=settings.image_url_transport)
     return settings, caps

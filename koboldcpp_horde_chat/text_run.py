@@ -3,6 +3,11 @@
 The payload goes to koboldcpp's ``/api/v1/generate`` as koboldcpp's own
 worker sends it (with a ``HORDEREQ_`` genkey), and the reply is submitted as
 ``generation``. A failure raises :class:`~errors.JobFault`.
+
+Its ``max_context_length`` is sent as the job has it, even where koboldcpp's
+20 % rule then cuts ``max_length`` (unlike a chat job's): a text prompt is one
+raw string that koboldcpp trims to ``context - max_length`` and there is no
+fit check, so a larger context would change what the model reads.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(
-                jobs.text_request_body(job, genkey=genkey), timeout_s=timeout
+                jobs.text_request_body(job, genkey=genkey),
+                timeout_s=timeout,
+                cancel=ctx.abandoned,
             ),
             ctx,
         )

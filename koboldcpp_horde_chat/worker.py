@@ -504,7 +504,9 @@ class Worker:
 
     def _stop_generation(self, ctx: JobContext) -> None:
         """End the job's local generation from another thread (the job was given
-        up): abort it by its genkey on koboldcpp."""
+        up): close the connection of its request (with koboldcpp batching an
+        abort by genkey stops nothing), then abort it by its genkey."""
+        self.backend.hang_up()
         if ctx.genkey:
             abort_quietly(self.abort_backend, ctx.genkey)
 

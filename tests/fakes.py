@@ -450,7 +450,7 @@ class FakeBackend:
         self._count("tokencount", timeout_s)
         return self._next(self.tokencounts, max(1, len(prompt) // 4))
 
-    def chat_completion(self, body: dict[str, Any], *, timeout_s: float) -> Any:
+    def chat_completion(self, body: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
         self._count("chat", timeout_s)
         return self._next(self.chats, chat_body())
 
@@ -463,7 +463,7 @@ class FakeBackend:
         self.open_streams.append(stream)
         return stream
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> Any:
+    def generate(self, payload: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
         self._count("generate", timeout_s)
         return self._next(
             self.generates, {"results": [{"text": "Once upon a time.", "finish_reason": "stop"}]}
@@ -472,3 +472,7 @@ class FakeBackend:
     def abort(self, genkey: str, *, timeout_s: float = 10.0) -> Any:
         self._count("abort", timeout_s)
         return self._next(self.aborts, True)
+
+    def hang_up(self) -> bool:
+        self._count("hang_up")
+        return False

@@ -36,7 +36,22 @@ Behaviour copied from koboldcpp (facts section in brackets):
 * a generation whose genkey does not start with ``HORDEREQ_`` is a local user's:
   it updates :attr:`ScriptedKoboldcpp.last_non_horde_request_time` (§2.5);
 * prompts longer than the context are cut at the front silently and
-  ``prompt_tokens`` reports the kept part (§4.3).
+  ``prompt_tokens`` reports the kept part (§4.3);
+* a request's ``max_context_length`` is capped at the context size, its
+  ``max_length`` at ``--genlimit`` (``genlimit``, when above 0) and then cut to
+  leave ``max(min(ctx - 4, 16), int(ctx * 0.2))`` tokens of the context to the
+  prompt, as ``generate()`` does (``koboldcpp.py`` L2167-2178); the cut budget
+  ends with ``"length"``;
+* batching (``parallel_requests`` > 1, ``--parallelrequests``): a batchable
+  generation (no grammar, tools, images, ``reasoning_effort`` or the samplers
+  koboldcpp does not batch, L2347-2378) releases the model lock at once and
+  runs beside the others, ``parallel_requests`` at a time; a request that is
+  not batchable waits until none runs (L7107-7122). An abort by genkey does
+  not stop a batched generation (it only sets the single-slot flag, L6532-6541;
+  ``gpttype_adapter.cpp`` L3802-3809 against L4443), though it is answered
+  ``done: "true"`` as usual; a batched stream ends when its client hangs up
+  (L5752-5753), a batched non-streamed generation runs to its end whatever
+  the client does (no disconnect check outside streams, L5798-5812).
 
 The tokenizer is a toy: a token is ``chars_per_token`` characters, except that
 reasoning and ChatML tags are one token each. Token ids are stable hashes.
@@ -51,7 +66,8 @@ gives ``<think>`` reasoning and an answer; "colour"/"color" gives ``"Blue."``;
 ``"You said: <the first words>."``. ``script(fn)`` overrides any of these.
 
 Not simulated: the Ollama, Anthropic, Responses and ``/v1/completions`` routes,
-images beyond a fixed token cost, batching, logprobs and the tool-decision poll.
+images beyond a fixed token cost, logprobs, the tool-decision poll, and the
+load-time settings that turn batching off (``--noshift`` is taken as given).
 """
 
 from __future__ import annotations
@@ -290,6 +306,16 @@ def _stop_list(value: Any) -> list[str]:
     if isinstance(value, list):
         return [s for s in value if isinstance(s, str) and s][:MAX_STOP_SEQUENCES]
     return []
+
+
+def _float_or(value: Any, default: float) -> float:
+    """koboldcpp's ``tryparsefloat``: the number, else ``default``."""
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -728,9 +754,9 @@ def _mint_call_id() -> str:
 # ------------------------------------------------------------------- server
 
 
-@dataclass
+@dataclass(eq=False)
 class _Run:
-    """One generation holding the model lock."""
+    """One generation: the one holding the model lock, or a batched one."""
 
     genkey: str
     abort: threading.Event = field(default_factory=threading.Event)
@@ -891,6 +917,10 @@ class ScriptedKoboldcpp:
             :data:`MAX_REQUEST_BYTES`, read when the object is made): a request
             whose ``Content-Length`` is larger is answered 500 "Payload is too
             big. Max payload size is 32MB." without reading its body.
+        genlimit: ``--genlimit`` in tokens (0: none): every generation's
+            ``max_length`` is capped there before the 20 % cut.
+        parallel_requests: ``--parallelrequests``: above 1, batchable
+            generations run beside each other (see the module docstring).
 
     Public state, readable from tests (append-only lists):
         requests: ``{"method", "path", "headers" (lower-case names), "body"
@@ -912,6 +942,7 @@ class ScriptedKoboldcpp:
         last_non_horde_request_time: ``time.time()`` of the last local user's
             generation (start and end), or None.
         busy: when True every generation answers 503 "Server is busy".
+        running: how many generations run now, batched or not (property).
         hold_stop_sequences: True (koboldcpp's way, facts §4.8): a stream holds
             back text that could start a stop sequence and trims the one that
             ended generation. False streams a stop sequence as generated (a
@@ -938,8 +969,12 @@ class ScriptedKoboldcpp:
         host: str = "127.0.0.1",
         port: int = 0,
         max_request_bytes: int | None = None,
+        genlimit: int = 0,
+        parallel_requests: int = 1,
     ) -> None:
         self.model_name = model_name
+        self.genlimit = genlimit
+        self.parallel_requests = max(1, parallel_requests)
         self.max_request_bytes = (
             MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
         )
@@ -975,6 +1010,10 @@ class ScriptedKoboldcpp:
         self._queue = 0
         self._current_genkey = ""
         self._current_run: _Run | None = None
+        self._batched_runs: set[_Run] = set()  # batched generations now (under _lock)
+        self._batch_cond = threading.Condition()  # koboldcpp's batched_cond
+        self._batched = 0  # koboldcpp's batched_request_runner_count (under _batch_cond)
+        self._batch_slots = threading.Semaphore(self.parallel_requests)
         self._pending_abort: str | None = None
         self._last_text = ""
         self._stopping = threading.Event()
@@ -1029,6 +1068,10 @@ class ScriptedKoboldcpp:
         with self._lock:
             if self._current_run is not None:
                 self._current_run.abort.set()
+            for run in self._batched_runs:
+                run.abort.set()
+        with self._batch_cond:
+            self._batch_cond.notify_all()
         self._server = None
         self._thread = None
         server.shutdown()
@@ -1141,6 +1184,12 @@ class ScriptedKoboldcpp:
     def queue(self) -> int:
         """Requests waiting for the model lock."""
         return self._queue
+
+    @property
+    def running(self) -> int:
+        """Generations running now: the one holding the model lock, if any, and the batched ones."""
+        with self._lock:
+            return len(self._batched_runs) + (1 if self._current_run is not None else 0)
 
     def local_generate(self, seconds: float, *, genkey: str = "KCPP0001") -> threading.Thread:
         """Simulate a local user's generation holding the model for ``seconds``.
@@ -1311,7 +1360,7 @@ class ScriptedKoboldcpp:
         with self._lock:
             body = dict(self._perf)
             body["queue"] = self._queue
-            body["idle"] = 0 if self._model.locked() else 1
+            body["idle"] = 0 if self._model.locked() or self._batched_runs else 1
             body["hordeexitcounter"] = -1
             body["uptime"] = now - self._started_at
             body["idletime"] = now - self._last_req_time
@@ -1415,6 +1464,7 @@ class ScriptedKoboldcpp:
         if not acquired:
             ex.reset()
             return
+        released = False
         try:
             with self._lock:
                 self._last_req_time = time.time()  # koboldcpp sets it before the auth check
@@ -1425,22 +1475,109 @@ class ScriptedKoboldcpp:
                 ex.send_json(500, BAD_INPUT_BODY)
                 return
             genkey = ex.body.get("genkey", "")
-            run = self._begin(genkey if isinstance(genkey, str) else "")
+            genkey = genkey if isinstance(genkey, str) else ""
+            if self._batchable(ex.route, ex.body):
+                # koboldcpp releases modelbusy and counts a batched runner (L7116-7122)
+                with self._batch_cond:
+                    self._batched += 1
+                self._model.release()
+                released = True
+                try:
+                    self._serve_batched(ex, serve, genkey)
+                finally:
+                    with self._batch_cond:
+                        self._batched -= 1
+                        self._batch_cond.notify_all()
+                return
+            # a request that is not batchable waits, holding the lock, for the
+            # batched ones to end (L7107-7111)
+            with self._batch_cond:
+                while self._batched > 0 and not self._stopping.is_set():
+                    self._batch_cond.wait(0.05)
+            run = self._begin(genkey)
             try:
                 serve(ex, ex.body, run)
             finally:
                 self._end(run)
         finally:
-            self._model.release()
+            if not released:
+                self._model.release()
 
-    def _begin(self, genkey: str) -> _Run:
+    def _serve_batched(
+        self,
+        ex: _Exchange,
+        serve: Callable[[_Exchange, dict[str, Any], _Run], None],
+        genkey: str,
+    ) -> None:
+        """One batched generation, in one of ``parallel_requests`` batch slots."""
+        while not self._batch_slots.acquire(timeout=0.05):
+            if self._stopping.is_set():
+                ex.reset()
+                return
+        try:
+            run = self._begin(genkey, batched=True)
+            try:
+                serve(ex, cast(dict[str, Any], ex.body), run)
+            finally:
+                self._end(run)
+        finally:
+            self._batch_slots.release()
+
+    def _batchable(self, route: str, body: dict[str, Any]) -> bool:
+        """koboldcpp's ``continuous_batching_python_eligible`` (L2347-2378) on the body.
+
+        Tools count when a ``tool_choice`` other than ``"none"`` may use them
+        (koboldcpp then sets ``using_openai_tools``); a ``response_format`` or
+        ``json_schema`` counts as the grammar koboldcpp makes of it.
+        """
+        if self.parallel_requests <= 1:
+            return False
+        if body.get("negative_prompt") or body.get("images") or body.get("audio"):
+            return False
+        received = _received_images(body.get("messages")) if route == "chat" else None
+        if received is not None and received["data_urls"]:
+            return False
+        if any(body.get(key) for key in ("grammar", "grammar_retain_state")):
+            return False
+        if any(body.get(key) for key in ("banned_tokens", "banned_strings")):
+            return False
+        if route == "chat":
+            fmt = body.get("response_format")
+            if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+                return False
+            if isinstance(body.get("json_schema"), dict):
+                return False
+            tools = body.get("tools")
+            if isinstance(tools, list) and tools and body.get("tool_choice") != "none":
+                return False
+        for key in ("dry_multiplier", "mirostat", "xtc_probability", "nsigma"):
+            if _float_or(body.get(key), 0.0):
+                return False
+        if _float_or(body.get("smoothing_factor"), 0.0) or _float_or(
+            body.get("adaptive_target"), -1.0
+        ) > 0:
+            return False
+        if _float_or(body.get("top_a"), 0.0) or _float_or(body.get("tfs"), 1.0) != 1:
+            return False
+        if _float_or(body.get("dynatemp_range"), 0.0):
+            return False
+        order = body.get("sampler_order")
+        if order and order != [6, 0, 1, 3, 4, 2, 5]:
+            return False
+        return not body.get("reasoning_effort")
+
+    def _begin(self, genkey: str, *, batched: bool = False) -> _Run:
+        """Start a generation. A batched one is not the single slot an abort stops."""
         run = _Run(genkey)
         now = time.time()
         with self._lock:
             if not genkey.startswith(HORDE_GENKEY_PREFIX):
                 self.last_non_horde_request_time = now
             self._current_genkey = genkey
-            self._current_run = run
+            if batched:
+                self._batched_runs.add(run)
+            else:
+                self._current_run = run
             if self._pending_abort is not None and genkey == self._pending_abort:
                 self._pending_abort = None
                 self.aborts.append(genkey)
@@ -1449,7 +1586,9 @@ class ScriptedKoboldcpp:
 
     def _end(self, run: _Run) -> None:
         with self._lock:
-            self._current_run = None
+            if self._current_run is run:
+                self._current_run = None
+            self._batched_runs.discard(run)
             self._last_text = run.partial
             if not run.genkey.startswith(HORDE_GENKEY_PREFIX):
                 self.last_non_horde_request_time = time.time()
@@ -1475,7 +1614,13 @@ class ScriptedKoboldcpp:
             p["stop_reason"] = stop_reason
 
     def _budget(self, body: dict[str, Any], *, chat: bool) -> tuple[int, int]:
-        """(max_length, context) after koboldcpp's clamps (facts §2.8, §4.2)."""
+        """(max_length, context) after koboldcpp's clamps (facts §2.8, §4.2).
+
+        As ``generate()`` (L2167-2178): the context capped at the loaded one,
+        ``max_length`` capped at ``--genlimit`` when above 0, then a
+        ``max_length`` of at least ``ctx - max(min(ctx - 4, 16), int(ctx * 0.2))``
+        cut to that value.
+        """
         ctx = self.max_context_length
         req_ctx = _int_or_none(body.get("max_context_length"))
         if req_ctx is not None and 0 < req_ctx < ctx:
@@ -1489,9 +1634,11 @@ class ScriptedKoboldcpp:
                 budget = DEFAULT_CHAT_GENLEN
         elif budget is None or budget <= 0:
             budget = DEFAULT_KOBOLD_GENLEN
-        budget = min(budget, ctx)
-        if budget > 0.8 * ctx:
-            budget = ctx - max(min(ctx - 4, 16), int(0.2 * ctx))
+        if self.genlimit > 0 and budget > self.genlimit:
+            budget = self.genlimit
+        reserved = max(min(ctx - 4, 16), int(ctx * 0.2))
+        if budget >= ctx - reserved:
+            budget = ctx - reserved
         return max(1, budget), ctx
 
     def _scripted(self, body: dict[str, Any]) -> ScriptedReply | None:

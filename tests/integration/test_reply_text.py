@@ -145,7 +145,8 @@ def test_a_nul_in_a_text_generation_is_removed(
 
 # --- koboldcpp's cut budget ---------------------------------------------------------------
 
-#: A job asking 900 tokens in a 1000-token context: koboldcpp generates at most 800.
+#: A job asking 900 tokens in a 1000-token context: sent with that context koboldcpp
+#: would generate at most 800 (its 20 % rule); the worker sends 1124, which keeps 900.
 CUT_REQUEST = {
     "messages": [{"role": "user", "content": "Tell me a long story."}],
     "max_tokens": 900,
@@ -154,33 +155,33 @@ CUT_REQUEST = {
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_reply_cut_at_koboldcpps_budget_is_submitted_as_length(
+def test_a_reply_koboldcpp_would_cut_keeps_its_whole_budget_and_is_submitted_as_length(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any, stream: bool
 ) -> None:
     kcpp.token_delay_s = 0.003 if stream else 0.0
     rid = horde.send_chat({**CUT_REQUEST, "stream": stream})
     serve(horde, start_worker, [rid], "--hordegenlen", "900")
     (sent,) = [r for r in kcpp.requests if r["path"] == "/v1/chat/completions"]
-    assert (sent["body"]["max_tokens"], sent["body"]["max_context_length"]) == (900, 1000)
+    assert (sent["body"]["max_tokens"], sent["body"]["max_context_length"]) == (900, 1124)
     gen = kcpp.generations[-1]
-    assert (gen["finish_reason"], gen["completion_tokens"]) == ("length", 800)
+    assert (gen["finish_reason"], gen["completion_tokens"]) == ("length", 900)
     body = submitted(horde)
     assert body["finish_reason"] == "length"
     assert body["native_finish_reason"] == "length"
-    assert body["completion_tokens"] == 800
+    assert body["completion_tokens"] == 900
     if stream:
         assert content_of(horde.status(rid)["stream"]) == body["message"]["content"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_reasoning_cut_at_koboldcpps_budget_is_reasoning_with_empty_content_and_length(
+def test_reasoning_cut_at_the_budget_is_reasoning_with_empty_content_and_length(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any, stream: bool
 ) -> None:
     kcpp.token_delay_s = 0.003 if stream else 0.0
     kcpp.script(lambda body: ScriptedReply(text="never reached", reasoning="x " * 2000))
     rid = horde.send_chat({**CUT_REQUEST, "stream": stream})
     serve(horde, start_worker, [rid], "--hordegenlen", "900")
-    assert kcpp.generations[-1]["completion_tokens"] == 800
+    assert kcpp.generations[-1]["completion_tokens"] == 900
     body = submitted(horde)
     assert body["finish_reason"] == "length"
     assert body["message"]["content"] == ""

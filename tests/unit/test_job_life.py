@@ -120,10 +120,16 @@ def test_a_given_up_job_ends_its_blocking_step_at_once_and_stops_its_generation(
     assert time.monotonic() - started < 5.0
     release.set()
     assert stopped == []  # no genkey yet: nothing to stop on koboldcpp
-    job2 = ctx("j2", stop_generation=lambda: stopped.append("stop"), genkey="HORDEREQ_ab12")
+    job2 = ctx("j2", stop_generation=lambda: stopped.append("stop"), genkey="HORDEREQ_ab12",
+               phase=Phase.GENERATING)
     job2.give_up("bye")
     job2.give_up("bye again")
     assert stopped == ["stop"] and job2.abandon_why == "bye"
+    # a job whose generation ended is not stopped: the client may be serving the next one
+    job3 = ctx("j3", stop_generation=lambda: stopped.append("late"), genkey="HORDEREQ_cd34",
+               phase=Phase.SETTLING)
+    job3.give_up("bye")
+    assert stopped == ["stop"]
 
 
 def test_a_step_that_ends_first_returns_its_value_and_raises_its_own_error() -> None:

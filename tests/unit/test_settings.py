@@ -12,6 +12,7 @@ import pytest
 
 from koboldcpp_horde_chat.settings import (
     WorkerSettings,
+    kcpp_context_keeping_budget,
     kcpp_effective_max_length,
     kcpp_max_uncut_length,
     kcpp_reserved_tokens,
@@ -88,3 +89,61 @@ def test_a_genlen_koboldcpp_would_cut_is_declared_at_koboldcpps_bound() -> None:
     small = settings(max_length=1024, horde_max_context_length=1000)
     assert small.declared_max_length == 800
     assert "--hordegenlen 1024 is lowered to 800" in (small.max_length_warning() or "")
+
+
+# --- koboldcpp's --genlimit ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_length", "max_context_length", "genlimit", "budget"),
+    [
+        (512, 4096, 200, 200),  # koboldcpp stops every generation at --genlimit
+        (150, 4096, 200, 150),
+        (900, 1000, 850, 800),  # the genlimit first, then the 20 % cut
+        (900, 1000, 0, 800),  # 0: no --genlimit
+    ],
+)
+def test_the_effective_budget_follows_koboldcpps_genlimit(
+    max_length: int, max_context_length: int, genlimit: int, budget: int
+) -> None:
+    assert kcpp_effective_max_length(max_length, max_context_length, 4096, genlimit) == budget
+
+
+def test_a_genlen_above_koboldcpps_genlimit_is_declared_at_the_genlimit() -> None:
+    limited = settings(max_length=512, kcpp_genlimit=200)
+    assert limited.declared_max_length == 200
+    assert limited.max_length_warning() == (
+        "--hordegenlen 512 is lowered to 200: koboldcpp's --genlimit 200 stops every "
+        "generation there"
+    )
+    assert settings(max_length=100, kcpp_genlimit=200).declared_max_length == 100
+    assert settings(max_length=100_000, kcpp_genlimit=5000).declared_max_length == 3277
+
+
+# --- the context sent to koboldcpp --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_length", "max_context_length", "kcpp_context", "sent"),
+    [
+        (420, 500, 4096, 524),  # 500 would cut 420 to 400; 524 keeps 420 (524 - 104)
+        (400, 500, 4096, 500),  # the job's own context already keeps the budget
+        (256, 4096, 4096, 4096),
+        (3277, 4096, 4096, 4096),
+        (420, 8192, 4096, 4096),  # never above koboldcpp's context
+        (900, 1000, 1050, 1050),  # nothing larger to give: koboldcpp's own context
+    ],
+)
+def test_the_context_sent_to_koboldcpp_keeps_the_jobs_budget_whole(
+    max_length: int, max_context_length: int, kcpp_context: int, sent: int
+) -> None:
+    assert kcpp_context_keeping_budget(max_length, max_context_length, kcpp_context) == sent
+
+
+def test_the_context_sent_is_the_smallest_that_keeps_every_declarable_budget() -> None:
+    for context in (20, 80, 500, 1000, 2048):
+        for max_length in range(1, kcpp_max_uncut_length(4096) + 1, 7):
+            sent = kcpp_context_keeping_budget(max_length, context, 4096)
+            assert sent >= context
+            assert kcpp_effective_max_length(max_length, sent, 4096) == max_length
+            assert sent == context or kcpp_max_uncut_length(sent - 1) < max_length

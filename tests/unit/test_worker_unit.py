@@ -463,7 +463,7 @@ class SizeRecordingBackend(FakeBackend):
         super().__init__()
         self.sizes: list[int] = []
 
-    def chat_completion(self, body: Any, *, timeout_s: float) -> Any:
+    def chat_completion(self, body: Any, *, timeout_s: float, cancel: Any = None) -> Any:
         self.sizes.append(len(body))
         return super().chat_completion(body, timeout_s=timeout_s)
 

@@ -1,0 +1,199 @@
+"""KoboldClient.hang_up against a real local HTTP server that holds its answer.
+
+With koboldcpp batching, an abort by genkey stops nothing; the worker ends
+its wait for a generation by closing the request's connection instead. The
+server here holds every generation answer until the client goes away, and
+says when it saw the client go.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from koboldcpp_horde_chat.backend import KoboldClient
+from koboldcpp_horde_chat.errors import BackendError
+
+CHAT = {"choices": [{"message": {"role": "assistant", "content": "Blue."}}]}
+
+
+class HoldingServer(ThreadingHTTPServer):
+    """Answers GETs at once (HTTP/1.1 keep-alive); holds every POST until its client
+    hangs up (``gone`` then records the path) or ``release`` is set."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.received: list[str] = []
+        self.gone: list[tuple[str, float]] = []
+        self.release = threading.Event()
+        self.holding = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: HoldingServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+    def _json(self, obj: Any, content_type: str = "application/json") -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._json({"result": "1.2.5"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("content-length") or 0)
+        body = json.loads(self.rfile.read(length) or b"{}")
+        self.server.received.append(self.path)
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": []}\n\n')
+            self.wfile.flush()
+            self.close_connection = True
+        self.server.holding.set()
+        while not self.server.release.is_set():
+            readable, _, _ = select.select([self.connection], [], [], 0.05)
+            if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                self.server.gone.append((self.path, time.monotonic()))
+                self.close_connection = True
+                return
+        if not body.get("stream"):
+            self._json(CHAT if self.path.startswith("/v1") else {"results": [{"text": "x"}]})
+
+
+@pytest.fixture
+def server() -> Iterator[HoldingServer]:
+    srv = HoldingServer()
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.release.set()
+    srv.shutdown()
+    srv.server_close()
+
+
+def hang_up_later(
+    client: KoboldClient, server: HoldingServer, results: list[Any]
+) -> threading.Thread:
+    """Once the server holds the request, hang up from another thread (as the stop does)."""
+
+    def run() -> None:
+        assert server.holding.wait(5)
+        time.sleep(0.2)
+        at = time.monotonic()
+        results.append((client.hang_up(), at))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("route", ["chat", "generate"])
+def test_hang_up_ends_a_held_generation_at_once_and_closes_its_connection(
+    server: HoldingServer, route: str
+) -> None:
+    client = KoboldClient(server.url, connect_timeout_s=2)
+    assert client.ready()  # a pooled keep-alive connection, reused by the generation
+    hung: list[Any] = []
+    hanger = hang_up_later(client, server, hung)
+    started = time.monotonic()
+    with pytest.raises(BackendError, match="hung up by the worker") as caught:
+        if route == "chat":
+            client.chat_completion({"messages": []}, timeout_s=30)
+        else:
+            client.generate({"prompt": "x"}, timeout_s=30)
+    ended = time.monotonic()
+    hanger.join(2)
+    assert caught.value.status == 0
+    assert hung and hung[0][0] is True
+    assert ended - hung[0][1] < 0.5  # returned at the hang-up, not at a timeout
+    assert ended - started < 3.0
+    # koboldcpp sees its client go (what stops a batched streamed generation).
+    deadline = time.monotonic() + 2
+    while not server.gone and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [path for path, _ in server.gone] == [
+        "/v1/chat/completions" if route == "chat" else "/api/v1/generate"
+    ]
+
+
+def test_hang_up_closes_an_open_stream_and_wakes_its_reader(server: HoldingServer) -> None:
+    client = KoboldClient(server.url, connect_timeout_s=2)
+    stream = client.open_chat_stream({"messages": []}, read_timeout_s=30)
+    assert stream.read_chunk().startswith(b"data:")
+    hung: list[Any] = []
+    hanger = hang_up_later(client, server, hung)
+    assert stream.read_chunk() == b""  # blocked until the hang-up
+    hanger.join(2)
+    assert hung and hung[0][0] is True and stream.closed
+    deadline = time.monotonic() + 2
+    while not server.gone and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [path for path, _ in server.gone] == ["/v1/chat/completions"]
+
+
+def test_hang_up_with_nothing_in_flight_does_nothing_and_spoils_no_later_request(
+    server: HoldingServer,
+) -> None:
+    client = KoboldClient(server.url, connect_timeout_s=2)
+    assert client.hang_up() is False
+    assert client.ready()
+    assert client.hang_up() is False
+    server.release.set()
+    assert client.chat_completion({"messages": []}, timeout_s=5) == CHAT
+    assert client.hang_up() is False  # that request has ended
+    assert server.gone == []
+
+
+def test_a_generation_given_up_before_it_is_sent_is_not_sent(server: HoldingServer) -> None:
+    client = KoboldClient(server.url, connect_timeout_s=2)
+    given_up = threading.Event()
+    given_up.set()
+    with pytest.raises(BackendError, match="not sent, the job was given up"):
+        client.generate({"prompt": "x"}, timeout_s=5, cancel=given_up)
+    assert server.received == []
+
+
+def test_probes_from_another_thread_are_not_hung_up(server: HoldingServer) -> None:
+    """An abort or probe sent on the same client from another thread while a generation
+    is held is not the request in flight: the hang-up ends the generation only."""
+    client = KoboldClient(server.url, connect_timeout_s=2)
+    errors: list[BaseException] = []
+
+    def generation() -> None:
+        try:
+            client.chat_completion({"messages": []}, timeout_s=30)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=generation, daemon=True)
+    thread.start()
+    assert server.holding.wait(5)
+    assert client.ready()  # another thread, another connection
+    assert client.hang_up() is True
+    thread.join(2)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "hung up by the worker" in str(errors[0])
+    assert client.ready()
