@@ -2,7 +2,7 @@
 
 Reproduce (from the repository root):
 
-    python bench/bench_overhead.py [--runs 3] [--jobs 300] [--quick] [--profile] [--json OUT]
+    python bench/bench_overhead.py [--runs 3] [--jobs 300] [--quick] [--journal] [--profile] [--json OUT]
 
 For a chat job with 20 messages and 2 tools, the worker's own time from
 receiving the pop response to sending the backend request, plus from the
@@ -23,8 +23,11 @@ Two measurements of the same jobs:
   HTTP client's work (``requests``: building and parsing requests, reading the
   answer) and the servers' own accept and parse time, so it is an upper bound.
 
-The worker runs as ``koboldcpp-horde-chat`` runs it (see bench_throughput.py);
-the servers run in a separate process.
+The worker runs as ``koboldcpp-horde-chat`` runs it (see bench_throughput.py),
+without a job journal unless ``--journal`` is given: then it keeps one, as
+the CLI does, in a temporary directory beside the default state directory
+(``~/.local/state``), and each job's journal writes count in its overhead.
+The servers run in a separate process.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import gc
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,15 +58,33 @@ from bench_throughput import (  # noqa: E402
     write_json,
 )
 
+from koboldcpp_horde_chat.journal import default_state_dir  # noqa: E402
 
-def run(*, runs: int, n_jobs: int, profile: bool = False) -> dict[str, Any]:
-    """Run ``runs`` x ``n_jobs`` chat jobs; returns the result dict with the figures."""
+
+def run(
+    *, runs: int, n_jobs: int, profile: bool = False, journal: bool = False
+) -> dict[str, Any]:
+    """Run ``runs`` x ``n_jobs`` chat jobs; returns the result dict with the figures.
+
+    ``journal``: the worker keeps a job journal (see the module docstring).
+    """
+    if not journal:
+        return _run(runs=runs, n_jobs=n_jobs, profile=profile, journal_dir=None)
+    parent = default_state_dir().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-", dir=parent) as tmp:
+        return _run(runs=runs, n_jobs=n_jobs, profile=profile, journal_dir=Path(tmp))
+
+
+def _run(
+    *, runs: int, n_jobs: int, profile: bool, journal_dir: Path | None
+) -> dict[str, Any]:
     configure_worker_logging()
     figures: list[dict[str, Any]] = []
     notes: list[str] = []
     body = chat_body(20, tools=True)
     with Servers() as servers:
-        worker, horde, backend = build_worker(servers)
+        worker, horde, backend = build_worker(servers, journal_dir=journal_dir)
         servers.call("queue", kind="chat", n=20, body=body)
         run_jobs(worker, 20)  # warm-up
         servers.call("times")
@@ -138,11 +160,15 @@ def run(*, runs: int, n_jobs: int, profile: bool = False) -> dict[str, Any]:
         buf = io.StringIO()
         pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(30)
         print(buf.getvalue())
+    if journal_dir is not None:
+        notes.append(f"the worker kept its job journal in {journal_dir.parent}")
     return {
         "name": "overhead",
-        "title": "per-job overhead of a chat job (20 messages, 2 tools)",
+        "title": "per-job overhead of a chat job (20 messages, 2 tools)"
+        + (", with the job journal" if journal_dir is not None else ""),
         "machine": machine_info(),
-        "command": f"python bench/bench_overhead.py --runs {runs} --jobs {n_jobs}",
+        "command": f"python bench/bench_overhead.py --runs {runs} --jobs {n_jobs}"
+        + (" --journal" if journal_dir is not None else ""),
         "figures": figures,
         "notes": notes,
     }
@@ -178,12 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=None, help="chat jobs per run")
     ap.add_argument("--quick", action="store_true", help="one run of 100 jobs")
+    ap.add_argument(
+        "--journal", action="store_true", help="the worker keeps a job journal, as the CLI does"
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the first run")
     ap.add_argument("--json", help="also write the result as JSON to this file")
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     n_jobs = args.jobs or (100 if args.quick else 300)
-    result = run(runs=runs, n_jobs=n_jobs, profile=args.profile)
+    result = run(runs=runs, n_jobs=n_jobs, profile=args.profile, journal=args.journal)
     print_result(result)
     write_json(args.json, result)
     return 0

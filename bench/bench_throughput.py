@@ -59,8 +59,10 @@ if str(PKG_ROOT) not in sys.path:
 from koboldcpp_horde_chat.backend import BackendStream, KoboldClient  # noqa: E402
 from koboldcpp_horde_chat.declaration import BackendCapabilities, pop_body  # noqa: E402
 from koboldcpp_horde_chat.horde import HordeClient  # noqa: E402
+from koboldcpp_horde_chat.journal import Journal, journal_path  # noqa: E402
 from koboldcpp_horde_chat.manners import NoManners, StandaloneManners  # noqa: E402
 from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
+from koboldcpp_horde_chat.state import WorkerState  # noqa: E402
 from koboldcpp_horde_chat.worker import Worker  # noqa: E402
 
 API_KEY = "bench-key-0123456789"
@@ -634,13 +636,15 @@ def build_worker(
     ctx: int = 4096,
     max_length: int = 512,
     max_request_mib: int = 32,
+    journal_dir: Path | None = None,
 ) -> tuple[Worker, TimedHorde, TimedKobold]:
     """A ``Worker`` wired as ``koboldcpp-horde-chat`` wires it, with timed clients.
 
     ``manners``: "standalone" (reads koboldcpp's /api/extra/perf before a pop,
     at most once a second while it is idle, as the CLI does) or "none" (as inside koboldcpp, where the hook reads
     globals for free). ``max_request_mib``: koboldcpp's ``--maxrequestsize``
-    (``--kcpp-max-request-mb``).
+    (``--kcpp-max-request-mb``). ``journal_dir``: keep the job journal there,
+    as the CLI does in its state directory (None: no journal).
     """
     url = kcpp_url or servers.kcpp_url
     assert url is not None
@@ -657,10 +661,16 @@ def build_worker(
     )
     horde = TimedHorde(settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent)
     backend = TimedKobold(settings.kcpp_url)
+    state = None
+    if journal_dir is not None:
+        state = WorkerState(
+            settings, journal=Journal(journal_path(settings.worker_name, journal_dir))
+        )
     worker = Worker(
         settings,
         horde=horde,
         backend=backend,
+        state=state,
         manners=StandaloneManners(backend) if manners == "standalone" else NoManners(),
         caps=BackendCapabilities(vision=vision),
         # The second Horde session the next pop goes out on, beside each submit.

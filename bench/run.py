@@ -22,6 +22,8 @@ Benchmarks (``--only``/``--skip`` names):
 * ``offload``    bench_offload.py    a 36 MiB offloaded conversation with 20 images
 * ``sse``        bench_sse.py        SSE decoding throughput
 * ``progress``   bench_progress.py   progress post interval and token-to-post delay
+* ``stop``       bench_stop.py       SIGTERM to exit of the worker process, in each phase of a job
+* ``journal``    bench_journal.py    the job journal's cost per job, plain writes vs fsync
 * ``memory``     bench_memory.py     RSS after start-up, growth over 10,000 jobs
 * ``soak``       soak.py             10,000 jobs with injected faults (memory, correctness)
 * ``real``       bench_real.py       a real koboldcpp, directly and through the worker
@@ -99,6 +101,8 @@ BENCHES: tuple[Bench, ...] = (
         own=False,
         unit="s",
     ),
+    Bench("stop", "bench_stop.py", (), ("--quick",), 600),
+    Bench("journal", "bench_journal.py", (), ("--quick",), 300),
     Bench("memory", "bench_memory.py", (), ("--quick",), 600),
     Bench(
         "soak",

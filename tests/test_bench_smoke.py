@@ -4,11 +4,13 @@ The kudos benchmark needs a real koboldcpp: here it is run without one (it must
 say it was skipped and exit 0), and its arithmetic is checked on a made-up
 record of the dev Horde.
 
-Runs ``python bench/run.py --quick --only overhead,throughput,sse --no-save`` (about
-10 s: the dev Horde and a scripted koboldcpp in a server process, the worker in
-another) and checks that every selected benchmark printed its figures, its
-reproduce command and the summary. No figure is held to its target here: the
-machine's load decides those, and ``bench/run.py`` reports them.
+Runs ``python bench/run.py --quick --only overhead,throughput,sse,stop,journal
+--no-save`` (about 25 s: the dev Horde and a scripted koboldcpp in a server
+process, the worker in another; the stop's four phases against a worker
+process; a few hundred journal writes) and checks that every selected
+benchmark printed its figures, its reproduce command and the summary. No
+figure is held to its target here: the machine's load decides those, and
+``bench/run.py`` reports them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CHEAP = ("overhead", "throughput", "sse")
+CHEAP = ("overhead", "throughput", "sse", "stop", "journal")
 
 
 def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
@@ -45,11 +47,21 @@ def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
         "throughput, text jobs",
         "throughput, chat jobs (20 msgs, 2 tools)",
         "idle gap: submit answered -> next pop",
+        "SIGTERM -> exit, pop beside the submit in flight",
+        "SIGTERM -> exit, token count",
+        "SIGTERM -> exit, streamed generation",
+        "SIGTERM -> exit, idle (between pops)",
+        "journal per job, today (add, add, remove), tmp",
+        "journal per job, former (fsync add, remove), tmp",
     ):
         assert re.search(re.escape(label) + r".*?" + figure, out), label
     assert re.search(r"MB/s\s+min\s+[\d.]+\s+median", out), "SSE figures missing"
     assert "reproduce: python bench/bench_overhead.py" in out
     assert "reproduce: python bench/bench_throughput.py" in out
+    assert "reproduce: python bench/bench_stop.py --quick --grace 1" in out
+    assert "reproduce: python bench/bench_journal.py --quick" in out
+    # the stop's table: each phase with the grace, the bound and the job's end
+    assert re.search(r"token count\s+1s\s+[\d.]+s\s+[\d.]+s\s+3s\s+\w", out), out[-3000:]
     assert "== summary" in out
     assert "figure(s) off target" in out
 
