@@ -26,7 +26,7 @@ from .fetch import fetch_image, fetch_messages
 from .guard import refusal_features
 from .joblife import Move
 from .jsonbody import encode_json
-from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, new_genkey, payload_keys
+from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, payload_keys
 from .settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
 from .state import WorkerState
 from .streamed import generate_streamed
@@ -191,8 +191,7 @@ class ChatRun:
         ``max_length``, capped by koboldcpp's ``--genlimit``.
         """
         job, ctx, edges = self.job, self.ctx, self.edges
-        ctx.check_abandoned()
-        genkey = new_genkey()
+        genkey = edges.generating(ctx)
         stream = job.stream_progress and not job.has_tools
         kcpp_context = self.settings.backend_max_context_length
         sent_context = kcpp_context_keeping_budget(
@@ -211,7 +210,6 @@ class ChatRun:
                 f"--maxrequestsize of {limit} bytes ({limit / MIB:g} MiB): not sent "
                 "(start koboldcpp with a larger --maxrequestsize to serve such jobs)"
             )
-        edges.generating(ctx, genkey)
         try:
             if stream:
                 with edges.own_request():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import secrets
 import threading
 import time
@@ -255,6 +256,7 @@ class Edges:
     wall: Callable[[], float] = time.time
     journal: Journal | None = None
     note_own_request_done: Callable[[], None] = lambda: None
+    _step_runner: _StepRunner | None = field(default=None, init=False, repr=False)
 
     @contextmanager
     def own_request(self) -> Iterator[None]:
@@ -284,45 +286,42 @@ class Edges:
             )
         )
 
-    def generating(self, ctx: JobContext, genkey: str) -> None:
-        """The job's generation starts under ``genkey``: journal the genkey (so
-        a restart aborts it on koboldcpp) before the request goes out.
+    def generating(self, ctx: JobContext) -> str:
+        """The job's generation starts: returns its genkey (made at the pop's
+        answer and journaled with it, so a restart aborts it on koboldcpp; made
+        and journaled now for a job that has none).
 
         Raises:
             JobFault: the job was given up meanwhile.
         """
         ctx.check_abandoned()
-        ctx.genkey = genkey
+        if not ctx.genkey:
+            ctx.genkey = new_genkey()
+            self.record(ctx)
         ctx.move(Move.GENERATE)
-        self.record(ctx)
+        return ctx.genkey
 
     def until_given_up(self, ctx: JobContext, call: Callable[[], T]) -> T:
         """``call()``'s result, or JobFault as soon as the job is given up.
 
         For a blocking step before the generation (a fetch, the token count):
         its own timeout keeps it within the lease, and this keeps it within the
-        stop's deadline. The call runs on a thread of its own; one given up
-        finishes there by its own timeout, its result unused.
+        stop's deadline. The call runs on a step thread (one kept for the
+        loop's steps); one given up finishes there by its own timeout, its
+        result unused, and later steps get a new thread.
 
         Raises:
             JobFault: the job was given up (before or during the call).
             Exception: whatever ``call`` raises.
         """
         ctx.check_abandoned()
+        runner = self._step_runner
+        if runner is None or runner.busy:  # busy: a step given up still runs there
+            runner = self._step_runner = _StepRunner()
         done = threading.Event()
-        box: list[Any] = []
-
-        def run() -> None:
-            try:
-                box.append((True, call()))
-            except BaseException as exc:  # handed to the job's thread
-                box.append((False, exc))
-            finally:
-                done.set()
-
         ctx.add_waker(done)
         try:
-            threading.Thread(target=run, name=f"job-step-{ctx.id[:8]}", daemon=True).start()
+            box = runner.run(call, done)
             done.wait()
         finally:
             ctx.remove_waker(done)
@@ -378,6 +377,38 @@ class Edges:
                 raise
             ctx.check_abandoned()
             return answer
+
+
+class _StepRunner:
+    """One daemon thread that runs a loop's blocking steps one at a time (a
+    thread kept, not one started per step; a daemon, so a step given up at
+    the stop never holds the process's exit)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], list[Any], threading.Event]
+        ] = queue.SimpleQueue()
+        self.busy = False
+        threading.Thread(target=self._serve, name="job-step", daemon=True).start()
+
+    def run(self, call: Callable[[], Any], done: threading.Event) -> list[Any]:
+        """Run ``call`` on the thread; ``done`` is set after it ended, when the
+        returned list holds ``(True, value)`` or ``(False, exception)``."""
+        box: list[Any] = []
+        self.busy = True
+        self._calls.put((call, box, done))
+        return box
+
+    def _serve(self) -> None:
+        while True:
+            call, box, done = self._calls.get()
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # handed to the job's thread
+                box.append((False, exc))
+            finally:
+                self.busy = False
+                done.set()
 
 
 def abort_quietly(backend: KoboldClient, genkey: str) -> None:

@@ -16,7 +16,7 @@ import logging
 
 from . import jobs, reply
 from .errors import BackendError, HordeRefusal, JobFault, ReplyError
-from .runs import Edges, JobContext, Reply, new_genkey
+from .runs import Edges, JobContext, Reply
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
         job.payload.get("max_length", "?"),
         job.payload.get("max_context_length", "?"),
     )
-    genkey = new_genkey()
-    edges.generating(ctx, genkey)
+    genkey = edges.generating(ctx)
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(

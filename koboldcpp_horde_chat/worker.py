@@ -52,7 +52,7 @@ from .manners import (
     NoManners,
     PopGate,
 )
-from .runs import Edges, JobContext, Lease, abort_quietly
+from .runs import Edges, JobContext, Lease, abort_quietly, new_genkey
 from .settings import WorkerSettings
 from .state import WorkerState, WorkerStats
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
@@ -351,6 +351,7 @@ class Worker:
             started=popped_at,
             pop_body=body,
             worker_id=self.worker_id,
+            genkey=new_genkey(),  # journaled with the job: a restart aborts it by this key
         )
         ctx.stop_generation = lambda: self._stop_generation(ctx)
         self.state.hold(ctx)
@@ -431,7 +432,7 @@ class Worker:
             raise JobFault(f"{changed}: the job was popped under the old declaration")
 
     def _send_fault(self, ctx: JobContext, fault: JobFault) -> None:
-        if ctx.genkey:
+        if ctx.phase is Phase.GENERATING:
             self.gate.own_generation_ended()
         self._pop_ahead(ctx, is_fault=True)
         self.pipeline.fault(ctx, fault)

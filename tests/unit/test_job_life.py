@@ -290,6 +290,8 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     body = worker._pop_body()
     job = worker.receive(body, tools_pop("j9"), clock())
     assert job is not None and job.phase is Phase.JOURNALED
-    assert [(e.job_id, e.genkey) for e in journal.entries()] == [("j9", "")]
+    (entry,) = journal.entries()
+    assert entry.job_id == "j9" and entry.genkey == job.genkey
+    assert job.genkey.startswith("HORDEREQ_")  # made at the pop's answer, journaled with it
     assert worker.state.jobs_in_hand() == [job]
 
