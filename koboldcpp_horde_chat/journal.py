@@ -299,6 +299,8 @@ class Journal:
         self._entries: dict[str, JournalEntry] = {}
         self._loaded = False
         self._failing = False
+        self._dirty = False
+        self._written = False
         self._claim_fd: int | None = None
 
     def claim(self) -> int | None:
@@ -432,33 +434,46 @@ class Journal:
             self._entries[entry.job_id] = entry
             self._write_locked(durable=durable)
 
-    def remove(self, job_id: str) -> None:
+    def remove(self, job_id: str, *, write: bool = True) -> None:
         """Clear a job after its terminal action.
 
-        Written like :meth:`add` but not waited for on disk: a removal lost
-        in a crash only makes the next start fault a job that was settled,
-        which the Horde answers with ``DuplicateGen`` (after a reply) or
-        ``{"reward": 0}`` (after a fault or the job's end). A job
+        Written like :meth:`add` but never waited for on disk; with ``write``
+        False not written now at all, but with the next :meth:`add` or
+        :meth:`flush` (a job's path then writes the file once, at its pop). A
+        removal lost in a crash only makes the next start fault a job that
+        was settled, which the Horde answers with ``DuplicateGen`` (after a
+        reply) or ``{"reward": 0}`` (after a fault or the job's end). A job
         that is not recorded leaves the file as it is.
         """
         with self._lock:
             self._load_locked()
             if self._entries.pop(job_id, None) is None:
                 return
-            self._write_locked(durable=False)
+            if write:
+                self._write_locked(durable=False)
+            else:
+                self._dirty = True
+
+    def flush(self) -> None:
+        """Write removals not written yet (see :meth:`remove`); nothing when none."""
+        with self._lock:
+            if self._dirty:
+                self._write_locked(durable=False)
 
     def _write_locked(self, *, durable: bool = True) -> None:
+        self._dirty = False
         doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in self._entries.values()]}
         data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         directory = self.path.parent
         tmp: str | None = None
         try:
-            try:
-                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):
-                raise NotADirectoryError(
-                    errno.ENOTDIR, "a file is in the way of its directory"
-                ) from None
+            if self._failing or not self._written:
+                try:
+                    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "a file is in the way of its directory"
+                    ) from None
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
@@ -468,6 +483,7 @@ class Journal:
             os.replace(tmp, self.path)
             tmp = None
         except OSError as exc:
+            self._dirty = True
             if tmp is not None:
                 try:
                     os.unlink(tmp)
@@ -481,6 +497,7 @@ class Journal:
                     self.path, _reason(exc),
                 )
             return
+        self._written = True
         if durable:
             _fsync_dir(directory)
         if self._failing:

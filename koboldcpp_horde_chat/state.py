@@ -208,13 +208,20 @@ class WorkerState:
 
     def release(self, ctx: JobContext) -> None:
         """The job's life ended: no longer in hand; cleared from the journal when
-        it was settled (an abandoned job stays there for the next start)."""
+        it was settled (an abandoned job stays there for the next start). The
+        removal is written with the journal's next write (the next job's, at
+        its pop) or at :meth:`flush_journal`: a job's path writes the file once."""
         with self.lock:
             if self._in_hand.get(ctx.id) is ctx:
                 del self._in_hand[ctx.id]
             self._ended.notify_all()
         if self.journal is not None and ctx.phase is Phase.SETTLED:
-            self.journal.remove(ctx.id)
+            self.journal.remove(ctx.id, write=False)
+
+    def flush_journal(self) -> None:
+        """Write the journal's pending removals (when the loop is idle or stops)."""
+        if self.journal is not None:
+            self.journal.flush()
 
     def jobs_in_hand(self, worker_id: int | None = None) -> list[JobContext]:
         """The jobs in hand (of loop ``worker_id`` only, when given)."""

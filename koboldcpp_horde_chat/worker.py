@@ -201,6 +201,7 @@ class Worker:
                 self._pass()
             self.drain()
             self._wait_jobs_ended()
+            self.state.flush_journal()
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
@@ -378,6 +379,7 @@ class Worker:
             self._send_fault(ctx, JobFault("malformed payload"))
             return True
         if job is None or ctx is None:
+            self.state.flush_journal()  # idle: write what the last jobs' ends left
             line = self._skipped.line(pop.get("skipped"), self.clock())
             if line is not None:
                 log.info("worker %d: no job for this worker: %s", self.worker_id, line)

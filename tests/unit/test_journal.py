@@ -856,3 +856,22 @@ def test_an_explicit_journal_directory_that_cannot_be_used_is_a_configuration_er
     )
     hosting.check_journal_dir(tmp_path / "new" / "dir", "--journal-dir")  # made, and writable
     assert (tmp_path / "new" / "dir").is_dir() and list((tmp_path / "new" / "dir").iterdir()) == []
+
+
+def test_a_removal_not_written_now_goes_out_with_the_next_add_or_flush(tmp_path: Path) -> None:
+    """A job's path writes the journal once, at its pop: the previous job's removal
+    rides along with that write (or with a flush when the loop is idle)."""
+    path = tmp_path / "jobs.json"
+    journal = Journal(path)
+    journal.add(chat_entry("a"))
+    journal.remove("a", write=False)
+    assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["a"]  # not written yet
+    assert journal.entries() == []
+    journal.add(chat_entry("b"))
+    assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["b"]
+    journal.remove("b", write=False)
+    journal.flush()
+    assert on_disk(path)["jobs"] == []
+    mtime = path.stat().st_mtime_ns
+    journal.flush()  # nothing pending: no write
+    assert path.stat().st_mtime_ns == mtime
