@@ -47,7 +47,7 @@ from bench_throughput import (  # noqa: E402
     write_json,
 )
 
-from koboldcpp_horde_chat.journal import Journal, JournalEntry, default_state_dir  # noqa: E402
+from koboldcpp_horde_chat.service.journal import Journal, JournalEntry, default_state_dir  # noqa: E402
 
 WARMUP = 20
 

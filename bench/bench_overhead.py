@@ -58,7 +58,7 @@ from bench_throughput import (  # noqa: E402
     write_json,
 )
 
-from koboldcpp_horde_chat.journal import default_state_dir  # noqa: E402
+from koboldcpp_horde_chat.service.journal import default_state_dir  # noqa: E402
 
 
 def run(

@@ -1,4 +1,4 @@
-"""Throughput of koboldcpp_horde_chat.sse.SSEDecoder on koboldcpp-shaped streams.
+"""Throughput of koboldcpp_horde_chat.kcpp.sse.SSEDecoder on koboldcpp-shaped streams.
 
 Reproduce (from the repository root):
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from koboldcpp_horde_chat.sse import SSEDecoder  # noqa: E402
+from koboldcpp_horde_chat.kcpp.sse import SSEDecoder  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parents[1] / "tests" / "data" / "kcpp-samples"
 NAMES = ("chat_stream.raw", "chat_stream_smollm.raw", "abort_chat_stream.raw")

@@ -61,7 +61,7 @@ from bench_throughput import PKG_ROOT, figure, machine_info, print_result, write
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde  # noqa: E402
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply  # noqa: E402
-from koboldcpp_horde_chat.journal import journal_path  # noqa: E402
+from koboldcpp_horde_chat.service.journal import journal_path  # noqa: E402
 
 API_KEY = "bench-key-0123456789"
 WORKER_NAME = "bench-stop-worker"

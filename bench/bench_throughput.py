@@ -56,14 +56,14 @@ PKG_ROOT = Path(os.environ.get("BENCH_PKG_ROOT") or ROOT)
 if str(PKG_ROOT) not in sys.path:
     sys.path.insert(0, str(PKG_ROOT))
 
-from koboldcpp_horde_chat.backend import BackendStream, KoboldClient  # noqa: E402
-from koboldcpp_horde_chat.declaration import BackendCapabilities, pop_body  # noqa: E402
-from koboldcpp_horde_chat.horde import HordeClient  # noqa: E402
-from koboldcpp_horde_chat.journal import Journal, journal_path  # noqa: E402
-from koboldcpp_horde_chat.manners import NoManners, StandaloneManners  # noqa: E402
+from koboldcpp_horde_chat.horde.client import HordeClient  # noqa: E402
+from koboldcpp_horde_chat.horde.declaration import BackendCapabilities, pop_body  # noqa: E402
+from koboldcpp_horde_chat.kcpp.client import BackendStream, KoboldClient  # noqa: E402
+from koboldcpp_horde_chat.kcpp.manners import NoManners, StandaloneManners  # noqa: E402
+from koboldcpp_horde_chat.service.journal import Journal, journal_path  # noqa: E402
+from koboldcpp_horde_chat.service.loop import Worker  # noqa: E402
+from koboldcpp_horde_chat.service.state import WorkerState  # noqa: E402
 from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
-from koboldcpp_horde_chat.state import WorkerState  # noqa: E402
-from koboldcpp_horde_chat.worker import Worker  # noqa: E402
 
 API_KEY = "bench-key-0123456789"
 MODEL = "koboldcpp/bench-model"

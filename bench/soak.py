@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from koboldcpp_horde_chat.errors import BackendBusy  # noqa: E402
+from koboldcpp_horde_chat.service.loop import Worker  # noqa: E402
 from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
-from koboldcpp_horde_chat.worker import Worker  # noqa: E402
 from tests.fakes import (  # noqa: E402
     FakeBackend,
     FakeClock,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .standalone import (
+from .service.standalone import (
     LOG_DATEFMT,
     LOG_FORMAT,
     WITHHOLDABLE,

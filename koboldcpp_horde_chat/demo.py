@@ -28,16 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .backend import KoboldClient
 from .errors import BackendError, ConfigError
-from .settings import DEFAULT_KCPP_URL
-from .standalone import (
+from .kcpp.client import KoboldClient
+from .service.standalone import (
     KCPP_URL_ENV,
     KCPP_URL_FLAG,
     configure_logging,
     resolve_url,
     run_standalone,
 )
+from .settings import DEFAULT_KCPP_URL
 
 DEMO_KEY = "demo-key-0000"
 WEATHER_TOOL = {

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat import demo
-from koboldcpp_horde_chat import reply as reply_module
 from koboldcpp_horde_chat.demo import main
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.journal import JOURNAL_DIR_ENV
+from koboldcpp_horde_chat.horde import submits as reply_module
+from koboldcpp_horde_chat.service.journal import JOURNAL_DIR_ENV
 
 
 def after_opening(out: str) -> list[str]:

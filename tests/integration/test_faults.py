@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
-from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import BUSY_BODY, ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.horde import HordeClient
+from koboldcpp_horde_chat.horde.client import HordeClient
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import Worker
 
 from .conftest import API_KEY
 
@@ -65,7 +65,7 @@ class Running:
 @pytest.fixture(autouse=True)
 def quick_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Probe a koboldcpp that stopped answering every 0.5 s instead of 3 s (test speed)."""
-    monkeypatch.setattr("koboldcpp_horde_chat.manners.BACKEND_PROBE_S", 0.5)
+    monkeypatch.setattr("koboldcpp_horde_chat.kcpp.manners.BACKEND_PROBE_S", 0.5)
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, ReplyError
+from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import (
     BACKEND_ERRORS,
     POP_ERRORS,

@@ -28,7 +28,6 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import requests
 
-from koboldcpp_horde_chat.declaration import BackendCapabilities
 from koboldcpp_horde_chat.devkit._http import JSONServer, Request, Response
 from koboldcpp_horde_chat.devkit.horde import (
     MAX_IMAGE_BYTES,
@@ -37,8 +36,9 @@ from koboldcpp_horde_chat.devkit.horde import (
     jpeg_size,
 )
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
+from koboldcpp_horde_chat.service.loop import run_worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import run_worker
 
 from ..unit.test_images import gif, jpeg, png, webp
 from .conftest import API_KEY

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
-from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.horde import HordeClient
-from koboldcpp_horde_chat.journal import (
+from koboldcpp_horde_chat.horde.client import HordeClient
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.service.journal import (
     Journal,
     JournalEntry,
     RecoveryResult,

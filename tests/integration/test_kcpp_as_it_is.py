@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat import kcpp_hook
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
 
 from .conftest import API_KEY, RunningWorker
 from .test_kcpp_hook_e2e import WORKER_NAME, stand_in_koboldcpp

@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat import kcpp_hook
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH_DIR = ROOT / "patches"

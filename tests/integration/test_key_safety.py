@@ -20,9 +20,9 @@ from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import ROUTES, DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.errors import HordeError
-from koboldcpp_horde_chat.horde import HordeClient
+from koboldcpp_horde_chat.horde.client import HordeClient
+from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import Worker
 from tests.unit.test_images import jpeg
 
 from .conftest import API_KEY

@@ -23,7 +23,6 @@ import jsonschema  # type: ignore[import-untyped, unused-ignore]
 import pytest
 import requests
 
-from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.devkit.kcpp import (
     BUSY_BODY,
     PROTECTED_MODEL_NAME,
@@ -35,6 +34,7 @@ from koboldcpp_horde_chat.devkit.kcpp import (
     split_reasoning,
 )
 from koboldcpp_horde_chat.errors import BackendError, BackendUnauthorized
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
 
 
 def _samples_dir() -> Path | None:
@@ -405,7 +405,7 @@ def test_json_schema_yields_an_object_satisfying_it(k: ScriptedKoboldcpp) -> Non
 
 
 def test_an_object_rooted_grammar_yields_an_object(k: ScriptedKoboldcpp) -> None:
-    from koboldcpp_horde_chat.jobs import OBJECT_JSON_GRAMMAR
+    from koboldcpp_horde_chat.horde.pop import OBJECT_JSON_GRAMMAR
 
     content = message_of(
         chat(k, messages=[{"role": "user", "content": "A cat"}], grammar=OBJECT_JSON_GRAMMAR)

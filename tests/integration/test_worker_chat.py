@@ -520,7 +520,7 @@ def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_ab
     """The stop's grace runs out: the worker gives the job up and aborts its generation.
     When the aborted stream ends before the run looks at the job again, the fault
     still names the stop, not a stop button on koboldcpp."""
-    from koboldcpp_horde_chat import chat_run
+    from koboldcpp_horde_chat.run import chat as chat_run
 
     real = chat_run.generate_streamed
     why = "the job did not end within the 6 s stop grace period"

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from responses import matchers
 
-from koboldcpp_horde_chat.backend import (
+from koboldcpp_horde_chat.errors import BackendBusy, BackendError, BackendUnauthorized
+from koboldcpp_horde_chat.kcpp.client import (
     PROTECTED_MODEL_NAME,
     RAW_STRING_MIN_CHARS,
     BackendInfo,
@@ -24,7 +25,6 @@ from koboldcpp_horde_chat.backend import (
     KoboldClient,
     encode_json,
 )
-from koboldcpp_horde_chat.errors import BackendBusy, BackendError, BackendUnauthorized
 
 BASE = "http://127.0.0.1:5001"
 PASSWORD = "s3cret-pass"

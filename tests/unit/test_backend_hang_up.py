@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.errors import BackendError
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
 
 CHAT = {"choices": [{"message": {"role": "assistant", "content": "Blue."}}]}
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.backoff import Backoff, EmptyPopBackoff
+from koboldcpp_horde_chat.service.backoff import Backoff, EmptyPopBackoff
 
 
 class FixedRandom(random.Random):

@@ -15,12 +15,12 @@ import re
 import pytest
 
 from koboldcpp_horde_chat import BRIDGE_AGENT, __version__
-from koboldcpp_horde_chat.declaration import BackendCapabilities, pop_body
 from koboldcpp_horde_chat.devkit.horde import (
     LLM_VALIDATED_BACKENDS,
     is_validated_backend,
     parse_bridge_agent,
 )
+from koboldcpp_horde_chat.horde.declaration import BackendCapabilities, pop_body
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 #: The Horde's validated text backends: ``LLM_VALIDATED_BACKENDS`` in

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
-from koboldcpp_horde_chat.declaration import (
+from koboldcpp_horde_chat.horde.declaration import (
     FEATURE_TABLE,
     TOOLS_MAX_TEMPERATURE,
     BackendCapabilities,

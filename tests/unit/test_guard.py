@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat import guard
-from koboldcpp_horde_chat.guard import (
+from koboldcpp_horde_chat.service import guard
+from koboldcpp_horde_chat.service.guard import (
     MaintenanceGuard,
     RefusalGuard,
     SlidingWindow,

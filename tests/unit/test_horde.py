@@ -32,7 +32,7 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
-from koboldcpp_horde_chat.horde import HordeClient, parse_retry_after
+from koboldcpp_horde_chat.horde.client import HordeClient, parse_retry_after
 
 KEY = "SeCrEtKeY_0123456789abcdef"
 BASE = "https://horde.example"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat.errors import PayloadError
-from koboldcpp_horde_chat.jobs import (
+from koboldcpp_horde_chat.horde.pop import (
     OBJECT_JSON_GRAMMAR,
     ChatJob,
     TextJob,

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat import hosting
-from koboldcpp_horde_chat import journal as journal_mod
 from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.journal import (
+from koboldcpp_horde_chat.service import hosting
+from koboldcpp_horde_chat.service import journal as journal_mod
+from koboldcpp_horde_chat.service.journal import (
     APP_DIR_NAME,
     Journal,
     JournalEntry,

@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 
 import koboldcpp_horde_chat
-from koboldcpp_horde_chat import cli, declaration, kcpp_hook
-from koboldcpp_horde_chat import worker as worker_mod
-from koboldcpp_horde_chat.declaration import pop_body
+from koboldcpp_horde_chat import cli
+from koboldcpp_horde_chat.horde import declaration
+from koboldcpp_horde_chat.horde.declaration import pop_body
+from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
+from koboldcpp_horde_chat.service import loop as worker_mod
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.startup_cases import REFUSED_AT_START
 
@@ -635,7 +637,7 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
     assert context[3] == "    epurl = get_my_epurl()"
     assert all(line.startswith("    ") for line in added)
     code = "\n".join(added)
-    assert "from koboldcpp_horde_chat import kcpp_hook" in code
+    assert "from koboldcpp_horde_chat.kcpp import hook as kcpp_hook" in code
     # Silent only when the package is not installed; any other failure is said.
     assert 'isinstance(hookerr, ModuleNotFoundError) and hookerr.name == "koboldcpp_horde_chat"' in code
     assert "print(" in code
@@ -686,12 +688,24 @@ def test_patched_koboldcpp_hands_its_worker_to_the_hook(
     assert calls == [(sys.modules["patched_koboldcpp"], args, API_KEY, "my-worker", 2, 3)]
 
 
+class _NotInstalled:
+    """An import finder for which the package does not exist (as when not installed)."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname == "koboldcpp_horde_chat":
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_patched_koboldcpp_runs_its_own_worker_silently_when_the_package_is_missing(
     release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
-    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat", None)  # not installed
+    # Not installed: no module of the package is loaded, and none can be found.
+    for name in [m for m in sys.modules if m.split(".")[0] == "koboldcpp_horde_chat"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_NotInstalled(), *sys.meta_path])
     run = patched_function(release, monkeypatch)
     assert run(argparse.Namespace(), API_KEY, "my-worker", 1, 1) == (
         "koboldcpp loop",
@@ -705,8 +719,8 @@ def test_patched_koboldcpp_says_why_when_the_installed_package_does_not_import(
     release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
-    monkeypatch.delattr(koboldcpp_horde_chat, "kcpp_hook")
-    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp_hook", None)  # import fails
+    monkeypatch.delattr(koboldcpp_horde_chat.kcpp, "hook")
+    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp.hook", None)  # import fails
     run = patched_function(release, monkeypatch)
     assert run(argparse.Namespace(), API_KEY, "my-worker", 1, 1) == (
         "koboldcpp loop",

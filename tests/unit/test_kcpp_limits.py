@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from koboldcpp_horde_chat import cli, kcpp_hook
-from koboldcpp_horde_chat.declaration import pop_body
+from koboldcpp_horde_chat import cli
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.jobs import chat_request_body
+from koboldcpp_horde_chat.horde.declaration import pop_body
+from koboldcpp_horde_chat.horde.pop import chat_request_body
+from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
 
 from .test_jobs import chat_job
 from .test_kcpp_hook import hook_settings, make_kcpp

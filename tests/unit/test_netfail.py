@@ -18,10 +18,10 @@ import requests
 import urllib3.exceptions
 
 from koboldcpp_horde_chat import netfail
-from koboldcpp_horde_chat.backend import KoboldClient
 from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeUnavailable
-from koboldcpp_horde_chat.fetch import fetch_messages
-from koboldcpp_horde_chat.horde import HordeClient
+from koboldcpp_horde_chat.horde.client import HordeClient
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.run.downloads import fetch_messages
 
 KEY = "0123456789abcdefKEY"
 PASSWORD = "kcpp-secret-pw"

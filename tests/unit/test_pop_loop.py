@@ -15,10 +15,10 @@ from typing import Any, cast
 import pytest
 
 from koboldcpp_horde_chat.errors import HordeRefusal
-from koboldcpp_horde_chat.manners import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
+from koboldcpp_horde_chat.kcpp.manners import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
+from koboldcpp_horde_chat.service.loop import Worker
+from koboldcpp_horde_chat.service.status import SUMMARY_EVERY_S
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.status import SUMMARY_EVERY_S
-from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 from tests.unit.test_worker_unit import KEY, MODEL, chat_pop, text_pop
 

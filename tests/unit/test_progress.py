@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.progress import ProgressAction, ProgressPoster
+from koboldcpp_horde_chat.horde.progress import ProgressAction, ProgressPoster
 
 A = ProgressAction
 T0 = 1000.0  # popped_at

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat import reply
 from koboldcpp_horde_chat.errors import ReplyError
-from koboldcpp_horde_chat.reply import (
+from koboldcpp_horde_chat.horde import submits as reply
+from koboldcpp_horde_chat.horde.submits import (
     FAULT_PROMPT_OVERFLOW,
     FAULT_REPLY_REFUSED,
     FINISH_REASONS,

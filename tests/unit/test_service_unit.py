@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.standalone import DEFAULT_STOP_GRACE_S, build_parser
+from koboldcpp_horde_chat.service.standalone import DEFAULT_STOP_GRACE_S, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "contrib" / "koboldcpp-horde-chat.service"

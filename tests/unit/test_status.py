@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from koboldcpp_horde_chat.status import (
+from koboldcpp_horde_chat.service.status import (
     PAUSE_REPORT_AFTER_S,
     SKIPPED_EVERY_S,
     PauseTracker,

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
-from koboldcpp_horde_chat.progress import ProgressAction, ProgressPoster
-from koboldcpp_horde_chat.reasoning import START_TAGS
-from koboldcpp_horde_chat.reply import BackendReply, chat_submit
-from koboldcpp_horde_chat.sse import SSEDecoder
-from koboldcpp_horde_chat.stream import ChatStreamAccumulator, StreamDelta
+from koboldcpp_horde_chat.horde.progress import ProgressAction, ProgressPoster
+from koboldcpp_horde_chat.horde.submits import BackendReply, chat_submit
+from koboldcpp_horde_chat.kcpp.chat_stream import ChatStreamAccumulator, StreamDelta
+from koboldcpp_horde_chat.kcpp.reasoning import START_TAGS
+from koboldcpp_horde_chat.kcpp.sse import SSEDecoder
 from tests.samples import SAMPLES
 
 

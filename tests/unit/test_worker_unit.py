@@ -13,9 +13,9 @@ from typing import Any, cast
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.manners import MAINTENANCE_POLL_S
+from koboldcpp_horde_chat.kcpp.manners import MAINTENANCE_POLL_S
+from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
 KEY = "unit-key-5f2e9c"
@@ -545,7 +545,7 @@ BUSY = {"idle": 0, "queue": 0, "idletime": 0.0}
 
 
 def standalone(backend: PerfBackend) -> tuple[Any, FakeClock]:
-    from koboldcpp_horde_chat.manners import StandaloneManners
+    from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
 
     clock = FakeClock()
     return StandaloneManners(cast(Any, backend), clock=clock, monotonic=clock), clock
@@ -734,8 +734,8 @@ class InfoPerfBackend(PerfBackend):
 
 
 def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
-    from koboldcpp_horde_chat.backend import BackendInfo
-    from koboldcpp_horde_chat.manners import BackendIdentity, StandaloneManners
+    from koboldcpp_horde_chat.kcpp.client import BackendInfo
+    from koboldcpp_horde_chat.kcpp.manners import BackendIdentity, StandaloneManners
 
     def info(name: str, ctx: int) -> BackendInfo:
         return BackendInfo(model_name=name, max_context_length=ctx, vision=False,

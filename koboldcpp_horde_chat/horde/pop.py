@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PayloadError
+from ..errors import PayloadError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.jobs")
 
 DEFAULT_TTL_S = 150.0
 """The job's base lease when the pop has no usable ``ttl``, seconds (seed: "Streaming progress")."""

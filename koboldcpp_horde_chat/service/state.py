@@ -24,17 +24,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ..errors import HordeRefusal
+from ..run.life import Phase
+from ..settings import WorkerSettings
 from . import guard, status
-from .errors import HordeRefusal
 from .guard import MaintenanceGuard, RefusalGuard
-from .joblife import Phase
 from .journal import Journal
-from .settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from .runs import JobContext
+    from ..run.job import JobContext
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.state")
 
 #: Return codes that mean the API key is wrong (not a chat rule; the Horde's API).
 CREDENTIAL_RCS = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})

@@ -67,12 +67,12 @@ import urllib3.exceptions
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from . import netfail
-from .errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
-from .fetch import read_body
-from .jsonbody import RAW_STRING_MIN_CHARS, encode_json
+from .. import netfail
+from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
+from ..jsonbody import RAW_STRING_MIN_CHARS, encode_json
+from ..run.downloads import read_body
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.backend")
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

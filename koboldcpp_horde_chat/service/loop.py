@@ -28,12 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import jobs
-from .backend import KoboldClient
-from .backoff import Backoff, EmptyPopBackoff
-from .chat_run import ChatRun
-from .declaration import BackendCapabilities, pop_body
-from .errors import (
+from ..errors import (
     HordeError,
     HordeRefusal,
     HordeUnavailable,
@@ -41,10 +36,11 @@ from .errors import (
     JobFault,
     PayloadError,
 )
-from .guard import MaintenanceGuard
-from .horde import HordeClient
-from .joblife import Move, Phase
-from .manners import (
+from ..horde import pop as jobs
+from ..horde.client import HordeClient
+from ..horde.declaration import BackendCapabilities, pop_body
+from ..kcpp.client import KoboldClient
+from ..kcpp.manners import (
     MAINTENANCE_POLL_S,
     OWN_TAIL_POLL_S,
     OWN_TAIL_S,
@@ -52,14 +48,18 @@ from .manners import (
     NoManners,
     PopGate,
 )
-from .runs import Edges, JobContext, Lease, abort_quietly, new_genkey
-from .settings import WorkerSettings
+from ..run.chat import ChatRun
+from ..run.job import Edges, JobContext, Lease, abort_quietly, new_genkey
+from ..run.life import Move, Phase
+from ..run.submit import STOP_SUBMIT_EXTRA_S, PopAhead, SubmitPipeline
+from ..run.text import serve_text
+from ..settings import WorkerSettings
+from .backoff import Backoff, EmptyPopBackoff
+from .guard import MaintenanceGuard
 from .state import WorkerState, WorkerStats
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
-from .submit import STOP_SUBMIT_EXTRA_S, PopAhead, SubmitPipeline
-from .text_run import serve_text
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.worker")
 
 #: Seconds past the stop's deadline the loop waits for a pop sent beside a submit.
 DRAIN_POP_EXTRA_S = 1.0

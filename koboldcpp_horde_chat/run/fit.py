@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.fit")
 
 BASE_TOKENS = 32
 PER_MESSAGE_TOKENS = 16

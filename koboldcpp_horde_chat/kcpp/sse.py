@@ -44,9 +44,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .errors import BackendError
+from ..errors import BackendError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.sse")
 
 _BOM = b"\xef\xbb\xbf"
 _LF = 0x0A

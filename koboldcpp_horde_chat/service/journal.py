@@ -52,10 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Final, Protocol
 
-from . import reply
-from .errors import BackendError, HordeRefusal, HordeUnavailable
+from ..errors import BackendError, HordeRefusal, HordeUnavailable
+from ..horde import submits as reply
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.journal")
 
 __all__ = [
     "APP_DIR_NAME",

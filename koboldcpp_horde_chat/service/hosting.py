@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .backend import KoboldClient
-from .errors import ConfigError
-from .horde import HordeClient
+from ..errors import ConfigError
+from ..horde.client import HordeClient
+from ..kcpp.client import KoboldClient
+from ..settings import WorkerSettings, worker_name_problem
 from .journal import JOURNAL_DIR_ENV, Journal, check_directory, journal_path, reason, recover
-from .settings import WorkerSettings, worker_name_problem
 from .state import WorkerState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.hosting")
 
 
 def check_worker_name(name: str, source: str) -> str:

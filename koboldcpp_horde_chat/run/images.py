@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from .errors import FetchError
+from ..errors import FetchError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.images")
 
 MIB: Final = 1024 * 1024
 

@@ -28,15 +28,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import reply
-from .errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
-from .horde import HordeClient
-from .joblife import Move, Phase
-from .runs import JobContext
-from .settings import WorkerSettings
-from .state import WorkerState, is_key_refusal
+from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
+from ..horde import submits as reply
+from ..horde.client import HordeClient
+from ..service.state import WorkerState, is_key_refusal
+from ..settings import WorkerSettings
+from .job import JobContext
+from .life import Move, Phase
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.submit")
 
 #: Seconds one submit attempt may take when the process is exiting.
 EXIT_SUBMIT_TIMEOUT_S = 5.0

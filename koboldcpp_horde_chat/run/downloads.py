@@ -45,10 +45,10 @@ import requests
 import requests.auth
 import urllib3.exceptions
 
-from . import __version__, netfail
-from .errors import FetchError
+from .. import __version__, netfail
+from ..errors import FetchError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.fetch")
 
 MIB: Final = 1024 * 1024
 MESSAGES_MAX_BYTES: Final = 36 * MIB

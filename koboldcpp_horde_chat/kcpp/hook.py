@@ -53,15 +53,15 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from . import worker as _worker
-from .declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
-from .errors import ConfigError
-from .hosting import check_limits, check_url, check_worker_name, open_state, serving_line
-from .journal import journal_dir
-from .settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
-from .state import WorkerState
+from ..errors import ConfigError
+from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
+from ..service import loop as _worker
+from ..service.hosting import check_limits, check_url, check_worker_name, open_state, serving_line
+from ..service.journal import journal_dir
+from ..service.state import WorkerState
+from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.kcpp_hook")
 
 HORDE_URL_ENV = "AI_HORDE_URL"
 """Environment variable naming the Horde's base URL (e.g. a local dev Horde)."""
@@ -350,7 +350,7 @@ def configure_logging(*, debug: bool = False, kcpp: types.ModuleType | None = No
         if _logging_configured:
             return False
         _logging_configured = True
-        package_logger = logging.getLogger(__package__ or "koboldcpp_horde_chat")
+        package_logger = logging.getLogger(__name__.split(".")[0])
         if logging.getLogger().handlers or package_logger.handlers:
             return False
         handler = logging.StreamHandler(sys.stdout) if kcpp is None else ConsoleHandler(kcpp)

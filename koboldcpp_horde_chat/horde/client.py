@@ -47,11 +47,11 @@ from urllib.parse import urlsplit
 import requests
 import urllib3.exceptions
 
-from . import __version__, netfail
-from .errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
-from .fetch import read_body, redact_url
+from .. import __version__, netfail
+from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
+from ..run.downloads import read_body, redact_url
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.horde")
 
 _PLAIN_HTTP_WARNED: set[str] = set()
 """Horde URLs already warned about as plain http in this process (each once)."""

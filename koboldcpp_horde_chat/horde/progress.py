@@ -68,7 +68,7 @@ import enum
 import logging
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.progress")
 
 MAX_POSTS = 1000
 """The horde's cap on progress posts per job."""

@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ReplyError
-from .reasoning import split_reasoning
+from ..errors import ReplyError
+from ..kcpp.reasoning import split_reasoning
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.reply")
 
 
 @dataclass(frozen=True)

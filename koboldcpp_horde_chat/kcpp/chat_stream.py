@@ -43,11 +43,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ReplyError
+from ..errors import ReplyError
+from ..horde.submits import BackendReply, strip_nul
 from .reasoning import StreamSplitter
-from .reply import BackendReply, strip_nul
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.stream")
 
 _ERROR_TEXT_MAX = 300
 

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.reasoning")
 
 THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"),

@@ -19,20 +19,22 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import fit, images, jobs, reply
-from .declaration import BackendCapabilities
-from .errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
-from .fetch import fetch_image, fetch_messages
-from .guard import refusal_features
-from .joblife import Move
-from .jsonbody import encode_json
-from .runs import SUBMIT_MARGIN_S, Edges, JobContext, Reply, payload_keys
-from .settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
-from .state import WorkerState
-from .streamed import generate_streamed
+from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
+from ..horde import pop as jobs
+from ..horde import submits as reply
+from ..horde.declaration import BackendCapabilities
+from ..jsonbody import encode_json
+from ..service.guard import refusal_features
+from ..service.state import WorkerState
+from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
+from . import fit, images
+from .downloads import fetch_image, fetch_messages
+from .job import SUBMIT_MARGIN_S, Edges, JobContext, Reply, payload_keys
+from .life import Move
+from .streaming import generate_streamed
 from .submit import refused_reply_fault
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.chat_run")
 
 #: Image URLs fetched at once for one job (seed 004: url transport).
 IMAGE_FETCH_THREADS = 4

@@ -22,10 +22,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from . import __version__
-from .backend import KoboldClient
-from .declaration import BackendCapabilities, model_id_warnings, standalone_model_id
-from .errors import BackendError, BackendUnauthorized, ConfigError
+from .. import __version__
+from ..errors import BackendError, BackendUnauthorized, ConfigError
+from ..horde.declaration import BackendCapabilities, model_id_warnings, standalone_model_id
+from ..kcpp.client import KoboldClient
+from ..kcpp.manners import BackendIdentity, StandaloneManners
+from ..settings import (
+    DEFAULT_HORDE_URL,
+    DEFAULT_KCPP_URL,
+    MIB,
+    WorkerSettings,
+)
 from .hosting import (
     check_journal_dir,
     check_limits,
@@ -35,15 +42,8 @@ from .hosting import (
     serving_line,
 )
 from .journal import JOURNAL_DIR_ENV, default_state_dir, journal_dir
-from .manners import BackendIdentity, StandaloneManners
-from .settings import (
-    DEFAULT_HORDE_URL,
-    DEFAULT_KCPP_URL,
-    MIB,
-    WorkerSettings,
-)
+from .loop import run_worker
 from .state import WorkerState
-from .worker import run_worker
 
 log = logging.getLogger("koboldcpp_horde_chat")
 

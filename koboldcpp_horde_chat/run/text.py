@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 
-from . import jobs, reply
-from .errors import BackendError, HordeRefusal, JobFault, ReplyError
-from .runs import Edges, JobContext, Reply
+from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
+from ..horde import pop as jobs
+from ..horde import submits as reply
+from .job import Edges, JobContext, Reply
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
 def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:

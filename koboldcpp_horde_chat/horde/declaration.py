@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .settings import WorkerSettings
+from ..settings import WorkerSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.declaration")
 
 TOOLS_MAX_TEMPERATURE = 1.0
 """koboldcpp clamps the temperature of a tool request to 1.0 (facts §4.5 step 5)."""

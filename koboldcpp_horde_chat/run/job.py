@@ -27,14 +27,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from .backend import KoboldClient
-from .errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
-from .horde import HordeClient
-from .joblife import ENDED, Move, Phase, may, next_phase
-from .journal import Journal, JournalEntry
-from .settings import WorkerSettings
+from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
+from ..horde.client import HordeClient
+from ..kcpp.client import KoboldClient
+from ..service.journal import Journal, JournalEntry
+from ..settings import WorkerSettings
+from .life import ENDED, Move, Phase, may, next_phase
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.runs")
 
 T = TypeVar("T")
 

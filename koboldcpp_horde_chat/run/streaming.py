@@ -16,9 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import jobs
-from .backend import BackendStream
-from .errors import (
+from ..errors import (
     BackendBusy,
     BackendError,
     HordeRefusal,
@@ -27,13 +25,15 @@ from .errors import (
     JobFault,
     ReplyError,
 )
-from .progress import ProgressAction, ProgressPoster
-from .reply import BackendReply
-from .runs import SUBMIT_MARGIN_S, Edges, JobContext
-from .sse import SSEDecoder
-from .stream import ChatStreamAccumulator
+from ..horde import pop as jobs
+from ..horde.progress import ProgressAction, ProgressPoster
+from ..horde.submits import BackendReply
+from ..kcpp.chat_stream import ChatStreamAccumulator
+from ..kcpp.client import BackendStream
+from ..kcpp.sse import SSEDecoder
+from .job import SUBMIT_MARGIN_S, Edges, JobContext
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("koboldcpp_horde_chat.streamed")
 
 #: Seconds between checks of the lease and of posts that are due while koboldcpp is silent.
 POLL_S = 0.1

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .backend import KoboldClient
-from .errors import BackendError
-from .settings import WorkerSettings
-from .state import WorkerState
+from ..errors import BackendError
+from ..service.state import WorkerState
+from ..settings import WorkerSettings
+from .client import KoboldClient
 
 #: Seconds between pops while the Horde keeps the worker in maintenance (also
 #: while a chat-only worker's chat is withdrawn).
