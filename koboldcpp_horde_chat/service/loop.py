@@ -418,16 +418,21 @@ class Worker:
         return True
 
     def _check_backend_unchanged(self, ctx: JobContext) -> None:
-        """Before serving a job that waited since its pop (behind a slow submit, say)
-        or after koboldcpp failed: has koboldcpp restarted serving another model
-        or context than the job's pop declared? Then the job is not served
-        under limits koboldcpp no longer has.
+        """Before serving a job that waited since its pop (behind a slow submit, say),
+        after koboldcpp failed, or once the host says stop (another loop may have
+        seen koboldcpp come back changed): has koboldcpp restarted serving
+        another model or context than the job's pop declared? Then the job is
+        not served under limits koboldcpp no longer has.
 
         Raises:
             JobFault: koboldcpp serves something else now.
         """
         waited = self.clock() - ctx.lease.popped_at
-        if waited < RECHECK_AFTER_WAIT_S and not self.gate.backend_suspect:
+        if (
+            waited < RECHECK_AFTER_WAIT_S
+            and not self.gate.backend_suspect
+            and not self.manners.should_stop()
+        ):
             return
         changed = self.gate.backend_changed()
         if changed is not None:
