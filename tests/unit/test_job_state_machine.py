@@ -66,16 +66,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from koboldcpp_horde_chat import chat_run
-from koboldcpp_horde_chat import state as state_module
-from koboldcpp_horde_chat import submit as submit_module
-from koboldcpp_horde_chat import worker as worker_module
 from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.joblife import Phase
-from koboldcpp_horde_chat.journal import Journal
+from koboldcpp_horde_chat.run import chat as chat_run
+from koboldcpp_horde_chat.run import submit as submit_module
+from koboldcpp_horde_chat.run.life import Phase
+from koboldcpp_horde_chat.service import loop as worker_module
+from koboldcpp_horde_chat.service import state as state_module
+from koboldcpp_horde_chat.service.journal import Journal
+from koboldcpp_horde_chat.service.loop import Worker
+from koboldcpp_horde_chat.service.state import WorkerState
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state import WorkerState
-from koboldcpp_horde_chat.worker import Worker
 from tests.fakes import (
     FakeBackend,
     FakeClock,
