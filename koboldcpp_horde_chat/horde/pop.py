@@ -1,4 +1,4 @@
-"""Popped jobs, and the koboldcpp request bodies built from them (pure; no I/O).
+"""Popped jobs: the pop's answer parsed and its payload validated (pure; no I/O).
 
 Seed sections: "2. Recognise a chat job", "4. Serve tools and structured
 output" and "8. Keep serving text jobs".
@@ -10,6 +10,7 @@ other job is a text job, whose payload is forwarded to koboldcpp unchanged.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -23,50 +24,6 @@ DEFAULT_TTL_S = 150.0
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 """The message roles a chat payload carries (a client's developer message arrives as system)."""
-
-SAMPLER_KEYS = (
-    "temperature",
-    "top_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "rep_pen",
-    "top_k",
-    "min_p",
-)
-"""Sampler fields always present in a chat payload; forwarded exactly as sent."""
-
-PASSTHROUGH_KEYS = (
-    "seed",
-    "reasoning_effort",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-)
-"""Optional chat payload fields forwarded unchanged when present."""
-
-OBJECT_JSON_GRAMMAR = r"""root ::= object
-value ::= object | array | string | number | literal
-object ::= "{" ws ( member ( "," ws member )* )? "}" ws
-member ::= string ":" ws value
-array ::= "[" ws ( value ( "," ws value )* )? "]" ws
-literal ::= ( "true" | "false" | "null" ) ws
-string ::= "\"" char* "\"" ws
-char ::= [^"\\\x00-\x1f] | "\\" escape
-escape ::= ["\\/bfnrt] | "u" hex hex hex hex
-hex ::= [0-9a-fA-F]
-number ::= "-"? integer fraction? exponent? ws
-integer ::= "0" | [1-9] [0-9]*
-fraction ::= "." [0-9]+
-exponent ::= [eE] [-+]? [0-9]+
-ws ::= ( [ \t\n] [ \t]{0,16} )?
-"""
-"""A llama.cpp GBNF grammar whose root is one JSON object.
-
-Sent as ``grammar`` in place of ``response_format: {"type": "json_object"}``,
-which koboldcpp 1.116/1.117 roots at an array (facts §4.4, §9). Whitespace
-runs are bounded so that a small model cannot loop on spaces.
-"""
 
 _HTTP_URL = re.compile(r"^https?://[^\s/?#]+", re.IGNORECASE)
 
@@ -140,11 +97,18 @@ def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
     return value
 
 
-def _ttl(pop: dict[str, Any], default_ttl_s: float) -> float:
+def ttl_seconds(pop: dict[str, Any], default_s: float) -> float:
+    """The pop's ``ttl`` in seconds when it is a usable number (positive, not a
+    boolean; a huge one is infinite), else ``default_s``. The one reading of
+    the ttl: the job's lease starts from it (seed "Streaming progress")."""
     ttl = pop.get("ttl")
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
-        return default_ttl_s
-    return float(ttl)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        return default_s
+    try:
+        seconds = float(ttl)
+    except OverflowError:
+        seconds = math.inf
+    return seconds if seconds > 0 else default_s
 
 
 #: Sampler fields that must be numbers when present (seed step 2: always present).
@@ -227,7 +191,7 @@ def parse_pop(
         return None
     if not isinstance(job_id, str):
         raise PayloadError("id", f"not a string: {job_id!r}")
-    ttl_s = _ttl(pop, default_ttl_s)
+    ttl_s = ttl_seconds(pop, default_ttl_s)
     model = pop.get("model") if isinstance(pop.get("model"), str) else None
     payload = pop.get("payload")
     if not isinstance(payload, dict):
@@ -358,78 +322,3 @@ def validate_messages(
         if role == "tool" and not isinstance(message.get("tool_call_id"), str):
             raise PayloadError(f"{msg_path}.tool_call_id", "not a string", job_id=job_id)
     return messages
-
-
-def _is_json_object_format(response_format: object) -> bool:
-    return isinstance(response_format, dict) and response_format.get("type") == "json_object"
-
-
-def chat_request_body(
-    job: ChatJob,
-    messages: list[dict[str, Any]],
-    *,
-    genkey: str,
-    stream: bool,
-    max_context_length: int | None = None,
-) -> dict[str, Any]:
-    """The body for koboldcpp's ``POST /v1/chat/completions``.
-
-    ``{"messages", "max_tokens": job.max_length, "max_context_length",
-    <sampler fields as sent>, "stop": <stop_sequence>, "seed",
-    "reasoning_effort", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "genkey", "stream"}`` (optional fields only when the
-    payload has them), plus ``"stream_options": {"include_usage": true}`` when
-    streaming. ``response_format: {"type": "json_object"}`` is replaced by
-    ``"grammar": OBJECT_JSON_GRAMMAR``. Unknown payload keys (``n``...) are not
-    forwarded.
-
-    Args:
-        job: the chat job.
-        messages: the conversation (inline or fetched), image parts ready for koboldcpp.
-        genkey: koboldcpp's generation key; starts with ``HORDEREQ_`` so that the
-            request does not count as local use.
-        stream: ask koboldcpp for Server-Sent Events.
-        max_context_length: the context to send koboldcpp, tokens (None: the
-            job's ``max_context_length``); see
-            :func:`.settings.kcpp_context_keeping_budget`.
-
-    Seed: "2. Recognise a chat job" (apply samplers as sent), "4. Serve tools
-    and structured output".
-    """
-    payload = job.payload
-    body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": job.max_length,
-        "max_context_length": (
-            job.max_context_length if max_context_length is None else max_context_length
-        ),
-    }
-    for key in SAMPLER_KEYS:
-        if key in payload:
-            body[key] = payload[key]
-    if payload.get("stop_sequence") is not None:
-        body["stop"] = payload["stop_sequence"]
-    for key in PASSTHROUGH_KEYS:
-        if key in payload and payload[key] is not None:
-            body[key] = payload[key]
-    if _is_json_object_format(body.get("response_format")):
-        del body["response_format"]
-        body["grammar"] = OBJECT_JSON_GRAMMAR
-    body["genkey"] = genkey
-    body["stream"] = stream
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def text_request_body(job: TextJob, *, genkey: str) -> dict[str, Any]:
-    """The body for koboldcpp's ``POST /api/v1/generate``: the payload with ``genkey`` set.
-
-    The payload is forwarded unchanged, as koboldcpp's own worker does; the
-    job's payload itself is not modified.
-
-    Seed: "8. Keep serving text jobs".
-    """
-    body = dict(job.payload)
-    body["genkey"] = genkey
-    return body

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ReplyError
-from ..horde.submits import BackendReply, strip_nul
+from ..horde.submits import strip_nul
+from .answers import BackendReply
 from .reasoning import StreamSplitter
 
 log = logging.getLogger("koboldcpp_horde_chat.stream")

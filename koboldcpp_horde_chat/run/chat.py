@@ -20,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
-from ..horde import pop as jobs
-from ..horde import submits as reply
 from ..horde.declaration import BackendCapabilities
+from ..horde.pop import ChatJob, validate_messages
+from ..horde.submits import FAULT_PROMPT_OVERFLOW, chat_submit
 from ..jsonbody import encode_json
+from ..kcpp.answers import BackendReply, aborted_short, needs_stop_reason, parse_chat_completion
+from ..kcpp.bodies import chat_request_body
 from ..service.guard import refusal_features
 from ..service.state import WorkerState
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
@@ -62,7 +64,7 @@ class ChatRun:
         edges: Edges,
         caps: BackendCapabilities,
         state: WorkerState,
-        job: jobs.ChatJob,
+        job: ChatJob,
         ctx: JobContext,
     ) -> None:
         self.edges = edges
@@ -120,7 +122,7 @@ class ChatRun:
             except FetchError as exc:
                 raise JobFault(f"messages_url fetch failed: {exc}") from None
         try:
-            return jobs.validate_messages(raw, job_id=job.id)
+            return validate_messages(raw, job_id=job.id)
         except PayloadError as exc:
             raise JobFault(f"malformed messages at {exc.path}") from None
 
@@ -180,7 +182,7 @@ class ChatRun:
             raise JobFault(
                 f"does not fit: estimate {result.estimate} + max_length {job.max_length} "
                 f"> {limit}",
-                fault_reason=reply.FAULT_PROMPT_OVERFLOW,
+                fault_reason=FAULT_PROMPT_OVERFLOW,
             )
 
     def _generate(self, messages: list[dict[str, Any]]) -> Reply:
@@ -200,7 +202,7 @@ class ChatRun:
             job.max_length, job.max_context_length, kcpp_context
         )
         backend_body = encode_json(
-            jobs.chat_request_body(
+            chat_request_body(
                 job, messages, genkey=genkey, stream=stream, max_context_length=sent_context
             )
         )
@@ -223,7 +225,7 @@ class ChatRun:
                     ),
                     ctx,
                 )
-                backend_reply = reply.parse_chat_completion(body)
+                backend_reply = parse_chat_completion(body)
             # Given up while the generation ended (the stop's abort): say so, not
             # "aborted on koboldcpp".
             ctx.check_abandoned()
@@ -234,7 +236,7 @@ class ChatRun:
                 job.max_length, sent_context, kcpp_context, self.settings.kcpp_genlimit
             )
             self._check_not_aborted(backend_reply, budget)
-            submit_body = reply.chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
+            submit_body = chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
         except (BackendError, ReplyError) as exc:
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
         message = submit_body.get("message", {})
@@ -245,7 +247,7 @@ class ChatRun:
         )
         return Reply(submit_body, detail, self._refusal_fault)
 
-    def _check_not_aborted(self, backend_reply: reply.BackendReply, budget: int) -> None:
+    def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
         """A generation someone aborted on koboldcpp (its stop button) is not a
         complete reply: fault it rather than submit it cut short.
 
@@ -256,7 +258,7 @@ class ChatRun:
         Raises:
             JobFault: the generation was aborted before its end.
         """
-        if self.settings.threads > 1 or not reply.needs_stop_reason(
+        if self.settings.threads > 1 or not needs_stop_reason(
             backend_reply.native_finish_reason, backend_reply.completion_tokens, budget
         ):
             return
@@ -264,7 +266,7 @@ class ChatRun:
             perf = self.edges.backend.perf(timeout_s=ABORT_CHECK_TIMEOUT_S)
         except BackendError:
             return
-        if reply.aborted_short(perf.get("stop_reason")):
+        if aborted_short(perf.get("stop_reason")):
             raise JobFault(
                 f"koboldcpp's generation was aborted after {backend_reply.completion_tokens} "
                 f"of {budget} tokens (a stop on koboldcpp?): not submitted cut short"

@@ -25,9 +25,9 @@ from ..errors import (
     JobFault,
     ReplyError,
 )
-from ..horde import pop as jobs
+from ..horde.pop import ChatJob
 from ..horde.progress import ProgressAction, ProgressPoster
-from ..horde.submits import BackendReply
+from ..kcpp.answers import BackendReply
 from ..kcpp.chat_stream import ChatStreamAccumulator
 from ..kcpp.client import BackendStream
 from ..kcpp.sse import SSEDecoder
@@ -40,7 +40,7 @@ POLL_S = 0.1
 
 
 def generate_streamed(
-    edges: Edges, job: jobs.ChatJob, ctx: JobContext, backend_body: bytes | bytearray
+    edges: Edges, job: ChatJob, ctx: JobContext, backend_body: bytes | bytearray
 ) -> BackendReply:
     """Seed "Streaming progress": relay koboldcpp's SSE stream as progress posts.
 
@@ -78,7 +78,7 @@ class _StreamedGeneration:
     """One streamed job: the reader thread, the accumulator and the poster."""
 
     def __init__(
-        self, edges: Edges, job: jobs.ChatJob, ctx: JobContext, body: bytes | bytearray
+        self, edges: Edges, job: ChatJob, ctx: JobContext, body: bytes | bytearray
     ) -> None:
         self.edges = edges
         self.job = job

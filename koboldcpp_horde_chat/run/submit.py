@@ -29,8 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
-from ..horde import submits as reply
 from ..horde.client import HordeClient
+from ..horde.submits import (
+    FAULT_REPLY_REFUSED,
+    REFUSAL_RCS,
+    fault_submit,
+    text_fault_submit,
+)
 from ..service.state import WorkerState, is_key_refusal
 from ..settings import WorkerSettings
 from .job import JobContext
@@ -55,7 +60,7 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
     maintenance: the Horde counts it as a nonconformant reply."""
     return JobFault(
         f"reply refused ({exc.rc or exc.status}): {exc.message}",
-        fault_reason=reply.FAULT_REPLY_REFUSED if exc.rc in reply.REFUSAL_RCS else None,
+        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
         counts=exc.rc != "ChatSubmitNonconformant",
     )
 
@@ -148,11 +153,11 @@ class SubmitPipeline:
             fault.why,
         )
         if ctx.chat:
-            body = reply.fault_submit(
+            body = fault_submit(
                 ctx.id, ctx.model_id(self.settings.model_id), fault.fault_reason
             )
         else:
-            body = reply.text_fault_submit(ctx.id)
+            body = text_fault_submit(ctx.id)
         return self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
 
     def fault_now(self, ctx: JobContext) -> None:
@@ -163,9 +168,9 @@ class SubmitPipeline:
         if not ctx.settle():
             return
         body = (
-            reply.fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
+            fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
             if ctx.chat
-            else reply.text_fault_submit(ctx.id)
+            else text_fault_submit(ctx.id)
         )
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
         try:

@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
-from ..horde import pop as jobs
-from ..horde import submits as reply
+from ..horde.pop import TextJob
+from ..horde.submits import text_submit
+from ..kcpp.answers import text_generation
+from ..kcpp.bodies import text_request_body
 from .job import Edges, JobContext, Reply
 
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
-def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
+def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Reply:
     """Generate a text job and return its submit (``{"id", "generation", "state": "ok"}``).
 
     Raises:
@@ -38,16 +40,16 @@ def serve_text(edges: Edges, job: jobs.TextJob, ctx: JobContext) -> Reply:
     try:
         body = edges.with_busy_retry(
             lambda timeout: edges.backend.generate(
-                jobs.text_request_body(job, genkey=genkey),
+                text_request_body(job, genkey=genkey),
                 timeout_s=timeout,
                 cancel=ctx.abandoned,
             ),
             ctx,
         )
-        generation = reply.text_generation(body)
+        generation = text_generation(body)
     except (BackendError, ReplyError) as exc:
         raise JobFault(f"backend failed: {exc}", backend_failed=True) from None
-    return Reply(reply.text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
+    return Reply(text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
 
 
 def _refusal_fault(exc: HordeRefusal) -> JobFault:

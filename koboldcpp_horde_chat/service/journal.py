@@ -53,7 +53,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Final, Protocol
 
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
-from ..horde import submits as reply
+from ..horde.submits import fault_submit, text_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
@@ -589,8 +589,8 @@ def _is_key_refusal(exc: HordeRefusal) -> bool:
 
 def _fault_body(entry: JournalEntry, model_id_default: str) -> dict[str, Any]:
     if entry.kind == "chat":
-        return reply.fault_submit(entry.job_id, entry.model_id or model_id_default)
-    return reply.text_fault_submit(entry.job_id)
+        return fault_submit(entry.job_id, entry.model_id or model_id_default)
+    return text_fault_submit(entry.job_id)
 
 
 def recover(

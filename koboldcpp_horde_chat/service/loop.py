@@ -36,9 +36,9 @@ from ..errors import (
     JobFault,
     PayloadError,
 )
-from ..horde import pop as jobs
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities, pop_body
+from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import (
     MAINTENANCE_POLL_S,
@@ -366,7 +366,7 @@ class Worker:
         ``ctx`` is the job in hand, or None when the pop carried no usable id.
         """
         try:
-            job = jobs.parse_pop(pop, default_ttl_s=self.settings.lease_s)
+            job = parse_pop(pop, default_ttl_s=self.settings.lease_s)
         except PayloadError as exc:
             self._empty_backoff.reset()
             if ctx is not None:
@@ -394,7 +394,7 @@ class Worker:
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
             self._check_backend_unchanged(ctx)
-            if isinstance(job, jobs.ChatJob):
+            if isinstance(job, ChatJob):
                 outcome = ChatRun(self.edges, self.caps, self.state, job, ctx).serve()
             else:
                 outcome = serve_text(self.edges, job, ctx)

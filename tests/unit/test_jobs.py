@@ -10,14 +10,11 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat.errors import PayloadError
-from koboldcpp_horde_chat.horde.pop import (
+from koboldcpp_horde_chat.horde.pop import ChatJob, TextJob, parse_pop, validate_messages
+from koboldcpp_horde_chat.kcpp.bodies import (
     OBJECT_JSON_GRAMMAR,
-    ChatJob,
-    TextJob,
     chat_request_body,
-    parse_pop,
     text_request_body,
-    validate_messages,
 )
 
 SEED_MESSAGES: list[dict[str, Any]] = [

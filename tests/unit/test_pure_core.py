@@ -13,6 +13,8 @@ PURE_CORE = (
     "horde/pop",
     "horde/submits",
     "horde/progress",
+    "kcpp/answers",
+    "kcpp/bodies",
     "kcpp/reasoning",
     "kcpp/chat_stream",
     "kcpp/sse",

@@ -16,22 +16,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
-from koboldcpp_horde_chat.horde import submits as reply
 from koboldcpp_horde_chat.horde.submits import (
     FAULT_PROMPT_OVERFLOW,
     FAULT_REPLY_REFUSED,
     FINISH_REASONS,
     REFUSAL_RCS,
-    BackendReply,
     chat_submit,
     fault_submit,
     map_finish_reason,
     normalise_tool_calls,
-    parse_chat_completion,
     strip_nul,
     strip_nul_json,
-    text_generation,
     text_submit,
+)
+from koboldcpp_horde_chat.kcpp.answers import (
+    BackendReply,
+    aborted_short,
+    needs_stop_reason,
+    parse_chat_completion,
+    text_generation,
 )
 from koboldcpp_horde_chat.settings import kcpp_effective_max_length
 
@@ -612,9 +615,9 @@ def test_a_reply_cut_at_koboldcpps_budget_is_length_and_a_stop_sequence_is_stop(
 def test_only_a_length_below_the_budget_needs_koboldcpps_stop_reason(
     native: str, tokens: int | None, budget: int, needed: bool
 ) -> None:
-    assert reply.needs_stop_reason(native, tokens, budget) is needed
+    assert needs_stop_reason(native, tokens, budget) is needed
 
 
 @pytest.mark.parametrize(("stop_reason", "aborted"), [(0, True), (2, False), (-1, False), (None, False), (False, False), ("0", False)])
 def test_koboldcpps_out_of_tokens_below_the_budget_is_an_abort(stop_reason: object, aborted: bool) -> None:
-    assert reply.aborted_short(stop_reason) is aborted
+    assert aborted_short(stop_reason) is aborted

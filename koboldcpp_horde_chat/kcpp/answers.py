@@ -1,0 +1,142 @@
+"""koboldcpp's answers to a generation, read (pure; no I/O).
+
+A chat completion, whole (:func:`parse_chat_completion`) or streamed (the
+stream accumulator in ``chat_stream`` builds the same :class:`BackendReply`),
+a text generation (:func:`text_generation`), and koboldcpp's raw stop reason
+that tells an abort from a stop sequence. The submit built from them is
+``horde.submits``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ReplyError
+
+
+@dataclass(frozen=True)
+class BackendReply:
+    """What koboldcpp returned for one chat generation, whole or streamed.
+
+    Attributes:
+        content: the reply text as koboldcpp sent it (may still hold reasoning tags),
+            or None when it sent null.
+        reasoning_content: reasoning koboldcpp already split off, or None.
+        tool_calls: the calls as koboldcpp sent them (list of
+            ``{"id", "type", "function": {"name", "arguments"}}``); empty when none.
+        native_finish_reason: koboldcpp's ``finish_reason`` (``"stop"``, ``"length"``,
+            ``"tool_calls"``, ``"error"``...), or None when it sent none.
+        prompt_tokens, completion_tokens: the counts koboldcpp reported, or None.
+    """
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    native_finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def _optional_count(usage: dict[str, Any], key: str) -> int | None:
+    value = usage.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def parse_chat_completion(body: object) -> BackendReply:
+    """Read koboldcpp's ``/v1/chat/completions`` answer.
+
+    Args:
+        body: the decoded JSON, e.g. ``{"choices": [{"message": {"role":
+            "assistant", "content": "Blue.", "tool_calls": [],
+            "reasoning_content": "..."}, "finish_reason": "stop"}], "usage":
+            {"prompt_tokens": 21, "completion_tokens": 3}}``.
+
+    Returns:
+        A :class:`BackendReply` with the first choice's content, reasoning,
+        tool calls (as sent) and finish reason, and the usage counts when they
+        are integers.
+
+    Raises:
+        ReplyError: no first choice, no message object, or a field of the wrong type.
+    """
+    if not isinstance(body, dict):
+        raise ReplyError("the chat completion is not a JSON object")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ReplyError("the chat completion has no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise ReplyError("choices[0] is not an object")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ReplyError("choices[0].message is not an object")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ReplyError("choices[0].message.content is not a string or null")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ReplyError("choices[0].message.reasoning_content is not a string or null")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is None:
+        tool_calls = []
+    if not isinstance(tool_calls, list):
+        raise ReplyError("choices[0].message.tool_calls is not a list")
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise ReplyError("choices[0].finish_reason is not a string or null")
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        usage = {}
+    return BackendReply(
+        content=content,
+        reasoning_content=reasoning,
+        tool_calls=tool_calls,
+        native_finish_reason=finish,
+        prompt_tokens=_optional_count(usage, "prompt_tokens"),
+        completion_tokens=_optional_count(usage, "completion_tokens"),
+    )
+
+
+def text_generation(body: object) -> str:
+    """The generated text of koboldcpp's ``/api/v1/generate`` answer.
+
+    Args:
+        body: ``{"results": [{"text": str, ...}]}``.
+
+    Raises:
+        ReplyError: the body does not have that shape.
+    """
+    if not isinstance(body, dict):
+        raise ReplyError("the generate answer is not a JSON object")
+    results = body.get("results")
+    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+        raise ReplyError("the generate answer has no results")
+    text = results[0].get("text")
+    if not isinstance(text, str):
+        raise ReplyError("results[0].text is not a string")
+    return text
+
+
+#: koboldcpp's C++ stop reason for a generation that ran out of tokens: its budget,
+#: or an abort (``/api/extra/perf`` ``stop_reason``, facts §4.9).
+KCPP_STOP_OUT_OF_TOKENS = 0
+
+
+def needs_stop_reason(native: str | None, completion_tokens: int | None, max_length: int) -> bool:
+    """True when koboldcpp's ``"length"`` below the budget may be an abort.
+
+    koboldcpp reports ``"length"`` for its budget, a stop sequence hit and an
+    abort alike; below the budget it is one of the last two, told apart only
+    by koboldcpp's raw stop reason (:func:`aborted_short`).
+    """
+    return native == "length" and completion_tokens is not None and completion_tokens < max_length
+
+
+def aborted_short(stop_reason: object) -> bool:
+    """koboldcpp's raw stop reason of a ``"length"`` generation below its budget
+    (:func:`needs_stop_reason`): True for an abort (``0``, out of tokens before
+    the budget), False for a stop sequence (``2``) or anything unknown."""
+    return stop_reason == KCPP_STOP_OUT_OF_TOKENS and not isinstance(stop_reason, bool)
