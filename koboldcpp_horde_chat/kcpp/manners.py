@@ -21,30 +21,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import BackendError
-from ..service.state import WorkerState
-from ..settings import WorkerSettings
 from .client import KoboldClient
 
-#: Seconds between pops while the Horde keeps the worker in maintenance (also
-#: while a chat-only worker's chat is withdrawn).
-MAINTENANCE_POLL_S = 60.0
-#: Seconds between readiness probes while koboldcpp does not answer.
-BACKEND_PROBE_S = 3.0
-#: Seconds between checks of whether a submit retried on its own thread is settled.
-SUBMIT_RETRY_POLL_S = 0.5
-#: Seconds after the worker's own generation during which a busy koboldcpp is
-#: taken to be finishing that request (it releases its model lock just after
-#: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
-#: ``BUSY_POLL_S``.
-OWN_TAIL_S = 0.5
-OWN_TAIL_POLL_S = 0.01
 #: A request koboldcpp noted within this many seconds of the worker's own last
 #: one (sent or ended) is taken for the worker's own.
 OWN_MARGIN_S = 1.0
-#: Seconds between two checks of a koboldcpp busy with someone else's request.
-BUSY_POLL_S = 0.2
-#: Seconds between two checks while a local user is generating.
-LOCAL_USER_POLL_S = 1.0
 
 
 class LocalManners(Protocol):
@@ -292,111 +273,3 @@ def _number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
-
-
-class PopGate:
-    """Whether the pop loop may pop now, and how long to wait when not.
-
-    Args:
-        manners: local-use signals from the host.
-        backend: the koboldcpp client (its readiness GET after a failed job).
-        state: the worker's shared state (chat withdrawal).
-        settings: ``local_idle_s``, ``prompt_jobs``.
-        clock: monotonic seconds; wall: epoch seconds.
-    """
-
-    def __init__(
-        self,
-        manners: LocalManners,
-        backend: KoboldClient,
-        state: WorkerState,
-        settings: WorkerSettings,
-        *,
-        clock: Callable[[], float],
-        wall: Callable[[], float],
-    ) -> None:
-        self.manners = manners
-        self.backend = backend
-        self.state = state
-        self.settings = settings
-        self.clock = clock
-        self.wall = wall
-        self.backend_suspect = False
-        self._own_done_at: float | None = None
-
-    def pause(self) -> tuple[str, float] | None:
-        """Why the loop must not pop now (a ``status.PAUSE_REASONS`` key) and how
-        many seconds to wait; None to pop.
-
-        Yields to a local user (``local_idle_s`` after their last generation)
-        and to a busy koboldcpp as koboldcpp's own worker does; waits while
-        koboldcpp, which failed a job or a read of its perf, does not answer
-        (its readiness GET); pauses a chat-only
-        worker whose chat declaration is withdrawn.
-        """
-        last_local = self.manners.last_local_request_time()
-        if getattr(self.manners, "unreachable", False):
-            # Not answering even an idle read: do not pop a job it cannot serve.
-            self.backend_suspect = True
-        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
-            return "local_user", LOCAL_USER_POLL_S
-        # koboldcpp holds its lock 50 ms after answering the worker's own request:
-        # when nobody waits for it, pop now (the next request only queues behind
-        # that tail).
-        if self.manners.model_busy() and (not self.own_tail() or self._others_queued()):
-            return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
-        if not self._backend_answers():
-            return "backend_down", BACKEND_PROBE_S
-        if self.state.retrying_submits:
-            # A job popped now could not be delivered either: it would expire.
-            return "submit_retry", SUBMIT_RETRY_POLL_S
-        if not self.state.update_chat_withdrawal(self.clock()):
-            return "chat_withdrawn", MAINTENANCE_POLL_S
-        return None
-
-    def _others_queued(self) -> bool:
-        """Requests wait for koboldcpp's model lock (True when the manners cannot say)."""
-        queued = getattr(self.manners, "requests_queued", None)
-        return bool(queued()) if callable(queued) else True
-
-    def backend_changed(self) -> str | None:
-        """Whether koboldcpp came back (restarted) serving something else than the
-        worker declares, read now: how, or None (also for hosts that cannot
-        tell: inside koboldcpp a restart restarts the worker too)."""
-        recheck = getattr(self.manners, "recheck", None)
-        return recheck() if callable(recheck) else None
-
-    def own_tail(self) -> bool:
-        """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""
-        own = self._own_done_at
-        return own is not None and self.clock() - own < OWN_TAIL_S
-
-    def own_generation_ended(self) -> None:
-        """The worker's own request to koboldcpp ended now."""
-        self._own_done_at = self.clock()
-
-    def note_own_request(self) -> None:
-        """The worker sends a generation request now (not a local user's)."""
-        note = getattr(self.manners, "note_own_request", None)
-        if callable(note):
-            note()
-
-    def note_own_request_done(self) -> None:
-        """One of the worker's generation requests ended now."""
-        note = getattr(self.manners, "note_own_request_done", None)
-        if callable(note):
-            note()
-
-    def _backend_answers(self) -> bool:
-        """False while koboldcpp, which failed a job without answering, still does not answer.
-
-        A crashed or restarting koboldcpp would otherwise fault every job
-        popped meanwhile (each one an aborted job on the Horde, on the way to
-        maintenance). The probe is koboldcpp's own readiness GET.
-        """
-        if not self.backend_suspect:
-            return True
-        if self.backend.ready():
-            self.backend_suspect = False
-            return True
-        return False

@@ -17,7 +17,6 @@ one place that sends terminal actions.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import secrets
 import threading
@@ -29,6 +28,7 @@ from typing import Any, TypeVar, cast
 
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
 from ..horde.client import HordeClient
+from ..horde.pop import ttl_seconds
 from ..kcpp.client import KoboldClient
 from ..service.journal import Journal, JournalEntry
 from ..settings import WorkerSettings
@@ -66,17 +66,9 @@ class Lease:
         cls, pop: dict[str, Any], popped_at: float, default_s: float, cap_s: float
     ) -> Lease:
         """The lease of a popped job before its payload is parsed: the pop's ``ttl``
-        when that is a usable number of seconds, else ``default_s``; never past
+        (``horde.pop.ttl_seconds``), never past
         ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
-        ttl = pop.get("ttl")
-        seconds = default_s
-        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
-            try:
-                value = float(ttl)
-            except OverflowError:
-                value = math.inf
-            if value > 0 and not math.isnan(value):
-                seconds = value
+        seconds = ttl_seconds(pop, default_s)
         return cls(popped_at, popped_at + min(seconds, cap_s))
 
 

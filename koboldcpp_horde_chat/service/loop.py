@@ -40,22 +40,17 @@ from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities, pop_body
 from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.client import KoboldClient
-from ..kcpp.manners import (
-    MAINTENANCE_POLL_S,
-    OWN_TAIL_POLL_S,
-    OWN_TAIL_S,
-    LocalManners,
-    NoManners,
-    PopGate,
-)
+from ..kcpp.manners import LocalManners, NoManners
 from ..run.chat import ChatRun
 from ..run.job import Edges, JobContext, Lease, abort_quietly, new_genkey
 from ..run.life import Move, Phase
-from ..run.submit import STOP_SUBMIT_EXTRA_S, PopAhead, SubmitPipeline
+from ..run.submit import STOP_SUBMIT_EXTRA_S, SubmitPipeline
 from ..run.text import serve_text
 from ..settings import WorkerSettings
 from .backoff import Backoff, EmptyPopBackoff
+from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, OWN_TAIL_S, PopGate
 from .guard import MaintenanceGuard
+from .pop_ahead import PopAhead
 from .state import WorkerState, WorkerStats
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
 

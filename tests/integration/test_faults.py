@@ -65,7 +65,7 @@ class Running:
 @pytest.fixture(autouse=True)
 def quick_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Probe a koboldcpp that stopped answering every 0.5 s instead of 3 s (test speed)."""
-    monkeypatch.setattr("koboldcpp_horde_chat.kcpp.manners.BACKEND_PROBE_S", 0.5)
+    monkeypatch.setattr("koboldcpp_horde_chat.service.gate.BACKEND_PROBE_S", 0.5)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 
 from koboldcpp_horde_chat.errors import HordeRefusal
-from koboldcpp_horde_chat.kcpp.manners import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
+from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.service.status import SUMMARY_EVERY_S
 from koboldcpp_horde_chat.settings import WorkerSettings

@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.kcpp.manners import MAINTENANCE_POLL_S
+from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
