@@ -30,7 +30,6 @@ FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
 
 FAULT_PROMPT_OVERFLOW = "prompt_overflow"
 FAULT_REPLY_REFUSED = "reply_refused"
-REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
 """Return codes of a refused reply: the job is then faulted with ``reply_refused``."""
 
 NATIVE_FINISH_REASON_MAX_CHARS = 32

@@ -274,7 +274,7 @@ def shared_state(
     name, Horde URL and model. The first thread opens the job journal
     (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state
     directory) and faults the jobs an earlier run left in hand before any
-    thread pops (``journal.recover``); the others wait for it.
+    thread pops (``recovery.recover``); the others wait for it.
     """
     key = (settings.worker_name, settings.horde_url, settings.model_id)
     with _SHARED_LOCK:

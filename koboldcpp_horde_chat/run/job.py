@@ -263,7 +263,7 @@ class Edges:
     def record(self, ctx: JobContext) -> None:
         """Write the job to the journal as it is now (a plain write: a killed
         process's writes are kept by the kernel), so that a restart after a
-        crash faults it (``journal.recover``). Its lease end is the latest the
+        crash faults it (``recovery.recover``). Its lease end is the latest the
         Horde could hold it: the lease cap from the pop."""
         if self.journal is None:
             return

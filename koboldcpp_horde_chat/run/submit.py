@@ -30,13 +30,13 @@ from typing import Any
 
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
 from ..horde.client import HordeClient
+from ..horde.codes import REFUSAL_RCS, is_key_refusal
 from ..horde.submits import (
     FAULT_REPLY_REFUSED,
-    REFUSAL_RCS,
     fault_submit,
     text_fault_submit,
 )
-from ..service.state import WorkerState, is_key_refusal
+from ..service.state import WorkerState
 from ..settings import WorkerSettings
 from .job import JobContext
 from .life import Move, Phase

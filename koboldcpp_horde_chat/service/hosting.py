@@ -8,7 +8,7 @@ URLs (:func:`check_url`), the limits (:func:`check_limits`) and, standalone,
 a journal directory the operator named (:func:`check_journal_dir`). Both
 then give a worker's loops one :class:`~state.WorkerState` holding the
 worker's job journal, and fault the jobs the journal says an earlier run left
-in hand before any loop pops (``journal.recover``).
+in hand before any loop pops (``recovery.recover``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..kcpp.client import KoboldClient
 from ..settings import WorkerSettings, worker_name_problem
-from .journal import JOURNAL_DIR_ENV, Journal, check_directory, journal_path, reason, recover
+from .journal import JOURNAL_DIR_ENV, Journal, check_directory, journal_path, reason
+from .recovery import recover
 from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.hosting")
@@ -132,7 +133,7 @@ def open_state(
 
     Returns:
         The state to give every loop of the worker. Never raises for the
-        Horde's or koboldcpp's answers (``journal.recover`` logs them). When
+        Horde's or koboldcpp's answers (``recovery.recover`` logs them). When
         the journal cannot be kept in ``journal_directory`` the state has no
         journal and one WARNING line says crash recovery is off and why.
 

@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("koboldcpp_horde_chat.state")
 
-#: Return codes that mean the API key is wrong (not a chat rule; the Horde's API).
-CREDENTIAL_RCS = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
 
@@ -47,11 +45,6 @@ class Slot(Protocol):
 
     def fault_job_now(self) -> None:
         """Fault the jobs the loop holds at once (the process is exiting)."""
-
-
-def is_key_refusal(exc: HordeRefusal) -> bool:
-    """401, or 403 with a credentials ``rc``: the API key is wrong (by status and rc only)."""
-    return exc.status == 401 or (exc.status == 403 and exc.rc in CREDENTIAL_RCS)
 
 
 @dataclass

@@ -22,11 +22,10 @@ from koboldcpp_horde_chat.service.journal import (
     APP_DIR_NAME,
     Journal,
     JournalEntry,
-    RecoveryResult,
     default_state_dir,
     journal_path,
-    recover,
 )
+from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 NOW = 1_700_000_000.0

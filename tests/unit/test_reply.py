@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
+from koboldcpp_horde_chat.horde.codes import REFUSAL_RCS
 from koboldcpp_horde_chat.horde.submits import (
     FAULT_PROMPT_OVERFLOW,
     FAULT_REPLY_REFUSED,
     FINISH_REASONS,
-    REFUSAL_RCS,
     chat_submit,
     fault_submit,
     map_finish_reason,
