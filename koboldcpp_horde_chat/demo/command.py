@@ -28,18 +28,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BackendError, ConfigError
-from .kcpp.client import KoboldClient
-from .service.standalone import (
+from ..errors import BackendError, ConfigError
+from ..kcpp.client import KoboldClient
+from ..service.standalone import (
     KCPP_URL_ENV,
     KCPP_URL_FLAG,
     configure_logging,
     resolve_url,
     run_standalone,
 )
-from .settings import DEFAULT_KCPP_URL
+from ..settings import DEFAULT_KCPP_URL
 
 DEMO_KEY = "demo-key-0000"
+#: The logger the worker's lines reach (the package's), where :class:`FaultCauses` listens.
+WORKER_LOGGER = __name__.partition(".")[0]
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -734,8 +736,8 @@ def main(argv: Sequence[str] = ()) -> int:
     2 when the koboldcpp named by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot
     be used."""
     args = build_parser().parse_args(list(argv))
-    from .devkit.horde import DevHorde
-    from .devkit.kcpp import ScriptedKoboldcpp
+    from ..devkit.horde import DevHorde
+    from ..devkit.kcpp import ScriptedKoboldcpp
 
     configure_logging(args.log_level)
     fault_causes = FaultCauses()
@@ -818,7 +820,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 '("model:") does not fail it.'
             )
         _say(f"Starting the worker; {len(sent)} requests follow, one at a time.\n")
-        logging.getLogger(__package__).addHandler(fault_causes)
+        logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         thread.start()
         deadline = time.monotonic() + args.timeout
         failed: list[str] = []
@@ -873,14 +875,9 @@ def main(argv: Sequence[str] = ()) -> int:
     finally:
         stop.set()
         thread.join(timeout=10) if thread.is_alive() else None
-        logging.getLogger(__package__).removeHandler(fault_causes)
+        logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
         horde.stop()
         if scripted_kcpp is not None:
             scripted_kcpp.stop()
         journal.cleanup()
         time.sleep(0)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    logging.basicConfig()
-    raise SystemExit(main())
