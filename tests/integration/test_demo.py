@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat import demo
-from koboldcpp_horde_chat.demo import command, main
+from koboldcpp_horde_chat.demo import cases, command, main
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.horde import submits as reply_module
@@ -376,6 +376,6 @@ def test_the_verdict_names_what_the_worker_did_wrong(
 
 
 def test_a_reply_submitted_once_in_the_seeds_shape_is_the_worker_doing_right() -> None:
-    case = demo.DemoCase("plain chat", "chat", {"messages": []}, command._hope_reply)
+    case = demo.DemoCase("plain chat", "chat", {"messages": []}, cases._hope_reply)
     verdict = demo.judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
     assert verdict == demo.Verdict(True, "submitted", [], [])
