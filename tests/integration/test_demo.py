@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat import demo
-from koboldcpp_horde_chat.demo import main
+from koboldcpp_horde_chat.demo import cases, command, main
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.horde import submits as reply_module
@@ -66,7 +66,7 @@ def test_the_scripted_demo_passes_every_case(capsys: pytest.CaptureFixture[str])
 
 
 def test_the_expected_prompt_overflow_warning_is_announced_before_it(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(demo, "demo_cases", only("does not fit"))
+    monkeypatch.setattr(command, "demo_cases", only("does not fit"))
     assert main(["--scripted", "--timeout", "60"]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = lines.index(
@@ -82,7 +82,7 @@ def test_a_model_that_does_not_call_a_tool_is_not_a_worker_failure(
     """A real koboldcpp whose model answers in text, cut at max_tokens, under a required
     tool_choice: the worker submitted the reply it got, which is right; the case says what
     the model did, apart, and the demo passes."""
-    monkeypatch.setattr(demo, "demo_cases", only("tool call", "plain chat"))
+    monkeypatch.setattr(command, "demo_cases", only("tool call", "plain chat"))
     with ScriptedKoboldcpp() as kcpp:
         kcpp.script(lambda body: ScriptedReply(text="The weather in", finish="length") if body.get("tools") else None)
         url = kcpp.url
@@ -107,7 +107,7 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
     """The model calls GetWeather, which the request does not offer: the Horde refuses each
     reply and the worker faults each job with reply_refused, as it must. Against a real
     koboldcpp that is a model note; the request ending faulted is not the worker's doing."""
-    monkeypatch.setattr(demo, "demo_cases", only("tool call"))
+    monkeypatch.setattr(command, "demo_cases", only("tool call"))
     with ScriptedKoboldcpp() as kcpp:
         kcpp.script(lambda body: ScriptedReply(tool_calls=[{"name": "GetWeather", "arguments": {"city": "Paris"}}]))
         assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
@@ -158,7 +158,7 @@ def test_a_tool_call_without_a_name_is_faulted_and_blamed_on_the_model_only_agai
             self.inject("chat", (200, NAMELESS_CALL))
             return super().start()
 
-    monkeypatch.setattr(demo, "demo_cases", only("tool call"))
+    monkeypatch.setattr(command, "demo_cases", only("tool call"))
     if scripted:
         monkeypatch.setattr(kcpp_module, "ScriptedKoboldcpp", NamelessOnce)
         assert main(["--scripted", "--timeout", "60"]) == 1
@@ -190,7 +190,7 @@ def test_a_worker_fault_fails_the_scripted_run(
             return super().start()
 
     monkeypatch.setattr(kcpp_module, "ScriptedKoboldcpp", FailingOnce)
-    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
+    monkeypatch.setattr(command, "demo_cases", only("plain chat"))
     assert main(["--scripted", "--timeout", "60"]) == 1
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -212,7 +212,7 @@ def test_a_reply_the_worker_built_wrong_fails_even_against_a_real_koboldcpp(
     monkeypatch.setattr(
         reply_module, "chat_submit", lambda *a, **kw: {**built(*a, **kw), "model_id": "koboldcpp/other"}
     )
-    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
+    monkeypatch.setattr(command, "demo_cases", only("plain chat"))
     with ScriptedKoboldcpp() as kcpp:
         assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 1
     out = capsys.readouterr().out
@@ -226,7 +226,7 @@ def test_a_skipped_case_is_named_with_why(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A koboldcpp without vision: the image case is not sent, and says so."""
-    monkeypatch.setattr(demo, "demo_cases", only("plain chat", "image"))
+    monkeypatch.setattr(command, "demo_cases", only("plain chat", "image"))
     with ScriptedKoboldcpp(vision=False) as kcpp:
         assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 0
     out = capsys.readouterr().out
@@ -247,7 +247,7 @@ def test_the_first_line_names_the_url_it_checked(
 ) -> None:
     """Without --kcpp-url the demo checks KCPP_URL; the line names that URL, then the
     scripted one it uses instead."""
-    monkeypatch.setattr(demo, "demo_cases", lambda *a, **kw: [])  # no requests: a quick run
+    monkeypatch.setattr(command, "demo_cases", lambda *a, **kw: [])  # no requests: a quick run
     monkeypatch.setenv("KCPP_URL", "http://127.0.0.1:9/")
     assert main(["--timeout", "10"]) == 0
     first = after_opening(capsys.readouterr().out)[0]
@@ -261,7 +261,7 @@ def test_the_first_line_names_the_url_it_checked(
 def test_with_scripted_the_first_line_says_so(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(demo, "demo_cases", lambda *a, **kw: [])
+    monkeypatch.setattr(command, "demo_cases", lambda *a, **kw: [])
     assert main(["--scripted", "--timeout", "10"]) == 0
     first = after_opening(capsys.readouterr().out)[0]
     assert first.startswith("--scripted: using the devkit's SCRIPTED koboldcpp at http://127.0.0.1:")
@@ -271,8 +271,8 @@ def test_with_scripted_the_first_line_says_so(
 def test_an_empty_kcpp_url_falls_back_to_the_default(
     value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(demo, "demo_cases", lambda *a, **kw: [])
-    monkeypatch.setattr(demo, "DEFAULT_KCPP_URL", "http://127.0.0.1:9")  # nothing answers there
+    monkeypatch.setattr(command, "demo_cases", lambda *a, **kw: [])
+    monkeypatch.setattr(command, "DEFAULT_KCPP_URL", "http://127.0.0.1:9")  # nothing answers there
     monkeypatch.setenv("KCPP_URL", value)
     assert main(["--timeout", "10"]) == 0
     assert after_opening(capsys.readouterr().out)[0].startswith("No koboldcpp answers at http://127.0.0.1:9: ")
@@ -301,13 +301,13 @@ def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
         },
         "stream": [{"content": "short"}, {"content": "p" * 30}],
     }
-    line = demo._describe(case, status)
+    line = command._describe(case, status)
     assert "content=null" in line and "'None'" not in line
     assert f"reasoning='{'r' * 39}\u2026'" in line
     assert f"arrived in 2 progress posts: ['short', '{'p' * 23}\u2026']" in line
     text = demo.DemoCase("text job", "text", {})
-    assert demo._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
-    assert demo._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
+    assert command._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
+    assert command._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
 
 
 def test_every_demo_flag_has_help_text() -> None:
@@ -331,7 +331,7 @@ def test_the_demo_writes_nothing_to_the_users_state_directory(
     monkeypatch.delenv(JOURNAL_DIR_ENV, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     # one chat job: the journal is written while a job is in hand
-    monkeypatch.setattr(demo, "demo_cases", only("plain chat"))
+    monkeypatch.setattr(command, "demo_cases", only("plain chat"))
     assert main(["--scripted", "--timeout", "60"]) == 0
     assert "Demo passed: " in capsys.readouterr().out
     assert list(home.rglob("*")) == []
@@ -376,6 +376,6 @@ def test_the_verdict_names_what_the_worker_did_wrong(
 
 
 def test_a_reply_submitted_once_in_the_seeds_shape_is_the_worker_doing_right() -> None:
-    case = demo.DemoCase("plain chat", "chat", {"messages": []}, demo._hope_reply)
+    case = demo.DemoCase("plain chat", "chat", {"messages": []}, cases._hope_reply)
     verdict = demo.judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
     assert verdict == demo.Verdict(True, "submitted", [], [])

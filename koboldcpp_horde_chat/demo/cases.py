@@ -1,0 +1,284 @@
+"""The demo's cases: what each request sends and what the model is hoped to do with it.
+
+Each :class:`DemoCase` is one client request (chat or text) with its ``hope``:
+a check of the requester's status (the dev Horde's ``status()`` shape) that
+returns a plain sentence when the model did not do as hoped, else None. The
+readers of that status (``_done``, ``_content``...) live here too; the verdict
+uses them. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+#: An 8x8 baseline JPEG of a colour pattern (542 bytes), sent when the backend reports vision.
+DEMO_IMAGE_DATA_URL = "data:image/jpeg;base64," + (
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE"
+    "BAQEBAQEBAQEBAQEBAQEBAQEBAQEBAT/wAARCAAIAAgDAREAAhEAAxEA/8QAHwAAAAAMAAAAAAAAAAAAAAAAAAEC"
+    "AwQFBgcICQoL/8QAtRAAAAAAAAAAogAAAAAAAAAAAPABAgMEBQYHCAkKERITFBUWFxgZGiEiIyQlJicoKSoxMjM0"
+    "NTY3ODk6QUJDREVGR0hJSlFSU1RVVldYWVphYmNkZWZnaGlqcXJzdHV2d3h5eoGCg4SFhoeIiYqRkpOUlZaXmJma"
+    "oaKjpKWmp6ipqrGys7S1tre4ubrBwsPExcbHyMnK0dLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/9oADAMB"
+    "AAIAAwAAPwBKBhAyQZgZB2gOA4FMHZAoJAKBAXQICAEAEB1QfICgaCMDQKHgL4HjEAgFDAZAgvAcLAOBKBwEDUDQ"
+    "1A0DRhjA4DAaIGglBYBbBbBCDRBKDSBKCMEAGgwAYAGg2QYoHgqgzgVQPA4FgDQKC2C2BQNAwEYHgcCMDgPBGBAK"
+    "CwCwBQICIFgGoCwCIPYFYPcFUFcCgUGceB1gXwXgwDjgaBoLINsCAYBAKDWDqCUQ8DuBsB4HDRxdA0XAKLRaLAIL"
+    "QIBgEAoZAoZA4Ci//9k="
+)
+
+Hope = Callable[[dict[str, Any]], str | None]
+
+
+def _hopes_nothing(status: dict[str, Any]) -> str | None:
+    """A case's hope when it hopes nothing of the model (a fault is expected)."""
+    return None
+
+
+@dataclass
+class DemoCase:
+    """One client request, what the worker must do with it and what the model is hoped to do.
+
+    ``hope(status)`` returns a plain sentence when the model did not do what the
+    case hoped (no tool call, cut at length...), else None: against a real
+    koboldcpp that is a note, against the scripted one a failure.
+    ``expect_fault`` names the fault reason the worker must give instead of a
+    reply (``"prompt_overflow"``). A case with ``skip`` set is not sent; the
+    text says why. ``before`` is printed before the case is sent.
+    """
+
+    name: str
+    kind: str  # "chat" or "text"
+    body: dict[str, Any]
+    hope: Hope = _hopes_nothing
+    expect_fault: str | None = None
+    max_attempts: int = 3
+    skip: str = ""
+    before: str = ""
+    request_id: str = ""
+
+    @property
+    def offered(self) -> frozenset[str]:
+        """The names of the functions the request offers (``tools``)."""
+        names = set()
+        for tool in self.body.get("tools") or []:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                names.add(function["name"])
+        return frozenset(names)
+
+
+def _done(status: dict[str, Any]) -> bool:
+    return bool(status.get("done")) and not status.get("faulted")
+
+
+def _message(status: dict[str, Any]) -> dict[str, Any]:
+    message = status.get("message")
+    return message if isinstance(message, dict) else {}
+
+
+def _content(status: dict[str, Any]) -> str:
+    value = _message(status).get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _calls(status: dict[str, Any]) -> list[str]:
+    """The names of the functions a reply calls."""
+    calls = _message(status).get("tool_calls") or []
+    return [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def _cut(status: dict[str, Any], max_tokens: int) -> str:
+    """``"; cut at max_tokens N (finish_reason=length)"`` when the reply was cut, else ``""``."""
+    if status.get("finish_reason") == "length":
+        return f"; its reply was cut at max_tokens {max_tokens} (finish_reason=length)"
+    return ""
+
+
+def _hope_reply(status: dict[str, Any]) -> str | None:
+    if _content(status).strip() or _calls(status):
+        return None
+    return "the model replied with empty text"
+
+
+def _hope_tool_call(status: dict[str, Any]) -> str | None:
+    if "get_weather" in _calls(status):
+        return None
+    return "the model did not call a tool (small models often don't)" + _cut(status, 128)
+
+
+def _hope_json_object(status: dict[str, Any]) -> str | None:
+    if _is_json_object(_content(status)):
+        return None
+    return "the model's reply is not a JSON object" + _cut(status, 64)
+
+
+def _hope_reasoning(status: dict[str, Any]) -> str | None:
+    if _message(status).get("reasoning_content"):
+        return None
+    return "the model wrote no reasoning block (only reasoning models think aloud)"
+
+
+def _hope_text(status: dict[str, Any]) -> str | None:
+    generation = status.get("generation")
+    if isinstance(generation, str) and generation.strip():
+        return None
+    return "the model generated empty text"
+
+
+def _hope_image_seen(status: dict[str, Any]) -> str | None:
+    if "1 image" in _content(status):
+        return None
+    return "the scripted koboldcpp did not report the image it was sent"
+
+
+def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
+    """The requests the demo sends; ``context`` is the worker's chat context in tokens.
+
+    The image case is sent only with ``vision`` (koboldcpp's
+    ``/api/extra/version`` reports it); without it the case is returned with
+    ``skip`` saying why. The dev Horde stores the JPEG, the worker fetches it by
+    its signed URL and hands it to koboldcpp as a data URL (seed 000 step 5).
+    ``scripted`` makes the hopes that only the scripted koboldcpp can keep
+    (an answer quoting the tool result, the image counted).
+    """
+    overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
+    tool_history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_12345",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
+    ]
+    image_body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+                ],
+            }
+        ],
+        "max_tokens": 64,
+    }
+    return [
+        DemoCase(
+            "plain chat",
+            "chat",
+            {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 32},
+            _hope_reply,
+        ),
+        DemoCase(
+            "system prompt",
+            "chat",
+            {
+                "messages": [
+                    {"role": "system", "content": "You are a terse assistant."},
+                    {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
+                ],
+                "temperature": 0.5,
+                "max_tokens": 32,
+            },
+            _hope_reply,
+        ),
+        DemoCase(
+            "tool call",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "max_tokens": 128,
+            },
+            _hope_tool_call,
+        ),
+        DemoCase(
+            "tool-history follow-up",
+            "chat",
+            {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
+            _hope_reply,
+        ),
+        DemoCase(
+            "json_object",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
+                "response_format": {"type": "json_object"},
+                "max_tokens": 64,
+            },
+            _hope_json_object,
+        ),
+        DemoCase(
+            "reasoning reply",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Think first: what is 2 + 2?"}],
+                "max_tokens": 128,
+            },
+            _hope_reasoning,
+        ),
+        DemoCase(
+            "does not fit",
+            "chat",
+            {"messages": [{"role": "user", "content": overflow_text}], "max_tokens": 64},
+            expect_fault="prompt_overflow",
+            max_attempts=1,
+            before="The next WARNING is expected: this conversation is longer than the "
+            "model's context, and the worker must fault it with prompt_overflow.",
+        ),
+        DemoCase(
+            "streamed reply",
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "Tell me a short story about a fox."}],
+                "max_tokens": 96,
+                "stream": True,
+            },
+            _hope_reply,
+        ),
+        DemoCase(
+            "text job",
+            "text",
+            {"prompt": "The capital of France is", "max_length": 24},
+            _hope_text,
+        ),
+        DemoCase(
+            "image",
+            "chat",
+            image_body,
+            _hope_image_seen if scripted else _hope_reply,
+            skip=""
+            if vision
+            else "koboldcpp reports no vision (start it with --mmproj to load a "
+            "vision projector and this case runs)",
+        ),
+    ]

@@ -1,0 +1,309 @@
+"""The ``demo`` subcommand's run: its flags, the koboldcpp, the servers, the worker, its lines.
+
+Uses the koboldcpp at ``--kcpp-url`` when one answers and the devkit's scripted
+koboldcpp otherwise (said plainly), starts the dev Horde, runs the real
+standalone worker on a thread, sends the cases one at a time as a client would,
+and prints one result line per case (:func:`.verdict.judge`), then the dev
+Horde's ledger and the end line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import BackendError, ConfigError
+from ..kcpp.client import KoboldClient
+from ..service.standalone import (
+    KCPP_URL_ENV,
+    KCPP_URL_FLAG,
+    configure_logging,
+    resolve_url,
+    run_standalone,
+)
+from ..settings import DEFAULT_KCPP_URL
+from .cases import DemoCase, _done, demo_cases
+from .verdict import Verdict, _clip, judge
+
+DEMO_KEY = "demo-key-0000"
+#: The logger the worker's lines reach (the package's), where :class:`FaultCauses` listens.
+WORKER_LOGGER = __name__.partition(".")[0]
+
+#: The demo's opening: what it shows, in three lines.
+OPENING = (
+    "This demo shows the worker serving an AI Horde: the queue where clients leave "
+    "requests and workers take them.",
+    "Each request becomes a job: the worker asks koboldcpp for the reply and submits it "
+    "to the Horde, once.",
+    "A job it cannot serve it faults, telling the Horde why. Each case below judges the "
+    "worker; the model is noted apart.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``koboldcpp-horde-chat demo``."""
+    parser = argparse.ArgumentParser(
+        prog="koboldcpp-horde-chat demo",
+        description="Run the worker against a local dev Horde and a koboldcpp (yours when "
+        "one answers, else a scripted one), send it requests as a client would, and judge "
+        "what the worker did with each; what the model said is noted apart.",
+    )
+    parser.add_argument(
+        "--kcpp-url",
+        default=None,
+        help=f"a running koboldcpp to use (default: KCPP_URL, else {DEFAULT_KCPP_URL}; "
+        "when none answers at the default the scripted koboldcpp is used)",
+    )
+    parser.add_argument(
+        "--scripted", action="store_true", help="use the scripted koboldcpp even if one runs"
+    )
+    parser.add_argument(
+        "--kcpp-password",
+        default=os.environ.get("KCPP_PASSWORD", ""),
+        help="your koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every request to end, in all (default 300)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log level of the worker's and the dev Horde's lines (default WARNING)",
+    )
+    return parser
+
+
+#: The worker's line for a faulted job (``job=<id> kind=chat faulted (<reason>): <why>``).
+FAULT_LINE = re.compile(r"job=(\S+) kind=\w+ faulted(?: \(\w+\))?: (.*)")
+
+
+class FaultCauses(logging.Handler):
+    """Keeps why the worker faulted each job (``causes``: job id -> why), read
+    from its WARNING lines while the demo runs it in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.causes: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = FAULT_LINE.match(record.getMessage())
+        if match:
+            self.causes[match.group(1)] = match.group(2)
+
+
+def _describe(case: DemoCase, status: dict[str, Any]) -> str:
+    if case.kind == "text":
+        return f"generation={_clip(status.get('generation'), 60)}"
+    if status.get("faulted"):
+        return f"faulted, fault_reasons={status.get('fault_reasons')}"
+    message = status.get("message") or {}
+    parts = [f"finish_reason={status.get('finish_reason')}"]
+    if message.get("tool_calls"):
+        calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
+        parts.append(f"tool_calls={calls}")
+    if message.get("reasoning_content"):
+        parts.append(f"reasoning={_clip(message['reasoning_content'], 40)}")
+    parts.append(f"content={_clip(message.get('content'), 60)}")
+    if status.get("stream"):
+        pieces = [_clip(d.get("content", ""), 24) for d in status["stream"]]
+        parts.append(f"arrived in {len(pieces)} progress posts: [{', '.join(pieces)}]")
+    return ", ".join(parts)
+
+
+def _say(text: str = "") -> None:
+    """Print a line of the demo's report at once (the worker's log lines go to
+    stderr between them, in the order they happen)."""
+    print(text, flush=True)
+
+
+def _result_lines(
+    case: DemoCase, status: dict[str, Any], verdict: Verdict, *, scripted: bool
+) -> list[str]:
+    """The case's lines: ``[ok  ]``/``[FAIL]``, its name, what the worker did and
+    what the requester got; then one line per worker problem and per model note."""
+    mark = "ok  " if verdict.passed(scripted=scripted) else "FAIL"
+    line = f"[{mark}] {case.name:<24} {verdict.did}"
+    if _done(status):
+        line += ": " + _describe(case, status)
+    elif status.get("faulted") and case.expect_fault is None:
+        line += "; the request ended faulted"
+    lines = [line]
+    lines += [f"       worker: {p}" for p in verdict.problems]
+    label = "not as expected" if scripted else "model"
+    lines += [f"       {label}: {n}" for n in verdict.model_notes]
+    return lines
+
+
+def _wait(horde: Any, request_id: str, deadline: float, worker: threading.Thread) -> bool:
+    """Wait for one request to end, until ``deadline`` (monotonic) or the worker stops."""
+    while True:
+        left = deadline - time.monotonic()
+        if horde.wait([request_id], timeout_s=max(0.0, min(left, 0.5))):
+            return True
+        if left <= 0 or not worker.is_alive():
+            return False
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Run the demo; returns 0 when the worker did right in every case (and,
+    against the scripted koboldcpp, every reply was as expected), 1 when not,
+    2 when the koboldcpp named by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot
+    be used."""
+    args = build_parser().parse_args(list(argv))
+    from ..devkit.horde import DevHorde
+    from ..devkit.kcpp import ScriptedKoboldcpp
+
+    configure_logging(args.log_level)
+    fault_causes = FaultCauses()
+    scripted_kcpp: ScriptedKoboldcpp | None = None
+    explicit = args.kcpp_url is not None
+    try:
+        kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
+    except ConfigError as exc:
+        print(f"{exc}. Fix it, or run the demo with --scripted.")
+        return 2
+    real = False
+    if not args.scripted:
+        try:
+            real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
+        except BackendError:
+            real = False
+        if not real and explicit:
+            print(
+                f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
+                "--scripted to use the devkit's scripted koboldcpp."
+            )
+            return 2
+    for line in OPENING:
+        _say(line)
+    _say()
+    if real:
+        _say(f"Using the koboldcpp at {kcpp_url}.")
+    else:
+        scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
+        scripted_kcpp.start()
+        why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
+        kcpp_url = scripted_kcpp.url
+        _say(
+            f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
+            "(canned replies, real koboldcpp response shapes)."
+        )
+    scripted = scripted_kcpp is not None
+    horde = DevHorde(api_keys=(DEMO_KEY,))
+    horde.start()
+    _say(f"Dev Horde at {horde.url}")
+    stop = threading.Event()
+    result: dict[str, int] = {}
+    journal = tempfile.TemporaryDirectory(
+        prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
+    )
+    worker_args = [
+        "--hordekey",
+        DEMO_KEY,
+        "--hordeworkername",
+        "demo-worker",
+        "--horde-url",
+        horde.url,
+        "--kcpp-url",
+        kcpp_url,
+        "--hordegenlen",
+        "256",
+        "--journal-dir",
+        journal.name,
+        "--log-level",
+        args.log_level,
+    ]
+    if args.kcpp_password:
+        worker_args += ["--kcpp-password", args.kcpp_password]
+    thread = threading.Thread(
+        target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
+        name="demo-worker",
+        daemon=True,
+    )
+    try:
+        info = KoboldClient(kcpp_url, args.kcpp_password).info()
+        cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
+        sent = [c for c in cases if not c.skip]
+        if scripted:
+            _say(
+                "Each case passes when the worker did right and the scripted reply is as expected."
+            )
+        else:
+            _say(
+                "Each case passes when the worker did right; what your model did not do "
+                '("model:") does not fail it.'
+            )
+        _say(f"Starting the worker; {len(sent)} requests follow, one at a time.\n")
+        logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
+        thread.start()
+        deadline = time.monotonic() + args.timeout
+        failed: list[str] = []
+        notes = 0
+        for case in cases:
+            if case.skip:
+                _say(f"[skip] {case.name:<24} {case.skip}")
+                continue
+            if case.before:
+                _say(f"       {case.before}")
+            if case.kind == "chat":
+                case.request_id = horde.send_chat(
+                    case.body, best_effort=True, max_attempts=case.max_attempts
+                )
+            else:
+                case.request_id = horde.send_text(
+                    case.body["prompt"], max_length=case.body["max_length"]
+                )
+            finished = _wait(horde, case.request_id, deadline, thread)
+            status = horde.status(case.request_id)
+            ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
+            models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
+            verdict = judge(
+                case, status, ledger, models, finished=finished, causes=fault_causes.causes
+            )
+            for line in _result_lines(case, status, verdict, scripted=scripted):
+                _say(line)
+            notes += len(verdict.model_notes)
+            if not verdict.passed(scripted=scripted):
+                failed.append(case.name)
+        if not thread.is_alive() and "code" in result:
+            _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
+        _say("\nLedger (what the dev Horde recorded for each job):")
+        for entry in horde.ledger:
+            reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
+            rc = f" ({entry.get('rc')})" if entry.get("rc") else ""
+            _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}{rc}")
+        skipped = [c.name for c in cases if c.skip]
+        extra = []
+        if notes and not scripted:
+            extra.append(
+                f"{notes} model note{'s' if notes > 1 else ''}: what the model did, not the worker"
+            )
+        if skipped:
+            extra.append(f"skipped: {', '.join(skipped)}")
+        tail = f" ({'; '.join(extra)})" if extra else ""
+        if failed:
+            _say(f"\nDemo FAILED: {', '.join(failed)}.{tail}")
+            return 1
+        _say(f"\nDemo passed: the worker did right in all {len(sent)} cases.{tail}")
+        return 0
+    finally:
+        stop.set()
+        thread.join(timeout=10) if thread.is_alive() else None
+        logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
+        horde.stop()
+        if scripted_kcpp is not None:
+            scripted_kcpp.stop()
+        journal.cleanup()
+        time.sleep(0)

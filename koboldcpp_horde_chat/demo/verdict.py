@@ -1,0 +1,311 @@
+"""The demo's verdict: what the worker did with a case's request, from the dev Horde's ledger.
+
+:func:`judge` checks that every job the worker popped ended in exactly one
+accepted submit or fault of the seed's shape (seed 000, steps 6 to 8); what the
+model did not do as the case hoped, a refusal for the model's output, or a
+fault for a reply no submit can carry, is a model note, not a worker problem.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .cases import DemoCase, _content, _done
+
+#: What a chat job's submitted ``finish_reason`` may be (seed 000, step 6).
+FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
+#: The fault reasons the Horde knows (seed 000, step 7).
+FAULT_REASONS = frozenset({"prompt_overflow", "reply_refused"})
+#: What a submit, once accepted or faulted, ends a job with; anything else in the
+#: dev Horde's ledger for a job is a refusal or a mistake.
+TERMINAL_ACTIONS = ("submitted", "faulted")
+
+
+@dataclass
+class Verdict:
+    """How one case ended.
+
+    ``worker_ok``: the worker did what it must (one terminal action of the right
+    shape for each job). ``did``: what it did, in a few words. ``problems``:
+    what it did wrong, one sentence each. ``model_notes``: what the model did
+    not do as hoped, one sentence each (failures only against the scripted
+    koboldcpp).
+    """
+
+    worker_ok: bool
+    did: str
+    problems: list[str]
+    model_notes: list[str]
+
+    def passed(self, *, scripted: bool) -> bool:
+        """True when the case passes: the worker did right, and, against the
+        scripted koboldcpp, the model did as hoped too."""
+        return self.worker_ok and not (scripted and self.model_notes)
+
+
+def _submit_problems(
+    kind: str, body: dict[str, Any], model: str | None, offered: frozenset[str]
+) -> list[str]:
+    """What is wrong with an accepted reply's submit body (seed 000, steps 6 and 8)."""
+    if kind == "text":
+        problems = []
+        if not isinstance(body.get("generation"), str):
+            problems.append("the text submit has no generation")
+        if "message" in body:
+            problems.append("the text submit carries a chat message")
+        return problems
+    problems = []
+    message = body.get("message")
+    if not isinstance(message, dict):
+        return ["the chat submit has no message"]
+    if "generation" in body:
+        problems.append("the chat submit carries generation beside message")
+    if message.get("role", "assistant") != "assistant":
+        problems.append(f"message.role is {message.get('role')!r}, not 'assistant'")
+    finish = body.get("finish_reason")
+    if finish not in FINISH_REASONS:
+        problems.append(
+            f"finish_reason {finish!r} is not one of stop, length, content_filter, tool_calls"
+        )
+    if body.get("model_id") != model:
+        problems.append(f"model_id {body.get('model_id')!r} is not the assigned model {model!r}")
+    calls = message.get("tool_calls") or []
+    content = message.get("content")
+    if content is None and not calls:
+        problems.append("message.content is null without tool_calls")
+    elif content is not None and not isinstance(content, str):
+        problems.append("message.content is not a string")
+    if finish == "tool_calls" and not calls:
+        problems.append("finish_reason tool_calls without tool_calls")
+    ids: set[str] = set()
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+            problems.append("a tool call without a function name and string arguments")
+            continue
+        if name not in offered:
+            problems.append(f"a tool call to {name!r}, not a function of the request")
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id or call_id in ids:
+            problems.append(f"tool call id {call_id!r} is missing or used twice")
+        else:
+            ids.add(call_id)
+    for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+        value = body.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            problems.append(f"{key} {value!r} is not a count of tokens")
+    return problems
+
+
+def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[str]:
+    """What is wrong with a faulted submit body (seed 000, steps 7 and 8)."""
+    if kind == "text":
+        return (
+            [] if isinstance(body.get("generation"), str) else ["the text fault has no generation"]
+        )
+    problems = []
+    if body.get("model_id") != model:
+        problems.append(
+            f"the fault's model_id {body.get('model_id')!r} is not the assigned model {model!r}"
+        )
+    if "message" in body or "generation" in body:
+        problems.append("the fault carries a reply")
+    reason = body.get("fault_reason")
+    if reason is not None and reason not in FAULT_REASONS:
+        problems.append(f"fault_reason {reason!r} is not one the Horde knows")
+    return problems
+
+
+def _model_refusal(entry: dict[str, Any]) -> bool:
+    """True when a refused submit was refused for what the model generated, not for
+    what the worker built: a reply not conforming to the request, or a call to a
+    function the request does not offer (seed 000, "Submit refusals")."""
+    rc = entry.get("rc")
+    message = str(entry.get("message") or "")
+    return rc == "ChatSubmitNonconformant" or (
+        rc == "ChatSubmitInvalid" and "not a function of the request" in message
+    )
+
+
+def judge(
+    case: DemoCase,
+    status: dict[str, Any],
+    ledger: Sequence[dict[str, Any]],
+    models: dict[str, str | None],
+    *,
+    finished: bool,
+    causes: dict[str, str] | None = None,
+) -> Verdict:
+    """Judge what the worker did with one case's request.
+
+    Args:
+        case: the case sent.
+        status: the requester's view (:meth:`DevHorde.status`), with
+            ``refusals`` ``[{"job_id", "rc", "message"}]``.
+        ledger: the dev Horde's ledger entries of this request's jobs, in order.
+        models: each job id's assigned model.
+        finished: whether the request reached an end in time.
+        causes: why the worker faulted each job it faulted, by job id, as its
+            log line says (``"generation failed: tool_calls[0].function.name
+            is missing"``).
+
+    The worker must give each job exactly one terminal action (an accepted
+    submit or a fault) of the seed's shape: a chat reply with ``message``,
+    ``finish_reason`` and the assigned ``model_id``, tool calls only to the
+    offered functions; a text reply with ``generation``; a fault with the
+    assigned ``model_id`` and no reply. A refused reply must be followed by a
+    ``reply_refused`` fault; when the refusal was about the model's output that
+    fault is the worker doing right, and the refusal is a model note; so is a
+    fault without a reason whose cause is a reply the model wrote that no
+    submit can carry (:func:`unusable_model_output`). A case with
+    ``expect_fault`` must end in one fault with that reason; any other fault is
+    a problem. The case's ``hope`` gives the model notes.
+    """
+    problems: list[str] = []
+    notes: list[str] = []
+    refusal_text = {
+        r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []
+    }
+    job_ids = list(dict.fromkeys(e["job_id"] for e in ledger))
+    for job_id in status.get("job_ids") or []:
+        if job_id not in job_ids and finished:
+            job_ids.append(job_id)
+    causes = causes or {}
+    faults: list[str | None] = []
+    excused: list[str] = []  # what the model did, for each fault it caused
+    wrong_faults: list[str] = []
+    submitted = 0
+    for job_id in job_ids:
+        entries = [e for e in ledger if e["job_id"] == job_id]
+        terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
+        short = job_id[:8]
+        for e in entries:
+            if e["action"] == "expired":
+                problems.append(
+                    f"job {short} was neither submitted nor faulted before its lease ran out"
+                )
+            elif e["action"] in ("duplicate", "aborted_gen"):
+                problems.append(f"job {short} was submitted again after it ended ({e.get('rc')})")
+        if len(terminal) > 1:
+            problems.append(f"job {short} has {len(terminal)} terminal actions, not one")
+        if not terminal:
+            if finished and not any(e["action"] == "expired" for e in entries):
+                problems.append(f"job {short} was neither submitted nor faulted")
+            continue
+        end = terminal[0]
+        body = end.get("body") or {}
+        refused = [e for e in entries if e["action"] == "refused"]
+        if len(refused) > 1:
+            problems.append(f"job {short}'s reply was submitted again after a refusal")
+        model_refused = False
+        for e in refused:
+            text = refusal_text.get(job_id, "")
+            if _model_refusal({**e, "message": text}):
+                model_refused = True
+                excused.append(
+                    f"the Horde refused the model's reply ({text.rstrip('.')})"
+                    "; the worker faulted it with reply_refused, as it must"
+                )
+            else:
+                problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {text})")
+            if end["action"] != "faulted" or end.get("fault_reason") != "reply_refused":
+                problems.append(f"job {short} was not faulted with reply_refused after its refusal")
+        if end["action"] == "submitted":
+            submitted += 1
+            problems += [
+                f"job {short}: {p}"
+                for p in _submit_problems(end["kind"], body, models.get(job_id), case.offered)
+            ]
+        else:
+            reason = end.get("fault_reason")
+            faults.append(reason)
+            why = causes.get(job_id, "")
+            if reason is None and unusable_model_output(why):
+                excused.append(
+                    f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
+                    "; the worker faulted the job, as it must"
+                )
+            elif not (reason == "reply_refused" and model_refused):
+                wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
+            problems += [
+                f"job {short}: {p}" for p in _fault_problems(end["kind"], body, models.get(job_id))
+            ]
+    if not finished:
+        problems.append("the request did not end in time")
+    if case.expect_fault is not None:
+        if faults != [case.expect_fault] or submitted:
+            problems.append(f"one fault with {case.expect_fault} was expected")
+        did = (
+            f"faulted with {case.expect_fault}, as it must"
+            if not problems
+            else _did(faults, submitted)
+        )
+        return Verdict(not problems, did, problems, notes)
+    for why in wrong_faults:
+        problems.append(
+            "a job was faulted instead of served"
+            + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
+        )
+    for text in dict.fromkeys(excused):
+        times = excused.count(text)
+        notes.append(text + (f" ({times} times)" if times > 1 else ""))
+    if _done(status):
+        note = case.hope(status)
+        if note:
+            notes.append(note)
+        if status.get("stream") is not None and case.body.get("stream"):
+            problems += _stream_problems(status)
+    return Verdict(not problems, _did(faults, submitted), problems, notes)
+
+
+def unusable_model_output(why: str) -> bool:
+    """True when the worker's reason for a fault without ``fault_reason`` is a
+    reply the model wrote that no submit can carry: a tool call koboldcpp
+    returned without a function name, or not shaped as a function call
+    (``"generation failed: tool_calls[0].function.name is missing"``). The Horde
+    refuses such a call (seed 000, "Submit refusals"), so faulting the job is
+    the worker doing right."""
+    return why.startswith("generation failed: tool_calls")
+
+
+def _stream_problems(status: dict[str, Any]) -> list[str]:
+    """A streamed reply's progress posts, joined, are its submitted text (seed 000,
+    "Streaming progress": everything the client reads as it arrives is the reply)."""
+    posts = status.get("stream") or []
+    posted = "".join(p.get("content") or "" for p in posts)
+    content = _content(status)
+    if posted == content:
+        return []
+    if not posts:
+        return ["the streamed reply was submitted without a progress post"]
+    return [f"the progress posts ({_clip(posted, 40)}) are not the submitted content"]
+
+
+def _did(faults: list[str | None], submitted: int) -> str:
+    """What the worker did, in a few words: ``"submitted"``,
+    ``"faulted 3 times (reply_refused)"``, ``"faulted (no reason), then submitted"``."""
+    parts = []
+    if faults:
+        reasons = sorted({r or "no reason" for r in faults})
+        times = f" {len(faults)} times" if len(faults) > 1 else ""
+        parts.append(f"faulted{times} ({', '.join(reasons)})")
+    if submitted:
+        parts.append("submitted" if submitted == 1 else f"submitted {submitted} times")
+    return ", then ".join(parts) if parts else "nothing"
+
+
+def _clip(value: object, limit: int) -> str:
+    """``value`` as shown in a result line: ``null`` for None, else its text in
+    quotes, cut to ``limit`` characters with an ellipsis when it is longer."""
+    if value is None:
+        return "null"
+    text = str(value)
+    if len(text) > limit:
+        text = text[: limit - 1] + "\u2026"
+    return repr(text)
