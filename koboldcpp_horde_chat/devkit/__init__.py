@@ -4,8 +4,10 @@
   the chat worker routes (pop, submit, progress), the seed's declaration checks,
   eligibility rules, refusals and streaming progress contract, plus a storage
   port for offloaded messages and image URLs.
+* :mod:`koboldcpp_horde_chat.devkit.kcpp`: :class:`ScriptedKoboldcpp`, a scripted
+  koboldcpp 1.116.1 answering its routes with canned, deterministic replies.
 * :mod:`koboldcpp_horde_chat.devkit._http`: the small threaded JSON HTTP server
-  both fake services are built on.
+  the dev Horde's two ports are built on.
 
 The devkit never imports the worker's modules: it implements the Horde's side of
 the rules on its own, so tests do not check the worker against itself.
