@@ -1,33 +1,12 @@
 """What a job costs the job journal: today's plain writes against the former durable add.
 
-Reproduce (from the repository root):
-
-    python bench/bench_journal.py [--jobs 2000] [--quick] [--json OUT]
-
-A job's life writes the journal (``journal.Journal``, a whole-file rewrite:
-a temporary file, then ``os.replace``) at these points:
-
-* today's path: an add at the pop's answer, an add again with the genkey
-  before the generation, a remove after the terminal action: three plain
-  writes (``Journal.add(entry)`` twice, ``Journal.remove(id)``), which the
-  kernel keeps when the process is killed;
-* the former path: one durable add before the generation (``Journal.add(entry,
-  durable=True)``: the file and its directory ``fsync``-ed), then the remove.
-
-Both are timed side by side in one run, one job of each in turn (two journal
-files in the same directory), in a temporary directory on the disk of the
-default state directory (``~/.local/state``, or ``$XDG_STATE_HOME``) and one
-in the system's temporary directory (``/tmp``). It prints the median and p99
-microseconds per job and the ratio former / today of the medians, and the
-part before the generation (today's two adds, the former durable add), which
-the job waits for between the pop's answer and koboldcpp. Nothing
-else of a job is timed: the worker's own time per job is ``bench_overhead.py``'s
-(``--journal`` to include these writes as the worker makes them).
+Today's three writes (an add at the pop's answer, an add with the genkey, a
+remove) against the former fsync-ed add and remove, side by side, beside the
+default state directory and in /tmp. Method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -37,17 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_throughput import (  # noqa: E402
-    figure,
-    machine_info,
-    percentile,
-    print_result,
-    write_json,
-)
-
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry, default_state_dir  # noqa: E402
+from harness.product import Journal, JournalEntry
+from harness.report import add_json, bench_result, figure, finish, parser, percentile, reproduce
+from harness.timed_worker import state_disk_dir
 
 WARMUP = 20
 
@@ -102,13 +73,6 @@ def measure(directory: Path, jobs: int) -> dict[str, list[float]]:
     return times
 
 
-def state_disk_dir() -> Path:
-    """The parent of the default state directory (created when missing)."""
-    parent = default_state_dir().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    return parent
-
-
 def run(*, jobs: int, quick: bool) -> dict[str, Any]:
     """Time both paths in both places; the result dict with the figures."""
     figures: list[dict[str, Any]] = []
@@ -144,27 +108,23 @@ def run(*, jobs: int, quick: bool) -> dict[str, Any]:
             f"{meds['former_pre']:.0f} us (medians)"
         )
     notes.append(f"{jobs} jobs of each path per place, alternating, after {WARMUP} warm-up jobs")
-    return {
-        "name": "journal",
-        "title": "the job journal's cost per job: today's plain writes vs the former fsync",
-        "machine": machine_info(),
-        "command": "python bench/bench_journal.py" + (" --quick" if quick else f" --jobs {jobs}"),
-        "figures": figures,
-        "notes": notes,
-    }
+    return bench_result(
+        "journal",
+        "the job journal's cost per job: today's plain writes vs the former fsync",
+        reproduce("bench_journal.py", "--quick" if quick else f"--jobs {jobs}"),
+        figures,
+        notes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--jobs", type=int, default=None, help="jobs of each path per place")
     ap.add_argument("--quick", action="store_true", help="300 jobs of each path per place")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
     jobs = args.jobs or (300 if args.quick else 2000)
-    result = run(jobs=jobs, quick=args.quick and args.jobs is None)
-    print_result(result)
-    write_json(args.json, result)
-    return 0
+    return finish(run(jobs=jobs, quick=args.quick and args.jobs is None), args.json)
 
 
 if __name__ == "__main__":

@@ -1,101 +1,20 @@
 """Kudos per hour on a real koboldcpp: koboldcpp's own embedded worker against the patched one.
 
-Reproduce (from the repository root):
-
-    python bench/bench_kudos.py [--jobs 20] [--rounds 3] [--latency-ms 0,150]
-                                [--slots 1,2] [--max-length 48] [--quick] [--json OUT]
-
-Needs a koboldcpp source tree with its library built (``$KCPP_DIR``, default
-``kcpp-src`` in the repository, which git ignores: ``koboldcpp.py`` and
-``koboldcpp_default.so``) and a GGUF model (``$KCPP_MODEL``, default the first
-``*.gguf`` in ``$KCPP_DIR/models``). Without them it prints that it was
-skipped and why, and exits 0.
-
-Two workers serve the same text jobs from the same model, one after the other:
-
-* **own**: koboldcpp's embedded worker, unchanged. The bench runs a copy of
-  ``koboldcpp.py`` whose only change is the Horde URL (the hard-coded
-  ``https://aihorde.net`` becomes ``os.environ.get("AI_HORDE_URL", ...)``);
-* **ours**: a copy of ``koboldcpp.py`` with ``patches/koboldcpp-<release>.patch``
-  applied, started with ``PYTHONPATH`` set to the repository being benchmarked
-  (this one, or ``$BENCH_PKG_ROOT``), so this package's pop loop runs in
-  koboldcpp's worker threads.
-
-Both copies sit in a temporary directory beside symbolic links to everything
-else in ``$KCPP_DIR`` (koboldcpp finds its library next to the script), so
-nothing is written into the koboldcpp tree. Each is started as a user would
-(``--model M --host 127.0.0.1 --port <free> --contextsize 2048 --threads 1
---skiplauncher --quiet --hordekey K --hordeworkername W --hordegenlen 128``,
-plus ``--parallelrequests 2`` for two slots) with ``AI_HORDE_URL`` pointing at
-the development Horde (``koboldcpp_horde_chat.devkit.horde.DevHorde``) that
-runs in this process. The dev Horde applies the validated-backend rule of the
-real Horde; both workers send a validated bridge agent (``KoboldCppEmbedWorker``),
-which the bench checks in their pops.
-
-One koboldcpp process serves one worker and slot count. While the
-worker sits out the 20 s koboldcpp counts after its start, the bench sends the
-job's exact body straight to koboldcpp's ``/api/v1/generate`` (with a
-``HORDEREQ_`` genkey, so it does not count as a local user): one warm-up, then
-three timed requests, and for two slots also three timed pairs sent at once
-(how much two slots can gain on this backend at all: 2 x a single's time / a
-pair's time). Once the worker pops, for each latency the dev Horde's
-``latency_s`` is set (half of it before and half after each pop, submit and
-progress answer, as a network round trip) and N text jobs are queued at once,
-so the worker is never starved. The prompt and parameters are the same for
-every job (temperature 0, fixed ``sampler_seed``, ``ban_eos_token``), so every
-generation has the same length and time. The processes alternate own/ours (and the
-order of the latencies) from round to round to cancel drift.
-
-Figures per batch, from the dev Horde's own record of every worker call (when
-the request arrived and when its answer was ready, on this process's
-monotonic clock):
-
-* per-job time: wall / N, where wall runs from the first pop that carried a job
-  of the batch arriving to the last submit's answer being ready;
-* jobs/hour and kudos/hour: N and the rewards the dev Horde paid, over wall;
-* gen: each job's generation time as koboldcpp prints it after the job
-  (``Total`` of its ``CtxLimit`` line; with two slots, the time of its
-  ``BatchRequest`` line), read from the process's log between the batch's
-  start and end; the direct requests' median when the log does not have one
-  such line per job;
-* busy fraction: the jobs' generation time / (slots x wall): the share of
-  koboldcpp's (slots') time spent generating the batch's jobs;
-* idle: (slots x wall - the jobs' generation time) / N, ms per job;
-* pop -> submit: from a pop's answer (carrying job k) to job k's submit
-  arriving: what the worker takes to run a job, generation included;
-* gap, one slot only: from job k's submit answer being ready to the pop that
-  carried job k+1 arriving. Negative when that pop was sent before the submit
-  was answered (a pop that overlaps the submit). With two slots the two
-  threads' calls cannot be told apart, so no gap is shown;
-* 2-slot factor: jobs/hour with two slots over jobs/hour with one, the same
-  worker, latency and round.
-
-Each figure is the median over the rounds; ratios ours/own (and the 2-slot
-factor) are taken per round, then the median. The two workers' koboldcpp
-processes never generate at quite the same speed on a shared machine, which
-moves the plain ratios by several per cent (more in a quick run), so a "same
-gen" row also gives the per-job and kudos/hour ratios had both generated every
-job in the mean generation time of the configuration: (gen + idle of own) /
-(gen + idle of ours). The per-job and kudos/hour targets are judged on both. Targets: kudos/hour ours/own at
-least 1.10 at 150 ms; per-job time ours/own at most 1.00 at 0 ms; the gap of
-ours at most 5 ms at 0 ms; the 2-slot factor of ours at least 1.0.
-
-Every koboldcpp started is stopped at the end, also after an error or Ctrl-C;
-ports are ephemeral. koboldcpp's output goes to one log per process in a
-temporary directory, kept and named at the end.
+Both serve the same text jobs from the dev Horde (in this process) at each
+``--latency-ms`` and ``--slots``, alternating, for ``--rounds``: per-job time,
+busy fraction, kudos/hour, the gap from a submit's answer to the next pop, pop
+to submit, and the ratios ours/own. Needs a built koboldcpp and a model
+(``KCPP_DIR``, ``KCPP_MODEL``); without them it says it was skipped and why.
+The figures, targets and method: bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -108,22 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_real import free_port, koboldcpp_argv  # noqa: E402
-from bench_throughput import (  # noqa: E402
-    MACHINE_NOTE,
-    PKG_ROOT,
+from harness import PKG_ROOT
+from harness.devkit import Request, Response, TimedDevHorde, is_validated_backend
+from harness.real_kcpp import KoboldcppProcess, find_koboldcpp, stop_all, stop_on_sigterm
+from harness.report import (
+    add_json,
+    bench_result,
     figure,
-    machine_info,
+    git,
+    machine_line,
+    parser,
+    reproduce,
+    skipped,
     write_json,
 )
 
-from koboldcpp_horde_chat.devkit._http import Request, Response  # noqa: E402
-from koboldcpp_horde_chat.devkit.horde import DevHorde, is_validated_backend  # noqa: E402
-
-DEFAULT_KCPP_DIR = Path(__file__).resolve().parents[1] / "kcpp-src"
 API_KEY = "bench-kudos-key-0123456789"
 OWN, OURS = "own", "ours"
 #: The bridge agent koboldcpp's own worker sends, and the start of ours.
@@ -147,7 +65,6 @@ GEN_PARAMS: dict[str, Any] = {
 }
 #: koboldcpp counts its start as a local request and its worker waits 20 s after it.
 KCPP_START_QUIET_S = 20.0
-READY_TIMEOUT_S = 180.0
 FIRST_POP_TIMEOUT_S = 90.0
 #: Log lines worth a note: koboldcpp's own worker's errors and busy waits, our warnings.
 ODD_LINE = re.compile(
@@ -156,21 +73,7 @@ ODD_LINE = re.compile(
 
 
 # --------------------------------------------------------------------------------------
-# koboldcpp: find it, prepare the two copies, run a process
-
-
-def find_koboldcpp() -> tuple[Path | None, Path | None, str]:
-    """(koboldcpp source dir, model, "") when both are at hand, else (None, None, why not)."""
-    kdir = Path(os.environ.get("KCPP_DIR") or DEFAULT_KCPP_DIR)
-    models = sorted((kdir / "models").glob("*.gguf"))
-    model = Path(os.environ.get("KCPP_MODEL") or (models[0] if models else kdir / "models"))
-    if not (kdir / "koboldcpp.py").is_file():
-        return None, None, f"no koboldcpp.py in {kdir} (set KCPP_DIR)"
-    if not any(kdir.glob("koboldcpp_*.so")):
-        return None, None, f"koboldcpp in {kdir} is not built (no koboldcpp_*.so)"
-    if not model.is_file():
-        return None, None, f"no model at {model} (set KCPP_MODEL)"
-    return kdir, model, ""
+# koboldcpp: the two copies, one process
 
 
 def kcpp_version(source: str) -> str:
@@ -219,109 +122,6 @@ def prepare_tree(kdir: Path, work: Path) -> tuple[Path, str, str, str]:
     shutil.move(str(stage / "koboldcpp.py"), str(tree / ours))
     shutil.rmtree(stage)
     return tree, own, ours, release
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGTERM when the bench dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-_LIVE: list[KcppProcess] = []
-
-
-def stop_all() -> None:
-    """Stop every koboldcpp this bench started that is still running."""
-    for proc in list(_LIVE):
-        proc.stop()
-
-
-class KcppProcess:
-    """One koboldcpp with its Horde worker, on a free 127.0.0.1 port, until ``stop()``."""
-
-    def __init__(
-        self,
-        tree: Path,
-        script: str,
-        model: Path,
-        *,
-        slots: int,
-        horde_url: str,
-        worker_name: str,
-        pythonpath: str | None,
-        log_path: Path,
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ)
-        env["AI_HORDE_URL"] = horde_url
-        env["PYTHONUNBUFFERED"] = "1"
-        env.pop("PYTHONPATH", None)
-        if pythonpath:
-            env["PYTHONPATH"] = pythonpath
-        args = [
-            *koboldcpp_argv(script, model, self.port),
-            "--hordekey",
-            API_KEY,
-            "--hordeworkername",
-            worker_name,
-            "--hordegenlen",
-            "128",
-        ]
-        if slots > 1:
-            args += ["--parallelrequests", str(slots)]
-        self.command = " ".join(args[1:])
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.started_at = time.monotonic()
-        self._proc = subprocess.Popen(
-            args,
-            cwd=str(tree),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C goes to the bench, which stops it
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        _LIVE.append(self)
-
-    def wait_ready(self) -> None:
-        """Wait until koboldcpp answers ``/api/v1/info/version``; RuntimeError if it dies or not."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"koboldcpp exited with {self._proc.returncode}; see {self.log_path}"
-                )
-            try:
-                if requests.get(self.url + "/api/v1/info/version", timeout=1).ok:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"koboldcpp did not answer within {READY_TIMEOUT_S:.0f} s")
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after 15 s; idempotent."""
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        if not self._log.closed:
-            self._log.close()
-        if self in _LIVE:
-            _LIVE.remove(self)
 
 
 def job_body(max_length: int) -> dict[str, Any]:
@@ -393,21 +193,18 @@ class Call:
     generation: str | None = None  # submit: the text
 
 
-class TimedDevHorde(DevHorde):
-    """The dev Horde, noting when each worker call arrived and when its answer was ready."""
+class RecordingHorde(TimedDevHorde):
+    """The dev Horde, noting each worker call as a :class:`Call`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.calls: list[Call] = []
         self._calls_lock = threading.Lock()
 
-    def _serve_horde(self, req: Request) -> Response:
-        t_in = time.monotonic()
-        resp = super()._serve_horde(req)
-        t_out = time.monotonic()
+    def on_call(self, req: Request, resp: Response, t_in: float, t_out: float) -> None:
         route = req.path.rsplit("/", 1)[-1]
         if route not in ("pop", "submit", "progress"):
-            return resp
+            return
         try:
             body = json.loads(req.body or b"{}")
         except ValueError:
@@ -431,7 +228,6 @@ class TimedDevHorde(DevHorde):
             call.generation = gen if isinstance(gen, str) else None
         with self._calls_lock:
             self.calls.append(call)
-        return resp
 
     def take_calls(self) -> list[Call]:
         with self._calls_lock:
@@ -582,7 +378,7 @@ def analyse_batch(
 
 @dataclass
 class Context:
-    horde: TimedDevHorde
+    horde: RecordingHorde
     tree: Path
     scripts: dict[str, str]
     model: Path
@@ -652,15 +448,20 @@ def run_process(
     of ``ctx.jobs`` text jobs per latency; stop it. Raises RuntimeError on a failure."""
     name = f"bench-{worker}-s{slots}-r{round_no}"
     log_path = ctx.logs / f"{name}.log"
-    proc = KcppProcess(
+    extra = ["--hordekey", API_KEY, "--hordeworkername", name, "--hordegenlen", "128"]
+    if slots > 1:
+        extra += ["--parallelrequests", str(slots)]
+    proc = KoboldcppProcess(
         ctx.tree,
         ctx.scripts[worker],
         ctx.model,
-        slots=slots,
-        horde_url=ctx.horde.url,
-        worker_name=name,
-        pythonpath=ctx.pythonpath if worker == OURS else None,
-        log_path=log_path,
+        log_path,
+        extra_args=extra,
+        env={
+            "AI_HORDE_URL": ctx.horde.url,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": ctx.pythonpath if worker == OURS else None,
+        },
     )
     batches: list[Batch] = []
     record: dict[str, Any] = {"name": name, "worker": worker, "slots": slots, "round": round_no}
@@ -1014,55 +815,31 @@ def _parse_ints(text: str, what: str) -> list[int]:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["python bench/bench_kudos.py"]
-    if args.quick:
-        parts.append("--quick")
-    for flag, value in (
-        ("--jobs", args.jobs),
-        ("--rounds", args.rounds),
-        ("--latency-ms", args.latency_ms),
-        ("--slots", args.slots),
-        ("--max-length", args.max_length),
-    ):
-        if value is not None:
-            parts.append(f"{flag} {value}")
-    prefix = []
-    if os.environ.get("BENCH_PKG_ROOT"):
-        prefix.append(f"BENCH_PKG_ROOT={os.environ['BENCH_PKG_ROOT']}")
-    for var in ("KCPP_DIR", "KCPP_MODEL"):
-        if os.environ.get(var):
-            prefix.append(f"{var}={os.environ[var]}")
-    return " ".join(prefix + parts)
+    return reproduce(
+        "bench_kudos.py",
+        "--quick" if args.quick else "",
+        *(
+            f"{flag} {value}"
+            for flag, value in (
+                ("--jobs", args.jobs),
+                ("--rounds", args.rounds),
+                ("--latency-ms", args.latency_ms),
+                ("--slots", args.slots),
+                ("--max-length", args.max_length),
+            )
+            if value is not None
+        ),
+        env=("KCPP_DIR", "KCPP_MODEL"),
+    )
 
 
 def _git_commit(path: Path) -> str:
     """The short commit of the repository at ``path``, and whether the package or the
     patches there differ from it (other files do not count); "?" outside git."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(path), "log", "-1", "--format=%h"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(path),
-                "status",
-                "--porcelain",
-                "--untracked-files=no",
-                "--",
-                "koboldcpp_horde_chat",
-                "patches",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
+    head = git(path, "log", "-1", "--format=%h")
+    dirty = git(
+        path, "status", "--porcelain", "--untracked-files=no", "--", "koboldcpp_horde_chat", "patches"
+    )
     return (head or "?") + (" with uncommitted changes to the package" if dirty else "")
 
 
@@ -1075,19 +852,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--slots: at least 1")
     max_length = args.max_length or 48
     command = _command(args)
-    result: dict[str, Any] = {
-        "name": "kudos",
-        "title": "kudos per hour, koboldcpp's own embedded worker vs koboldcpp with the patch",
-        "machine": machine_info(),
-        "command": command,
-        "figures": [],
-        "notes": [],
-    }
+    title = "kudos per hour, koboldcpp's own embedded worker vs koboldcpp with the patch"
     kdir, model, why = find_koboldcpp()
     if kdir is None or model is None:
-        result["skipped"] = why
-        result["notes"].append(f"skipped: {why}")
-        return result
+        return skipped("kudos", title, command, why)
     work = Path(tempfile.mkdtemp(prefix="bench_kudos_"))
     logs = work / "logs"
     logs.mkdir()
@@ -1095,9 +863,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tree, own_script, ours_script, release = prepare_tree(kdir, work)
     except RuntimeError as exc:
         shutil.rmtree(work, ignore_errors=True)
-        result["skipped"] = str(exc)
-        result["notes"].append(f"skipped: {exc}")
-        return result
+        return skipped("kudos", title, command, str(exc))
+    result = bench_result("kudos", title, command, [], [])
     pkg = PKG_ROOT.resolve()
     result["package"] = {"root": str(pkg), "commit": _git_commit(pkg)}
     result["koboldcpp"] = {"dir": str(kdir), "release": release, "model": str(model)}
@@ -1116,7 +883,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{len(slots_list)} slot setting(s) x 2 workers x {rounds} round(s); logs in {logs}",
         flush=True,
     )
-    horde = TimedDevHorde(api_keys=(API_KEY,))
+    horde = RecordingHorde(api_keys=(API_KEY,))
     horde.start()
     ctx = Context(
         horde=horde,
@@ -1179,12 +946,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"== kudos: {result['title']}")
-    m = result["machine"]
+    print("  " + machine_line(result["machine"]))
     print(
-        f"  machine: {m['cpu']} x{m['cpus']}, Python {m['python']}, load {' '.join(m['loadavg'])}"
-    )
-    print(
-        f"  note: {MACHINE_NOTE}. Ratios ours/own hold across runs; absolute times do not "
+        f"  note: {result['machine']['note']}. Ratios ours/own hold across runs; absolute times do not "
         "(koboldcpp gets what the other work leaves of 2 shared cores)"
     )
     if result.get("skipped"):
@@ -1222,22 +986,17 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"  reproduce: {result['command']}")
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--jobs", type=int, default=None, help="text jobs per batch (20; quick 6)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (3; quick 1)")
     ap.add_argument("--latency-ms", default=None, help="dev Horde latencies, ms (0,150)")
     ap.add_argument("--slots", default=None, help="--parallelrequests settings (1,2; quick 1)")
     ap.add_argument("--max-length", type=int, default=None, help="tokens per job (48)")
     ap.add_argument("--quick", action="store_true", help="6 jobs, 1 round, 1 slot")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
-    atexit.register(stop_all)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    stop_on_sigterm()
     try:
         result = run(args)
     except KeyboardInterrupt:

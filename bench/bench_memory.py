@@ -1,49 +1,21 @@
-"""Memory: the worker's RSS after start-up, and its growth over 10,000 jobs.
+"""The worker's RSS after start-up, and its growth over 10,000 mixed jobs.
 
-Reproduce (from the repository root):
-
-    python bench/bench_memory.py [--jobs 10000] [--quick] [--json OUT]
-
-Target: growth over 10,000 jobs at most 5 MB.
-
-This process is the worker (built as ``koboldcpp-horde-chat`` builds it, INFO
-logging formatted and written to os.devnull); the dev Horde and the scripted
-koboldcpp run in a separate server process, which drops its request logs
-every batch (its memory is not what is measured). The jobs are a mix, in
-batches of 500: 45 % chat jobs with 20 messages and 2 tools (tool-call
-replies), 45 % text jobs, 10 % streamed chat jobs (no tools, progress posts).
-
-Figures: RSS after imports and construction ("start-up"), RSS after 200
-warm-up jobs, growth from there to the last job, and the growth of each
-1,000-job segment (min / median / max), plus the count of live Python objects
-before and after.
+This process is the worker; the jobs are chat with tools, text and streamed
+chat, in batches. Target and method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_throughput import (  # noqa: E402
-    TEXT_PROMPT,
-    Servers,
-    build_worker,
-    chat_body,
-    configure_worker_logging,
-    figure,
-    machine_info,
-    print_result,
-    rss_bytes,
-    run_jobs,
-    write_json,
-)
+from harness.bodies import TEXT_PROMPT, chat_body
+from harness.report import add_json, bench_result, figure, finish, parser, reproduce, rss_bytes
+from harness.servers import Servers
+from harness.timed_worker import build_worker, configure_worker_logging, run_jobs
 
 MB = 1e6
 BATCH = 500
@@ -69,7 +41,8 @@ def run(*, n_jobs: int, warmup: int = 200) -> dict[str, Any]:
     figures: list[dict[str, Any]] = []
     with Servers() as servers:
         servers.call("record", on=False)
-        worker, horde, backend = build_worker(servers)
+        assert servers.kcpp_url is not None
+        worker, horde, backend = build_worker(servers.horde_url, servers.kcpp_url)
         gc.collect()
         rss_start = rss_bytes()
         tools_body = chat_body(20, tools=True)
@@ -135,27 +108,22 @@ def run(*, n_jobs: int, warmup: int = 200) -> dict[str, Any]:
     notes.append(f"{done} jobs in {elapsed:.1f} s ({done / max(elapsed, 1e-9):.0f} jobs/s, mixed)")
     if stalled:
         notes.append("the run stalled: growth is over fewer jobs than asked")
-    return {
-        "name": "memory",
-        "title": "RSS after start-up and its growth over many jobs",
-        "machine": machine_info(),
-        "command": f"python bench/bench_memory.py --jobs {n_jobs}",
-        "figures": figures,
-        "notes": notes,
-    }
+    return bench_result(
+        "memory",
+        "RSS after start-up and its growth over many jobs",
+        reproduce("bench_memory.py", f"--jobs {n_jobs}"),
+        figures,
+        notes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--jobs", type=int, default=None, help="jobs after warm-up (10,000)")
     ap.add_argument("--quick", action="store_true", help="500 jobs")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
-    n_jobs = args.jobs or (500 if args.quick else 10_000)
-    result = run(n_jobs=n_jobs)
-    print_result(result)
-    write_json(args.json, result)
-    return 0
+    return finish(run(n_jobs=args.jobs or (500 if args.quick else 10_000)), args.json)
 
 
 if __name__ == "__main__":

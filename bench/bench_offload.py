@@ -1,37 +1,12 @@
-"""Large offload: a 36 MiB gzip-encoded offloaded conversation with 20 images.
+"""A 36 MiB gzip-encoded offloaded conversation with 20 JPEG images, served by a fresh worker.
 
-Reproduce (from the repository root):
-
-    python bench/bench_offload.py [--runs 3] [--mib 36] [--images 20] [--quick] [--json OUT]
-
-The dev Horde stores a chat request whose messages (20
-text messages, then a user turn with 20 JPEG images as base64 data URLs) are
-``--mib`` MiB as compact JSON, gzipped, behind a ``messages_url`` (offload on,
-256 KiB threshold, ``Content-Encoding: gzip``). A fresh worker process (so that
-its peak RSS is this job's) pops it and serves it as ``koboldcpp-horde-chat``
-would: fetch, decode, validate, fit-count (koboldcpp's tokencount), build and
-send the chat request to a scripted koboldcpp with vision.
-
-Figures:
-
-* wall time from the pop's answer reaching the worker to the chat request
-  arriving at koboldcpp (fetch + gunzip + JSON decode + checks + fit count +
-  building and encoding the request). Target: at most 0.5 s.
-* peak RSS of the worker process (``ru_maxrss``), total and above its RSS just
-  before the pop. Target: at most 3 x the decoded size.
-* the bytes sent to tokencount, and how many of the images' base64 samples
-  appear in them. Target: none (image data is replaced by a placeholder).
-
-Note: the request the worker sends is larger than 32 MiB, koboldcpp's default
-``--maxrequestsize`` (32): koboldcpp answers such a body with 500 "Payload is
-too big", and the worker faults such a job without sending it. The scripted
-koboldcpp here plays one started with ``--maxrequestsize 64``, and the worker
-is told so (``--kcpp-max-request-mb 64``).
+Wall time from the pop's answer to the chat request at koboldcpp (fetch,
+gunzip, decode, checks, fit count, build and send), the worker process's peak
+RSS, and whether image bytes reach tokencount. Targets and method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -41,18 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_throughput import (  # noqa: E402
-    Servers,
-    build_worker,
-    configure_worker_logging,
-    figure,
-    machine_info,
-    print_result,
-    rss_bytes,
-    write_json,
-)
+from harness.report import add_json, bench_result, figure, finish, parser, reproduce, rss_bytes
+from harness.servers import Servers
+from harness.timed_worker import build_worker, configure_worker_logging
+from harness.timing import first_spans
 
 MIB = 1024 * 1024
 CTX = 32768
@@ -60,24 +27,16 @@ CTX = 32768
 
 def _child(horde_url: str, kcpp_url: str) -> int:
     """The worker process: serve one job, print the timings and RSS as JSON."""
-
-    class _Urls:
-        pass
-
     configure_worker_logging()
-    urls: Any = _Urls()
-    urls.horde_url, urls.kcpp_url = horde_url, kcpp_url
     worker, horde, backend = build_worker(
-        urls, vision=True, ctx=CTX, manners="none", max_request_mib=64
+        horde_url, kcpp_url, vision=True, ctx=CTX, manners="none", max_request_mib=64
     )
     rss_start = rss_bytes()
     maxrss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.monotonic()
     served = worker.run_once()
     t1 = time.monotonic()
-    events: dict[str, tuple[float, float]] = {}
-    for name, a, b, _ in sorted(horde.events + backend.events, key=lambda e: e[1]):
-        events.setdefault(name, (a, b))  # the job's own calls, not the next pop's
+    events = first_spans(horde.events + backend.events)  # the job's own calls, not the next pop's
     print(
         json.dumps(
             {
@@ -188,32 +147,28 @@ def run(*, runs: int, mib: float, images: int) -> dict[str, Any]:
         "the chat request is above koboldcpp's default --maxrequestsize of 32 MiB "
         "(a real koboldcpp answers 500 'Payload is too big'); the scripted one allows 64 MiB"
     )
-    return {
-        "name": "offload",
-        "title": f"a {mib:g} MiB gzip-encoded offloaded conversation with {images} images",
-        "machine": machine_info(),
-        "command": f"python bench/bench_offload.py --runs {runs} --mib {mib:g} --images {images}",
-        "figures": figures,
-        "notes": notes,
-    }
+    return bench_result(
+        "offload",
+        f"a {mib:g} MiB gzip-encoded offloaded conversation with {images} images",
+        reproduce("bench_offload.py", f"--runs {runs} --mib {mib:g} --images {images}"),
+        figures,
+        notes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--child":
         return _child(argv[1], argv[2])
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--mib", type=float, default=36.0)
     ap.add_argument("--images", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="one run")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
-    result = run(runs=runs, mib=args.mib, images=args.images)
-    print_result(result)
-    write_json(args.json, result)
-    return 0
+    return finish(run(runs=runs, mib=args.mib, images=args.images), args.json)
 
 
 if __name__ == "__main__":

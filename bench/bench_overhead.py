@@ -1,38 +1,13 @@
-"""Per-job overhead: the worker's own time around the backend call of a chat job.
+"""The worker's own time per chat job (20 messages, 2 tools), network and backend excluded.
 
-Reproduce (from the repository root):
-
-    python bench/bench_overhead.py [--runs 3] [--jobs 300] [--quick] [--journal] [--profile] [--json OUT]
-
-For a chat job with 20 messages and 2 tools, the worker's own time from
-receiving the pop response to sending the backend request, plus from the
-backend's last byte to sending the submit, network and backend time excluded.
-Target: median at most 2 ms, p99 at most 10 ms.
-
-Two measurements of the same jobs:
-
-* "worker code": the clients are wrapped (``bench_throughput.TimedHorde`` and
-  ``TimedKobold``); overhead = (tokencount called - pop returned) + (chat
-  completion called - tokencount returned) + (submit called - chat completion
-  returned). The koboldcpp tokencount in between is backend time (the fit
-  check's count, seed step 3) and is left out. This is the figure held to the
-  target: it is everything the worker does, and nothing that happens inside
-  its HTTP client.
-* "on the wire": the same three gaps seen by the servers (the dev Horde's pop
-  answer finished -> koboldcpp's tokencount arrives, and so on). It adds the
-  HTTP client's work (``requests``: building and parsing requests, reading the
-  answer) and the servers' own accept and parse time, so it is an upper bound.
-
-The worker runs as ``koboldcpp-horde-chat`` runs it (see bench_throughput.py),
-without a job journal unless ``--journal`` is given: then it keeps one, as
-the CLI does, in a temporary directory beside the default state directory
-(``~/.local/state``), and each job's journal writes count in its overhead.
-The servers run in a separate process.
+From the pop's answer to the backend request, plus from the backend's answer to
+the submit, as "worker code" (the gaps between its timed client calls) and "on
+the wire" (as the servers saw them); ``--journal`` keeps a job journal as the
+CLI does. Targets and method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -41,24 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_throughput import (  # noqa: E402
-    Servers,
+from harness.bodies import chat_body
+from harness.report import add_json, bench_result, figure, finish, parser, percentile, reproduce
+from harness.servers import Servers
+from harness.timed_worker import (
     build_worker,
-    chat_body,
-    client_overheads,
     configure_worker_logging,
-    figure,
-    machine_info,
-    percentile,
-    print_result,
+    profiled,
     run_jobs,
-    server_overheads,
-    write_json,
+    state_disk_dir,
 )
-
-from koboldcpp_horde_chat.service.journal import default_state_dir  # noqa: E402
+from harness.timing import Event, client_overheads, server_calls, server_overheads
 
 
 def run(
@@ -66,13 +34,12 @@ def run(
 ) -> dict[str, Any]:
     """Run ``runs`` x ``n_jobs`` chat jobs; returns the result dict with the figures.
 
-    ``journal``: the worker keeps a job journal (see the module docstring).
+    ``journal``: the worker keeps a job journal, in a temporary directory beside
+    the default state directory.
     """
     if not journal:
         return _run(runs=runs, n_jobs=n_jobs, profile=profile, journal_dir=None)
-    parent = default_state_dir().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-overhead-", dir=parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-", dir=state_disk_dir()) as tmp:
         return _run(runs=runs, n_jobs=n_jobs, profile=profile, journal_dir=Path(tmp))
 
 
@@ -84,7 +51,10 @@ def _run(
     notes: list[str] = []
     body = chat_body(20, tools=True)
     with Servers() as servers:
-        worker, horde, backend = build_worker(servers, journal_dir=journal_dir)
+        assert servers.kcpp_url is not None
+        worker, horde, backend = build_worker(
+            servers.horde_url, servers.kcpp_url, journal_dir=journal_dir
+        )
         servers.call("queue", kind="chat", n=20, body=body)
         run_jobs(worker, 20)  # warm-up
         servers.call("times")
@@ -97,20 +67,13 @@ def _run(
         wire_p99: list[float] = []
         wire_all: list[float] = []
         http_calls: list[float] = []
-        profiler = None
         for r in range(runs):
             ids = servers.call("queue", kind="chat", n=n_jobs, body=body)["ids"]
             horde.events.clear()
             backend.events.clear()
             gc.collect()
-            if profile and r == 0:
-                import cProfile
-
-                profiler = cProfile.Profile()
-                profiler.enable()
-            run_jobs(worker, n_jobs)
-            if profiler is not None and r == 0:
-                profiler.disable()
+            with profiled(profile and r == 0, top=30):
+                run_jobs(worker, n_jobs)
             times = servers.call("times")
             counts = servers.call("outcomes", ids=ids)["counts"]
             if counts != {"done": n_jobs}:
@@ -153,42 +116,30 @@ def _run(
         if totals
         else "no jobs measured"
     )
-    if profiler is not None:
-        import io
-        import pstats
-
-        buf = io.StringIO()
-        pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(30)
-        print(buf.getvalue())
     if journal_dir is not None:
         notes.append(f"the worker kept its job journal in {journal_dir.parent}")
-    return {
-        "name": "overhead",
-        "title": "per-job overhead of a chat job (20 messages, 2 tools)"
+    return bench_result(
+        "overhead",
+        "per-job overhead of a chat job (20 messages, 2 tools)"
         + (", with the job journal" if journal_dir is not None else ""),
-        "machine": machine_info(),
-        "command": f"python bench/bench_overhead.py --runs {runs} --jobs {n_jobs}"
-        + (" --journal" if journal_dir is not None else ""),
-        "figures": figures,
-        "notes": notes,
-    }
+        reproduce(
+            "bench_overhead.py",
+            f"--runs {runs} --jobs {n_jobs}",
+            "--journal" if journal_dir is not None else "",
+        ),
+        figures,
+        notes,
+    )
 
 
-def _http_cost(
-    h_events: list[tuple[str, float, float, str | None]],
-    k_events: list[tuple[str, float, float, str | None]],
-    times: dict[str, Any],
-) -> list[float]:
+def _http_cost(h_events: list[Event], k_events: list[Event], times: dict[str, Any]) -> list[float]:
     """For each pop, submit, tokencount and chat call: its duration at the client minus
     the server's handling time of the matching request (ms)."""
     if not times.get("server_timing"):
         return []
     server: dict[str, list[tuple[float, float]]] = {}
-    for path, t0, t1, _ in times["horde"]:
-        server.setdefault(path.rsplit("/", 1)[-1], []).append((t0, t1))
-    for path, t0, t1, _ in times["kcpp"]:
-        name = {"/api/extra/tokencount": "tokencount", "/v1/chat/completions": "chat"}.get(path)
-        if name:
+    for horde_kcpp in server_calls(times):
+        for name, t0, t1, _ in horde_kcpp:
             server.setdefault(name, []).append((t0, t1))
     out = []
     for name, t0, t1, _ in h_events + k_events:
@@ -200,7 +151,7 @@ def _http_cost(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=None, help="chat jobs per run")
     ap.add_argument("--quick", action="store_true", help="one run of 100 jobs")
@@ -208,14 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--journal", action="store_true", help="the worker keeps a job journal, as the CLI does"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the first run")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     n_jobs = args.jobs or (100 if args.quick else 300)
-    result = run(runs=runs, n_jobs=n_jobs, profile=args.profile, journal=args.journal)
-    print_result(result)
-    write_json(args.json, result)
-    return 0
+    return finish(run(runs=runs, n_jobs=n_jobs, profile=args.profile, journal=args.journal), args.json)
 
 
 if __name__ == "__main__":

@@ -1,51 +1,28 @@
-"""Progress post cadence and latency of the worker on a steady koboldcpp stream.
+"""Progress post interval and token-to-post delay of the worker on a steady koboldcpp stream.
 
-Reproduce (from the repository root):
-
-    python bench/bench_progress.py [--runs 3] [--tokens 2000] [--token-delay 0.005] [--json]
-
-The real worker (``cli.run_standalone``) serves streamed chat jobs from the dev
-Horde; the scripted koboldcpp streams ``--tokens`` tokens (4 characters each,
-plain text without tags or stop sequences) at one token every
-``--token-delay`` seconds. Everything runs in this process on 127.0.0.1, so
-the scripted koboldcpp's chunk times and the dev Horde's request times share
-one clock (``time.monotonic``).
-
-Measured per run (seed "Streaming progress": post about once a second):
-
-* the interval between consecutive progress posts as the dev Horde received
-  them, median and worst, leaving out the interval before the last post (sent
-  when generation ends, whatever the interval); target 1.0 s +/- 0.25 s;
-* the delay from a chunk of text leaving koboldcpp (just before it is written
-  to the socket) to the arrival of the post that completes its delivery,
-  median and worst over the chunks; target <= 1.2 s.
-
-It prints min / median / max of each figure over the runs, and with ``--json``
-writes them to ``bench/results/bench_progress-<UTC time>.json``. The default
-run takes about 35 s.
+The standalone worker, in this process, serves streamed chat jobs from the dev
+Horde while the scripted koboldcpp streams ``--tokens`` tokens at
+``--token-delay`` s each; ``--json`` writes bench/results/bench_progress-*.json.
+Targets and method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import statistics
 import sys
 import threading
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import RESULTS
+from harness.devkit import DevHorde, ScriptedKoboldcpp, ScriptedReply
+from harness.product import run_standalone
+from harness.report import parser, reproduce
+from harness.servers import API_KEY
 
-from koboldcpp_horde_chat.cli import run_standalone  # noqa: E402
-from koboldcpp_horde_chat.devkit.horde import DevHorde  # noqa: E402
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply  # noqa: E402
-
-API_KEY = "bench-key-0123456789"
 PROGRESS = "/api/v2/generate/text/progress"
-RESULTS = Path(__file__).resolve().parent / "results"
 INTERVAL_TARGET = (0.75, 1.25)
 DELAY_TARGET = 1.2
 WORDS = "steady rain fell on the old stone bridge while the river ran north past town "
@@ -123,21 +100,22 @@ def summary(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--token-delay", type=float, default=0.005, help="seconds per token")
     ap.add_argument("--json", action="store_true", help="write bench/results/bench_progress-*.json")
     args = ap.parse_args()
-    reproduce = (
-        f"python bench/bench_progress.py --runs {args.runs} --tokens {args.tokens} "
-        f"--token-delay {args.token_delay:g}" + (" --json" if args.json else "")
+    command = reproduce(
+        "bench_progress.py",
+        f"--runs {args.runs} --tokens {args.tokens} --token-delay {args.token_delay:g}",
+        "--json" if args.json else "",
     )
     print(
         f"python {sys.version.split()[0]}; {args.runs} runs of {args.tokens} tokens "
         f"at {args.token_delay:g} s a token"
     )
-    print(f"reproduce: {reproduce}")
+    print(f"reproduce: {command}")
 
     horde = DevHorde(api_keys=(API_KEY,))
     kcpp = ScriptedKoboldcpp(
@@ -200,7 +178,7 @@ def main() -> None:
             json.dumps(
                 {
                     "bench": "bench_progress",
-                    "reproduce": reproduce,
+                    "reproduce": command,
                     "python": sys.version.split()[0],
                     "tokens": args.tokens,
                     "token_delay_s": args.token_delay,

@@ -1,33 +1,21 @@
-"""Throughput of koboldcpp_horde_chat.kcpp.sse.SSEDecoder on koboldcpp-shaped streams.
+"""SSE decoding throughput (koboldcpp_horde_chat's SSEDecoder) on koboldcpp-shaped streams.
 
-Reproduce (from the repository root):
-
-    python bench/bench_sse.py [--runs 7] [--mib 8]
-
-The input is the recorded koboldcpp 1.116.1 streams in tests/data/kcpp-samples/
-(or a synthetic stream of the same shape when they are absent) repeated to about
-``--mib`` MiB, fed to a fresh decoder in three ways:
-
-* ``event``: one read per event, as koboldcpp writes them (about 250 bytes);
-* ``4KiB`` and ``64KiB``: fixed-size reads that split lines, CR LF pairs and
-  UTF-8 characters anywhere.
-
-It prints MB/s (10**6 bytes per second) as min / median / max over the runs.
+Recorded koboldcpp 1.116.1 streams, read one event at a time and in 4 KiB and
+64 KiB pieces; MB/s, min / median / max over the runs. Target and method:
+bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import ROOT
+from harness.product import SSEDecoder
+from harness.report import parser, reproduce
 
-from koboldcpp_horde_chat.kcpp.sse import SSEDecoder  # noqa: E402
-
-SAMPLES = Path(__file__).resolve().parents[1] / "tests" / "data" / "kcpp-samples"
+SAMPLES = ROOT / "tests" / "data" / "kcpp-samples"
 NAMES = ("chat_stream.raw", "chat_stream_smollm.raw", "abort_chat_stream.raw")
 
 
@@ -63,7 +51,7 @@ def run(pieces: list[bytes]) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--mib", type=float, default=8.0)
     args = ap.parse_args()
@@ -72,7 +60,7 @@ def main() -> None:
     stream = one * reps
     total = len(stream)
     print(f"python {sys.version.split()[0]}; {total / 1e6:.1f} MB per run, {args.runs} runs")
-    print(f"reproduce: python bench/bench_sse.py --runs {args.runs} --mib {args.mib:g}")
+    print(f"reproduce: {reproduce('bench_sse.py', f'--runs {args.runs} --mib {args.mib:g}')}")
     for label, pieces in (
         ("event", by_event(stream)),
         ("4KiB", by_size(stream, 4096)),

@@ -1,46 +1,13 @@
 """The bounded stop: time from SIGTERM to the worker process's exit, in each phase of a job.
 
-Reproduce (from the repository root):
-
-    python bench/bench_stop.py [--grace 1] [--rounds 3] [--phases a,b,...] [--quick] [--json OUT]
-
-The standalone worker (``python -m koboldcpp_horde_chat ... --stop-grace G``)
-runs as a supervisor runs it, in a process of its own, against the dev Horde
-and the scripted koboldcpp of this process (on 127.0.0.1, as the integration
-tests drive it). Each round starts fresh servers and a fresh worker, brings a
-job to one phase of its life, sends SIGTERM and times the process's exit
-(``Popen.wait``). Phases:
-
-* ``pop``: the pop sent beside a submit is in flight (the Horde answers it
-  1.6 s late), and the job it brings arrives after the signal;
-* ``fetch``: the job's offloaded messages are being fetched (the object store
-  hangs);
-* ``tokencount``: koboldcpp's token count of the prompt (it hangs);
-* ``streamed``: a streamed chat generation;
-* ``nonstreamed``: a chat generation the client did not stream;
-* ``batched``: two slots (``--parallelrequests 2``), two long jobs at once
-  (the scripted koboldcpp serialises them as koboldcpp's ``modelbusy`` lock
-  does: one generates, one waits);
-* ``submit``: a job's submit being retried (the Horde answers 503 with
-  ``Retry-After`` again and again);
-* ``idle``: no job in hand, between pops.
-
-Every generation lasts ``grace`` + 5 s, so the grace runs out. The bound is
-``grace`` + 2 s (issue's "the stop holds in every phase"): a figure is on
-target when every round's exit came within it. The table gives, per phase,
-the median and the max over the rounds and what became of the job in hand at
-the signal: ``faulted`` or ``submitted`` (the Horde's ledger), ``left in the
-journal`` (no terminal action sent; the next start faults it), ``lost``
-(neither: it expires on the Horde).
-
-``--quick``: one round of ``pop``, ``tokencount``, ``streamed`` and ``idle``
-(about 20 s). ``BENCH_PKG_ROOT=<dir>`` runs the worker (and the devkit) from
-that directory's package.
+``python -m koboldcpp_horde_chat --stop-grace G`` against the dev Horde and the
+scripted koboldcpp of this process; each round brings a job to one phase
+(``--phases``, of those in ``PHASES``), sends SIGTERM and times the exit, and
+tells what became of the job. Target, phases and method: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import statistics
@@ -55,15 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import PKG_ROOT
+from harness.devkit import DevHorde, ScriptedKoboldcpp, ScriptedReply
+from harness.product import journal_path
+from harness.report import add_json, bench_result, figure, finish, parser, reproduce
+from harness.servers import API_KEY
 
-from bench_throughput import PKG_ROOT, figure, machine_info, print_result, write_json  # noqa: E402
-
-from koboldcpp_horde_chat.devkit.horde import DevHorde  # noqa: E402
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply  # noqa: E402
-from koboldcpp_horde_chat.service.journal import journal_path  # noqa: E402
-
-API_KEY = "bench-key-0123456789"
 WORKER_NAME = "bench-stop-worker"
 #: Seconds past the grace the process may take to exit (the abort and one fault).
 BOUND_EXTRA_S = 2.0
@@ -363,24 +327,23 @@ def run(*, grace: float, rounds: int, phases: Sequence[Phase], quick: bool) -> d
             fig["target"] = f"<= {bound:g} s every round"
             figures.append(fig)
     if quick:
-        command = f"python bench/bench_stop.py --quick --grace {grace:g}"
+        command = reproduce("bench_stop.py", f"--quick --grace {grace:g}")
     else:
-        command = (
-            f"python bench/bench_stop.py --grace {grace:g} --rounds {rounds} "
-            f"--phases {','.join(p.name for p in phases)}"
+        command = reproduce(
+            "bench_stop.py",
+            f"--grace {grace:g} --rounds {rounds} --phases {','.join(p.name for p in phases)}",
         )
-    return {
-        "name": "stop",
-        "title": f"SIGTERM to exit of the standalone worker, by phase (--stop-grace {grace:g})",
-        "machine": machine_info(),
-        "command": command,
-        "figures": figures,
-        "rows": rows,
-        "notes": [
+    return bench_result(
+        "stop",
+        f"SIGTERM to exit of the standalone worker, by phase (--stop-grace {grace:g})",
+        command,
+        figures,
+        [
             f"{rounds} round(s) per phase; bound = grace + {BOUND_EXTRA_S:g} s; a generation "
             f"lasts grace + {LONG_EXTRA_S:g} s",
         ],
-    }
+        rows=rows,
+    )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -397,14 +360,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--grace", type=float, default=1.0, help="--stop-grace, seconds (default 1)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per phase (default 3)")
     ap.add_argument(
         "--phases", default="", help=f"comma-separated, of {','.join(p.name for p in PHASES)}"
     )
     ap.add_argument("--quick", action="store_true", help=f"1 round of {','.join(QUICK_PHASES)}")
-    ap.add_argument("--json", help="also write the result as JSON to this file")
+    add_json(ap)
     args = ap.parse_args(argv)
     by_name = {p.name: p for p in PHASES}
     names = [n for n in args.phases.split(",") if n] or (
@@ -419,9 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=args.grace, rounds=rounds, phases=[by_name[n] for n in names], quick=quick
     )
     print_table(result["rows"])
-    print_result(result)
-    write_json(args.json, result)
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,45 +1,14 @@
 """Run every benchmark, print the figures, and save them as JSON.
 
-Reproduce (from the repository root):
-
-    python bench/run.py                 # all benchmarks, about 5 minutes (+ 15 with koboldcpp)
-    python bench/run.py --quick         # shorter runs, about a minute (+ 3 with koboldcpp)
-    python bench/run.py --only overhead,throughput
-    python bench/run.py --compare bench/results/<earlier>.json
-
-Each benchmark runs as its own process (``python bench/<script>.py ...``), so
-one's memory and threads do not disturb the next. The figures (min / median /
-max over repeated runs, with the targets) are printed as each finishes, then
-once more as a summary, and written with the machine, the git commit and the
-command lines to ``bench/results/<UTC timestamp>.json`` (gitignored;
-``--out DIR`` or ``--no-save`` to change that). ``--compare OLD.json`` prints
-the change of every median against an earlier file, to compare commits.
-
-Benchmarks (``--only``/``--skip`` names):
-
-* ``overhead``   bench_overhead.py   the worker's own time per chat job, backend and network excluded
-* ``throughput`` bench_throughput.py jobs/s through the loop, koboldcpp's loop for scale, idle gap
-* ``offload``    bench_offload.py    a 36 MiB offloaded conversation with 20 images
-* ``sse``        bench_sse.py        SSE decoding throughput
-* ``progress``   bench_progress.py   progress post interval and token-to-post delay
-* ``stop``       bench_stop.py       SIGTERM to exit of the worker process, in each phase of a job
-* ``journal``    bench_journal.py    the job journal's cost per job, plain writes vs fsync
-* ``memory``     bench_memory.py     RSS after start-up, growth over 10,000 jobs
-* ``soak``       soak.py             10,000 jobs with injected faults (memory, correctness)
-* ``real``       bench_real.py       a real koboldcpp, directly and through the worker
-* ``kudos``      bench_kudos.py      a real koboldcpp: its own embedded worker vs the patched
-  one, kudos/hour and per-job time at 0 and 150 ms, 1 and 2 slots
-
-``real`` and ``kudos`` need a built koboldcpp and a model (``KCPP_DIR``,
-``KCPP_MODEL``); without them they say they were skipped.
-
-The machine matters: the figures in README were taken on 2 shared vCPUs with
-other work running, so compare medians of runs taken close together.
+Each benchmark runs as its own process; the figures with targets are printed
+again as a summary and written with the machine, the git commit and the
+commands to ``bench/results/<UTC timestamp>.json`` (``--out DIR``,
+``--no-save``); ``--compare OLD.json`` prints the change of every median. The
+benchmarks, their targets and how they measure: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -52,11 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-
-from bench_throughput import format_figure, machine_info  # noqa: E402
+from harness import BENCH, RESULTS, ROOT
+from harness.report import format_figure, git, machine_info, machine_line, parser
 
 
 @dataclass(frozen=True)
@@ -237,18 +203,9 @@ def run_bench(bench: Bench, *, quick: bool) -> dict[str, Any]:
 
 def git_state() -> dict[str, Any]:
     """The commit and whether the work tree differs from it."""
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=str(ROOT), capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
     return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git(ROOT, "rev-parse", "HEAD"),
+        "dirty": bool(git(ROOT, "status", "--porcelain", "--untracked-files=no")),
     }
 
 
@@ -270,11 +227,11 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
     ap.add_argument("--only", default="", help="comma-separated names to run")
     ap.add_argument("--skip", default="", help="comma-separated names not to run")
-    ap.add_argument("--out", default=str(BENCH / "results"), help="directory for the JSON")
+    ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON")
     ap.add_argument("--no-save", action="store_true", help="do not write the JSON")
     ap.add_argument("--compare", help="an earlier results JSON to compare the medians with")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -298,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     machine = machine_info()
     print(f"{command}  ({'quick' if args.quick else 'full'} mode)")
-    print(
-        f"machine: {machine['cpu']} x{machine['cpus']}, Python {machine['python']}, "
-        f"load {' '.join(machine['loadavg'])}"
-    )
+    print(machine_line(machine))
     print(f"note: {machine['note']}")
     if os.environ.get("BENCH_PKG_ROOT"):
         print(f"package: {os.environ['BENCH_PKG_ROOT']} (BENCH_PKG_ROOT), not the repository's")

@@ -1,50 +1,24 @@
-"""Soak: 10,000 jobs through the real pop loop with 10% injected faults.
+"""Soak: 10,000 jobs through the real pop loop with 10% injected faults, on a fake clock.
 
-Reproduce (from the repository root):
-
-    python bench/soak.py [--jobs 10000] [--fault-rate 0.10] [--seed 1]
-
-The real ``worker.Worker`` runs against in-process fakes of the Horde and
-koboldcpp (``tests/fakes.py``: no sockets, and a fake clock on which each
-generation takes 2 to 20 s, so 10,000 jobs cover more than a day of fake time
-and the sliding-hour guards act as they would in a long run). The job mix is
-60% chat, 20% streamed chat with progress posts, 20% text. About ``--fault-rate``
-of the jobs get one injected fault, drawn from: koboldcpp errors (no answer,
-reset, 500, busy for the whole lease, a malformed body, a stream cut mid-token,
-a failed tokencount), a conversation too long for the context, Horde submit
-faults (lost before or after processing, 503, 429, a refused reply, a
-nonconformant reply, ``AbortedGen``, 404), progress faults (cancel,
-``ChatJobAborted``, lost posts), and pop failures (502, 429, lost answers).
-The fake Horde honours the declaration: a pop without ``chat_jobs`` receives
-a text job, so maintenance avoidance shows.
-
-It prints: jobs popped, submitted ok, faulted (by reason), not submitted
-(cancelled or ended by the Horde), expired (the Horde unreachable for a whole
-lease), double submits (must be 0), lost jobs (must be 0), chat withdrawals,
-peak RSS and RSS growth after warm-up; the exit code is 1 when a must-be-0
-count is not 0.
+The worker against the in-process fakes of tests/fakes.py; it prints the jobs'
+ends, the faults by reason, double submits and lost jobs (the exit code is 1
+when either is not 0) and the RSS. The faults and the job mix: bench/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import random
 import resource
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness.product import BackendBusy, Worker, WorkerSettings
+from harness.report import parser, reproduce, rss_bytes
 
-from koboldcpp_horde_chat.errors import BackendBusy  # noqa: E402
-from koboldcpp_horde_chat.service.loop import Worker  # noqa: E402
-from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
-from tests.fakes import (  # noqa: E402
+from tests.fakes import (
     FakeBackend,
     FakeClock,
     FakeHorde,
@@ -64,13 +38,6 @@ HORDE_FAULTS = (
 )
 PROGRESS_FAULTS = ("cancel", "ChatJobAborted", "lost")
 POP_FAULTS = ("unavailable", "rate_limited", "lost")
-
-
-def rss_kib() -> int:
-    """The resident set size now, KiB (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() // 1024
 
 
 class SoakBackend(FakeBackend):
@@ -142,12 +109,12 @@ def text_pop(job_id: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=10_000)
-    parser.add_argument("--fault-rate", type=float, default=0.10)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=1000, help="jobs before the RSS baseline")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--fault-rate", type=float, default=0.10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1000, help="jobs before the RSS baseline")
+    args = ap.parse_args(argv)
     logging.disable(logging.CRITICAL)  # 10,000 jobs of log lines would measure logging
 
     rng = random.Random(args.seed)
@@ -240,10 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         tally()
         if i + 1 == args.warmup:
             gc.collect()
-            base_rss = rss_kib()
+            base_rss = rss_bytes() // 1024
     tally(final=True)
     gc.collect()
-    end_rss = rss_kib()
+    end_rss = rss_bytes() // 1024
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
@@ -271,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  injected faults:")
     for name, count in sorted(injected.items()):
         print(f"    {name:<34} {count}")
-    print(f"reproduce: python bench/soak.py --jobs {args.jobs} --fault-rate {args.fault_rate} "
-          f"--seed {args.seed}")
+    print("reproduce: " + reproduce(
+        "soak.py", f"--jobs {args.jobs} --fault-rate {args.fault_rate} --seed {args.seed}"
+    ))
     return 1 if doubles or late or verdicts["lost"] else 0
 
 

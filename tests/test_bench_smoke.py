@@ -178,7 +178,7 @@ def test_kudos_bench_targets_and_ratios_are_paired_by_round() -> None:
 
 
 def test_overhead_pairs_each_job_with_its_own_calls_when_the_next_pop_overlaps_a_submit() -> None:
-    bt = _bench_module("bench_throughput")
+    bt = _bench_module("harness.timing")
     # job a: pop answered 0.010, tokencount 0.011-0.015, chat 0.016-0.100, submit 0.101-0.110;
     # the pop for b goes out beside a's submit (0.1005) and is answered first (0.105);
     # b's calls start after a's submit returned (0.110): 0.111 tokencount, chat 0.116-0.200
