@@ -46,7 +46,7 @@ def _child(horde_url: str, kcpp_url: str) -> int:
                 "rss_start": rss_start,
                 "maxrss_start": maxrss_start,
                 "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "faults": worker.stats.faults,
+                "faults": worker.state.stats.faults,
             }
         ),
         flush=True,

@@ -201,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             backend.tokencounts.append(backend_error("error"))
         worker.run_once()
         backend.open_streams.clear()
-        if worker.chat_enabled != was_enabled:
-            withdrawals += 0 if worker.chat_enabled else 1
-            was_enabled = worker.chat_enabled
+        if worker.state.chat_enabled != was_enabled:
+            withdrawals += 0 if worker.state.chat_enabled else 1
+            was_enabled = worker.state.chat_enabled
         tally()
         if i + 1 == args.warmup:
             gc.collect()
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  lost jobs                 {verdicts['lost']}  (must be 0)")
     print(f"  chat withdrawals          {withdrawals}  (text jobs sent instead of chat: "
           f"{horde.text_instead})")
-    print(f"  worker stats              jobs={worker.stats.jobs} faults={worker.stats.faults} "
-          f"dropped={worker.stats.dropped}")
+    print(f"  worker stats              jobs={worker.state.stats.jobs} faults={worker.state.stats.faults} "
+          f"dropped={worker.state.stats.dropped}")
     print(f"  peak RSS                  {peak_kib / 1024:.1f} MiB")
     print(f"  RSS growth after warm-up  {(end_rss - base_rss) / 1024:+.2f} MiB "
           f"({base_rss / 1024:.1f} -> {end_rss / 1024:.1f} MiB over {args.jobs - args.warmup} jobs)")

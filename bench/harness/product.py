@@ -12,12 +12,8 @@ from koboldcpp_horde_chat.horde.declaration import BackendCapabilities, pop_body
 from koboldcpp_horde_chat.kcpp.client import BackendStream, KoboldClient
 from koboldcpp_horde_chat.kcpp.manners import NoManners, StandaloneManners
 from koboldcpp_horde_chat.kcpp.sse import SSEDecoder
-from koboldcpp_horde_chat.service.journal import (
-    Journal,
-    JournalEntry,
-    default_state_dir,
-    journal_path,
-)
+from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.service.journal_paths import default_state_dir, journal_path
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.service.standalone import LOG_DATEFMT, LOG_FORMAT, run_standalone
 from koboldcpp_horde_chat.service.state import WorkerState

@@ -55,9 +55,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
-from ..service import loop as _worker
+from ..service import hosting
 from ..service.hosting import check_limits, check_url, check_worker_name, open_state, serving_line
-from ..service.journal import journal_dir
+from ..service.journal_paths import journal_dir
 from ..service.state import WorkerState
 from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 
@@ -403,7 +403,7 @@ def run_horde_worker(
         log.error("worker %d: not started: %s", worker_id, exc)
         return
     try:
-        code = _worker.run_worker(
+        code = hosting.run_worker(
             settings,
             manners=manners,
             caps=capabilities(settings),

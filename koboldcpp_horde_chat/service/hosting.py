@@ -21,9 +21,13 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from ..horde.client import HordeClient
+from ..horde.declaration import BackendCapabilities
 from ..kcpp.client import KoboldClient
+from ..kcpp.manners import LocalManners
 from ..settings import WorkerSettings, worker_name_problem
-from .journal import JOURNAL_DIR_ENV, Journal, check_directory, journal_path, reason
+from .journal import Journal, check_directory, reason
+from .journal_paths import JOURNAL_DIR_ENV, journal_path
+from .loop import Worker
 from .recovery import recover
 from .state import WorkerState
 
@@ -125,7 +129,7 @@ def open_state(
     Args:
         settings: the worker's configuration (name, Horde, koboldcpp, model_id).
         journal_directory: where the worker's journal file is
-            (``journal.journal_path(settings.worker_name, journal_directory)``).
+            (``journal_paths.journal_path(settings.worker_name, journal_directory)``).
         stop_event: the loops' stop event (a new one when None); it also ends
             the recovery's pauses between attempts.
         journal_setting: how the operator moves the journal (``--journal-dir``
@@ -167,15 +171,7 @@ def open_state(
     def pause(seconds: float) -> None:
         stopper.wait(seconds)
 
-    horde = HordeClient(
-        settings.horde_url,
-        settings.api_key,
-        bridge_agent=settings.bridge_agent,
-        connect_timeout_s=settings.connect_timeout_s,
-    )
-    backend = KoboldClient(
-        settings.kcpp_url, settings.kcpp_password, connect_timeout_s=settings.connect_timeout_s
-    )
+    horde, backend = horde_client(settings), kcpp_client(settings)
     try:
         recover(
             journal,
@@ -189,3 +185,51 @@ def open_state(
         horde.close()
         backend.close()
     return state
+
+
+def horde_client(settings: WorkerSettings) -> HordeClient:
+    """A Horde client for the worker's Horde, key and bridge agent (one per thread)."""
+    return HordeClient(
+        settings.horde_url,
+        settings.api_key,
+        bridge_agent=settings.bridge_agent,
+        connect_timeout_s=settings.connect_timeout_s,
+    )
+
+
+def kcpp_client(settings: WorkerSettings) -> KoboldClient:
+    """A koboldcpp client for the worker's koboldcpp (one per thread)."""
+    return KoboldClient(
+        settings.kcpp_url, settings.kcpp_password, connect_timeout_s=settings.connect_timeout_s
+    )
+
+
+def run_worker(
+    settings: WorkerSettings,
+    *,
+    stop_event: threading.Event | None = None,
+    manners: LocalManners | None = None,
+    caps: BackendCapabilities | None = None,
+    worker_id: int = 1,
+    backend: KoboldClient | None = None,
+    state: WorkerState | None = None,
+) -> int:
+    """Build the clients and run one pop loop until stopped; returns the exit code.
+
+    One ``requests.Session`` per client and per thread: call this once per
+    worker thread. ``state`` is shared with the worker's other loops.
+    """
+    worker = Worker(
+        settings,
+        horde=horde_client(settings),
+        backend=backend if backend is not None else kcpp_client(settings),
+        stop_event=stop_event,
+        manners=manners,
+        caps=caps,
+        worker_id=worker_id,
+        state=state,
+        pop_horde=horde_client(settings),
+        abort_backend=kcpp_client(settings),
+        retry_horde=lambda: horde_client(settings),
+    )
+    return worker.run()

@@ -6,7 +6,7 @@ ends: the client waits for nothing (150 s, up to 600 s for a trusted streamed
 job) and the worker is charged a dropped job. So the worker records each job
 in a small file as soon as the pop's answer carries it (and again with its
 genkey before it generates), and clears it after the job's terminal action.
-At the next start, before the first pop, :func:`recover` faults every
+At the next start, before the first pop, the recovery faults every
 recorded job whose lease has not ended (seed "7. Fault a job": the request
 gets the job back for another worker) and aborts its local generation on
 koboldcpp by genkey.
@@ -14,15 +14,14 @@ koboldcpp by genkey.
 - :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
   genkey, lease end in epoch seconds). No API key, no password and no
   conversation text: nothing else is written.
-- :func:`default_state_dir` and :func:`journal_path`: where the file lives,
-  one file per worker name.
+- where the file lives, one file per worker name: ``service.journal_paths``.
 - :class:`Journal`: the file, shared by the pop loops of one worker. A write
   is a temporary file in the same directory, then ``os.replace``-d over the
   journal: a process killed at any instant leaves the old file or the new
   one whole. Only on request (``durable``) is each written ``fsync``-ed, and
   the directory too where the platform allows. A failed write never stops
   the worker: it is logged once.
-- :func:`recover`: the start-up pass over what an earlier process left.
+- the start-up pass over what an earlier process left: ``service.recovery``.
 
 The file::
 
@@ -37,40 +36,30 @@ embedded worker" (abort by genkey).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, Final
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
 __all__ = [
-    "APP_DIR_NAME",
     "FILE_VERSION",
     "Journal",
     "JournalEntry",
-    "default_state_dir",
-    "journal_path",
 ]
 
-#: The program's directory name under the platform's state directory.
-APP_DIR_NAME: Final = "koboldcpp-horde-chat"
 #: The ``version`` written in the file; a file of another version is set aside.
 FILE_VERSION: Final = 1
 #: A journal file larger than this (bytes) is not one this program wrote.
 MAX_FILE_BYTES: Final = 1024 * 1024
-#: The readable part of a journal file name, at most this many characters.
-SLUG_MAX_CHARS: Final = 40
 
 KINDS: Final = frozenset({"chat", "text"})
 GENKEY_PREFIX: Final = "HORDEREQ_"
@@ -158,79 +147,6 @@ class JournalEntry:
             genkey=obj["genkey"],
             lease_end=obj["lease_end"],
         )
-
-
-# ----------------------------------------------------------------------- paths
-
-
-def default_state_dir(
-    *,
-    platform: str = sys.platform,
-    environ: Mapping[str, str] = os.environ,
-    home: Path | None = None,
-) -> Path:
-    """The platform's state directory for this program (``koboldcpp-horde-chat`` under it).
-
-    - Windows (``"win32"``): ``%LOCALAPPDATA%`` when set to an absolute path,
-      else ``<home>/AppData/Local``;
-    - macOS (``"darwin"``): ``<home>/Library/Application Support``;
-    - Linux and other Unix: ``$XDG_STATE_HOME`` when set, non-empty and
-      absolute (the XDG rule: a relative value is ignored), else
-      ``<home>/.local/state``.
-
-    Args:
-        platform: ``sys.platform``'s value.
-        environ: the environment to read.
-        home: the user's home directory; None reads ``Path.home()``.
-
-    Pure given its arguments (with ``home`` given); creates nothing.
-    """
-    if platform == "win32":
-        local = environ.get("LOCALAPPDATA", "")
-        if local and PureWindowsPath(local).is_absolute():
-            return Path(local) / APP_DIR_NAME
-        return _home(home) / "AppData" / "Local" / APP_DIR_NAME
-    if platform == "darwin":
-        return _home(home) / "Library" / "Application Support" / APP_DIR_NAME
-    state = environ.get("XDG_STATE_HOME", "")
-    if state and PurePosixPath(state).is_absolute():
-        return Path(state) / APP_DIR_NAME
-    return _home(home) / ".local" / "state" / APP_DIR_NAME
-
-
-JOURNAL_DIR_ENV: Final = "KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR"
-"""Environment variable moving the journal's directory (the standalone worker's
-``--journal-dir`` defaults to it; inside koboldcpp it is the only way)."""
-
-
-def journal_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """The journal's directory: ``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR`` when set and
-    not empty, else :func:`default_state_dir`."""
-    value = environ.get(JOURNAL_DIR_ENV, "").strip()
-    return Path(value).expanduser() if value else default_state_dir(environ=environ)
-
-
-def _home(home: Path | None) -> Path:
-    return Path.home() if home is None else home
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
-
-
-def journal_path(worker_name: str, state_dir: Path) -> Path:
-    """The journal file of the worker named ``worker_name`` in ``state_dir``.
-
-    ``jobs-<slug>-<hash>.json``: the slug is the name with every run of other
-    characters than ASCII letters, digits, ``_`` and ``-`` turned into ``_``,
-    at most 40 characters (``worker`` when nothing is left); the hash is the
-    first 8 hex digits of the SHA-256 of the exact name (UTF-8), so names that
-    share a slug ("My Worker", "My_Worker") or differ only in case (for a
-    file system that ignores case) get distinct files. Example:
-    ``jobs-My_Worker-<8 hex>.json``.
-    """
-    slug = _UNSAFE.sub("_", worker_name).strip("_-")[:SLUG_MAX_CHARS].strip("_-") or "worker"
-    digest = hashlib.sha256(worker_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return state_dir / f"jobs-{slug}-{digest}.json"
 
 
 # --------------------------------------------------------------------- journal

@@ -1,23 +1,16 @@
 """The pop loop: pop, dispatch by kind, pause, back off, stop.
 
 Seed: "The pop loop" (flowchart) and "Worked example: koboldcpp's embedded
-worker". The loop pops with the declaration, yields koboldcpp to local users
-(``manners.py``), waits while koboldcpp does not answer or the Horde keeps
-the worker in maintenance, and hands each popped job to its run
-(``chat_run.py``, ``text_run.py``); the run's outcome goes to the submit
-pipeline (``submit.py``). It knows that a job runs and ends, not the steps of
-a chat job. Every wait is ``stop_event.wait(seconds)`` so that shutdown is
-prompt.
+worker". The loop pops with the declaration when the pop gate lets it
+(``service.gate``), hands each popped job to its run (``run.chat``,
+``run.text``) and the run's outcome to the submit pipeline (``run.submit``).
+It knows that a job runs and ends, not the steps of a chat job. Each popped
+job ends in one terminal action (``run.life``), logged with ``job=<id>``.
+Every wait is ``stop_event.wait(seconds)``, so a stop is prompt.
 
-Each popped job ends in exactly one terminal action: an accepted submit, a
-fault, or a deliberate no-submit after a cancel or ``ChatJobAborted``. The
-reason is logged in one line with ``job=<id>``.
-
-Like koboldcpp's own worker, whose submit runs on a thread of its own, the
-loop overlaps a job's submit with the next pop: when a job's outcome is
-ready, the next pop goes out on a thread of its own (with its own HTTP
-session) while the loop sends the terminal action, so koboldcpp waits for
-the Horde about one round trip per job, not two.
+Like koboldcpp's own worker, the loop overlaps a job's submit with the next
+pop (``service.pop_ahead``), so koboldcpp waits for the Horde about one
+round trip per job, not two.
 """
 
 from __future__ import annotations
@@ -49,9 +42,8 @@ from ..run.text import serve_text
 from ..settings import WorkerSettings
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, OWN_TAIL_S, PopGate
-from .guard import MaintenanceGuard
 from .pop_ahead import PopAhead
-from .state import WorkerState, WorkerStats
+from .state import WorkerState
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
@@ -141,23 +133,6 @@ class Worker:
         )
         self._skipped = SkippedReporter()
 
-    # The shared state, under the names the loop has always shown.
-    @property
-    def stats(self) -> WorkerStats:
-        return self.state.stats
-
-    @property
-    def exit_code(self) -> int:
-        return self.state.exit_code
-
-    @property
-    def chat_enabled(self) -> bool:
-        return self.state.chat_enabled
-
-    @property
-    def maintenance_guard(self) -> MaintenanceGuard:
-        return self.state.maintenance_guard
-
     # ------------------------------------------------------------------ loop
 
     def run(self) -> int:
@@ -177,7 +152,7 @@ class Worker:
             waited += 1
             self.stop_event.wait(3.0)
         if self._stopping():
-            return self.exit_code
+            return self.state.exit_code
         log.info(
             "worker %d: started as %r for model %s (chat context %d, length %d)",
             self.worker_id,
@@ -201,7 +176,7 @@ class Worker:
             with self.state.lock:
                 self.state.slots.remove(self)
         log.info("worker %d: stopped (%s)", self.worker_id, self.state.summary(self.wall()))
-        return self.exit_code
+        return self.state.exit_code
 
     def _pass(self) -> None:
         try:
@@ -478,8 +453,9 @@ class Worker:
 
     def _pop_body(self) -> dict[str, Any]:
         """The pop body with the declaration as the shared state has it now."""
+        state = self.state
         return pop_body(
-            self.settings, self.caps, withhold=self.state.withheld, chat_jobs=self.chat_enabled
+            self.settings, self.caps, withhold=state.withheld, chat_jobs=state.chat_enabled
         )
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
@@ -522,50 +498,3 @@ class Worker:
                 continue  # its submit is on the wire: the journal keeps it if that fails
             ctx.give_up("the worker is exiting")
             self.pipeline.fault_now(ctx)
-
-
-def run_worker(
-    settings: WorkerSettings,
-    *,
-    stop_event: threading.Event | None = None,
-    manners: LocalManners | None = None,
-    caps: BackendCapabilities | None = None,
-    worker_id: int = 1,
-    backend: KoboldClient | None = None,
-    state: WorkerState | None = None,
-) -> int:
-    """Build the clients and run one pop loop until stopped; returns the exit code.
-
-    One ``requests.Session`` per client and per thread: call this once per
-    worker thread. ``state`` is shared with the worker's other loops.
-    """
-
-    def horde_client() -> HordeClient:
-        return HordeClient(
-            settings.horde_url,
-            settings.api_key,
-            bridge_agent=settings.bridge_agent,
-            connect_timeout_s=settings.connect_timeout_s,
-        )
-
-    def kcpp_client() -> KoboldClient:
-        return KoboldClient(
-            settings.kcpp_url,
-            settings.kcpp_password,
-            connect_timeout_s=settings.connect_timeout_s,
-        )
-
-    worker = Worker(
-        settings,
-        horde=horde_client(),
-        backend=backend if backend is not None else kcpp_client(),
-        stop_event=stop_event,
-        manners=manners,
-        caps=caps,
-        worker_id=worker_id,
-        state=state,
-        pop_horde=horde_client(),
-        abort_backend=kcpp_client(),
-        retry_horde=horde_client,
-    )
-    return worker.run()

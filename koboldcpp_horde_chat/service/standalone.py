@@ -39,10 +39,10 @@ from .hosting import (
     check_url,
     check_worker_name,
     open_state,
+    run_worker,
     serving_line,
 )
-from .journal import JOURNAL_DIR_ENV, default_state_dir, journal_dir
-from .loop import run_worker
+from .journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
 from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat")

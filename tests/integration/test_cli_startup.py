@@ -20,7 +20,7 @@ from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.service.journal import JOURNAL_DIR_ENV
+from koboldcpp_horde_chat.service.journal_paths import JOURNAL_DIR_ENV
 from tests.startup_cases import REFUSED_AT_START
 
 from .conftest import API_KEY

@@ -37,7 +37,7 @@ from koboldcpp_horde_chat.devkit.horde import (
 )
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
-from koboldcpp_horde_chat.service.loop import run_worker
+from koboldcpp_horde_chat.service.hosting import run_worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 from ..unit.test_images import gif, jpeg, png, webp
@@ -72,7 +72,7 @@ def start_base64_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Ca
     """The real worker declaring only ``base64`` (as koboldcpp's own embedded worker does).
 
     The CLI always declares ``url`` beside ``base64`` with vision, and the Horde
-    prefers ``url``; this runs the same pop loop (``worker.run_worker``) with the
+    prefers ``url``; this runs the same pop loop (``hosting.run_worker``) with the
     url transport off. Returns a function that stops it.
     """
     threads: list[tuple[threading.Thread, threading.Event]] = []

@@ -20,7 +20,7 @@ import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.service.journal import journal_path
+from koboldcpp_horde_chat.service.journal_paths import journal_path
 
 from .test_service import WORKER_NAME, Worker, slow, terminal_actions, until
 from .test_service import workers as workers  # noqa: F401  (the fixture)

@@ -174,5 +174,5 @@ def test_exceptions_and_reprs_of_the_worker_objects_hide_the_key(horde: DevHorde
     )
     texts += [repr(settings), str(settings)]
     worker = Worker(settings, horde=client, backend=None, stop_event=threading.Event())  # type: ignore[arg-type]
-    texts += [repr(worker), repr(vars(worker.stats))]
+    texts += [repr(worker), repr(vars(worker.state.stats))]
     assert not [t for t in texts if API_KEY in t or "pw-secret" in t]

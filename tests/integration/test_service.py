@@ -21,7 +21,7 @@ import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.service.journal import journal_path
+from koboldcpp_horde_chat.service.journal_paths import journal_path
 
 from .conftest import API_KEY
 

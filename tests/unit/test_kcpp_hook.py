@@ -397,7 +397,7 @@ def real_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         )
         return w.run()
 
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", run_worker)
     yield seen
 
 
@@ -478,7 +478,7 @@ def test_each_worker_thread_runs_its_own_loop_named_after_its_id(
             calls.append({"settings": settings, "thread": threading.current_thread().name, **kw})
         return 0
 
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", run_worker)
     kcpp = make_kcpp(args_={"parallelrequests": 2})
     kcpp.modelbusy.acquire()
     caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
@@ -502,7 +502,7 @@ def test_a_bad_horde_url_or_no_model_does_not_start_the_loop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     started: list[int] = []
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: started.append(1) or 0)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", lambda s, **kw: started.append(1) or 0)
     monkeypatch.setenv("AI_HORDE_URL", "ftp://example.invalid")
     kcpp_hook.run_horde_worker(make_kcpp(), make_kcpp().args, API_KEY, "w", 1, 1)
     assert "AI_HORDE_URL needs an http:// or https:// URL" in caplog.text
@@ -520,7 +520,7 @@ def test_an_error_in_the_loop_is_logged_not_raised_into_koboldcpp(
     def run_worker(settings: WorkerSettings, **kw: Any) -> int:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", run_worker)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", run_worker)
     kcpp = make_kcpp(password=PASSWORD)
     assert kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "w", 3, 1) is None
     assert "worker 3: stopped by an unexpected error" in caplog.text
@@ -823,7 +823,7 @@ def test_what_the_standalone_worker_refuses_is_refused_inside_koboldcpp_in_one_l
     not start; koboldcpp carries on (the hook returns, nothing raised)."""
     refused = REFUSED_AT_START[case]
     started: list[int] = []
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: started.append(1) or 0)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", lambda s, **kw: started.append(1) or 0)
     monkeypatch.delenv("AI_HORDE_URL", raising=False)
     for name, value in refused.env.items():
         monkeypatch.setenv(name, value)
@@ -880,7 +880,7 @@ def test_the_last_line_says_why_the_worker_stopped_never_an_exit_code(
     code: int, line: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "_SHARED", {})
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: code)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", lambda s, **kw: code)
     caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     kcpp = make_kcpp()
     kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "my-worker", 1, 1)
@@ -892,7 +892,7 @@ def test_the_start_line_names_the_horde_and_koboldcpp_as_the_standalone_one_does
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "_SHARED", {})
-    monkeypatch.setattr(kcpp_hook._worker, "run_worker", lambda s, **kw: 0)
+    monkeypatch.setattr(kcpp_hook.hosting, "run_worker", lambda s, **kw: 0)
     monkeypatch.setenv("AI_HORDE_URL", "http://127.0.0.1:7001/api/v2/")
     caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     kcpp = make_kcpp(args_={"port": 5005})

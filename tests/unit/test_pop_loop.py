@@ -323,7 +323,7 @@ def test_too_many_workers_is_named_by_its_rc_and_retried_a_minute_later(
     assert not any("maintenance" in m for m in lines)
     assert stop.waited >= 2 * MAINTENANCE_POLL_S
     assert horde.verdicts() == {"j1": "submitted"}
-    assert worker.exit_code == 0
+    assert worker.state.exit_code == 0
     assert "worker 1: the Horde takes pops again: popping" in lines
 
 

@@ -129,7 +129,7 @@ def test_maintenance_is_logged_with_the_hordes_message_and_polled_slowly(
     start = clock()
     run(worker, 2)
     assert clock() - start >= 2 * MAINTENANCE_POLL_S
-    assert not worker.stop_event.is_set() and worker.exit_code == 0
+    assert not worker.stop_event.is_set() and worker.state.exit_code == 0
     text = log_text(caplog)
     assert "Worker is in maintenance: too many aborted jobs" in text
     assert "API key" not in text
@@ -162,7 +162,7 @@ def test_server_and_network_errors_back_off_with_jitter_and_never_blame_the_key(
     assert 0.5 <= waits[0] <= 1.0 and waits[-1] > 20.0
     assert max(waits) <= 60.0
     text = log_text(caplog)
-    assert "API key" not in text and worker.exit_code == 0
+    assert "API key" not in text and worker.state.exit_code == 0
     run(worker, 1)
     assert horde.verdicts() == {"j1": "submitted"}
     # A success resets the schedule.
@@ -186,8 +186,8 @@ def test_a_job_the_horde_ended_is_dropped_without_counting_as_a_fault(outcome: s
     run(worker, 1)
     assert horde.verdicts() == {"j1": "ended"}
     assert horde.jobs["j1"].attempts == 1  # dropped: no retry, no fault submit
-    assert worker.stats.faults == 0
-    assert worker.maintenance_guard.recent(clock()) == 0
+    assert worker.state.stats.faults == 0
+    assert worker.state.maintenance_guard.recent(clock()) == 0
 
 
 def test_a_key_refused_at_submit_stops_the_worker(caplog: pytest.LogCaptureFixture) -> None:
@@ -199,7 +199,7 @@ def test_a_key_refused_at_submit_stops_the_worker(caplog: pytest.LogCaptureFixtu
     horde.submit = refuse  # type: ignore[method-assign]
     caplog.set_level(logging.INFO)
     run(worker, 3)
-    assert worker.exit_code == 3 and worker.stop_event.is_set()
+    assert worker.state.exit_code == 3 and worker.stop_event.is_set()
     assert horde.pop_calls == 1
     assert log_text(caplog).count("check your API key") == 1
 
@@ -262,7 +262,7 @@ def test_an_absurd_reward_is_not_a_crash() -> None:
     worker, horde, _, _ = make([chat_pop("j1")], submit_script=("garbage_reward",))
     assert worker.run_once() is True
     assert horde.verdicts() == {"j1": "submitted"}
-    assert worker.stats.kudos == 0.0
+    assert worker.state.stats.kudos == 0.0
 
 
 # --- every popped job gets an answer ---------------------------------------------------
@@ -366,7 +366,7 @@ def test_faults_after_nonconformant_refusals_do_not_count_toward_maintenance() -
     worker, horde, _, clock = make(pops, submit_script=("ChatSubmitNonconformant", "ok") * 20)
     run(worker, 20)
     assert all(horde.verdict(j) == "faulted" for j in horde.jobs.values())
-    assert worker.maintenance_guard.recent(clock()) == 0
+    assert worker.state.maintenance_guard.recent(clock()) == 0
     assert all(b.get("chat_jobs") is True for b in horde.pop_bodies)
 
 
