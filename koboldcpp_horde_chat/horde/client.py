@@ -49,7 +49,7 @@ import urllib3.exceptions
 
 from .. import __version__, netfail
 from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
-from ..run.downloads import read_body, redact_url
+from ..httpbody import read_body, redact_url
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 

@@ -52,25 +52,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import requests
 import requests.adapters
 import urllib3.exceptions
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from .. import netfail
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
+from ..httpbody import read_body
 from ..jsonbody import RAW_STRING_MIN_CHARS, encode_json
-from ..run.downloads import read_body
+from .connection import BackendStream, InFlight, TrackingAdapter, describe_failure, shut, tracking
 
 log = logging.getLogger("koboldcpp_horde_chat.backend")
 
@@ -90,8 +86,6 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
 """What ``/api/v1/model`` says on a protected koboldcpp without the right bearer (facts §5.4)."""
 
-STREAM_READ_BYTES = 65536
-"""The most bytes one :meth:`BackendStream.read_chunk` returns."""
 
 _PROBE_TIMEOUT_S = 10.0
 _DETAIL_CHARS = 200
@@ -126,199 +120,6 @@ class BackendInfo:
     version: str
     protected: bool
     jinja: bool
-
-
-class BackendStream:
-    """An open ``text/event-stream`` answer from ``/v1/chat/completions``.
-
-    koboldcpp streams over HTTP/1.0 without chunked encoding and closes the
-    connection at the end (facts §4.8), so the body is read as raw bytes:
-    :meth:`read_chunk` returns whatever has arrived (up to 64 KiB) as soon as
-    anything arrives, and ``b""`` at the end of the stream. Decode the bytes
-    with ``sse.SSEDecoder``.
-
-    :meth:`close` may be called from another thread while :meth:`read_chunk`
-    blocks: it shuts the socket down, which wakes the reader; ``read_chunk``
-    then returns ``b""``. Usable as a context manager.
-    """
-
-    def __init__(self, response: requests.Response, *, password: str = "") -> None:
-        self._response = response
-        self._password = password
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._sock = _socket_of(response)
-
-    @property
-    def status(self) -> int:
-        """The HTTP status (200)."""
-        return int(self._response.status_code)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The response headers (as received)."""
-        return dict(self._response.headers)
-
-    def read_chunk(self) -> bytes:
-        """The next bytes of the stream, ``b""`` at its end or after :meth:`close`.
-
-        Returns as soon as at least one byte has arrived, never waiting to fill
-        a fixed size. Raises ``BackendError`` (status 0) on a read timeout (the
-        client's ``read_timeout_s`` without a byte), a reset or a broken
-        connection.
-        """
-        if self._closed.is_set():
-            return b""
-        raw = self._response.raw
-        try:
-            read1 = getattr(raw, "read1", None)
-            if read1 is not None:
-                data = read1(STREAM_READ_BYTES)
-            else:  # urllib3 < 2: read the http.client response directly
-                fp = getattr(raw, "_fp", None)
-                data = fp.read1(STREAM_READ_BYTES) if fp is not None else b""
-        except Exception as exc:  # a close() from another thread races with this read
-            if self._closed.is_set():
-                return b""
-            raise BackendError(_describe(exc, "reading the chat stream", self._password)) from None
-        if self._closed.is_set():
-            return b""
-        return bytes(data or b"")
-
-    def close(self) -> None:
-        """Close the connection; safe to call twice and from another thread."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-        # Shut the socket down first: a close() alone does not wake a reader
-        # blocked in recv() on another thread.
-        try:
-            self._response.raw.shutdown()
-        except Exception:  # urllib3 < 2.3 has no shutdown(); older ones raise
-            if self._sock is not None:
-                try:
-                    self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        try:
-            self._response.close()
-        except Exception:  # closing under a concurrent read may trip http.client
-            log.debug("closing the chat stream raised", exc_info=True)
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed.is_set()
-
-    def __enter__(self) -> BackendStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class _InFlight:
-    """The generation request a :class:`KoboldClient` has in flight (for ``hang_up``).
-
-    ``active`` while a generation call runs on thread ``thread``; ``conn`` is
-    the urllib3 connection it sends on, once known (the tracked connection
-    classes below register themselves when that thread connects or sends);
-    ``stream`` is the last stream :meth:`KoboldClient.open_chat_stream` opened.
-    Every field is read and written under ``lock``.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.active = False
-        self.hung_up = False
-        self.thread = 0
-        self.conn: HTTPConnection | None = None
-        self.stream: BackendStream | None = None
-
-
-_tracking = threading.local()
-"""``in_flight``: the :class:`_InFlight` of the generation call running on this thread."""
-
-
-def _track(conn: HTTPConnection) -> None:
-    """Register ``conn`` with the generation call running on this thread, if any.
-
-    Called by the tracked connections when they connect and before they send.
-    After a hang-up the socket is shut down at once and ``ConnectionAbortedError``
-    raised, so a request the hang-up came before is never sent.
-    """
-    in_flight: _InFlight | None = getattr(_tracking, "in_flight", None)
-    if in_flight is None:
-        return
-    with in_flight.lock:
-        if not in_flight.active or in_flight.thread != threading.get_ident():
-            return
-        in_flight.conn = conn
-        if not in_flight.hung_up:
-            return
-        _shut(conn.sock)
-    raise ConnectionAbortedError("the worker hung up")
-
-
-def _shut(sock: socket.socket | None) -> None:
-    """Shut a socket down both ways, which wakes a thread blocked on it; never raises."""
-    if sock is None:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-class _TrackedHTTPConnection(HTTPConnection):
-    """An HTTP connection that tells the generation call in flight about itself."""
-
-    def connect(self) -> None:
-        super().connect()
-        _track(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self)
-        super().request(*args, **kwargs)
-
-
-class _TrackedHTTPSConnection(HTTPSConnection):
-    """The HTTPS twin of :class:`_TrackedHTTPConnection`."""
-
-    def connect(self) -> None:
-        super().connect()
-        _track(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self)
-        super().request(*args, **kwargs)
-
-
-class _TrackedHTTPPool(HTTPConnectionPool):
-    ConnectionCls = _TrackedHTTPConnection
-
-
-class _TrackedHTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _TrackedHTTPSConnection
-
-
-class _TrackingAdapter(requests.adapters.HTTPAdapter):
-    """requests' adapter whose connections register with the generation call in flight."""
-
-    def init_poolmanager(
-        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
-    ) -> None:
-        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {
-            "http": _TrackedHTTPPool,
-            "https": _TrackedHTTPSPool,
-        }
 
 
 class KoboldClient:
@@ -361,11 +162,11 @@ class KoboldClient:
             session.trust_env = False
             session.verify = _ca_bundle_from_env()
             # Generation requests can then be hung up from another thread (hang_up).
-            adapter = _TrackingAdapter()
+            adapter = TrackingAdapter()
             session.mount("http://", adapter)
             session.mount("https://", adapter)
         self._session = session
-        self._in_flight = _InFlight()
+        self._in_flight = InFlight()
 
     def __repr__(self) -> str:
         return f"KoboldClient({self.base_url!r}, protected={bool(self._password)})"
@@ -599,7 +400,7 @@ class KoboldClient:
             if in_flight.active:
                 in_flight.hung_up = hung = True
                 if in_flight.conn is not None:
-                    _shut(in_flight.conn.sock)
+                    shut(in_flight.conn.sock)
         if stream is not None and not stream.closed:
             stream.close()
             hung = True
@@ -621,7 +422,7 @@ class KoboldClient:
             in_flight.thread = threading.get_ident()
             in_flight.conn = None
             in_flight.stream = None
-        _tracking.in_flight = in_flight
+        tracking.in_flight = in_flight
         try:
             if cancel is not None and cancel.is_set():
                 raise BackendError(f"{what}: not sent, the job was given up")
@@ -633,7 +434,7 @@ class KoboldClient:
                 raise BackendError(f"{what}: hung up by the worker") from None
             raise
         finally:
-            _tracking.in_flight = None
+            tracking.in_flight = None
             with in_flight.lock:
                 in_flight.active = False
                 in_flight.conn = None
@@ -699,7 +500,7 @@ class KoboldClient:
                 allow_redirects=False,
             )
         except _READ_ERRORS as exc:
-            raise BackendError(_describe(exc, f"{method} {path}", self._password)) from None
+            raise BackendError(describe_failure(exc, f"{method} {path}", self._password)) from None
 
     def _decode(self, response: requests.Response, path: str, deadline: float) -> dict[str, Any]:
         """Read a capped body by ``deadline`` and map the status; returns the JSON object."""
@@ -753,14 +554,6 @@ def _ca_bundle_from_env() -> str | bool:
     return os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
 
 
-def _socket_of(response: requests.Response) -> socket.socket | None:
-    """The socket under a streamed response, when urllib3 exposes it."""
-    raw = response.raw
-    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    return sock if isinstance(sock, socket.socket) else None
-
-
 def _detail(raw: bytes) -> str:
     """A short description of an error body: koboldcpp's ``detail.msg`` when present."""
     try:
@@ -774,16 +567,3 @@ def _detail(raw: bytes) -> str:
         if isinstance(decoded.get("message"), str):
             return str(decoded["message"])[:_DETAIL_CHARS]
     return json.dumps(decoded)[:_DETAIL_CHARS]
-
-
-def _describe(exc: BaseException, what: str, password: str) -> str:
-    """``"<what> <what went wrong>"`` in a few words, e.g. ``"GET /api/v1/model
-    connection failed (refused)"`` or ``"reading the chat stream timed out"``.
-
-    Only the exception's type and what it wraps are described
-    (:func:`.netfail.describe`), never its text; the password is masked all the same.
-    """
-    message = f"{what} {netfail.describe(exc)}"
-    if password:
-        message = message.replace(password, "***")
-    return message

@@ -23,8 +23,9 @@ import requests
 import responses
 
 from koboldcpp_horde_chat.errors import FetchError
+from koboldcpp_horde_chat.httpbody import read_body, redact_url
 from koboldcpp_horde_chat.run import downloads as fetch
-from koboldcpp_horde_chat.run.downloads import fetch_image, fetch_messages, read_body, redact_url
+from koboldcpp_horde_chat.run.downloads import fetch_image, fetch_messages
 
 MIB = 1024 * 1024
 SECRET = "X-Amz-Signature=deadbeefSECRET"

@@ -1,0 +1,245 @@
+"""koboldcpp's connections: a streamed answer read from the socket, and a
+generation request that another thread can hang up (I/O edge, for ``kcpp.client``).
+
+:class:`BackendStream` reads a Server-Sent Events answer raw and may be closed
+from another thread. The tracked connection classes tell the generation call
+in flight (:class:`InFlight`) which connection it sends on, so that
+``KoboldClient.hang_up`` can shut that socket down from another thread: with
+koboldcpp batching, an abort by genkey stops nothing (see ``kcpp.client``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from types import TracebackType
+from typing import Any
+
+import requests
+import requests.adapters
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from .. import netfail
+from ..errors import BackendError
+
+log = logging.getLogger("koboldcpp_horde_chat.backend")
+
+STREAM_READ_BYTES = 65536
+"""The most bytes one :meth:`BackendStream.read_chunk` returns."""
+
+
+class BackendStream:
+    """An open ``text/event-stream`` answer from ``/v1/chat/completions``.
+
+    koboldcpp streams over HTTP/1.0 without chunked encoding and closes the
+    connection at the end (facts §4.8), so the body is read as raw bytes:
+    :meth:`read_chunk` returns whatever has arrived (up to 64 KiB) as soon as
+    anything arrives, and ``b""`` at the end of the stream. Decode the bytes
+    with ``sse.SSEDecoder``.
+
+    :meth:`close` may be called from another thread while :meth:`read_chunk`
+    blocks: it shuts the socket down, which wakes the reader; ``read_chunk``
+    then returns ``b""``. Usable as a context manager.
+    """
+
+    def __init__(self, response: requests.Response, *, password: str = "") -> None:
+        self._response = response
+        self._password = password
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sock = socket_of(response)
+
+    @property
+    def status(self) -> int:
+        """The HTTP status (200)."""
+        return int(self._response.status_code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers (as received)."""
+        return dict(self._response.headers)
+
+    def read_chunk(self) -> bytes:
+        """The next bytes of the stream, ``b""`` at its end or after :meth:`close`.
+
+        Returns as soon as at least one byte has arrived, never waiting to fill
+        a fixed size. Raises ``BackendError`` (status 0) on a read timeout (the
+        client's ``read_timeout_s`` without a byte), a reset or a broken
+        connection.
+        """
+        if self._closed.is_set():
+            return b""
+        raw = self._response.raw
+        try:
+            read1 = getattr(raw, "read1", None)
+            if read1 is not None:
+                data = read1(STREAM_READ_BYTES)
+            else:  # urllib3 < 2: read the http.client response directly
+                fp = getattr(raw, "_fp", None)
+                data = fp.read1(STREAM_READ_BYTES) if fp is not None else b""
+        except Exception as exc:  # a close() from another thread races with this read
+            if self._closed.is_set():
+                return b""
+            problem = describe_failure(exc, "reading the chat stream", self._password)
+            raise BackendError(problem) from None
+        if self._closed.is_set():
+            return b""
+        return bytes(data or b"")
+
+    def close(self) -> None:
+        """Close the connection; safe to call twice and from another thread."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        # Shut the socket down first: a close() alone does not wake a reader
+        # blocked in recv() on another thread.
+        try:
+            self._response.raw.shutdown()
+        except Exception:  # urllib3 < 2.3 has no shutdown(); older ones raise
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            self._response.close()
+        except Exception:  # closing under a concurrent read may trip http.client
+            log.debug("closing the chat stream raised", exc_info=True)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed.is_set()
+
+    def __enter__(self) -> BackendStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class InFlight:
+    """The generation request a :class:`KoboldClient` has in flight (for ``hang_up``).
+
+    ``active`` while a generation call runs on thread ``thread``; ``conn`` is
+    the urllib3 connection it sends on, once known (the tracked connection
+    classes below register themselves when that thread connects or sends);
+    ``stream`` is the last stream :meth:`KoboldClient.open_chat_stream` opened.
+    Every field is read and written under ``lock``.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = False
+        self.hung_up = False
+        self.thread = 0
+        self.conn: HTTPConnection | None = None
+        self.stream: BackendStream | None = None
+
+
+tracking = threading.local()
+"""``in_flight``: the :class:`InFlight` of the generation call running on this thread."""
+
+
+def track(conn: HTTPConnection) -> None:
+    """Register ``conn`` with the generation call running on this thread, if any.
+
+    Called by the tracked connections when they connect and before they send.
+    After a hang-up the socket is shut down at once and ``ConnectionAbortedError``
+    raised, so a request the hang-up came before is never sent.
+    """
+    in_flight: InFlight | None = getattr(tracking, "in_flight", None)
+    if in_flight is None:
+        return
+    with in_flight.lock:
+        if not in_flight.active or in_flight.thread != threading.get_ident():
+            return
+        in_flight.conn = conn
+        if not in_flight.hung_up:
+            return
+        shut(conn.sock)
+    raise ConnectionAbortedError("the worker hung up")
+
+
+def shut(sock: socket.socket | None) -> None:
+    """Shut a socket down both ways, which wakes a thread blocked on it; never raises."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class TrackedHTTPConnection(HTTPConnection):
+    """An HTTP connection that tells the generation call in flight about itself."""
+
+    def connect(self) -> None:
+        super().connect()
+        track(self)
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        track(self)
+        super().request(*args, **kwargs)
+
+
+class TrackedHTTPSConnection(HTTPSConnection):
+    """The HTTPS twin of :class:`TrackedHTTPConnection`."""
+
+    def connect(self) -> None:
+        super().connect()
+        track(self)
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        track(self)
+        super().request(*args, **kwargs)
+
+
+class TrackedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = TrackedHTTPConnection
+
+
+class TrackedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = TrackedHTTPSConnection
+
+
+class TrackingAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter whose connections register with the generation call in flight."""
+
+    def init_poolmanager(
+        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
+    ) -> None:
+        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": TrackedHTTPPool,
+            "https": TrackedHTTPSPool,
+        }
+
+
+def socket_of(response: requests.Response) -> socket.socket | None:
+    """The socket under a streamed response, when urllib3 exposes it."""
+    raw = response.raw
+    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+    sock = getattr(connection, "sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def describe_failure(exc: BaseException, what: str, password: str) -> str:
+    """``"<what> <what went wrong>"`` in a few words, e.g. ``"GET /api/v1/model
+    connection failed (refused)"`` or ``"reading the chat stream timed out"``.
+
+    Only the exception's type and what it wraps are described
+    (:func:`.netfail.describe`), never its text; the password is masked all the same.
+    """
+    message = f"{what} {netfail.describe(exc)}"
+    if password:
+        message = message.replace(password, "***")
+    return message
