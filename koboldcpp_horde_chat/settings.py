@@ -5,7 +5,7 @@ Built by ``cli.py`` (standalone, from flags and the running koboldcpp) or by
 the field names. The API key and the koboldcpp password are kept out of
 ``repr`` so that a settings object can be logged.
 
-Also koboldcpp's own cut of a request's ``max_length`` (facts §2.8) and its
+Also koboldcpp's own cut of a request's ``max_length`` (1.116.1 ``koboldcpp.py`` L2168-2180) and its
 ``--genlimit``, which decide both the declared ``max_length`` and the budget a
 reply was generated under, and the context to send koboldcpp so that it cuts
 none of a job's budget.
@@ -58,7 +58,7 @@ def worker_name_problem(name: str) -> str | None:
 def kcpp_reserved_tokens(context: int) -> int:
     """Tokens koboldcpp keeps free for the prompt when it cuts a ``max_length``.
 
-    koboldcpp 1.116/1.117 ``generate()`` (facts §2.8): ``max(min(ctx - 4, 16),
+    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2173): ``max(min(ctx - 4, 16),
     int(ctx * 0.2))``, e.g. 819 for a 4096-token context, 200 for 1000.
 
     Args:
@@ -83,7 +83,7 @@ def kcpp_effective_max_length(
 ) -> int:
     """The budget koboldcpp really generates under for one request, tokens.
 
-    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2167-2178, facts §2.8)
+    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2168-2180)
     caps the request's ``max_context_length`` at its own context size
     (``--contextsize``), caps ``max_length`` at ``--genlimit`` when that is
     above 0, then cuts a ``max_length`` that leaves less than

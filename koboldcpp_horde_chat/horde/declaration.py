@@ -23,11 +23,11 @@ from ..settings import WorkerSettings
 log = logging.getLogger("koboldcpp_horde_chat.declaration")
 
 TOOLS_MAX_TEMPERATURE = 1.0
-"""koboldcpp clamps the temperature of a tool request to 1.0 (facts §4.5 step 5)."""
+"""koboldcpp clamps the temperature of a tool request to 1.0 (1.116.1 ``koboldcpp.py`` L4414)."""
 
 KOBOLDCPP_PREFIX = "koboldcpp/"
 INACTIVE_MODEL_NAME = "inactive"
-"""koboldcpp's ``friendlymodelname`` when no model is loaded (facts §2.8)."""
+"""koboldcpp's ``friendlymodelname`` when no model is loaded (1.116.1 ``koboldcpp.py`` L88)."""
 
 FeatureKind = Literal["feature", "guarantee"]
 
@@ -303,7 +303,9 @@ def _sanitise(name: str) -> str:
 def koboldcpp_model_name(
     *, hordemodelname: str, model_path: str, debugmode: int, gendefaults: str
 ) -> str:
-    """The model name koboldcpp registers (its ``friendlymodelname``), facts §2.8.
+    """The model name koboldcpp registers (its ``friendlymodelname``).
+
+    koboldcpp 1.116.1 ``koboldcpp.py`` L11453-11465:
 
     - From the model file: ``"koboldcpp/"`` + the sanitised file name without
       its extension; ``/m/Qwen3-8B-Q4_K_M.gguf`` gives ``koboldcpp/Qwen3-8B-Q4_K_M``.

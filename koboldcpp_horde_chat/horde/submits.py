@@ -84,7 +84,7 @@ def map_finish_reason(
     (:func:`.settings.kcpp_effective_max_length`), which can be below the job's.
 
     - ``"length"``: koboldcpp reports it for the budget and also for a stop
-      sequence hit or an abort (facts §4.9), so it stays ``"length"`` only when
+      sequence hit or an abort (1.116.1 ``koboldcpp.py`` L5194), so it stays ``"length"`` only when
       ``completion_tokens`` is None or reached ``max_length``; else ``"stop"``.
     - ``"stop"`` gives ``"stop"``; ``"content_filter"`` gives itself.
     - ``"tool_calls"`` gives ``"tool_calls"`` when there are calls, else ``"stop"``.

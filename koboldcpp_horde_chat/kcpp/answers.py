@@ -121,7 +121,8 @@ def text_generation(body: object) -> str:
 
 
 #: koboldcpp's C++ stop reason for a generation that ran out of tokens: its budget,
-#: or an abort (``/api/extra/perf`` ``stop_reason``, facts §4.9).
+#: or an abort (``/api/extra/perf`` ``stop_reason``; koboldcpp 1.116.1 ``expose.h`` L24,
+#: ``gpttype_adapter.cpp`` L5217).
 KCPP_STOP_OUT_OF_TOKENS = 0
 
 

@@ -1,7 +1,8 @@
 """Accumulate koboldcpp's streamed chat completion (pure; no I/O).
 
 Input: the ``data`` of each SSE event of koboldcpp's ``/v1/chat/completions``
-stream (see :mod:`.sse`), in order. koboldcpp sends (facts §4.8):
+stream (see :mod:`.sse`), in order. koboldcpp sends (1.116.1 ``koboldcpp.py``
+L5368-5768, L7165-7360):
 
 * chunks ``{"id", "object": "chat.completion.chunk", "created", "model",
   "choices": [{"index": 0, "finish_reason": null|"stop"|"length"|...,

@@ -10,7 +10,7 @@ subclass here, so none escapes:
 * 401 -> :class:`~koboldcpp_horde_chat.errors.BackendUnauthorized` (the
   ``--password`` is missing or wrong);
 * 503 -> :class:`~koboldcpp_horde_chat.errors.BackendBusy` (koboldcpp's
-  "Server is busy", facts §5.8);
+  "Server is busy", 1.116.1 ``koboldcpp.py`` L6890-6897);
 * any other non-2xx, a body that is not a JSON object, a body over the size
   cap, a connection failure, a timeout or a reset -> ``BackendError``
   (``status`` 0 when no response arrived).
@@ -84,7 +84,8 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """The most bytes read from one JSON answer (64 MiB)."""
 
 PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
-"""What ``/api/v1/model`` says on a protected koboldcpp without the right bearer (facts §5.4)."""
+"""What ``/api/v1/model`` says on a protected koboldcpp without the right bearer
+(koboldcpp 1.116.1 ``koboldcpp.py`` L6077-6082)."""
 
 
 _PROBE_TIMEOUT_S = 10.0
@@ -180,7 +181,8 @@ class KoboldClient:
     def ready(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
         """True when ``GET /api/v1/info/version`` answers JSON with a truthy ``result``.
 
-        koboldcpp's own worker uses this probe (facts §2.3). Never raises.
+        koboldcpp's own worker uses this probe (1.116.1 ``koboldcpp.py``
+        L10104-10109). Never raises.
         """
         try:
             body = self._get("/api/v1/info/version", timeout_s)
@@ -194,7 +196,7 @@ class KoboldClient:
         Calls ``GET /api/v1/model``, ``/api/extra/true_max_context_length`` and
         ``/api/extra/version``. On a protected koboldcpp it also checks the
         password: the model name reads ``"koboldcpp/protected-model"`` without
-        the right bearer (facts §5.4), and ``POST /api/extra/tokencount`` of
+        the right bearer (``koboldcpp.py`` L6077-6082), and ``POST /api/extra/tokencount`` of
         ``""`` answers 401.
 
         Raises:
@@ -233,7 +235,7 @@ class KoboldClient:
         )
 
     def perf(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
-        """``GET /api/extra/perf``: koboldcpp's statistics (facts §5.6).
+        """``GET /api/extra/perf``: koboldcpp's statistics (1.116.1 ``koboldcpp.py`` L6112-6157).
 
         Keys include ``idle`` (0 while generating), ``queue`` (requests
         waiting), ``idletime`` (seconds since the last generation request),
@@ -244,7 +246,7 @@ class KoboldClient:
     # ----------------------------------------------------------- generation
 
     def tokencount(self, prompt: str, *, timeout_s: float) -> int:
-        """Tokens of ``prompt`` by koboldcpp's tokenizer, BOS included (facts §5.1).
+        """Tokens of ``prompt`` by koboldcpp's tokenizer, BOS included (``koboldcpp.py`` L6479).
 
         Sends ``POST /api/extra/tokencount {"prompt": prompt}`` and nothing else:
         never ``messages``, whose rendering may run a tool-choice generation
@@ -298,8 +300,9 @@ class KoboldClient:
         hold ``"stream": true`` itself.
         ``read_timeout_s`` bounds each wait for bytes, including the prompt
         processing before the first token, when koboldcpp sends only headers
-        (facts §4.8). The answer's status and ``content-type`` are checked: a
-        JSON answer where a stream was asked for raises ``BackendError``.
+        (1.116.1 ``koboldcpp.py`` L5380-5384). The answer's status and
+        ``content-type`` are checked: a JSON answer where a stream was asked for
+        raises ``BackendError``.
 
         A generation request: :meth:`hang_up` ends it from another thread, while
         it opens and once it is open (``cancel`` as for :meth:`chat_completion`).
@@ -351,9 +354,10 @@ class KoboldClient:
     def abort(self, genkey: str, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
         """``POST /api/extra/abort {"genkey"}``: stop the generation with this genkey.
 
-        True when koboldcpp answers ``"success": "true"`` (a string, facts
-        §5.2; a boolean true is accepted too). False means the genkey was not
-        running (or was remembered as a pending abort: ``"done": "false"``).
+        True when koboldcpp answers ``"success": "true"`` (a string,
+        1.116.1 ``koboldcpp.py`` L6535-6541; a boolean true is accepted too). False
+        means the genkey was not running (or was remembered as a pending abort:
+        ``"done": "false"``).
         Raises ``BackendUnauthorized``, ``BackendError``.
         """
         body = self._post("/api/extra/abort", {"genkey": genkey}, timeout_s)
@@ -370,7 +374,7 @@ class KoboldClient:
         """``POST /api/v1/generate`` (Kobold API) and return the decoded JSON object.
 
         The answer is ``{"results": [{"text", "finish_reason", ...}]}``
-        (facts §5.7). A generation request, which :meth:`hang_up` ends
+        (1.116.1 ``koboldcpp.py`` L5341). A generation request, which :meth:`hang_up` ends
         (``cancel`` as for :meth:`chat_completion`). Raises like
         :meth:`chat_completion`.
         """

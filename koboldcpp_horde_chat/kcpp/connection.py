@@ -34,7 +34,7 @@ class BackendStream:
     """An open ``text/event-stream`` answer from ``/v1/chat/completions``.
 
     koboldcpp streams over HTTP/1.0 without chunked encoding and closes the
-    connection at the end (facts §4.8), so the body is read as raw bytes:
+    connection at the end (1.116.1 ``koboldcpp.py`` L5764-5768), so the body is read raw:
     :meth:`read_chunk` returns whatever has arrived (up to 64 KiB) as soon as
     anything arrives, and ``b""`` at the end of the stream. Decode the bytes
     with ``sse.SSEDecoder``.

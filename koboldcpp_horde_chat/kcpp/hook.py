@@ -12,7 +12,7 @@ worker runs as before, silently; when it is installed but its import fails
 then runs its own worker.
 
 This is the only module that knows koboldcpp's module globals and ``args``
-(facts sheet §1-3). It reads, once at start:
+(koboldcpp 1.116.1 ``koboldcpp.py`` L88-186, L11452-11472). It reads, once at start:
 
 - ``friendlymodelname``: the model name koboldcpp registers, already built by
   its rule from ``--hordemodelname``, ``--debugmode``, ``--gendefaults`` and the
@@ -120,7 +120,7 @@ def horde_url_from_env(environ: Mapping[str, str] | None = None) -> str:
 
 
 def kcpp_url(kcpp: types.ModuleType, args: object) -> str:
-    """koboldcpp's own base URL, as its ``get_my_epurl`` builds it (facts §2.3).
+    """koboldcpp's own base URL, as its ``get_my_epurl`` builds it (``koboldcpp.py`` L4780-4787).
 
     ``https`` when ``sslvalid`` else ``http``; the port is ``args.proxy_port`` when
     set (router mode) else ``args.port``; the host is ``args.host`` when set, else
@@ -194,7 +194,7 @@ def settings_from_kcpp(
 
 
 def max_request_mb(args: object) -> int:
-    """koboldcpp's request body limit in MB (of 1024 * 1024 bytes), facts §5.8.
+    """koboldcpp's request body limit in MB (of 1024 * 1024 bytes), ``koboldcpp.py`` L6424-6425.
 
     koboldcpp 1.116.1 defines ``--maxrequestsize`` as an int, default 32, and
     answers a POST whose ``Content-Length`` is above ``maxrequestsize * 1024 *
@@ -222,7 +222,7 @@ class KcppManners:
         kcpp: koboldcpp's module object.
         check_busy: consult ``modelbusy``; koboldcpp's own worker skips that check
             with batching (``parallel_batching_threads > 1``), since batched
-            requests release the lock at once (facts §2.6).
+            requests release the lock at once (1.116.1 ``koboldcpp.py`` L7116-7119, L10174).
     """
 
     def __init__(self, kcpp: types.ModuleType, *, check_busy: bool = True) -> None:

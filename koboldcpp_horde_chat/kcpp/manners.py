@@ -1,7 +1,7 @@
 """When the pop loop may pop: manners toward local users, a busy or absent koboldcpp.
 
 koboldcpp's own worker waits 20 s after a local user's last generation and
-does not pop while the model is busy (facts §2.5). The loop asks a
+does not pop while the model is busy (1.116.1 ``koboldcpp.py`` L10127-10138). The loop asks a
 :class:`PopGate` before each pop; the gate asks a :class:`LocalManners`:
 inside koboldcpp the hook reads koboldcpp's globals (``kcpp_hook.KcppManners``);
 standalone, :class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf``.

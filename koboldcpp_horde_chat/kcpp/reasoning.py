@@ -6,7 +6,7 @@ Seed section: "6. Submit the reply" (``message.reasoning_content``) and
 koboldcpp usually splits the reasoning off itself (``reasoning_content`` in
 its chat completion and in its stream deltas). This module handles what is
 left: content that still holds reasoning tags, from any of koboldcpp's five
-tag pairs (facts §1 ``thinkformats``):
+tag pairs (``thinkformats``, 1.116.1 ``koboldcpp.py`` L182-186):
 
 - a closed block ``<think>...</think>`` moves to the reasoning;
 - an end tag without a start tag (the template opened the block) makes the

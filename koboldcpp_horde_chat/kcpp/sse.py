@@ -2,10 +2,11 @@
 
 koboldcpp streams ``/v1/chat/completions`` as ``text/event-stream``: each event
 is ``data: <json>\\n\\n`` and the stream ends with ``data: [DONE]\\n\\n`` before
-the server closes the connection (facts §4.8). This module turns the raw bytes
-of such a stream, in whatever pieces the socket delivers them, into events. It
-follows the event-stream parsing rules of the WHATWG HTML standard
-("Server-sent events", "Interpreting an event stream"):
+the server closes the connection (koboldcpp 1.116.1 ``koboldcpp.py`` L5348-5353,
+L5746, L5767). This module turns the raw bytes of such a stream, in whatever
+pieces the socket delivers them, into events. It follows the event-stream
+parsing rules of the WHATWG HTML standard ("Server-sent events", "Interpreting
+an event stream"):
 
 * The stream is UTF-8. One byte order mark at the very start is dropped. Bytes
   are decoded with ``errors="replace"``, and only once a whole line is in, so a

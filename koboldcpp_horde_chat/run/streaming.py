@@ -261,7 +261,7 @@ class _StreamedGeneration:
         """Stop the local generation: close the stream, then abort by ``genkey``.
 
         The abort also covers a request still queued for koboldcpp's model lock
-        (koboldcpp keeps one pending abort key, facts §5.2).
+        (koboldcpp keeps one pending abort key, 1.116.1 ``koboldcpp.py`` L6537-6539).
         """
         self.slot.close()
         self.edges.abort_quietly(self.ctx.genkey)

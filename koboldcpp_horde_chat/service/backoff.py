@@ -10,8 +10,8 @@ Two policies:
   against a server that just said it is overloaded. A server's ``Retry-After``
   is a floor for the delay.
 * :class:`EmptyPopBackoff`: the wait after a pop that returned no job, the same
-  steps as koboldcpp's embedded worker (facts §2.5): 1 s, then 2 s after 10 empty
-  pops in a row, then 3 s after 25.
+  steps as koboldcpp's embedded worker (1.116.1 ``koboldcpp.py`` L10158-10160):
+  1 s, then 2 s after 10 empty pops in a row, then 3 s after 25.
 
 Seed section: "The pop loop" (a pop without a job is followed by another pop).
 """

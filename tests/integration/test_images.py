@@ -565,7 +565,7 @@ def test_a_chat_request_koboldcpp_would_refuse_as_too_big_is_faulted_without_sen
     horde: DevHorde, kcpp: ScriptedKoboldcpp
 ) -> None:
     """koboldcpp answers a body over --maxrequestsize with 500 "Payload is too big"
-    (facts §5.8). The image makes the chat request too big (the fit count sends no
+    (koboldcpp 1.116.1 koboldcpp.py L6422-6431). The image makes the chat request too big (the fit count sends no
     image bytes, so it fits): the worker faults the job without a reason, and never
     sends it; a small job afterwards is served."""
     assert len(json.dumps(image_request(data_url("image/jpeg", BIG_PHOTO)))) > SMALL_LIMIT

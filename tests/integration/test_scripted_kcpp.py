@@ -411,7 +411,7 @@ def test_an_object_rooted_grammar_yields_an_object(k: ScriptedKoboldcpp) -> None
         chat(k, messages=[{"role": "user", "content": "A cat"}], grammar=OBJECT_JSON_GRAMMAR)
     )["content"]
     assert isinstance(json.loads(content), dict)
-    # json_object beside the grammar replaces it with the array-rooted one (facts §4.4)
+    # json_object beside the grammar replaces it with the array-rooted one (koboldcpp 1.116.1 koboldcpp.py L4279-4303)
     both = message_of(
         chat(
             k,
@@ -747,7 +747,7 @@ def test_busy_answers_503_for_every_generation(k: ScriptedKoboldcpp) -> None:
 
 def test_a_body_over_maxrequestsize_is_answered_500_payload_too_big_without_generating() -> None:
     """koboldcpp 1.116.1 answers a Content-Length above ``--maxrequestsize`` MB with
-    500 and this body, before reading it (facts §5.8); the default is 32 MB."""
+    500 and this body, before reading it (koboldcpp.py L6422-6431); the default is 32 MB."""
     assert ScriptedKoboldcpp().max_request_bytes == 32 * 1024 * 1024
     with ScriptedKoboldcpp(max_request_bytes=1024 * 1024) as k:
         fits = {"messages": [{"role": "user", "content": "x" * (1024 * 1024 - 100)}], "max_tokens": 4}

@@ -2,7 +2,7 @@
 
 A stand-in koboldcpp module object carries the globals and ``args`` that the
 real koboldcpp 1.116.1 has at the moment it starts its Horde worker threads
-(facts sheet §1-3: names, types and the values koboldcpp derives from its flags).
+(koboldcpp.py L88-186, L11452-11472: names, types and the values derived from its flags).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_a_koboldcpp_without_maxrequestsize_gets_its_default_limit() -> None:
 def test_model_id_is_koboldcpps_friendlymodelname(
     args: dict[str, Any], friendlymodelname: str
 ) -> None:
-    """The hook takes the name koboldcpp registered; it follows the naming rule of facts §2.8."""
+    """The hook takes the name koboldcpp registered; it follows the naming rule of koboldcpp 1.116.1 koboldcpp.py L11453-11465."""
     kcpp = make_kcpp(friendlymodelname=friendlymodelname, args_=args)
     s = hook_settings(kcpp)
     assert s.model_id == friendlymodelname
@@ -441,7 +441,7 @@ def test_waits_while_modelbusy_is_held(real_loop: dict[str, Any]) -> None:
 
 
 def test_with_batching_it_pops_while_modelbusy_is_held(real_loop: dict[str, Any]) -> None:
-    """koboldcpp skips the busy check when --parallelrequests > 1 (facts §2.6)."""
+    """koboldcpp skips the busy check when --parallelrequests > 1 (koboldcpp 1.116.1 koboldcpp.py L10174)."""
     kcpp = make_kcpp()
     kcpp.modelbusy.acquire()
     thread = start_hook(kcpp, threads=2)

@@ -302,3 +302,42 @@ def test_the_package_imports_on_this_python() -> None:
         [sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------- koboldcpp citations
+
+CITED_TREES = ("koboldcpp_horde_chat", "tests", "bench", "docs", "patches", "README.md")
+UNSHIPPED_SHEET = re.compile("facts \N{SECTION SIGN}|koboldcpp-fact[s]|fact[ ]sheet", re.IGNORECASE)
+
+
+def unshipped_sheet_citations(root: Path) -> list[str]:
+    """``path:line`` of each citation of koboldcpp notes this repository does not hold
+    (their sections, their file name); a koboldcpp fact is cited by version, file and
+    line of koboldcpp's source instead."""
+    found: list[str] = []
+    for tree in CITED_TREES:
+        top = root / tree
+        paths = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())
+        for path in paths:
+            if "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            for number, line in enumerate(text.splitlines(), 1):
+                if UNSHIPPED_SHEET.search(line):
+                    found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_koboldcpp_facts_are_cited_by_its_source_not_by_a_sheet_the_reader_lacks() -> None:
+    assert unshipped_sheet_citations(ROOT) == []
+
+
+def test_the_citation_check_sees_a_sheet_citation(tmp_path: Path) -> None:
+    """The check above can fail: a docstring citing the sheet's section is found."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text("ok\nthe busy 503 (facts \N{SECTION SIGN}5.8)\n")
+    (tmp_path / "README.md").write_text("koboldcpp 1.116.1 koboldcpp.py L6890\n")
+    assert unshipped_sheet_citations(tmp_path) == ["docs/x.md:2"]

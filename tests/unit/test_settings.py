@@ -1,4 +1,4 @@
-"""koboldcpp's cut of a request's max_length and the declared max_length (facts §2.8).
+"""koboldcpp's cut of a request's max_length and the declared max_length (koboldcpp.py L2168-2180).
 
 The values below come from koboldcpp 1.116.1's ``generate()``: a request's
 ``max_context_length`` is capped at koboldcpp's context size, and a

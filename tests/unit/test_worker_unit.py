@@ -480,7 +480,7 @@ def test_a_chat_request_over_koboldcpps_maxrequestsize_is_faulted_without_sendin
     streamed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """koboldcpp answers a body over --maxrequestsize with 500 "Payload is too big"
-    (facts §5.8): the worker faults the job at once, without a fault_reason."""
+    (koboldcpp 1.116.1 koboldcpp.py L6422-6431): the worker faults the job at once, without a fault_reason."""
     extra = {"stream_progress": True} if streamed else {}
     pop = chat_pop(
         "j1", messages=[{"role": "user", "content": LONG_TEXT}], max_context_length=4096, **extra

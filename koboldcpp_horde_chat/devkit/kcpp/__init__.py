@@ -3,44 +3,45 @@
 :class:`ScriptedKoboldcpp` listens on 127.0.0.1 and answers the routes the chat
 worker (and koboldcpp's own embedded worker) uses, with the status codes,
 headers, key order and value types recorded from a real koboldcpp 1.116.1
-(``kcpp-samples/``) and described in the koboldcpp fact sheet. The replies are
+(``tests/data/kcpp-samples/``) and read in its ``koboldcpp.py``. The replies are
 canned and deterministic, so tests and the demo get sensible answers without a
 model:
 
 * ``/v1/chat/completions`` (whole or Server-Sent Events over HTTP/1.0, closed at
   the end), ``/api/v1/generate``, ``/api/extra/generate/stream``;
 * ``/api/extra/tokencount`` (``{"value", "ids", "prompt"}``, BOS included),
-  ``/api/extra/abort`` (string ``"true"``/``"false"`` values, facts §5.2),
+  ``/api/extra/abort`` (string ``"true"``/``"false"`` values, L6521-6541),
   ``/api/extra/generate/check``;
 * the open GETs: ``/api/v1/info/version``, ``/api/v1/model``,
   ``/api/extra/version``, ``/api/extra/true_max_context_length``,
   ``/api/v1/config/max_context_length``, ``/api/v1/config/max_length``,
   ``/v1/models``, ``/api/extra/perf``.
 
-Behaviour copied from koboldcpp (facts section in brackets):
+Behaviour copied from koboldcpp (lines of koboldcpp 1.116.1 ``koboldcpp.py`` in brackets):
 
-* generations are serialised by one lock (``modelbusy``, §5.8): a second request
+* generations are serialised by one lock (``modelbusy``, L6886-6897): a second request
   waits; ``busy = True`` answers 503 ``Server is busy`` instead;
 * with a password, generation POSTs, tokencount, abort and generate/check need
   ``Authorization: Bearer <password>`` (401 otherwise, checked after the lock
-  is taken); GETs stay open and ``/api/v1/model`` masks the name (§6);
+  is taken); GETs stay open and ``/api/v1/model`` masks the name (L5850-5862, L6077-6082);
 * ``finish_reason`` is ``"stop"`` only for EOS; the token budget, a stop
-  sequence and an abort all report ``"length"`` (§4.9);
+  sequence and an abort all report ``"length"`` (L5194, L5435);
 * ``<think>`` blocks are split into ``reasoning_content`` (non-stream: only when
-  both tags or only the end tag are present; stream: tag by tag) (§4.6);
-* ``response_format: json_object`` yields a JSON *array* (§4.4, §9); a
-  ``grammar`` rooted at an object or a ``json_schema`` yields an object;
+  both tags or only the end tag are present; stream: tag by tag) (L5208-5225, L5455-5570);
+* ``response_format: json_object`` yields a JSON *array* (L4193; recorded in
+  ``json_object_smollm.body``); a ``grammar`` rooted at an object or a
+  ``json_schema`` yields an object;
 * tools: ids ``call_<10000-99999>``, ``content`` ``""``, ``finish_reason``
   ``"tool_calls"``; streamed tool replies are fake-streamed after generation
-  with chunk id ``"koboldcpp"`` and no usage chunk (§4.5, §4.8);
+  with chunk id ``"koboldcpp"`` and no usage chunk (L5249, L7165-7360);
 * a generation whose genkey does not start with ``HORDEREQ_`` is a local user's:
-  it updates :attr:`ScriptedKoboldcpp.last_non_horde_request_time` (§2.5);
+  it updates :attr:`ScriptedKoboldcpp.last_non_horde_request_time` (L5176-5179, L5203-5206);
 * prompts longer than the context are cut at the front silently and
-  ``prompt_tokens`` reports the kept part (§4.3);
+  ``prompt_tokens`` reports the kept part (``gpttype_adapter.cpp`` L5616-5629, L6965-6966);
 * a request's ``max_context_length`` is capped at the context size, its
   ``max_length`` at ``--genlimit`` (``genlimit``, when above 0) and then cut to
   leave ``max(min(ctx - 4, 16), int(ctx * 0.2))`` tokens of the context to the
-  prompt, as ``generate()`` does (``koboldcpp.py`` L2167-2178); the cut budget
+  prompt, as ``generate()`` does (L2168-2180); the cut budget
   ends with ``"length"``;
 * batching (``parallel_requests`` > 1, ``--parallelrequests``): a batchable
   generation (no grammar, tools, images, ``reasoning_effort`` or the samplers
@@ -230,8 +231,8 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
             generation (start and end), or None.
         busy: when True every generation answers 503 "Server is busy".
         running: how many generations run now, batched or not (property).
-        hold_stop_sequences: True (koboldcpp's way, facts §4.8): a stream holds
-            back text that could start a stop sequence and trims the one that
+        hold_stop_sequences: True (koboldcpp's way, ``koboldcpp.py`` L5470-5486): a
+            stream holds back text that could start a stop sequence and trims the one that
             ended generation. False streams a stop sequence as generated (a
             backend that does not trim), so the client side must strip it.
         chunk_log: with ``log_chunks = True``, ``(time.monotonic(), delta)`` of

@@ -128,7 +128,7 @@ class ChatCompletions(Generation, ScriptedReplies):
     def _chat_message(
         self, plan: _Plan, outcome: _Outcome, stops: list[str], encapsulate: bool
     ) -> tuple[dict[str, Any], str]:
-        """The non-stream ``message`` and ``finish_reason`` (facts §4.5-§4.7)."""
+        """The non-stream ``message`` and ``finish_reason`` (``koboldcpp.py`` L5192-5273)."""
         text = "".join(outcome.pieces)
         if outcome.stop_reason == STOP_CUSTOM:
             text = _trim_stops(text, stops)

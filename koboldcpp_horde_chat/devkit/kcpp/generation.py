@@ -227,9 +227,9 @@ class Generation(Aborts):
             p["stop_reason"] = stop_reason
 
     def _budget(self, body: dict[str, Any], *, chat: bool) -> tuple[int, int]:
-        """(max_length, context) after koboldcpp's clamps (facts §2.8, §4.2).
+        """(max_length, context) after koboldcpp's clamps (1.116.1 ``koboldcpp.py`` L4243-4247).
 
-        As ``generate()`` (L2167-2178): the context capped at the loaded one,
+        As ``generate()`` (L2168-2180): the context capped at the loaded one,
         ``max_length`` capped at ``--genlimit`` when above 0, then a
         ``max_length`` of at least ``ctx - max(min(ctx - 4, 16), int(ctx * 0.2))``
         cut to that value.

@@ -110,7 +110,8 @@ class InfoRoutes(KcppCore):
             self.tokencount_messages.append(body)
             messages = body.get("messages")
             if isinstance(messages, list):
-                # adapter mode keeps tools in memory, which tokencount does not count (§5.1)
+                # adapter mode keeps tools in memory, which tokencount does not count
+                # (koboldcpp 1.116.1 koboldcpp.py L6478-6484)
                 prompt, _ = _render_chat(messages, None)
         pieces = self.tokenizer.pieces(prompt)
         ids = self.tokenizer.ids(pieces)

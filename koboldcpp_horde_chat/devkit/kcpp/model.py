@@ -82,7 +82,7 @@ def token_count(text: str, chars_per_token: int = 4) -> int:
 
 
 def _finish_reason(stop_reason: int) -> str:
-    """koboldcpp's mapping: -2 error, 1 stop, anything else length (facts §4.9)."""
+    """koboldcpp's mapping: -2 error, 1 stop, anything else length (``koboldcpp.py`` L5194)."""
     if stop_reason == STOP_ERROR:
         return "error"
     return "stop" if stop_reason == STOP_EOS else "length"
@@ -144,7 +144,8 @@ def _content_text(content: Any) -> tuple[str, int]:
 def _received_images(messages: Any) -> dict[str, Any] | None:
     """The image parts of a chat body as koboldcpp takes them (see ``images``), or
     None when there are none. koboldcpp uses a url only when it starts with
-    ``data:image`` and base64-decodes the text after the first comma (facts §3)."""
+    ``data:image`` and base64-decodes the text after the first comma (``koboldcpp.py``
+    L4390-4391)."""
     if not isinstance(messages, list):
         return None
     data_urls: list[str] = []

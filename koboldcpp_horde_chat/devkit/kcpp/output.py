@@ -10,7 +10,7 @@ from koboldcpp_horde_chat.devkit.kcpp.values import THINK_PAIRS
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
-    """koboldcpp's non-stream split: ``(content, reasoning)`` (facts §4.6).
+    """koboldcpp's non-stream split: ``(content, reasoning)`` (1.116.1 ``koboldcpp.py`` L5208-5225).
 
     The first tag pair found decides: both tags present -> the text between them
     is the reasoning; only the end tag -> everything before it. Otherwise the
@@ -54,7 +54,7 @@ class OaiStreamSplitter:
     tag or stop string is held back); ``finish(reason)`` returns the last ones:
     a leftover content chunk (``finish_reason`` None) when text remained, then
     the final chunk with the reason. Each item is ``(delta, finish_reason)``.
-    Every delta carries ``"role": "assistant"`` (facts §4.8).
+    Every delta carries ``"role": "assistant"`` (1.116.1 ``koboldcpp.py`` L5503).
     """
 
     def __init__(self, stops: list[str], *, encapsulate_thinking: bool = True) -> None:

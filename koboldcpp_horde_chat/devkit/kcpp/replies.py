@@ -321,7 +321,7 @@ class ScriptedReplies(KcppCore):
     def _choose_tool(
         tools: list[dict[str, Any]] | None, choice: Any, messages: list[Any]
     ) -> dict[str, Any] | None:
-        """The tool the default reply calls, or None (facts §4.5)."""
+        """The tool the default reply calls, or None (1.116.1 ``koboldcpp.py`` L4021-4125)."""
         if not tools or choice is None or choice == "none":
             return None
 

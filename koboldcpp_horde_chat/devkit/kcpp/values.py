@@ -40,7 +40,7 @@ BAD_INPUT_BODY: dict[str, Any] = {"detail": {"msg": "Error parsing input.", "typ
 
 
 def too_big_body(max_request_bytes: int) -> dict[str, Any]:
-    """koboldcpp's 500 answer to a body over ``--maxrequestsize`` (facts §5.8):
+    """koboldcpp's 500 answer to a body over ``--maxrequestsize`` (``koboldcpp.py`` L6422-6431):
     ``{"detail": {"msg": "Payload is too big. Max payload size is 32MB.", "type":
     "bad_input"}}`` (a limit that is not whole MB is given in bytes)."""
     mib = 1024 * 1024
@@ -62,7 +62,7 @@ THINK_PAIRS: tuple[tuple[str, str], ...] = (
     ("<|START_THINKING|>", "<|END_THINKING|>"),
     ("<|channel>thought", "<channel|>"),
 )
-"""koboldcpp's ``thinkformats``, in its order (facts §1)."""
+"""koboldcpp's ``thinkformats``, in its order (1.116.1 ``koboldcpp.py`` L182-186)."""
 
 _CHAT_TAGS = ("<|im_start|>", "<|im_end|>")
 _SPECIAL_TAGS = sorted(
@@ -81,7 +81,7 @@ _CORS_HEADERS = (
     ),
 )
 
-# koboldcpp's C++ stop reasons (facts §4.9)
+# koboldcpp's C++ stop reasons (1.116.1 expose.h L20-27)
 STOP_ERROR = -2
 STOP_INVALID = -1
 STOP_OUT_OF_TOKENS = 0
