@@ -1,8 +1,7 @@
 """Streaming progress posts for one job, as a pure state machine (no I/O, no clock).
 
-The worker owns the clock and the HTTP calls; this module decides *what* to post
-and *what to do* with each answer. One :class:`ProgressPoster` per job whose
-payload has ``stream_progress: true``. The loop is::
+The worker owns the clock and the HTTP calls; this module decides what to post
+and what to do with each answer (one :class:`ProgressPoster` per streamed job)::
 
     poster.add(content_delta, reasoning_delta)     # client-visible text as it arrives
     body = poster.due(now)                          # a post to send now, or None
@@ -12,12 +11,9 @@ payload has ``stream_progress: true``. The loop is::
     STOP_POSTING -> keep generating, post nothing more; CONTINUE -> carry on.
     before submitting: poster.pending_final(now) for the last buffered text.
 
-Post body (seed "Streaming progress")::
-
-    {"id": "<job-id>", "seq": 1, "delta": {"content": "Blue", "reasoning_content": "..."}}
-
-``content`` is always present (``""`` while only reasoning has been produced);
-``reasoning_content`` only when the post carries reasoning.
+Post body (seed "Streaming progress"): ``{"id": "<job-id>", "seq": 1, "delta":
+{"content": "Blue", "reasoning_content": "..."}}``; ``content`` always
+(``""`` while only reasoning came), ``reasoning_content`` only when there is some.
 
 Rules implemented, with the seed's values:
 

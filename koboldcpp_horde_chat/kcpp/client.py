@@ -21,26 +21,12 @@ contain the password, nor the HTTP library's own text: a failure without an
 answer reads ``"POST /v1/chat/completions connection failed (reset)"``,
 ``"... timed out"``, ``"... connection failed (refused)"``.
 
-One :class:`requests.Session` per client: sessions are not documented as
-thread-safe, so use one client per thread (a :class:`BackendStream` may be
-closed from another thread, see there, and :meth:`KoboldClient.hang_up` may
-be called from another thread). A session the client makes itself does
-not read the environment on each call (``trust_env`` off): no proxy (koboldcpp
-is local), no ``.netrc`` credentials; ``REQUESTS_CA_BUNDLE`` or
-``CURL_CA_BUNDLE`` is read once, when the client is made.
-
-Request bodies are encoded by :func:`jsonbody.encode_json`, which copies a large image
-data URL once instead of three times.
-
-:meth:`KoboldClient.hang_up` closes the connection of the generation request
-in flight. With koboldcpp batching (``--parallelrequests`` > 1) an abort by
-genkey stops nothing: ``/api/extra/abort`` only sets the single-slot abort flag,
-which batched requests never check (koboldcpp 1.116.1 ``koboldcpp.py``
-L6532-6541, ``gpttype_adapter.cpp`` L3802-3809 against L4443). koboldcpp ends
-a batched *streamed* generation when its client hangs up (``koboldcpp.py``
-L5752-5753); a non-streamed one runs on to its end whatever the client does
-(no disconnect check outside streams, L5798-5812), but the hang-up still
-frees the worker at once.
+One :class:`requests.Session` per client, one client per thread (a
+:class:`BackendStream` may be closed, and :meth:`KoboldClient.hang_up` called,
+from another thread: ``kcpp.connection``). A session the client makes itself
+does not read the environment on each call: no proxy (koboldcpp is local), no
+``.netrc``; ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE`` is read once.
+Request bodies are encoded by :func:`jsonbody.encode_json`.
 
 Seed section: "Worked example: koboldcpp's embedded worker" (the worker
 generates through koboldcpp's local ``/v1/chat/completions`` and
@@ -51,11 +37,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +49,14 @@ import urllib3.exceptions
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from ..httpbody import read_body
 from ..jsonbody import RAW_STRING_MIN_CHARS, encode_json
-from .connection import BackendStream, InFlight, TrackingAdapter, describe_failure, shut, tracking
+from .connection import (
+    BackendStream,
+    InFlight,
+    TrackingAdapter,
+    ca_bundle_from_env,
+    describe_failure,
+    error_detail,
+)
 
 log = logging.getLogger("koboldcpp_horde_chat.backend")
 
@@ -89,7 +79,6 @@ PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
 
 
 _PROBE_TIMEOUT_S = 10.0
-_DETAIL_CHARS = 200
 
 # Exceptions that reading a response body may raise besides requests' own.
 _READ_ERRORS: tuple[type[BaseException], ...] = (
@@ -161,7 +150,7 @@ class KoboldClient:
             # requests would otherwise re-read proxies, .netrc and the CA bundle from
             # the environment on every call (about 0.3 ms each); koboldcpp is local.
             session.trust_env = False
-            session.verify = _ca_bundle_from_env()
+            session.verify = ca_bundle_from_env()
             # Generation requests can then be hung up from another thread (hang_up).
             adapter = TrackingAdapter()
             session.mount("http://", adapter)
@@ -283,7 +272,7 @@ class KoboldClient:
         over the cap, network failures and timeouts, a hang-up).
         """
         path = "/v1/chat/completions"
-        with self._generation(f"POST {path}", cancel):
+        with self._in_flight.generation(f"POST {path}", cancel):
             return self._post(path, body, timeout_s)
 
     def open_chat_stream(
@@ -318,7 +307,7 @@ class KoboldClient:
         else:
             payload = body
         path = "/v1/chat/completions"
-        with self._generation(f"POST {path}", cancel):
+        with self._in_flight.generation(f"POST {path}", cancel):
             return self._open_stream(path, payload, read_timeout_s)
 
     def _open_stream(
@@ -379,7 +368,7 @@ class KoboldClient:
         :meth:`chat_completion`.
         """
         path = "/api/v1/generate"
-        with self._generation(f"POST {path}", cancel):
+        with self._in_flight.generation(f"POST {path}", cancel):
             return self._post(path, payload, timeout_s)
 
     def hang_up(self) -> bool:
@@ -397,51 +386,9 @@ class KoboldClient:
         already closed). Never raises. Only on a session the client made
         itself: with a ``session`` passed in, only an open stream is closed.
         """
-        in_flight = self._in_flight
-        hung = False
-        with in_flight.lock:
-            stream, in_flight.stream = in_flight.stream, None
-            if in_flight.active:
-                in_flight.hung_up = hung = True
-                if in_flight.conn is not None:
-                    shut(in_flight.conn.sock)
-        if stream is not None and not stream.closed:
-            stream.close()
-            hung = True
-        return hung
+        return self._in_flight.hang_up()
 
     # -------------------------------------------------------------- helpers
-
-    @contextmanager
-    def _generation(self, what: str, cancel: threading.Event | None) -> Iterator[None]:
-        """Around one generation request on this thread: :meth:`hang_up` can end it.
-
-        Armed before ``cancel`` is looked at, so that a job given up (``cancel``
-        set, then :meth:`hang_up`) is either never sent or hung up.
-        """
-        in_flight = self._in_flight
-        with in_flight.lock:
-            in_flight.active = True
-            in_flight.hung_up = False
-            in_flight.thread = threading.get_ident()
-            in_flight.conn = None
-            in_flight.stream = None
-        tracking.in_flight = in_flight
-        try:
-            if cancel is not None and cancel.is_set():
-                raise BackendError(f"{what}: not sent, the job was given up")
-            yield
-        except BackendError:
-            with in_flight.lock:
-                hung_up = in_flight.hung_up
-            if hung_up:
-                raise BackendError(f"{what}: hung up by the worker") from None
-            raise
-        finally:
-            tracking.in_flight = None
-            with in_flight.lock:
-                in_flight.active = False
-                in_flight.conn = None
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -512,15 +459,15 @@ class KoboldClient:
         raw = self._read_capped(response, path, deadline)
         if status == 401:
             raise BackendUnauthorized(
-                f"{path}: 401 {_detail(raw)} (koboldcpp's password is "
+                f"{path}: 401 {error_detail(raw)} (koboldcpp's password is "
                 + ("wrong" if self._password else "missing")
                 + ")",
                 status=401,
             )
         if status == 503:
-            raise BackendBusy(f"{path}: 503 {_detail(raw)}", status=503)
+            raise BackendBusy(f"{path}: 503 {error_detail(raw)}", status=503)
         if not 200 <= status < 300:
-            raise BackendError(f"{path}: HTTP {status} {_detail(raw)}", status=status)
+            raise BackendError(f"{path}: HTTP {status} {error_detail(raw)}", status=status)
         try:
             decoded = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -550,24 +497,3 @@ class KoboldClient:
             if self._password:
                 problem = problem.replace(self._password, "***")
             raise BackendError(f"{path}: {problem}"[:500], status=response.status_code) from None
-
-
-def _ca_bundle_from_env() -> str | bool:
-    """What requests itself would verify with: ``REQUESTS_CA_BUNDLE`` or
-    ``CURL_CA_BUNDLE`` when set and not empty, else True (its default bundle)."""
-    return os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-
-
-def _detail(raw: bytes) -> str:
-    """A short description of an error body: koboldcpp's ``detail.msg`` when present."""
-    try:
-        decoded = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return repr(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
-    if isinstance(decoded, dict):
-        detail = decoded.get("detail")
-        if isinstance(detail, dict) and isinstance(detail.get("msg"), str):
-            return str(detail["msg"])[:_DETAIL_CHARS]
-        if isinstance(decoded.get("message"), str):
-            return str(decoded["message"])[:_DETAIL_CHARS]
-    return json.dumps(decoded)[:_DETAIL_CHARS]

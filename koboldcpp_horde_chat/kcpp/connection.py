@@ -5,14 +5,28 @@ generation request that another thread can hang up (I/O edge, for ``kcpp.client`
 from another thread. The tracked connection classes tell the generation call
 in flight (:class:`InFlight`) which connection it sends on, so that
 ``KoboldClient.hang_up`` can shut that socket down from another thread: with
-koboldcpp batching, an abort by genkey stops nothing (see ``kcpp.client``).
+koboldcpp batching, an abort by genkey stops nothing.
+
+``KoboldClient.hang_up`` closes the connection of the generation request
+in flight. With koboldcpp batching (``--parallelrequests`` > 1) an abort by
+genkey stops nothing: ``/api/extra/abort`` only sets the single-slot abort flag,
+which batched requests never check (koboldcpp 1.116.1 ``koboldcpp.py``
+L6532-6541, ``gpttype_adapter.cpp`` L3802-3809 against L4443). koboldcpp ends
+a batched *streamed* generation when its client hangs up (``koboldcpp.py``
+L5752-5753); a non-streamed one runs on to its end whatever the client does
+(no disconnect check outside streams, L5798-5812), but the hang-up still
+frees the worker at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -25,6 +39,9 @@ from .. import netfail
 from ..errors import BackendError
 
 log = logging.getLogger("koboldcpp_horde_chat.backend")
+
+#: Characters of an error body kept in an error message.
+DETAIL_CHARS = 200
 
 STREAM_READ_BYTES = 65536
 """The most bytes one :meth:`BackendStream.read_chunk` returns."""
@@ -144,6 +161,55 @@ class InFlight:
         self.conn: HTTPConnection | None = None
         self.stream: BackendStream | None = None
 
+    def hang_up(self) -> bool:
+        """Close the connection of the generation request in flight (any thread);
+        True when something was hung up (see ``KoboldClient.hang_up``)."""
+        hung = False
+        with self.lock:
+            stream, self.stream = self.stream, None
+            if self.active:
+                self.hung_up = hung = True
+                if self.conn is not None:
+                    shut(self.conn.sock)
+        if stream is not None and not stream.closed:
+            stream.close()
+            hung = True
+        return hung
+
+    @contextmanager
+    def generation(self, what: str, cancel: threading.Event | None) -> Iterator[None]:
+        """Around one generation request on this thread: :meth:`hang_up` can end it.
+
+        Armed before ``cancel`` is looked at, so that a job given up (``cancel``
+        set, then :meth:`hang_up`) is either never sent or hung up.
+
+        Raises:
+            BackendError: ``cancel`` was set (nothing sent), or the request
+                failed ("hung up by the worker" after :meth:`hang_up`).
+        """
+        with self.lock:
+            self.active = True
+            self.hung_up = False
+            self.thread = threading.get_ident()
+            self.conn = None
+            self.stream = None
+        tracking.in_flight = self
+        try:
+            if cancel is not None and cancel.is_set():
+                raise BackendError(f"{what}: not sent, the job was given up")
+            yield
+        except BackendError:
+            with self.lock:
+                hung_up = self.hung_up
+            if hung_up:
+                raise BackendError(f"{what}: hung up by the worker") from None
+            raise
+        finally:
+            tracking.in_flight = None
+            with self.lock:
+                self.active = False
+                self.conn = None
+
 
 tracking = threading.local()
 """``in_flight``: the :class:`InFlight` of the generation call running on this thread."""
@@ -243,3 +309,24 @@ def describe_failure(exc: BaseException, what: str, password: str) -> str:
     if password:
         message = message.replace(password, "***")
     return message
+
+
+def ca_bundle_from_env() -> str | bool:
+    """What requests itself would verify with: ``REQUESTS_CA_BUNDLE`` or
+    ``CURL_CA_BUNDLE`` when set and not empty, else True (its default bundle)."""
+    return os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+
+
+def error_detail(raw: bytes) -> str:
+    """A short description of an error body: koboldcpp's ``detail.msg`` when present."""
+    try:
+        decoded = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return repr(raw[:DETAIL_CHARS].decode("utf-8", "replace"))
+    if isinstance(decoded, dict):
+        detail = decoded.get("detail")
+        if isinstance(detail, dict) and isinstance(detail.get("msg"), str):
+            return str(detail["msg"])[:DETAIL_CHARS]
+        if isinstance(decoded.get("message"), str):
+            return str(decoded["message"])[:DETAIL_CHARS]
+    return json.dumps(decoded)[:DETAIL_CHARS]
