@@ -7,8 +7,7 @@ standalone worker beside a running koboldcpp (:mod:`.standalone`);
 for trying a worker or a patched koboldcpp by hand (:mod:`.devkit.serve`).
 
 The subcommands are imported only when asked for; none of them imports this
-module. The standalone worker's pieces are re-exported here under their
-historical names.
+module.
 """
 
 from __future__ import annotations
@@ -16,35 +15,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .service.standalone import (
-    LOG_DATEFMT,
-    LOG_FORMAT,
-    WITHHOLDABLE,
-    build_parser,
-    check_flags,
-    configure_logging,
-    normalise_url,
-    parse_withhold,
-    resolve_url,
-    run_standalone,
-    settings_from_args,
-)
+from .service.standalone import run_standalone
 
-__all__ = [
-    "LOG_DATEFMT",
-    "LOG_FORMAT",
-    "SUBCOMMANDS",
-    "WITHHOLDABLE",
-    "build_parser",
-    "check_flags",
-    "configure_logging",
-    "main",
-    "normalise_url",
-    "parse_withhold",
-    "resolve_url",
-    "run_standalone",
-    "settings_from_args",
-]
+__all__ = ["SUBCOMMANDS", "main"]
 
 SUBCOMMANDS = ("demo", "devhorde")
 """The first arguments that name a subcommand instead of the standalone worker's flags."""

@@ -31,7 +31,7 @@ from ..service.state import WorkerState
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
 from . import fit, images
 from .downloads import fetch_image, fetch_messages
-from .job import SUBMIT_MARGIN_S, Edges, JobContext, Reply, payload_keys
+from .job import SUBMIT_MARGIN_S, Edges, JobContext, Outcome, payload_keys
 from .life import Move
 from .streaming import generate_streamed
 from .submit import refused_reply_fault
@@ -75,7 +75,7 @@ class ChatRun:
         self.settings = edges.settings
         self.model_id = ctx.model_id(self.settings.model_id)
 
-    def serve(self) -> Reply:
+    def serve(self) -> Outcome:
         """Seed steps 2 to 6. Returns the reply to submit.
 
         Raises:
@@ -185,7 +185,7 @@ class ChatRun:
                 fault_reason=FAULT_PROMPT_OVERFLOW,
             )
 
-    def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+    def _generate(self, messages: list[dict[str, Any]]) -> Outcome:
         """Generate through ``/v1/chat/completions`` and build the structured submit.
 
         The fit check has passed, so koboldcpp is sent a context that cuts none
@@ -245,7 +245,7 @@ class ChatRun:
             f"tokens={submit_body.get('completion_tokens', '?')} "
             f"calls={len(message.get('tool_calls') or [])}"
         )
-        return Reply(submit_body, detail, self._refusal_fault)
+        return Outcome(submit_body, detail, self._refusal_fault)
 
     def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
         """A generation someone aborted on koboldcpp (its stop button) is not a

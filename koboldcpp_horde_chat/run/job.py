@@ -207,7 +207,7 @@ class JobContext:
 
 
 @dataclass(frozen=True)
-class Reply:
+class Outcome:
     """What a job run returns: the submit body and how to answer its refusal.
 
     Attributes:

@@ -19,12 +19,12 @@ from ..horde.pop import TextJob
 from ..horde.submits import text_submit
 from ..kcpp.answers import text_generation
 from ..kcpp.bodies import text_request_body
-from .job import Edges, JobContext, Reply
+from .job import Edges, JobContext, Outcome
 
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
-def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Reply:
+def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Outcome:
     """Generate a text job and return its submit (``{"id", "generation", "state": "ok"}``).
 
     Raises:
@@ -49,7 +49,7 @@ def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Reply:
         generation = text_generation(body)
     except (BackendError, ReplyError) as exc:
         raise JobFault(f"backend failed: {exc}", backend_failed=True) from None
-    return Reply(text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
+    return Outcome(text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
 
 
 def _refusal_fault(exc: HordeRefusal) -> JobFault:

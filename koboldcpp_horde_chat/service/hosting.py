@@ -143,11 +143,11 @@ def open_state(
 
     Raises:
         ConfigError: another process on this machine serves the same worker
-            name (it holds the journal, ``Journal.claim``).
+            name (it holds the journal, ``Journal.lock``).
     """
     journal = Journal(journal_path(settings.worker_name, journal_directory))
     try:
-        holder = journal.claim()
+        holder = journal.lock()
     except OSError as exc:
         log.warning(
             "job journal directory %s cannot be used (%s): crash recovery is off, so a job "

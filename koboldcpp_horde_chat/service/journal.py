@@ -204,9 +204,9 @@ class Journal:
         self._failing = False
         self._dirty = False
         self._written = False
-        self._claim_fd: int | None = None
+        self._lock_fd: int | None = None
 
-    def claim(self) -> int | None:
+    def lock(self) -> int | None:
         """Take the journal for this process, for as long as it lives.
 
         Two processes serving the same worker name on one machine would share
@@ -224,7 +224,7 @@ class Journal:
                 (:func:`check_directory`) or its lock file cannot be opened;
                 nothing is logged (the host says what it does then).
         """
-        if self._claim_fd is not None:
+        if self._lock_fd is not None:
             return None
         lock_path = self.path.with_name(self.path.name + ".lock")
         check_directory(self.path.parent)
@@ -243,12 +243,12 @@ class Journal:
             os.write(fd, str(os.getpid()).encode("ascii"))
         except OSError:
             pass  # the lock holds; only the holder's id for the message is missing
-        self._claim_fd = fd
+        self._lock_fd = fd
         return None
 
-    def release(self) -> None:
+    def unlock(self) -> None:
         """Give the journal up (the process ends, or starts its loops again)."""
-        fd, self._claim_fd = self._claim_fd, None
+        fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
 

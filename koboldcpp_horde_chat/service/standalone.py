@@ -455,7 +455,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             code = _serve(settings, caps, state, manners, args.parallelrequests)
         finally:
             if state.journal is not None:
-                state.journal.release()
+                state.journal.unlock()
         if manners.changed is None or stop_event.is_set():
             return code
         log.warning("%s: reading it again to declare what it serves now", manners.changed)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from koboldcpp_horde_chat.cli import run_standalone
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.service.standalone import run_standalone
 
 API_KEY = "test-key-0123456789"
 
@@ -58,7 +58,7 @@ class RunningWorker:
 def start_worker(
     horde: DevHorde, kcpp: ScriptedKoboldcpp
 ) -> Iterator[Callable[..., RunningWorker]]:
-    """Start the real standalone worker (``cli.run_standalone``) against the fixtures."""
+    """Start the real standalone worker (``standalone.run_standalone``) against the fixtures."""
     started: list[RunningWorker] = []
 
     def start(*extra: str, key: str = API_KEY, kcpp_url: str | None = None) -> RunningWorker:

@@ -17,8 +17,9 @@ from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry, RecoveryResult, recover
+from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
 from koboldcpp_horde_chat.service.journal_paths import journal_path
+from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from tests.integration.conftest import API_KEY
 
 MODEL = "koboldcpp/test-model"

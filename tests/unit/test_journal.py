@@ -794,11 +794,11 @@ def test_only_one_journal_object_at_a_time_holds_a_journal_file(tmp_path: Path) 
     the second cannot take the journal while the first holds it."""
     path = tmp_path / "state" / "jobs.json"
     first, second = Journal(path), Journal(path)
-    assert first.claim() is None
-    assert first.claim() is None  # taking it again is a no-op
-    assert second.claim() == os.getpid()
+    assert first.lock() is None
+    assert first.lock() is None  # taking it again is a no-op
+    assert second.lock() == os.getpid()
     other = Journal(tmp_path / "state" / "jobs-other.json")
-    assert other.claim() is None  # another worker name is another journal
+    assert other.lock() is None  # another worker name is another journal
 
 
 @pytest.mark.parametrize(
@@ -816,7 +816,7 @@ def test_a_journal_whose_directory_cannot_be_used_is_not_claimed_and_the_host_is
     else:
         directory = Path(where)
     with pytest.raises(OSError) as raised:
-        Journal(directory / "jobs.json").claim()
+        Journal(directory / "jobs.json").lock()
     assert journal_mod.reason(raised.value) == reason
     assert caplog.records == []  # the host says it, once
 

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 import koboldcpp_horde_chat
-from koboldcpp_horde_chat import cli
 from koboldcpp_horde_chat.horde import declaration
 from koboldcpp_horde_chat.horde.declaration import pop_body
 from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
 from koboldcpp_horde_chat.service import loop as worker_mod
+from koboldcpp_horde_chat.service import standalone
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.startup_cases import REFUSED_AT_START
 
@@ -273,8 +273,8 @@ def _cli_pop_body(flags: list[str], info: Any) -> dict[str, Any]:
         def info(self) -> Any:
             return info
 
-    args = cli.build_parser().parse_args(flags)
-    settings, caps = cli.settings_from_args(args, Backend())  # type: ignore[arg-type]
+    args = standalone.build_parser().parse_args(flags)
+    settings, caps = standalone.settings_from_args(args, Backend())  # type: ignore[arg-type]
     return pop_body(settings, caps)
 
 

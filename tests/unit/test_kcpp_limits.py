@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from koboldcpp_horde_chat import cli
 from koboldcpp_horde_chat.errors import ConfigError
 from koboldcpp_horde_chat.horde.declaration import pop_body
 from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
 from koboldcpp_horde_chat.kcpp.bodies import chat_request_body
+from koboldcpp_horde_chat.service import standalone
 
 from .test_jobs import chat_job
 from .test_kcpp_hook import hook_settings, make_kcpp
@@ -36,16 +36,16 @@ def test_a_koboldcpp_without_genlimit_declares_its_hordegenlen() -> None:
 
 
 def test_the_standalone_worker_takes_koboldcpps_genlimit_from_a_flag() -> None:
-    args = cli.build_parser().parse_args(
+    args = standalone.build_parser().parse_args(
         ["--hordekey", "k", "--hordeworkername", "w", "--kcpp-genlimit", "200"]
     )
-    cli.check_flags(args)
+    standalone.check_flags(args)
     assert args.kcpp_genlimit == 200
-    bad = cli.build_parser().parse_args(
+    bad = standalone.build_parser().parse_args(
         ["--hordekey", "k", "--hordeworkername", "w", "--kcpp-genlimit", "-1"]
     )
     with pytest.raises(ConfigError, match="--kcpp-genlimit must not be negative"):
-        cli.check_flags(bad)
+        standalone.check_flags(bad)
 
 
 def test_a_chat_request_carries_the_context_it_is_given_else_the_jobs() -> None:
