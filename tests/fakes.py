@@ -1,7 +1,11 @@
 """In-process fakes of the worker's I/O edges, for property tests and the soak.
 
-:class:`FakeHorde` stands in for ``horde.HordeClient`` (``pop``, ``submit``,
-``progress``) and :class:`FakeBackend` for ``backend.KoboldClient``. Both raise
+:class:`FakeHorde` implements ``horde.api.HordeAPI`` (the Horde client's
+``pop``, ``submit``, ``progress``, ``close``), :class:`FakeBackend`
+``kcpp.api.KcppAPI`` (koboldcpp's client) and :class:`FakeManners`
+``kcpp.manners.LocalManners``; ``mypy --strict`` checks them against those
+Protocols (``tests/test_static.py``), so a fake cannot drift from the seam it
+stands in for. The clients' fakes raise
 the worker's own ``errors`` classes, as the real edges do, and both follow a
 script of outcomes (then behave). No sockets: a :class:`~worker.Worker` built
 on them runs thousands of jobs a second. :class:`FakeClock` and
@@ -23,7 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from koboldcpp_horde_chat.errors import (
     BackendBusy,
@@ -32,6 +36,12 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
+from koboldcpp_horde_chat.kcpp.client import BackendInfo
+
+if TYPE_CHECKING:
+    from koboldcpp_horde_chat.horde.api import HordeAPI
+    from koboldcpp_horde_chat.kcpp.api import KcppAPI, KcppStream
+    from koboldcpp_horde_chat.kcpp.manners import LocalManners
 
 
 class FakeClock:
@@ -162,6 +172,7 @@ class FakeHorde:
         self.submit_calls = 0
         self.progress_calls = 0
         self.keep_pop_bodies = True
+        self.closed = False
 
     # -- the client's interface ------------------------------------------------------
 
@@ -281,6 +292,9 @@ class FakeHorde:
                 job.state = "cancelled"
             return {"accepted_seq": seq, "cancelled": True}
         return {"accepted_seq": seq, "cancelled": False}
+
+    def close(self) -> None:
+        self.closed = True
 
     # -- results ---------------------------------------------------------------------
 
@@ -443,6 +457,12 @@ class FakeBackend:
     def ready(self, *, timeout_s: float = 10.0) -> bool:
         return True
 
+    def info(self, *, timeout_s: float = 10.0) -> BackendInfo:
+        return BackendInfo(
+            model_name="koboldcpp/fake", max_context_length=4096, vision=False,
+            version="1.116.1", protected=False, jinja=False,
+        )
+
     def perf(self, *, timeout_s: float = 10.0) -> dict[str, Any]:
         return {"idle": 1, "queue": 0, "idletime": 1000.0}
 
@@ -450,11 +470,23 @@ class FakeBackend:
         self._count("tokencount", timeout_s)
         return self._next(self.tokencounts, max(1, len(prompt) // 4))
 
-    def chat_completion(self, body: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
+    def chat_completion(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> Any:
         self._count("chat", timeout_s)
         return self._next(self.chats, chat_body())
 
-    def open_chat_stream(self, body: dict[str, Any], *, read_timeout_s: float) -> FakeStream:
+    def open_chat_stream(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        read_timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> FakeStream:
         self._count("stream", read_timeout_s)
         item = self.streams.popleft() if self.streams else sse_chunks()
         if isinstance(item, BaseException):
@@ -463,7 +495,9 @@ class FakeBackend:
         self.open_streams.append(stream)
         return stream
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float, cancel: Any = None) -> Any:
+    def generate(
+        self, payload: dict[str, Any], *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> Any:
         self._count("generate", timeout_s)
         return self._next(
             self.generates, {"results": [{"text": "Once upon a time.", "finish_reason": "stop"}]}
@@ -476,3 +510,50 @@ class FakeBackend:
     def hang_up(self) -> bool:
         self._count("hang_up")
         return False
+
+    def close(self) -> None:
+        self._count("close")
+
+
+# ---------------------------------------------------------------- local use
+
+
+class FakeManners:
+    """Local-use signals of a koboldcpp nobody else uses; tests override what they script.
+
+    Reachable, no local user, not busy, not stopping, never changed, the
+    worker's own requests noted nowhere; ``requests_queued`` True (a manners
+    that cannot tell: a busy koboldcpp is waited for even in the tail of the
+    worker's own request).
+    """
+
+    unreachable = False
+
+    def last_local_request_time(self) -> float | None:
+        return None
+
+    def model_busy(self) -> bool:
+        return False
+
+    def requests_queued(self) -> bool:
+        return True
+
+    def should_stop(self) -> bool:
+        return False
+
+    def recheck(self) -> str | None:
+        return None
+
+    def note_own_request(self) -> None:
+        return None
+
+    def note_own_request_done(self) -> None:
+        return None
+
+
+if TYPE_CHECKING:
+    # The fakes implement the seams they stand in for (checked by mypy --strict).
+    _horde: HordeAPI = FakeHorde(FakeClock())
+    _backend: KcppAPI = FakeBackend()
+    _stream: KcppStream = FakeStream(())
+    _manners: LocalManners = FakeManners()

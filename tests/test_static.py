@@ -76,3 +76,22 @@ def test_mypy_strict_passes() -> None:
     require_pinned("mypy", "types-requests")
     result = _run(sys.executable, "-m", "mypy", "--strict", "koboldcpp_horde_chat")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: The fakes of the worker's seams and the tests that build the worker on them:
+#: ``mypy --strict`` checks each fake against the Protocol it stands in for
+#: (``horde.api.HordeAPI``, ``kcpp.api.KcppAPI``, ``kcpp.manners.LocalManners``).
+TYPED_TESTS = (
+    "tests/fakes.py",
+    "tests/unit/test_pop_loop.py",
+    "tests/unit/test_worker_unit.py",
+    "tests/unit/test_job_life.py",
+    "tests/unit/test_job_state_machine.py",
+    "tests/integration/test_fuzz.py",
+)
+
+
+def test_mypy_strict_passes_on_the_fakes_and_the_tests_built_on_them() -> None:
+    require_pinned("mypy", "types-requests")
+    result = _run(sys.executable, "-m", "mypy", "--strict", *TYPED_TESTS)
+    assert result.returncode == 0, result.stdout + result.stderr

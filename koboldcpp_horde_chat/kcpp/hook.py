@@ -229,6 +229,9 @@ class KcppManners:
         self._kcpp = kcpp
         self._check_busy = check_busy
 
+    #: koboldcpp's own globals are always readable: the gate never probes it for this.
+    unreachable = False
+
     def last_local_request_time(self) -> float | None:
         """``last_non_horde_req_time`` (epoch seconds), read anew on each call.
 
@@ -261,6 +264,16 @@ class KcppManners:
         if isinstance(counter, int) and counter >= KCPP_SHUTDOWN_EXITCOUNTER:
             return True
         return sys.is_finalizing() or not threading.main_thread().is_alive()
+
+    def recheck(self) -> str | None:
+        """None: inside koboldcpp a restart restarts the worker too."""
+        return None
+
+    def note_own_request(self) -> None:
+        """Nothing to note: koboldcpp tells a Horde request by its ``HORDEREQ_`` genkey."""
+
+    def note_own_request_done(self) -> None:
+        """Nothing to note (see :meth:`note_own_request`)."""
 
 
 def shared_state(

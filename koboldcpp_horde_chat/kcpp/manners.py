@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import BackendError
-from .client import KoboldClient
+from .api import KcppProbes
 
 #: A request koboldcpp noted within this many seconds of the worker's own last
 #: one (sent or ended) is taken for the worker's own.
@@ -29,22 +29,45 @@ OWN_MARGIN_S = 1.0
 
 
 class LocalManners(Protocol):
-    """What the host tells the loop about local use of koboldcpp.
+    """What the host tells the loop about local use of koboldcpp (what
+    ``service.gate.PopGate`` asks before each pop).
 
-    ``last_local_request_time``: epoch seconds of the last local (non-Horde)
-    generation, or None when unknown. ``model_busy``: koboldcpp is generating.
-    ``should_stop``: the host is shutting down.
+    ``unreachable``: koboldcpp did not answer the last read of its state
+    (the gate then probes it before popping). ``last_local_request_time``:
+    epoch seconds of the last local (non-Horde) generation, or None when
+    unknown. ``model_busy``: koboldcpp is generating. ``requests_queued``:
+    requests wait for koboldcpp's model lock (True when the host cannot
+    tell). ``should_stop``: the host is shutting down. ``recheck``: read
+    koboldcpp now and say how it serves something else than the worker
+    declares, or None (also when the host cannot tell).
+    ``note_own_request`` / ``note_own_request_done``: the worker sends one of
+    its own generation requests now / one of them ended now (so it is not
+    taken for a local user's).
     """
+
+    @property
+    def unreachable(self) -> bool: ...
 
     def last_local_request_time(self) -> float | None: ...
 
     def model_busy(self) -> bool: ...
 
+    def requests_queued(self) -> bool: ...
+
     def should_stop(self) -> bool: ...
+
+    def recheck(self) -> str | None: ...
+
+    def note_own_request(self) -> None: ...
+
+    def note_own_request_done(self) -> None: ...
 
 
 class NoManners:
-    """Manners for a backend nobody else uses: never busy, never stopping."""
+    """Manners for a backend nobody else uses: always reachable, never busy,
+    nothing queued, never stopping, never changed."""
+
+    unreachable = False
 
     def last_local_request_time(self) -> float | None:
         return None
@@ -52,8 +75,20 @@ class NoManners:
     def model_busy(self) -> bool:
         return False
 
+    def requests_queued(self) -> bool:
+        return False
+
     def should_stop(self) -> bool:
         return False
+
+    def recheck(self) -> str | None:
+        return None
+
+    def note_own_request(self) -> None:
+        return None
+
+    def note_own_request_done(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -116,7 +151,7 @@ class StandaloneManners:
 
     def __init__(
         self,
-        backend: KoboldClient,
+        backend: KcppProbes,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         *,

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
-from ..horde.client import HordeClient
+from ..horde.api import HordeAPI
 from ..horde.pop import ttl_seconds
-from ..kcpp.client import KoboldClient
+from ..kcpp.api import KcppAPI
 from ..service.journal import Journal, JournalEntry
 from ..settings import WorkerSettings
 from .life import ENDED, Move, Phase, may, next_phase
@@ -240,8 +240,8 @@ class Edges:
     """
 
     settings: WorkerSettings
-    horde: HordeClient
-    backend: KoboldClient
+    horde: HordeAPI
+    backend: KcppAPI
     clock: Callable[[], float]
     stop_event: threading.Event
     note_own_request: Callable[[], None]
@@ -403,7 +403,7 @@ class _StepRunner:
                 done.set()
 
 
-def abort_quietly(backend: KoboldClient, genkey: str) -> None:
+def abort_quietly(backend: KcppAPI, genkey: str) -> None:
     """Best-effort abort of the local generation ``genkey``, quick enough to leave
     the lease's margin to the fault that usually follows (koboldcpp answers in
     about 0.1 s); a failure is logged at debug level only."""

@@ -28,8 +28,8 @@ from ..errors import (
 from ..horde.pop import ChatJob
 from ..horde.progress import ProgressAction, ProgressPoster
 from ..kcpp.answers import BackendReply
+from ..kcpp.api import KcppStream
 from ..kcpp.chat_stream import ChatStreamAccumulator
-from ..kcpp.client import BackendStream
 from ..kcpp.sse import SSEDecoder
 from .job import SUBMIT_MARGIN_S, Edges, JobContext
 
@@ -176,7 +176,7 @@ class _StreamedGeneration:
             raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
         return accumulator.done
 
-    def _open_stream(self) -> BackendStream:
+    def _open_stream(self) -> KcppStream:
         """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.
 
         The read timeout is a backstop at the latest end the lease can reach
@@ -276,10 +276,10 @@ class _StreamSlot:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stream: BackendStream | None = None
+        self._stream: KcppStream | None = None
         self.closed = threading.Event()
 
-    def attach(self, stream: BackendStream) -> bool:
+    def attach(self, stream: KcppStream) -> bool:
         """Keep the opened stream; False (and the stream closed) after ``close()``."""
         with self._lock:
             if not self.closed.is_set():
@@ -298,7 +298,7 @@ class _StreamSlot:
 
 
 def _pump(
-    open_stream: Callable[[], BackendStream],
+    open_stream: Callable[[], KcppStream],
     slot: _StreamSlot,
     out: queue.Queue[bytes | BaseException | None],
 ) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
-from ..horde.client import HordeClient
+from ..horde.api import HordeAPI
 from ..horde.codes import REFUSAL_RCS, is_key_refusal
 from ..horde.submits import (
     FAULT_REPLY_REFUSED,
@@ -92,13 +92,13 @@ class SubmitPipeline:
     def __init__(
         self,
         settings: WorkerSettings,
-        horde: HordeClient,
+        horde: HordeAPI,
         state: WorkerState,
         *,
         clock: Callable[[], float],
         wall: Callable[[], float],
         pause: Callable[[float], None],
-        retry_horde: Callable[[], HordeClient] | None = None,
+        retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
         self.settings = settings
         self.horde = horde

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..kcpp.client import KoboldClient
+from ..kcpp.api import KcppAPI
 from ..kcpp.manners import LocalManners
 from ..settings import WorkerSettings
 from .state import WorkerState
@@ -49,7 +49,7 @@ class PopGate:
     def __init__(
         self,
         manners: LocalManners,
-        backend: KoboldClient,
+        backend: KcppAPI,
         state: WorkerState,
         settings: WorkerSettings,
         *,
@@ -76,7 +76,7 @@ class PopGate:
         worker whose chat declaration is withdrawn.
         """
         last_local = self.manners.last_local_request_time()
-        if getattr(self.manners, "unreachable", False):
+        if self.manners.unreachable:
             # Not answering even an idle read: do not pop a job it cannot serve.
             self.backend_suspect = True
         if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
@@ -96,16 +96,14 @@ class PopGate:
         return None
 
     def _others_queued(self) -> bool:
-        """Requests wait for koboldcpp's model lock (True when the manners cannot say)."""
-        queued = getattr(self.manners, "requests_queued", None)
-        return bool(queued()) if callable(queued) else True
+        """Requests wait for koboldcpp's model lock (``LocalManners.requests_queued``)."""
+        return self.manners.requests_queued()
 
     def backend_changed(self) -> str | None:
         """Whether koboldcpp came back (restarted) serving something else than the
         worker declares, read now: how, or None (also for hosts that cannot
         tell: inside koboldcpp a restart restarts the worker too)."""
-        recheck = getattr(self.manners, "recheck", None)
-        return recheck() if callable(recheck) else None
+        return self.manners.recheck()
 
     def own_tail(self) -> bool:
         """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""
@@ -118,15 +116,11 @@ class PopGate:
 
     def note_own_request(self) -> None:
         """The worker sends a generation request now (not a local user's)."""
-        note = getattr(self.manners, "note_own_request", None)
-        if callable(note):
-            note()
+        self.manners.note_own_request()
 
     def note_own_request_done(self) -> None:
         """One of the worker's generation requests ended now."""
-        note = getattr(self.manners, "note_own_request_done", None)
-        if callable(note):
-            note()
+        self.manners.note_own_request_done()
 
     def _backend_answers(self) -> bool:
         """False while koboldcpp, which failed a job without answering, still does not answer.

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities
+from ..kcpp.api import KcppAPI
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import LocalManners
 from ..settings import WorkerSettings, worker_name_problem
@@ -211,7 +212,7 @@ def run_worker(
     manners: LocalManners | None = None,
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
-    backend: KoboldClient | None = None,
+    backend: KcppAPI | None = None,
     state: WorkerState | None = None,
 ) -> int:
     """Build the clients and run one pop loop until stopped; returns the exit code.

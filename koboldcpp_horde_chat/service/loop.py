@@ -29,10 +29,10 @@ from ..errors import (
     JobFault,
     PayloadError,
 )
-from ..horde.client import HordeClient
+from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities, pop_body
 from ..horde.pop import ChatJob, parse_pop
-from ..kcpp.client import KoboldClient
+from ..kcpp.api import KcppAPI
 from ..kcpp.manners import LocalManners, NoManners
 from ..run.chat import ChatRun
 from ..run.job import Edges, JobContext, Lease, abort_quietly, new_genkey
@@ -80,8 +80,8 @@ class Worker:
         self,
         settings: WorkerSettings,
         *,
-        horde: HordeClient,
-        backend: KoboldClient,
+        horde: HordeAPI,
+        backend: KcppAPI,
         stop_event: threading.Event | None = None,
         manners: LocalManners | None = None,
         caps: BackendCapabilities | None = None,
@@ -89,9 +89,9 @@ class Worker:
         wall: Callable[[], float] = time.time,
         worker_id: int = 1,
         state: WorkerState | None = None,
-        pop_horde: HordeClient | None = None,
-        abort_backend: KoboldClient | None = None,
-        retry_horde: Callable[[], HordeClient] | None = None,
+        pop_horde: HordeAPI | None = None,
+        abort_backend: KcppAPI | None = None,
+        retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
         self.settings = settings
         self.horde = horde

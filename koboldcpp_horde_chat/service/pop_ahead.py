@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import HordeError, HordeUnavailable
-from ..horde.client import HordeClient
+from ..horde.api import HordeAPI
 from ..run.job import JobContext
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
@@ -46,7 +46,7 @@ class PopAhead:
 
     def __init__(
         self,
-        horde: HordeClient,
+        horde: HordeAPI,
         prepare: Callable[[], dict[str, Any] | None],
         receive: Callable[[dict[str, Any], dict[str, Any], float], JobContext | None],
         timeout_s: float,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -223,12 +223,12 @@ def build(horde: FakeHorde, backend: FakeBackend, clock: FakeClock) -> Worker:
             api_key="fuzz-key", worker_name="fuzz", model_id=MODEL, backend_max_context_length=4096,
             max_length=512,
         ),
-        horde=cast(Any, horde),
-        backend=cast(Any, backend),
+        horde=horde,
+        backend=backend,
         stop_event=FakeStopEvent(clock),
         clock=clock,
         wall=clock,
-        pop_horde=cast(Any, horde),  # each submit overlaps the next pop, as in production
+        pop_horde=horde,  # each submit overlaps the next pop, as in production
     )
 
 

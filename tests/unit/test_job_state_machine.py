@@ -52,7 +52,7 @@ import time as _real_time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -80,7 +80,9 @@ from tests.fakes import (
     FakeBackend,
     FakeClock,
     FakeHorde,
+    FakeManners,
     FakeStopEvent,
+    FakeStream,
     backend_error,
     sse_chunks,
 )
@@ -256,6 +258,15 @@ class AheadPops:
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         return self.horde.pop(body, timeout_s=timeout_s, beside=self)
 
+    def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        raise AssertionError("the client of the pop beside a submit only pops")
+
+    def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        raise AssertionError("the client of the pop beside a submit only pops")
+
+    def close(self) -> None:
+        return None
+
     def in_flight(self) -> None:
         if not self.hold:
             return
@@ -280,8 +291,14 @@ class RetryClient:
         self.horde = horde
         self.closed = threading.Event()
 
+    def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        raise AssertionError("the client of a submit retried on its own thread only submits")
+
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         return self.horde.submit(body, timeout_s=timeout_s)
+
+    def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        raise AssertionError("the client of a submit retried on its own thread only submits")
 
     def close(self) -> None:
         """The retry thread's last step: its job was released."""
@@ -344,19 +361,33 @@ class SeamBackend(FakeBackend):
         self._takes("tokencount", timeout_s)
         return answer
 
-    def chat_completion(self, body: Any, *, timeout_s: float) -> Any:
+    def chat_completion(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> Any:
         self.generations += 1
-        answer = super().chat_completion(body, timeout_s=timeout_s)
+        answer = super().chat_completion(body, timeout_s=timeout_s, cancel=cancel)
         self._takes("chat", timeout_s)
         return answer
 
-    def open_chat_stream(self, body: Any, *, read_timeout_s: float) -> Any:
+    def open_chat_stream(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        read_timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> FakeStream:
         self.generations += 1
-        return super().open_chat_stream(body, read_timeout_s=read_timeout_s)
+        return super().open_chat_stream(body, read_timeout_s=read_timeout_s, cancel=cancel)
 
-    def generate(self, payload: dict[str, Any], *, timeout_s: float) -> Any:
+    def generate(
+        self, payload: dict[str, Any], *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> Any:
         self.generations += 1
-        answer = super().generate(payload, timeout_s=timeout_s)
+        answer = super().generate(payload, timeout_s=timeout_s, cancel=cancel)
         self._takes("generate", timeout_s)
         return answer
 
@@ -379,18 +410,12 @@ class MessagesHost:
         return [{"role": "user", "content": "Name one colour."}]
 
 
-class Manners:
+class Manners(FakeManners):
     """Local-use signals of a koboldcpp nobody else uses, which may restart with
     another context (seen by another loop's read, say)."""
 
     def __init__(self) -> None:
         self.changed: str | None = None
-
-    def last_local_request_time(self) -> float | None:
-        return None
-
-    def model_busy(self) -> bool:
-        return False
 
     def should_stop(self) -> bool:
         return self.changed is not None
@@ -486,7 +511,7 @@ class JobLife(RuleBasedStateMachine):
         self.clock.on_fire.append(self.deadline_came)
         self.stopped = False
         self.exited = False
-        chat_run.fetch_messages = self.messages.fetch  # type: ignore[assignment]
+        chat_run.fetch_messages = self.messages.fetch  # type: ignore[assignment,attr-defined]
 
     # -- building ---------------------------------------------------------------------
 
@@ -504,15 +529,15 @@ class JobLife(RuleBasedStateMachine):
             ahead = AheadPops(self.horde)
             worker = Worker(
                 options,
-                horde=cast(Any, self.horde),
-                backend=cast(Any, self.backend),
+                horde=self.horde,
+                backend=self.backend,
                 manners=self.manners,
                 clock=self.clock,
                 wall=self.clock,
                 worker_id=worker_id,
                 state=state,
-                pop_horde=cast(Any, ahead),
-                retry_horde=cast(Any, self.desk.make),
+                pop_horde=ahead,
+                retry_horde=self.desk.make,
             )
             # A job's own waits (busy retries, submit retries) pass on the fake clock too.
             worker.edges.pause = self.clock.advance  # type: ignore[method-assign]
@@ -640,7 +665,7 @@ class JobLife(RuleBasedStateMachine):
         self.release_held_pops()
         index = slot % len(self.workers)
         worker, ahead = self.workers[index], self.ahead[index]
-        worker.pop_horde = cast(Any, ahead) if beside else None
+        worker.pop_horde = ahead if beside else None
         ahead.hold = beside and hold
         worker.run_once()
         self.passes += 1
@@ -661,7 +686,7 @@ class JobLife(RuleBasedStateMachine):
             self.horde.pops.append(job_pop(kind, self.new_id(), 150))
         self.release_held_pops()
         worker = self.workers[slot % len(self.workers)]
-        worker.pop_horde = cast(Any, self.ahead[slot % len(self.workers)])
+        worker.pop_horde = self.ahead[slot % len(self.workers)]
         for _ in range(passes):
             worker.run_once()
             self.passes += 1
@@ -841,7 +866,7 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(state_module, "threading", _FakeThreading())
     monkeypatch.setattr(worker_module, "time", _FakeTime)
     monkeypatch.setattr(submit_module, "time", _FakeTime)
-    monkeypatch.setattr(chat_run, "fetch_messages", chat_run.fetch_messages)
+    monkeypatch.setattr(chat_run, "fetch_messages", chat_run.fetch_messages)  # type: ignore[attr-defined]
     logging.disable(logging.CRITICAL)
     try:
         yield
@@ -850,7 +875,7 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_a_jobs_life_through_the_real_loop_keeps_every_seam(fake_time: None) -> None:
-    run_state_machine_as_test(
+    run_state_machine_as_test(  # type: ignore[no-untyped-call]
         JobLife,
         settings=settings(
             max_examples=150,
@@ -879,13 +904,13 @@ def test_a_job_popped_beside_a_submit_is_not_served_once_koboldcpp_is_known_to_h
     worker = Worker(
         WorkerSettings(api_key="machine-key-5f2e9c", worker_name="machine", model_id=MODEL,
                        backend_max_context_length=4096, max_length=512),
-        horde=cast(Any, horde),
-        backend=cast(Any, backend),
+        horde=horde,
+        backend=backend,
         stop_event=FakeStopEvent(clock),
         manners=manners,
         clock=clock,
         wall=clock,
-        pop_horde=cast(Any, horde),
+        pop_horde=horde,
     )
     worker.run_once()  # j1 served; j2 popped beside its submit
     ahead = worker._ahead

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -19,26 +19,20 @@ from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.service.status import SUMMARY_EVERY_S
 from koboldcpp_horde_chat.settings import WorkerSettings
-from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
+from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeManners, FakeStopEvent
 from tests.unit.test_worker_unit import KEY, MODEL, chat_pop, text_pop
 
 
-class Manners:
+class Manners(FakeManners):
     """Local-use signals as a script: ``busy`` answers in turn (then False)."""
 
     def __init__(self, busy: list[bool] | None = None) -> None:
         self.busy = list(busy or [])
         self.busy_checks = 0
 
-    def last_local_request_time(self) -> float | None:
-        return None
-
     def model_busy(self) -> bool:
         self.busy_checks += 1
         return self.busy.pop(0) if self.busy else False
-
-    def should_stop(self) -> bool:
-        return False
 
 
 def build(
@@ -56,13 +50,13 @@ def build(
         WorkerSettings(
             api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
         ),
-        horde=cast(Any, horde),
-        backend=cast(Any, FakeBackend()),
+        horde=horde,
+        backend=FakeBackend(),
         stop_event=stop,
-        manners=cast(Any, manners or Manners()),
+        manners=manners or Manners(),
         clock=clock,
         wall=clock,
-        pop_horde=cast(Any, horde) if overlap else None,
+        pop_horde=horde if overlap else None,
     )
     return worker, horde, clock, stop
 
@@ -290,7 +284,7 @@ def test_each_moderator_message_is_logged_once_however_many_pops_carry_it(
 ) -> None:
     caplog.set_level(logging.INFO)
     note = {"id": "m-1", "message": "Your worker name is odd.", "origin": "AI Horde Moderators"}
-    empty = {"id": None, "ids": [], "skipped": {}, "messages": [note]}
+    empty: dict[str, Any] = {"id": None, "ids": [], "skipped": {}, "messages": [note]}
     job = chat_pop("j1")
     job["messages"] = [note]
     worker, horde, _, _ = build([empty, job, empty, dict(empty, messages=[note, {"id": "m-2", "message": "Thanks."}])])
@@ -331,7 +325,7 @@ def test_empty_pops_say_what_was_skipped_at_most_once_a_minute(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
-    empty = {"id": None, "ids": [], "skipped": {"untrusted": 2}, "messages": []}
+    empty: dict[str, Any] = {"id": None, "ids": [], "skipped": {"untrusted": 2}, "messages": []}
     worker, _, _, _ = build([empty] * 40)
     for _ in range(40):
         worker.run_once()  # 1 s, then 2 s, then 3 s between empty pops: 85 s in all

@@ -8,15 +8,18 @@ terminal action" even when something unexpected breaks.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+import threading
+from typing import Any
 
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.kcpp.client import BackendInfo
+from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
+from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent, FakeStream
 
 KEY = "unit-key-5f2e9c"
 MODEL = "koboldcpp/fake"
@@ -42,8 +45,8 @@ def make(
             backend_max_context_length=4096,
             **options,
         ),
-        horde=cast(Any, horde),
-        backend=cast(Any, backend),
+        horde=horde,
+        backend=backend,
         stop_event=FakeStopEvent(clock),
         clock=clock,
         wall=clock,
@@ -463,11 +466,23 @@ class SizeRecordingBackend(FakeBackend):
         super().__init__()
         self.sizes: list[int] = []
 
-    def chat_completion(self, body: Any, *, timeout_s: float, cancel: Any = None) -> Any:
+    def chat_completion(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> Any:
         self.sizes.append(len(body))
         return super().chat_completion(body, timeout_s=timeout_s)
 
-    def open_chat_stream(self, body: Any, *, read_timeout_s: float) -> Any:
+    def open_chat_stream(
+        self,
+        body: dict[str, Any] | bytes | bytearray,
+        *,
+        read_timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> FakeStream:
         self.sizes.append(len(body))
         return super().open_chat_stream(body, read_timeout_s=read_timeout_s)
 
@@ -539,16 +554,17 @@ class PerfBackend:
             raise answer
         return dict(answer)
 
+    def info(self, *, timeout_s: float = 10.0) -> BackendInfo:
+        raise AssertionError("info() is read only for a worker started with an identity")
+
 
 IDLE = {"idle": 1, "queue": 0, "idletime": 100.0}
 BUSY = {"idle": 0, "queue": 0, "idletime": 0.0}
 
 
-def standalone(backend: PerfBackend) -> tuple[Any, FakeClock]:
-    from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
-
+def standalone(backend: PerfBackend) -> tuple[StandaloneManners, FakeClock]:
     clock = FakeClock()
-    return StandaloneManners(cast(Any, backend), clock=clock, monotonic=clock), clock
+    return StandaloneManners(backend, clock=clock, monotonic=clock), clock
 
 
 def test_an_idle_koboldcpp_is_asked_for_perf_at_most_once_a_second() -> None:
@@ -725,11 +741,11 @@ def test_a_perf_read_without_answer_marks_koboldcpp_unreachable_until_one_answer
 class InfoPerfBackend(PerfBackend):
     """PerfBackend that also answers ``info()`` from a script."""
 
-    def __init__(self, infos: list[Any], *answers: dict[str, Any] | Exception) -> None:
+    def __init__(self, infos: list[BackendInfo], *answers: dict[str, Any] | Exception) -> None:
         super().__init__(*answers)
         self.infos = infos
 
-    def info(self, *, timeout_s: float = 10.0) -> Any:
+    def info(self, *, timeout_s: float = 10.0) -> BackendInfo:
         return self.infos.pop(0)
 
 
@@ -752,7 +768,7 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
     )
     clock = FakeClock()
     manners = StandaloneManners(
-        cast(Any, backend), clock=clock, monotonic=clock,
+        backend, clock=clock, monotonic=clock,
         identity=BackendIdentity("koboldcpp/Small", 2048, False),
     )
     for _ in range(3):
