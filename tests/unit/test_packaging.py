@@ -341,3 +341,20 @@ def test_the_citation_check_sees_a_sheet_citation(tmp_path: Path) -> None:
     (tmp_path / "docs" / "x.md").write_text("ok\nthe busy 503 (facts \N{SECTION SIGN}5.8)\n")
     (tmp_path / "README.md").write_text("koboldcpp 1.116.1 koboldcpp.py L6890\n")
     assert unshipped_sheet_citations(tmp_path) == ["docs/x.md:2"]
+
+
+ROOMS = ("horde", "kcpp", "run", "service", "devkit")
+"""The package's rooms, whose ``__init__.py`` holds only the room's docstring."""
+
+
+def test_the_design_map_names_every_module_of_the_package() -> None:
+    """docs/DESIGN.md is the map a maintainer reads first: a module it does not
+    name (as `room/module.py`) is a room the map has lost."""
+    design = (Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md").read_text("utf-8")
+    package = Path(__file__).resolve().parents[2] / PACKAGE
+    docstring_only = {"__init__.py", *(f"{room}/__init__.py" for room in ROOMS)}
+    modules = sorted(
+        str(p.relative_to(package)) for p in package.rglob("*.py")
+    )
+    missing = [m for m in modules if m not in docstring_only and f"`{m}`" not in design]
+    assert missing == [], f"docs/DESIGN.md does not name: {missing}"
