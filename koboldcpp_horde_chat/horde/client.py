@@ -50,6 +50,7 @@ import urllib3.exceptions
 from .. import __version__, netfail
 from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
 from ..httpbody import read_body, redact_url
+from ..settings import MIB
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
@@ -67,7 +68,6 @@ def _warn_plain_http_once(base_url: str) -> None:
         _PLAIN_HTTP_WARNED.add(base_url)
     log.warning("the Horde URL %s is plain http: the API key travels unencrypted", base_url)
 
-MIB: Final = 1024 * 1024
 ROUTE_POP: Final = "/api/v2/generate/text/pop"
 ROUTE_SUBMIT: Final = "/api/v2/generate/text/submit"
 ROUTE_PROGRESS: Final = "/api/v2/generate/text/progress"

@@ -108,19 +108,18 @@ class ChatRun:
         """The conversation, fetched when offloaded (seed "Fetch offloaded messages")."""
         job = self.job
         if job.messages is not None:
-            raw: object = job.messages
-        else:
-            assert job.messages_url is not None
-            url, timeout = job.messages_url, self._prepare_timeout(MESSAGES_FETCH_MAX_S)
-            try:
-                raw = self.edges.until_given_up(
-                    self.ctx,
-                    lambda: fetch_messages(
-                        url, timeout_s=timeout, max_bytes=self.settings.messages_max_bytes
-                    ),
-                )
-            except FetchError as exc:
-                raise JobFault(f"messages_url fetch failed: {exc}") from None
+            return job.messages  # inline: validated with the payload (horde.pop)
+        assert job.messages_url is not None
+        url, timeout = job.messages_url, self._prepare_timeout(MESSAGES_FETCH_MAX_S)
+        try:
+            raw = self.edges.until_given_up(
+                self.ctx,
+                lambda: fetch_messages(
+                    url, timeout_s=timeout, max_bytes=self.settings.messages_max_bytes
+                ),
+            )
+        except FetchError as exc:
+            raise JobFault(f"messages_url fetch failed: {exc}") from None
         try:
             return validate_messages(raw, job_id=job.id)
         except PayloadError as exc:

@@ -45,10 +45,10 @@ import requests.auth
 from .. import __version__, netfail
 from ..errors import FetchError
 from ..httpbody import read_body, redact_url
+from ..settings import MIB
 
 log = logging.getLogger("koboldcpp_horde_chat.fetch")
 
-MIB: Final = 1024 * 1024
 MESSAGES_MAX_BYTES: Final = 36 * MIB
 """Cap on a decoded ``messages_url`` body: the chat request body cap (seed)."""
 MAX_REDIRECTS: Final = 3

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..errors import FetchError
+from ..settings import MIB
 
 log = logging.getLogger("koboldcpp_horde_chat.images")
 
-MIB: Final = 1024 * 1024
 
 MAX_IMAGE_BYTES: Final = 10 * MIB
 """Cap on one image's bytes (seed 004 states no value): a stored JPEG (quality 90, longest
