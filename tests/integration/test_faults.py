@@ -62,12 +62,6 @@ class Running:
         return self.code
 
 
-@pytest.fixture(autouse=True)
-def quick_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probe a koboldcpp that stopped answering every 0.5 s instead of 3 s (test speed)."""
-    monkeypatch.setattr("koboldcpp_horde_chat.kcpp.manners.BACKEND_PROBE_S", 0.5)
-
-
 @pytest.fixture
 def run_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Callable[..., Running]]:
     started: list[Running] = []
@@ -86,6 +80,8 @@ def run_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Callable[..
             "submit_timeout_s": 2.0,
             "progress_timeout_s": 1.0,
             "connect_timeout_s": 1.0,
+            # probe a koboldcpp that stopped answering every 0.5 s instead of 3 s
+            "backend_probe_s": 0.5,
         }
         options.update(overrides)
         settings = WorkerSettings(**options)
