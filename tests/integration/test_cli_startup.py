@@ -4,6 +4,7 @@ wrong koboldcpp password is told apart from a missing one."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -135,7 +136,10 @@ def test_a_wrong_koboldcpp_password_is_told_apart_from_a_missing_one(horde: DevH
     assert horde.pops == []
 
 
-def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any) -> None:
+def test_koboldcpp_started_late_is_waited_for(
+    horde: DevHorde, start_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     kcpp = ScriptedKoboldcpp()
     kcpp.start()
     url = kcpp.url
@@ -144,7 +148,13 @@ def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any
     rid = horde.send_chat({"messages": [{"role": "user", "content": "hi"}]})
     worker = start_worker(kcpp_url=url)
     try:
-        time.sleep(3.5)
+        # koboldcpp started after the worker found it absent (it looks again every 3 s)
+        waiting = f"waiting for koboldcpp at {url}"
+        deadline = time.monotonic() + 10
+        while not any(waiting in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the worker did not say it waits for koboldcpp"
+            time.sleep(0.02)
+        time.sleep(0.2)
         assert horde.pops == []
         late = ScriptedKoboldcpp(port=port)
         late.start()
