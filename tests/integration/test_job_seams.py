@@ -22,8 +22,7 @@ from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.service.journal import journal_path
 
-from .test_service import WORKER_NAME, Worker, slow, terminal_actions, until
-from .test_service import workers as workers  # noqa: F401  (the fixture)
+from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 
 GRACE_S = 1.0
 #: The stop's bound: the grace, then at most 2 s for the abort and the fault.
@@ -36,7 +35,7 @@ def job_ids(horde: DevHorde, rid: str) -> list[str]:
     return list(horde.status(rid)["job_ids"])
 
 
-def stop_and_time(worker: Worker) -> float:
+def stop_and_time(worker: WorkerProcess) -> float:
     worker.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     assert worker.wait(STOP_BOUND_S + 10) == 0, worker.log()
@@ -53,7 +52,7 @@ def one_each(horde: DevHorde) -> dict[str, str]:
 
 
 def test_a_job_whose_pop_was_beside_the_submit_at_the_signal_ends_by_the_stops_deadline(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     """The pop sent beside the first job's submit is in flight at SIGTERM; the job it
     brings after the grace is faulted at once, not served in full."""
@@ -77,7 +76,7 @@ def test_a_job_whose_pop_was_beside_the_submit_at_the_signal_ends_by_the_stops_d
 
 @pytest.mark.parametrize("horde", [{"offload_bytes": 0}], indirect=True)
 def test_a_stop_during_the_messages_fetch_ends_within_the_grace(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     rid = horde.send_chat(ASK, best_effort=True)
     horde.inject("storage", "hang:30")
@@ -92,7 +91,7 @@ def test_a_stop_during_the_messages_fetch_ends_within_the_grace(
 
 
 def test_a_stop_during_the_token_count_ends_within_the_grace(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     rid = horde.send_chat(ASK, best_effort=True)
     kcpp.inject("tokencount", "hang:30")
@@ -111,7 +110,7 @@ def test_a_stop_during_the_token_count_ends_within_the_grace(
 @pytest.mark.parametrize("horde", [{"offload_bytes": 0}], indirect=True)
 @pytest.mark.parametrize("step", ["messages fetch", "token count"])
 def test_a_job_killed_before_its_generation_is_faulted_by_the_next_start(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker], tmp_path: Path,
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess], tmp_path: Path,
     step: str,
 ) -> None:
     rid = horde.send_chat(ASK, best_effort=True)
@@ -140,7 +139,7 @@ def test_a_job_killed_before_its_generation_is_faulted_by_the_next_start(
 
 
 def test_a_failing_submit_does_not_hold_the_job_popped_beside_it(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     """The first job's submit gets 503 and is retried on its own; the second job,
     popped beside it, is served and submitted meanwhile; no pop while it retries."""
@@ -173,7 +172,7 @@ def test_a_job_that_waited_while_koboldcpp_restarted_smaller_is_not_served_under
     first = Kcpp(max_context_length=4096, model_name="koboldcpp/Small-Model").start()
     second = Kcpp(max_context_length=2048, model_name="koboldcpp/Small-Model", port=first.port)
     slow(first, 0.3)
-    worker = Worker(horde, first, tmp_path / "state")
+    worker = WorkerProcess(horde, first, tmp_path / "state")
     try:
         a = horde.send_chat({"messages": [{"role": "user", "content": "first"}]},
                             best_effort=True)
