@@ -180,6 +180,8 @@ class WorkerSettings:
             caps every generation there and reports a normal stop, so the
             worker declares and budgets at most that many tokens.
         lease_s: a job's base lease when the pop has no ``ttl``, seconds.
+        backend_probe_s: seconds between readiness probes of a koboldcpp that
+            failed a job and does not answer (3 s; tests may shorten it).
     """
 
     api_key: str = field(repr=False)
@@ -208,6 +210,7 @@ class WorkerSettings:
     kcpp_max_request_bytes: int = 32 * MIB
     kcpp_genlimit: int = 0
     lease_s: float = 150.0
+    backend_probe_s: float = 3.0
 
     @property
     def max_context_length(self) -> int:

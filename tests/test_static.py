@@ -83,6 +83,7 @@ def test_mypy_strict_passes() -> None:
 #: (``horde.api.HordeAPI``, ``kcpp.api.KcppAPI``, ``kcpp.manners.LocalManners``).
 TYPED_TESTS = (
     "tests/fakes.py",
+    "tests/pops.py",
     "tests/unit/test_pop_loop.py",
     "tests/unit/test_worker_unit.py",
     "tests/unit/test_job_life.py",

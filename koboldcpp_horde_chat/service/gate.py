@@ -19,8 +19,6 @@ from .state import WorkerState
 #: Seconds between pops while the Horde keeps the worker in maintenance (also
 #: while a chat-only worker's chat is withdrawn).
 MAINTENANCE_POLL_S = 60.0
-#: Seconds between readiness probes while koboldcpp does not answer.
-BACKEND_PROBE_S = 3.0
 #: Seconds between checks of whether a submit retried on its own thread is settled.
 SUBMIT_RETRY_POLL_S = 0.5
 #: Seconds after the worker's own generation during which a busy koboldcpp is
@@ -87,7 +85,7 @@ class PopGate:
         if self.manners.model_busy() and (not self.own_tail() or self._others_queued()):
             return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
         if not self._backend_answers():
-            return "backend_down", BACKEND_PROBE_S
+            return "backend_down", self.settings.backend_probe_s
         if self.state.retrying_submits:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S

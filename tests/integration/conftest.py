@@ -5,12 +5,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.service.standalone import run_standalone
+
+if TYPE_CHECKING:
+    from .worker_process import WorkerProcess
 
 API_KEY = "test-key-0123456789"
 
@@ -93,3 +98,23 @@ def start_worker(
     for running in started:
         running.stop_event.set()
         running.thread.join(15)
+
+
+@pytest.fixture
+def workers(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start worker processes (``worker_process.WorkerProcess``) with extra flags;
+    each one still running at the test's end is killed."""
+    from .worker_process import WorkerProcess
+
+    started: list[WorkerProcess] = []
+
+    def start(*extra: str) -> WorkerProcess:
+        worker = WorkerProcess(horde, kcpp, tmp_path / "state", *extra)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

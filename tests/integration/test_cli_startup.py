@@ -4,6 +4,7 @@ wrong koboldcpp password is told apart from a missing one."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -140,7 +141,10 @@ def test_a_wrong_koboldcpp_password_is_told_apart_from_a_missing_one(horde: DevH
     assert horde.pops == []
 
 
-def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any) -> None:
+def test_koboldcpp_started_late_is_waited_for(
+    horde: DevHorde, start_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="koboldcpp_horde_chat")
     kcpp = ScriptedKoboldcpp()
     kcpp.start()
     url = kcpp.url
@@ -149,7 +153,13 @@ def test_koboldcpp_started_late_is_waited_for(horde: DevHorde, start_worker: Any
     rid = horde.send_chat({"messages": [{"role": "user", "content": "hi"}]})
     worker = start_worker(kcpp_url=url)
     try:
-        time.sleep(3.5)
+        # koboldcpp started after the worker found it absent (it looks again every 3 s)
+        waiting = f"waiting for koboldcpp at {url}"
+        deadline = time.monotonic() + 10
+        while not any(waiting in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the worker did not say it waits for koboldcpp"
+            time.sleep(0.02)
+        time.sleep(0.2)
         assert horde.pops == []
         late = ScriptedKoboldcpp(port=port)
         late.start()
@@ -371,7 +381,7 @@ def test_an_unusable_default_journal_directory_turns_crash_recovery_off_in_one_l
     off = [line for line in stderr.splitlines() if "crash recovery is off" in line]
     assert len(off) == 1, stderr
     assert off[0].endswith(
-        "WARNING koboldcpp_horde_chat.hosting: job journal directory "
+        "WARNING koboldcpp_horde_chat.service.hosting: job journal directory "
         "/proc/nope/koboldcpp-horde-chat cannot be used (No such file or directory): crash "
         "recovery is off, so a job in hand when the worker dies is left to expire on the Horde; "
         "point --journal-dir at a writable directory to turn it on"

@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from koboldcpp_horde_chat.horde.client.client import HordeClient
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import BUSY_BODY, ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
@@ -62,12 +62,6 @@ class Running:
         return self.code
 
 
-@pytest.fixture(autouse=True)
-def quick_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probe a koboldcpp that stopped answering every 0.5 s instead of 3 s (test speed)."""
-    monkeypatch.setattr("koboldcpp_horde_chat.service.gate.BACKEND_PROBE_S", 0.5)
-
-
 @pytest.fixture
 def run_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Callable[..., Running]]:
     started: list[Running] = []
@@ -86,6 +80,8 @@ def run_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Callable[..
             "submit_timeout_s": 2.0,
             "progress_timeout_s": 1.0,
             "connect_timeout_s": 1.0,
+            # probe a koboldcpp that stopped answering every 0.5 s instead of 3 s
+            "backend_probe_s": 0.5,
         }
         options.update(overrides)
         settings = WorkerSettings(**options)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, ReplyError
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from tests import pops
 from tests.fakes import (
     BACKEND_ERRORS,
     POP_ERRORS,
@@ -79,54 +80,28 @@ json_value = st.recursive(
 )
 
 
-def base_payload(kind: str) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "messages": [
+def base_pop(kind: str, job_id: str) -> dict[str, Any]:
+    if kind == "text":
+        return pops.text_pop(job_id, MODEL, prompt="Once upon a time")
+    extra: dict[str, Any] = {}
+    if kind == "stream":
+        extra["stream_progress"] = True
+    if kind == "tools":
+        extra["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        extra["tool_choice"] = "required"
+    if kind == "schema":
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    return pops.chat_pop(
+        job_id,
+        MODEL,
+        full=True,
+        messages=[
             {"role": "system", "content": "Be terse."},
             {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
         ],
-        "temperature": 0.5,
-        "top_p": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "rep_pen": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "max_length": 64,
-        "max_context_length": 2048,
-        "n": 1,
-    }
-    if kind == "stream":
-        payload["stream_progress"] = True
-    if kind == "tools":
-        payload["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        payload["tool_choice"] = "required"
-    if kind == "schema":
-        payload["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
-    return payload
-
-
-def base_pop(kind: str, job_id: str) -> dict[str, Any]:
-    if kind == "text":
-        return {
-            "payload": {"prompt": "Once upon a time", "max_length": 40, "max_context_length": 1024},
-            "id": job_id,
-            "ids": [job_id],
-            "ttl": 150,
-            "model": MODEL,
-        }
-    return {
-        "payload": base_payload(kind),
-        "id": job_id,
-        "ids": [job_id],
-        "messages": [],
-        "ttl": 150,
-        "extra_source_images": None,
-        "skipped": {},
-        "softprompt": None,
-        "model": MODEL,
-        "chat": True,
-    }
+        temperature=0.5,
+        **extra,
+    )
 
 
 KINDS = ("chat", "stream", "tools", "schema", "text")

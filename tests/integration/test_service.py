@@ -10,118 +10,21 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from koboldcpp_horde_chat.devkit.horde import DevHorde
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.service.journal_paths import journal_path
 
-from .conftest import API_KEY
-
-ROOT = Path(__file__).resolve().parents[2]
-FINAL = ("submitted", "faulted", "cancelled", "expired")
-WORKER_NAME = "service-worker"
-
-
-class Worker:
-    """The worker process; its log lines (stderr) are read as they come."""
-
-    def __init__(self, horde: DevHorde, kcpp: ScriptedKoboldcpp, journal_dir: Path, *extra: str):
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "koboldcpp_horde_chat",
-                "--hordekey", API_KEY,
-                "--hordeworkername", WORKER_NAME,
-                "--horde-url", horde.url,
-                "--kcpp-url", kcpp.url,
-                "--hordegenlen", "512",
-                "--journal-dir", str(journal_dir),
-                "--log-level", "INFO",
-                *extra,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def said(self, text: str) -> int:
-        return sum(text in line for line in self.lines)
-
-    def wait_for(self, text: str, timeout_s: float = 15.0) -> None:
-        until(lambda: self.said(text) > 0, timeout_s, f"no line with {text!r}:\n" + self.log())
-
-    def log(self) -> str:
-        return "\n".join(self.lines[-40:])
-
-    def wait(self, timeout_s: float) -> int:
-        """The exit code, once the process ended and all its lines were read."""
-        code = self.proc.wait(timeout_s)
-        self._reader.join(5)
-        return code
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._reader.join(5)
-
-
-@pytest.fixture
-def workers(horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(*extra: str) -> Worker:
-        worker = Worker(horde, kcpp, tmp_path / "state", *extra)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
-
-
-def until(condition: Callable[[], bool], timeout_s: float = 15.0, why: str = "timed out") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, why
-        time.sleep(0.02)
-
-
-def terminal_actions(horde: DevHorde) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for entry in horde.ledger:
-        if entry["action"] in FINAL:
-            out.setdefault(entry["job_id"], []).append(entry["action"])
-    return out
-
-
-def slow(kcpp: ScriptedKoboldcpp, seconds: float) -> None:
-    """Every generation takes about ``seconds`` (40 tokens)."""
-    kcpp.token_delay_s = seconds / 40
-    kcpp.script(lambda body: ScriptedReply(text="sky " * 40))
-
+from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 
 # --- a stop a supervisor can wait for ----------------------------------------------------
 
 
 def test_sigterm_during_a_generation_longer_than_the_grace_aborts_and_faults_it_then_exits_0(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     slow(kcpp, 20.0)
     rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
@@ -143,7 +46,7 @@ def test_sigterm_during_a_generation_longer_than_the_grace_aborts_and_faults_it_
 
 
 def test_sigterm_during_a_generation_within_the_grace_submits_it(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     slow(kcpp, 1.5)
     rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
@@ -157,7 +60,7 @@ def test_sigterm_during_a_generation_within_the_grace_submits_it(
 
 
 def test_a_submit_the_horde_does_not_answer_at_a_stop_is_left_to_the_next_start(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker], tmp_path: Path
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
     """The stop stays bounded when the Horde hangs on the last submit: the worker
     gives up a second after the grace period and keeps the job in its journal."""
@@ -180,7 +83,7 @@ def test_a_submit_the_horde_does_not_answer_at_a_stop_is_left_to_the_next_start(
 
 
 def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it_pops(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker], tmp_path: Path
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
     slow(kcpp, 30.0)
     rid = horde.send_chat({"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True)
@@ -216,7 +119,7 @@ def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it
 
 
 def test_a_second_worker_process_with_the_same_name_refuses_to_start_and_leaves_the_job_alone(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     """Its start would otherwise fault the first one's job in hand and abort its
     generation, which the first would then submit cut short."""
@@ -238,7 +141,7 @@ def test_a_second_worker_process_with_the_same_name_refuses_to_start_and_leaves_
 
 
 def test_a_local_user_and_another_client_are_said_once_each_and_so_is_popping_again(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     worker = workers()
     until(lambda: len(horde.pops) >= 1, 20)
@@ -253,7 +156,7 @@ def test_a_local_user_and_another_client_are_said_once_each_and_so_is_popping_ag
 
 
 def test_a_local_user_queued_behind_the_workers_job_is_yielded_to_after_it(
-    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., Worker]
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
     """koboldcpp notes a request's time when it takes the model lock: a local user who
     asked while the worker's job generated gets it right after that job, and must
@@ -272,12 +175,14 @@ def test_a_local_user_queued_behind_the_workers_job_is_yielded_to_after_it(
         timeout_s=10,
     )
     second = horde.send_chat({"messages": [{"role": "user", "content": "Sea?"}]}, best_effort=True)
-    time.sleep(8)
+    # A worker that did not yield would pop it within about a second (its empty-pop
+    # wait); yielding, it pops nothing for 20 s.
+    time.sleep(3)
     assert horde.status(second)["job_ids"] == [], worker.log()  # still yielding
 
 
 def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
-    horde: DevHorde, workers: Callable[..., Worker], tmp_path: Path
+    horde: DevHorde, workers: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
     from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
 
@@ -286,7 +191,7 @@ def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
     try:
         horde.add_worker_message("Please rename your model.", worker=WORKER_NAME)
         url = first.url
-        worker = Worker(horde, first, tmp_path / "state")
+        worker = WorkerProcess(horde, first, tmp_path / "state")
         try:
             worker.wait_for("message from the Horde (origin moderator")
             until(lambda: len(horde.pops) >= 3, 20)
@@ -319,7 +224,7 @@ def test_a_job_queued_while_koboldcpp_is_down_waits_for_it_and_its_new_declarati
     first = Kcpp(max_context_length=4096, model_name="koboldcpp/Small-Model").start()
     port = first.port
     second = Kcpp(max_context_length=1024, model_name="koboldcpp/Small-Model", port=port)
-    worker = Worker(horde, first, tmp_path / "state")
+    worker = WorkerProcess(horde, first, tmp_path / "state")
     try:
         until(lambda: len(horde.pops) >= 2, 20)
         first.kill()
@@ -349,7 +254,7 @@ def test_koboldcpp_back_with_another_model_is_declared_anew_before_a_job_is_serv
     first = Kcpp(max_context_length=4096, model_name="koboldcpp/Small-Model").start()
     port = first.port
     second = Kcpp(max_context_length=1024, model_name="koboldcpp/Other-Model", port=port)
-    worker = Worker(horde, first, tmp_path / "state")
+    worker = WorkerProcess(horde, first, tmp_path / "state")
     try:
         until(lambda: len(horde.pops) >= 2, 20)
         assert horde.pops[-1]["body"]["model_id"] == "koboldcpp/Small-Model"

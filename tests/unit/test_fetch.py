@@ -10,12 +10,11 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import threading
 import time
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from koboldcpp_horde_chat.errors import FetchError
 from koboldcpp_horde_chat.httpbody import read_body, redact_url
 from koboldcpp_horde_chat.run import downloads as fetch
 from koboldcpp_horde_chat.run.downloads import fetch_image, fetch_messages
+from tests.http_server import LocalServer
 
 MIB = 1024 * 1024
 SECRET = "X-Amz-Signature=deadbeefSECRET"
@@ -40,43 +40,9 @@ BODY = json.dumps(MESSAGES).encode()
 # --- a tiny real HTTP server on 127.0.0.1 ----------------------------------------
 
 
-class Server:
-    """A threaded HTTP/1.1 server on an ephemeral 127.0.0.1 port.
-
-    ``script(handler)`` answers each request; ``seen`` records (path, headers);
-    ``sent`` counts body bytes the script reports having written.
-    """
-
-    def __init__(self, script: Callable[[BaseHTTPRequestHandler], None]) -> None:
-        outer = self
-        self.seen: list[tuple[str, dict[str, str]]] = []
-        self.sent = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:  # noqa: N802
-                outer.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
-                try:
-                    script(self)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+def Server(script: Callable[[BaseHTTPRequestHandler], None]) -> LocalServer:  # noqa: N802
+    """``tests.http_server.LocalServer`` answering each GET with ``script(handler)``."""
+    return LocalServer(lambda handler, _body: script(handler))
 
 
 def _headers(h: BaseHTTPRequestHandler, status: int, headers: dict[str, str]) -> None:

@@ -11,18 +11,17 @@ import gzip
 import json
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 import requests
 import responses
 import urllib3.exceptions
+from koboldcpp_horde_chat.horde.client.client import HordeClient, parse_retry_after
 from responses import matchers
 
 from koboldcpp_horde_chat import __version__
@@ -32,7 +31,7 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
-from koboldcpp_horde_chat.horde.client import HordeClient, parse_retry_after
+from tests.http_server import LocalServer
 
 KEY = "SeCrEtKeY_0123456789abcdef"
 BASE = "https://horde.example"
@@ -459,51 +458,6 @@ def test_a_given_session_is_used_and_not_closed() -> None:
 # --- real sockets on 127.0.0.1 ----------------------------------------------------------------
 
 
-class Server:
-    """A threaded HTTP/1.1 server on an ephemeral 127.0.0.1 port for POSTs.
-
-    ``script(handler, body)`` answers; ``seen`` records (path, lower-cased headers);
-    ``connections`` counts TCP connections accepted.
-    """
-
-    def __init__(self, script: Callable[[BaseHTTPRequestHandler, bytes], None]) -> None:
-        outer = self
-        self.seen: list[tuple[str, dict[str, str]]] = []
-        self.connections = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                outer.connections += 1
-                super().setup()
-
-            def do_POST(self) -> None:  # noqa: N802
-                length = int(self.headers.get("Content-Length", "0"))
-                body = self.rfile.read(length)
-                outer.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
-                try:
-                    script(self, body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _send_json(h: BaseHTTPRequestHandler, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
     data = json.dumps(obj).encode()
     h.send_response(status)
@@ -516,14 +470,14 @@ def _send_json(h: BaseHTTPRequestHandler, status: int, obj: Any, headers: dict[s
 
 
 def test_redirect_to_another_host_never_receives_the_key() -> None:
-    with Server(lambda h, b: _send_json(h, 200, {"id": None})) as other:
+    with LocalServer(lambda h, b: _send_json(h, 200, {"id": None})) as other:
         def redirect(h: BaseHTTPRequestHandler, body: bytes) -> None:
             h.send_response(307)
             h.send_header("Location", other.url + h.path)
             h.send_header("Content-Length", "0")
             h.end_headers()
 
-        with Server(redirect) as horde:
+        with LocalServer(redirect) as horde:
             c = HordeClient(horde.url, KEY, bridge_agent=AGENT)
             with pytest.raises(HordeRefusal) as info:
                 c.pop(POP_BODY, timeout_s=5)
@@ -546,7 +500,7 @@ def test_connection_refused_is_unavailable_not_sent() -> None:
 
 
 def test_no_answer_in_time_is_unavailable_maybe_sent() -> None:
-    with Server(lambda h, b: time.sleep(2)) as horde:
+    with LocalServer(lambda h, b: time.sleep(2)) as horde:
         c = HordeClient(horde.url, KEY, bridge_agent=AGENT)
         started = time.monotonic()
         with pytest.raises(HordeUnavailable, match="no answer") as info:
@@ -560,7 +514,7 @@ def test_connection_closed_without_answer_is_unavailable_maybe_sent() -> None:
         h.close_connection = True
         h.connection.shutdown(socket.SHUT_RDWR)
 
-    with Server(hang_up) as horde:
+    with LocalServer(hang_up) as horde:
         c = HordeClient(horde.url, KEY, bridge_agent=AGENT)
         with pytest.raises(HordeUnavailable) as info:
             c.submit(SUBMIT_BODY, timeout_s=2)
@@ -569,7 +523,7 @@ def test_connection_closed_without_answer_is_unavailable_maybe_sent() -> None:
 
 
 def test_calls_reuse_one_keep_alive_connection() -> None:
-    with Server(lambda h, b: _send_json(h, 200, {"accepted_seq": 1, "cancelled": False})) as horde:
+    with LocalServer(lambda h, b: _send_json(h, 200, {"accepted_seq": 1, "cancelled": False})) as horde:
         c = HordeClient(horde.url, KEY, bridge_agent=AGENT)
         for _ in range(3):
             c.progress(PROGRESS_BODY, timeout_s=5)
@@ -588,7 +542,7 @@ def test_a_trickling_answer_is_cut() -> None:
             h.wfile.flush()
             time.sleep(0.05)
 
-    with Server(trickle) as horde:
+    with LocalServer(trickle) as horde:
         c = HordeClient(horde.url, KEY, bridge_agent=AGENT, connect_timeout_s=0.5)
         started = time.monotonic()
         with pytest.raises(HordeUnavailable, match="not received in time") as info:

@@ -22,6 +22,7 @@ from koboldcpp_horde_chat.service.journal import Journal
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.service.state import WorkerState
 from koboldcpp_horde_chat.settings import WorkerSettings
+from tests import pops
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
 MODEL = "koboldcpp/fake"
@@ -218,18 +219,13 @@ def test_a_submit_that_could_withdraw_chat_or_a_feature_is_answered_before_the_n
 
 
 def tools_pop(job_id: str) -> dict[str, Any]:
-    return {
-        "payload": {
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "temperature": 1.0, "top_p": 1.0, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "rep_pen": 1.0, "top_k": 0, "min_p": 0.0,
-            "max_length": 64, "max_context_length": 2048, "n": 1,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
-            "tool_choice": "required",
-        },
-        "id": job_id, "ids": [job_id], "messages": [], "ttl": 150, "skipped": {},
-        "model": MODEL, "chat": True,
-    }
+    return pops.chat_pop(
+        job_id,
+        MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+        tool_choice="required",
+    )
 
 
 def overlapping_worker(

@@ -8,14 +8,15 @@ from functools import cache
 from typing import Any
 
 import pytest
+from koboldcpp_horde_chat.horde.client.pop import ChatJob, TextJob, parse_pop, validate_messages
 
 from koboldcpp_horde_chat.errors import PayloadError
-from koboldcpp_horde_chat.horde.pop import ChatJob, TextJob, parse_pop, validate_messages
 from koboldcpp_horde_chat.kcpp.bodies import (
     OBJECT_JSON_GRAMMAR,
     chat_request_body,
     text_request_body,
 )
+from tests import pops
 
 SEED_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a terse assistant."},
@@ -25,37 +26,13 @@ SEED_MESSAGES: list[dict[str, Any]] = [
 
 def seed_pop(**payload_changes: Any) -> dict[str, Any]:
     """The seed's chat job pop response ("One chat job in full")."""
-    payload: dict[str, Any] = {
+    seed = {
         "messages": copy.deepcopy(SEED_MESSAGES),
         "temperature": 0.5,
-        "top_p": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "rep_pen": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
         "stop_sequence": ["\nuser:"],
         "max_length": 512,
-        "max_context_length": 2048,
-        "n": 1,
     }
-    for key, value in payload_changes.items():
-        if value is ...:
-            payload.pop(key, None)
-        else:
-            payload[key] = value
-    return {
-        "payload": payload,
-        "id": "<job-id>",
-        "ids": ["<job-id>"],
-        "messages": [],
-        "ttl": 150,
-        "extra_source_images": None,
-        "skipped": {},
-        "softprompt": None,
-        "model": "<model-name>",
-        "chat": True,
-    }
+    return pops.chat_pop("<job-id>", "<model-name>", full=True, **{**seed, **payload_changes})
 
 
 def chat_job(**payload_changes: Any) -> ChatJob:

@@ -78,12 +78,13 @@ def popped(horde: FakeHorde, n: int) -> None:
 
 
 class OrderedHorde(FakeHorde):
-    """Records the order of calls. The k-th submit waits (up to 2 s) for the (k+1)-th
-    pop: it comes at once when the loop sent the next pop beside the submit, never
-    when the loop pops only after the submit."""
+    """Records the order of calls. The k-th submit waits (up to ``overlap_wait_s``,
+    2 s) for the (k+1)-th pop: it comes at once when the loop sent the next pop
+    beside the submit, never when the loop pops only after the submit."""
 
-    def __init__(self, clock: FakeClock, pops: list[Any]) -> None:
+    def __init__(self, clock: FakeClock, pops: list[Any], *, overlap_wait_s: float = 2.0) -> None:
         super().__init__(clock, pops=pops)
+        self.overlap_wait_s = overlap_wait_s
         self.calls: list[str] = []
         self._changed = threading.Condition()
         self._pops = 0
@@ -100,7 +101,9 @@ class OrderedHorde(FakeHorde):
         with self._changed:
             self._submits += 1
             wanted = self._submits + 1
-            overlapped = self._changed.wait_for(lambda: self._pops >= wanted, timeout=2.0)
+            overlapped = self._changed.wait_for(
+                lambda: self._pops >= wanted, timeout=self.overlap_wait_s
+            )
             self.calls.append(
                 f"submit {body['id']}" + (" (after the next pop went out)" if overlapped else "")
             )
@@ -127,7 +130,8 @@ def test_the_next_pop_goes_out_while_the_job_is_submitted_and_every_job_ends_onc
 
 def test_without_a_second_horde_client_each_submit_ends_before_the_next_pop() -> None:
     clock = FakeClock()
-    horde = OrderedHorde(clock, [chat_pop("j1"), chat_pop("j2")])
+    # a pop sent beside the submit would come within milliseconds: wait 0.5 s for it
+    horde = OrderedHorde(clock, [chat_pop("j1"), chat_pop("j2")], overlap_wait_s=0.5)
     worker, _, _, _ = build([], horde=horde, clock=clock)
     worker.run_once()
     worker.run_once()
@@ -361,3 +365,36 @@ def test_a_horde_that_does_not_answer_is_said_once_not_at_every_retry(
     ]
     assert "worker 1: the Horde answers again: popping" in lines
     assert horde.verdicts() == {"j1": "submitted"}
+
+
+# --- a koboldcpp that stopped answering --------------------------------------------------------
+
+
+class DownBackend(FakeBackend):
+    """koboldcpp that does not answer its readiness GET."""
+
+    def ready(self, *, timeout_s: float = 10.0) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("probe_s", "wait_s"), [(None, 3.0), (0.5, 0.5)])
+def test_a_koboldcpp_that_failed_a_job_and_does_not_answer_is_probed_every_3_s(
+    probe_s: float | None, wait_s: float
+) -> None:
+    """No pop while it is down: the loop waits 3 s (``backend_probe_s``) between probes."""
+    clock = FakeClock()
+    settings = WorkerSettings(
+        api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
+    )
+    if probe_s is not None:
+        settings = settings.replace(backend_probe_s=probe_s)
+    worker = Worker(
+        settings,
+        horde=FakeHorde(clock, pops=[chat_pop("j1")]),
+        backend=DownBackend(),
+        stop_event=FakeStopEvent(clock),
+        clock=clock,
+        wall=clock,
+    )
+    worker.gate.backend_suspect = True
+    assert worker.gate.pause() == ("backend_down", wait_s)

@@ -19,6 +19,7 @@ from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from tests import pops
 from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent, FakeStream
 
 KEY = "unit-key-5f2e9c"
@@ -55,40 +56,11 @@ def make(
 
 
 def chat_pop(job_id: str, **payload: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": "Name one colour."}],
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "rep_pen": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "max_length": 64,
-        "max_context_length": 2048,
-        "n": 1,
-    }
-    body.update(payload)
-    return {
-        "payload": body,
-        "id": job_id,
-        "ids": [job_id],
-        "messages": [],
-        "ttl": 150,
-        "skipped": {},
-        "model": MODEL,
-        "chat": True,
-    }
+    return pops.chat_pop(job_id, MODEL, **payload)
 
 
 def text_pop(job_id: str) -> dict[str, Any]:
-    return {
-        "payload": {"prompt": "Once", "max_length": 40, "max_context_length": 1024},
-        "id": job_id,
-        "ids": [job_id],
-        "ttl": 150,
-        "model": MODEL,
-    }
+    return pops.text_pop(job_id, MODEL)
 
 
 def run(worker: Worker, passes: int) -> None:

@@ -1,0 +1,100 @@
+"""The standalone worker as a process, for the tests that run it as a supervisor would.
+
+``python -m koboldcpp_horde_chat`` runs in a subprocess against the dev Horde and
+the scripted koboldcpp of the test process; its log lines (stderr) are read as
+they come. The ``workers`` fixture (``conftest.py``) starts them and kills what
+is left at the test's end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+
+from .conftest import API_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+FINAL = ("submitted", "faulted", "cancelled", "expired")
+WORKER_NAME = "service-worker"
+
+
+class WorkerProcess:
+    """The worker process; its log lines (stderr) are read as they come."""
+
+    def __init__(self, horde: DevHorde, kcpp: ScriptedKoboldcpp, journal_dir: Path, *extra: str):
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "koboldcpp_horde_chat",
+                "--hordekey", API_KEY,
+                "--hordeworkername", WORKER_NAME,
+                "--horde-url", horde.url,
+                "--kcpp-url", kcpp.url,
+                "--hordegenlen", "512",
+                "--journal-dir", str(journal_dir),
+                "--log-level", "INFO",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def said(self, text: str) -> int:
+        return sum(text in line for line in self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = 15.0) -> None:
+        until(lambda: self.said(text) > 0, timeout_s, f"no line with {text!r}:\n" + self.log())
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-40:])
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit code, once the process ended and all its lines were read."""
+        code = self.proc.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 15.0, why: str = "timed out") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.02)
+
+
+def terminal_actions(horde: DevHorde) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for entry in horde.ledger:
+        if entry["action"] in FINAL:
+            out.setdefault(entry["job_id"], []).append(entry["action"])
+    return out
+
+
+def slow(kcpp: ScriptedKoboldcpp, seconds: float) -> None:
+    """Every generation takes about ``seconds`` (40 tokens)."""
+    kcpp.token_delay_s = seconds / 40
+    kcpp.script(lambda body: ScriptedReply(text="sky " * 40))
+
+
