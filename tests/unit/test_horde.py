@@ -21,7 +21,6 @@ import pytest
 import requests
 import responses
 import urllib3.exceptions
-from koboldcpp_horde_chat.horde.client.client import HordeClient, parse_retry_after
 from responses import matchers
 
 from koboldcpp_horde_chat import __version__
@@ -31,6 +30,7 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
+from koboldcpp_horde_chat.horde.client import HordeClient, parse_retry_after
 from tests.http_server import LocalServer
 
 KEY = "SeCrEtKeY_0123456789abcdef"

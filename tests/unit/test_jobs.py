@@ -8,9 +8,9 @@ from functools import cache
 from typing import Any
 
 import pytest
-from koboldcpp_horde_chat.horde.client.pop import ChatJob, TextJob, parse_pop, validate_messages
 
 from koboldcpp_horde_chat.errors import PayloadError
+from koboldcpp_horde_chat.horde.pop import ChatJob, TextJob, parse_pop, validate_messages
 from koboldcpp_horde_chat.kcpp.bodies import (
     OBJECT_JSON_GRAMMAR,
     chat_request_body,
