@@ -166,7 +166,7 @@ def read_body(
 ) -> bytes:
     """Reads a streamed response's body, decoded, within a size cap and a deadline.
 
-    Shared by :func:`fetch_messages`, :func:`fetch_image` and ``horde.py``.
+    Shared by :func:`fetch_messages`, :func:`fetch_image` and ``horde/client.py``.
 
     Args:
         response: a response from a ``stream=True`` request, not read yet.

@@ -5,7 +5,7 @@
 2. its images, each made a checked data URL (step 5, seed 004);
 3. the fit check, counting JSON and never rendering (step 3);
 4. the generation through koboldcpp's ``/v1/chat/completions``, whole, or
-   streamed as progress posts when the client streams (``streamed.py``);
+   streamed as progress posts when the client streams (``run/streaming.py``);
 5. the structured reply to submit (step 6).
 
 A step that cannot serve the job raises :class:`~errors.JobFault` with the

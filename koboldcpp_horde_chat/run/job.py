@@ -1,15 +1,15 @@
-"""What every job run shares: the job in hand, its lease, and the backend calls.
+"""What every job run shares: the job's one owner, its lease, and the I/O edges.
 
-A job run (``chat_run``, ``text_run``) takes one popped job through the seed's
-steps and either returns the reply to submit or raises
+A job run (``run/chat.py``, ``run/text.py``) takes one popped job through the
+seed's steps and either returns the outcome to submit or raises
 :class:`~errors.JobFault` (fault it) or :class:`~errors.JobEnded` (nothing to
-send). The loop hands the outcome to the submit pipeline (``submit.py``), the
+send). The loop hands the outcome to the submit pipeline (``run/submit.py``), the
 one place that sends terminal actions.
 
 - :class:`Lease`: a job's lease on the monotonic clock (seed "Streaming
   progress": the pop's ``ttl``, extended by accepted progress posts).
-- :class:`JobContext`: the job in hand as it travels from the pop to its
-  terminal action: id, kind, ``model_id``, lease, genkey, settled flag.
+- :class:`JobContext`: the job's one owner from the pop's answer to its
+  terminal action: id, kind, ``model_id``, lease, genkey, phase (``run/life.py``).
 - :class:`Edges`: the I/O edges and clocks a run uses, with the backend
   helpers every run needs (busy retries, a best-effort abort, pauses).
 """

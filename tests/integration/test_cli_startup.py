@@ -381,7 +381,7 @@ def test_an_unusable_default_journal_directory_turns_crash_recovery_off_in_one_l
     off = [line for line in stderr.splitlines() if "crash recovery is off" in line]
     assert len(off) == 1, stderr
     assert off[0].endswith(
-        "WARNING koboldcpp_horde_chat.service.hosting: job journal directory "
+        "WARNING koboldcpp_horde_chat.hosting: job journal directory "
         "/proc/nope/koboldcpp-horde-chat cannot be used (No such file or directory): crash "
         "recovery is off, so a job in hand when the worker dies is left to expire on the Horde; "
         "point --journal-dir at a writable directory to turn it on"

@@ -20,7 +20,7 @@ from koboldcpp_horde_chat import demo
 from koboldcpp_horde_chat.demo import cases, command, main
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.horde import submits as reply_module
+from koboldcpp_horde_chat.run import chat as chat_run
 from koboldcpp_horde_chat.service.journal_paths import JOURNAL_DIR_ENV
 
 
@@ -208,9 +208,9 @@ def test_a_reply_the_worker_built_wrong_fails_even_against_a_real_koboldcpp(
 ) -> None:
     """A submit naming another model than the assigned one is the worker's mistake, not the
     model's: its refusal and reply_refused fault fail the case whatever the koboldcpp."""
-    built = reply_module.chat_submit
+    built = chat_run.chat_submit
     monkeypatch.setattr(
-        reply_module, "chat_submit", lambda *a, **kw: {**built(*a, **kw), "model_id": "koboldcpp/other"}
+        chat_run, "chat_submit", lambda *a, **kw: {**built(*a, **kw), "model_id": "koboldcpp/other"}
     )
     monkeypatch.setattr(command, "demo_cases", only("plain chat"))
     with ScriptedKoboldcpp() as kcpp:
