@@ -92,9 +92,9 @@ class JobContext:
             (seed step 6: "model_id is the job's assigned model, taken from the
             worker's declaration at pop").
         worker_id: the pop loop that holds the job.
-        genkey: the ``HORDEREQ_`` key of the local generation once one was
-            sent, else ``""`` (an abort targets it).
-        phase: where the job is (``joblife.Phase``).
+        genkey: the ``HORDEREQ_`` key of the job's local generation, made with
+            the job and journaled with it (an abort targets it).
+        phase: where the job is (``run/life.py``).
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
             ends at it (:meth:`Edges.until_given_up`, the generation's abort).
@@ -109,7 +109,7 @@ class JobContext:
     started: float
     pop_body: dict[str, Any] = field(default_factory=dict)
     worker_id: int = 1
-    genkey: str = ""
+    genkey: str = field(default_factory=lambda: new_genkey())
     phase: Phase = Phase.POPPED
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
@@ -279,17 +279,13 @@ class Edges:
         )
 
     def generating(self, ctx: JobContext) -> str:
-        """The job's generation starts: returns its genkey (made at the pop's
-        answer and journaled with it, so a restart aborts it on koboldcpp; made
-        and journaled now for a job that has none).
+        """The job's generation starts: returns its genkey (made with the job at the
+        pop's answer and journaled with it, so a restart aborts it on koboldcpp).
 
         Raises:
             JobFault: the job was given up meanwhile.
         """
         ctx.check_abandoned()
-        if not ctx.genkey:
-            ctx.genkey = new_genkey()
-            self.record(ctx)
         ctx.move(Move.GENERATE)
         return ctx.genkey
 

@@ -35,7 +35,7 @@ from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import LocalManners, NoManners
 from ..run.chat import ChatRun
-from ..run.job import Edges, JobContext, Lease, abort_quietly, new_genkey
+from ..run.job import Edges, JobContext, Lease, abort_quietly
 from ..run.life import Move, Phase
 from ..run.submit import STOP_SUBMIT_EXTRA_S, SubmitPipeline
 from ..run.text import serve_text
@@ -322,7 +322,6 @@ class Worker:
             started=popped_at,
             pop_body=body,
             worker_id=self.worker_id,
-            genkey=new_genkey(),  # journaled with the job: a restart aborts it by this key
         )
         ctx.stop_generation = lambda: self._stop_generation(ctx)
         self.state.hold(ctx)
@@ -357,9 +356,6 @@ class Worker:
                 self.stop_event.wait(self._empty_backoff.next_delay())
             return False
         self._empty_backoff.reset()
-        # A lease never runs past the cap progress posts could extend it to.
-        popped_at = ctx.lease.popped_at
-        ctx.lease = Lease(popped_at, popped_at + min(job.ttl_s, self.settings.lease_cap_s))
         ctx.started = self.clock()
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
