@@ -125,11 +125,14 @@ class PopGate:
 
         A crashed or restarting koboldcpp would otherwise fault every job
         popped meanwhile (each one an aborted job on the Horde, on the way to
-        maintenance). The probe is koboldcpp's own readiness GET.
+        maintenance). The probe is koboldcpp's own readiness GET. A koboldcpp
+        that answers again is read again before the next pop: one that came
+        back serving another model or context is not popped for under the old
+        declaration (the manners then say stop, and the host declares anew).
         """
         if not self.backend_suspect:
             return True
         if self.backend.ready():
             self.backend_suspect = False
-            return True
+            return self.backend_changed() is None
         return False

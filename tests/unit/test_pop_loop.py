@@ -398,3 +398,38 @@ def test_a_koboldcpp_that_failed_a_job_and_does_not_answer_is_probed_every_3_s(
     )
     worker.gate.backend_suspect = True
     assert worker.gate.pause() == ("backend_down", wait_s)
+
+
+class ChangedManners(FakeManners):
+    """koboldcpp came back serving another context: a fresh read says so, and from
+    then on the manners say stop (as the standalone host's do)."""
+
+    changed: str | None = None
+
+    def recheck(self) -> str | None:
+        self.changed = "koboldcpp restarted with koboldcpp/fake (context 1024)"
+        return self.changed
+
+    def should_stop(self) -> bool:
+        return self.changed is not None
+
+
+def test_a_koboldcpp_that_answers_again_with_another_context_is_not_popped_for() -> None:
+    """Back after failing, koboldcpp is read again before the next pop: serving
+    something else, it is not popped for under the old declaration."""
+    clock = FakeClock()
+    horde = FakeHorde(clock, pops=[chat_pop("j1")])
+    worker = Worker(
+        WorkerSettings(
+            api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
+        ),
+        horde=horde,
+        backend=FakeBackend(),
+        manners=ChangedManners(),
+        stop_event=FakeStopEvent(clock),
+        clock=clock,
+        wall=clock,
+    )
+    worker.gate.backend_suspect = True
+    worker.run_once()
+    assert horde.pop_calls == 0
