@@ -139,7 +139,7 @@ def test_the_changelog_has_the_current_version() -> None:
 def test_the_extras_split_behaviour_tests_from_pinned_lint() -> None:
     extras = setup_cfg()["options.extras_require"]
     test = {re.split(r"[<>=]", r.strip())[0] for r in extras["test"].splitlines() if r.strip()}
-    assert test == {"pytest", "responses", "hypothesis", "jsonschema"}
+    assert test == {"pytest", "pytest-xdist", "responses", "hypothesis", "jsonschema"}
     assert test_static.lint_pins() == {
         "ruff": "0.17.6",
         "mypy": "2.4.1",
