@@ -197,3 +197,31 @@ def test_overhead_pairs_each_job_with_its_own_calls_when_the_next_pop_overlaps_a
     rows = bt.client_overheads(h_events, k_events)
     # a: pre 1 + 1 ms, post 1 ms; b: pre from a's submit returning (0.110) 1 + 1 ms, post 1.5 ms
     assert [round(r["total_ms"], 3) for r in rows] == [3.0, 3.5]
+
+
+def test_the_route_tracer_follows_one_chat_job_over_http_and_over_the_fakes() -> None:
+    for extra in ([], ["--fakes"]):
+        result = subprocess.run(
+            [sys.executable, "bench/trace_route.py", "-v", *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out = result.stdout
+        assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+        route = out.splitlines()[1]
+        # from the pop gate through the job's run to the submit pipeline
+        for file in ("service/loop.py", "horde/pop.py", "run/chat.py", "run/submit.py"):
+            assert file in route, (file, route)
+        assert ("horde/client.py" in route) is not bool(extra), route
+        counts = {
+            name: (int(whole), int(after))
+            for name, whole, after in re.findall(r"^  (in sequence|after leaving it|on the call path)\s+(\d+)\s+(\d+)$", out, re.MULTILINE)
+        }
+        assert set(counts) == {"in sequence", "after leaving it", "on the call path"}, out
+        listed = out.split("entries after leaving the file, from the pop's answer:\n")[1]
+        assert len(re.findall(r"^  \S+\.py: \S+$", listed, re.MULTILINE)) == counts["after leaving it"][1]
+        # going back after leaving a file is one kind of going back in sequence
+        assert counts["after leaving it"][0] <= counts["in sequence"][0]
+        assert f"reproduce: python bench/trace_route.py{' --fakes' if extra else ''}" in out

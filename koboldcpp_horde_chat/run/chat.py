@@ -73,7 +73,7 @@ class ChatRun:
         self.job = job
         self.ctx = ctx
         self.settings = edges.settings
-        self.model_id = ctx.model_id(self.settings.model_id)
+        self.model_id = ctx.model_id
 
     def serve(self) -> Outcome:
         """Seed steps 2 to 6. Returns the reply to submit.
@@ -280,7 +280,7 @@ class ChatRun:
         from every later pop's ``chat_features`` until the worker restarts.
         """
         if exc.rc == "ChatSubmitNonconformant":
-            names = refusal_features(self.job.payload, self.ctx.declared_features())
+            names = refusal_features(self.job.payload, self.ctx.declared_features)
             if not names:
                 log.warning(
                     "job=%s nonconformant reply not attributable to a declared guarantee "

@@ -87,10 +87,11 @@ class JobContext:
         kind: ``"chat"`` or ``"text"`` (the pop's ``chat: true`` or not).
         lease: the job's lease.
         started: monotonic seconds when serving began (for the submit's log line).
-        pop_body: the pop body that returned the job: its ``model_id`` is the
-            job's assigned model and its ``chat_features`` what was declared
-            (seed step 6: "model_id is the job's assigned model, taken from the
-            worker's declaration at pop").
+        model_id: the ``model_id`` declared at the pop that returned the job:
+            the job's assigned model (seed step 6: "model_id is the job's
+            assigned model, taken from the worker's declaration at pop").
+        declared_features: the ``chat_features`` declared at that pop (empty
+            when none).
         worker_id: the pop loop that holds the job.
         genkey: the ``HORDEREQ_`` key of the job's local generation, made with
             the job and journaled with it (an abort targets it).
@@ -107,7 +108,8 @@ class JobContext:
     kind: str
     lease: Lease
     started: float
-    pop_body: dict[str, Any] = field(default_factory=dict)
+    model_id: str = ""
+    declared_features: tuple[str, ...] = ()
     worker_id: int = 1
     genkey: str = field(default_factory=lambda: new_genkey())
     phase: Phase = Phase.POPPED
@@ -196,15 +198,6 @@ class JobContext:
         """True for a chat job."""
         return self.kind == "chat"
 
-    def model_id(self, default: str) -> str:
-        """The ``model_id`` declared at the pop that returned the job, else ``default``."""
-        return str(self.pop_body.get("model_id") or default)
-
-    def declared_features(self) -> list[str]:
-        """The ``chat_features`` declared at that pop (empty when none)."""
-        declared = self.pop_body.get("chat_features")
-        return [str(name) for name in declared] if isinstance(declared, list) else []
-
 
 @dataclass(frozen=True)
 class Outcome:
@@ -272,7 +265,7 @@ class Edges:
             JournalEntry(
                 job_id=ctx.id,
                 kind=ctx.kind,
-                model_id=ctx.model_id(self.settings.model_id) if ctx.chat else None,
+                model_id=ctx.model_id if ctx.chat else None,
                 genkey=ctx.genkey,
                 lease_end=lease_end,
             )

@@ -154,7 +154,7 @@ class SubmitPipeline:
         )
         if ctx.chat:
             body = fault_submit(
-                ctx.id, ctx.model_id(self.settings.model_id), fault.fault_reason
+                ctx.id, ctx.model_id, fault.fault_reason
             )
         else:
             body = text_fault_submit(ctx.id)
@@ -168,7 +168,7 @@ class SubmitPipeline:
         if not ctx.settle():
             return
         body = (
-            fault_submit(ctx.id, ctx.model_id(self.settings.model_id))
+            fault_submit(ctx.id, ctx.model_id)
             if ctx.chat
             else text_fault_submit(ctx.id)
         )

@@ -315,12 +315,14 @@ class Worker:
         raw_id = pop.get("id")
         if not (isinstance(raw_id, str) and raw_id):
             return None
+        declared = body.get("chat_features")
         ctx = JobContext(
             id=raw_id,
             kind="chat" if pop.get("chat") is True else "text",
             lease=Lease.from_pop(pop, popped_at, self.settings.lease_s, self.settings.lease_cap_s),
             started=popped_at,
-            pop_body=body,
+            model_id=str(body.get("model_id") or self.settings.model_id),
+            declared_features=tuple(map(str, declared)) if isinstance(declared, list) else (),
             worker_id=self.worker_id,
         )
         ctx.stop_generation = lambda: self._stop_generation(ctx)

@@ -337,7 +337,7 @@ class WorkerState:
             rguard = self.refusal_guard
             return any(
                 rguard.count(name, now) + 1 >= rguard.threshold
-                for name in ctx.declared_features()
+                for name in ctx.declared_features
                 if name not in self.withheld
             )
 

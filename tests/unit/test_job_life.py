@@ -196,7 +196,7 @@ def test_released_jobs_leave_the_journal_only_when_settled(tmp_path: Any) -> Non
 
 def test_a_submit_that_could_withdraw_chat_or_a_feature_is_answered_before_the_next_pop() -> None:
     state = WorkerState(settings())
-    chat = ctx(pop_body={"chat_features": ["tools", "seed"]})
+    chat = ctx(declared_features=("tools", "seed"))
     text = ctx("t", kind="text")
     assert not state.outcome_may_withdraw(chat, is_fault=False, now=10.0)
     for _ in range(state.maintenance_guard.withdraw_at - 1):
@@ -211,7 +211,7 @@ def test_a_submit_that_could_withdraw_chat_or_a_feature_is_answered_before_the_n
     assert not state.outcome_may_withdraw(chat, is_fault=False, now=10.0)
     state.record_nonconformant(["tools"], 11.0)  # the next refusal would withdraw tools
     assert state.outcome_may_withdraw(chat, is_fault=False, now=12.0)
-    assert not state.outcome_may_withdraw(ctx("n", pop_body={"chat_features": ["seed"]}),
+    assert not state.outcome_may_withdraw(ctx("n", declared_features=("seed",)),
                                           is_fault=False, now=12.0)
 
 
