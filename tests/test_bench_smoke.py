@@ -27,13 +27,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CHEAP = ("overhead", "throughput", "sse", "stop", "journal")
 
 
-def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/run.py", "--quick", "--only", ",".join(CHEAP), "--no-save"],
+def bench(
+    *args: str, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python <args>`` (a bench script and its flags) from the repository's root,
+    its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
+        env=env,
+    )
+
+
+def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
+    result = bench(
+        "bench/run.py", "--quick", "--only", ",".join(CHEAP), "--no-save", timeout_s=120
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
@@ -69,14 +80,7 @@ def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
 def test_kudos_bench_without_koboldcpp_says_it_was_skipped_and_exits_0() -> None:
     env = dict(os.environ, KCPP_DIR="/nonexistent/koboldcpp")
     env.pop("BENCH_PKG_ROOT", None)
-    result = subprocess.run(
-        [sys.executable, "bench/bench_kudos.py", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    result = bench("bench/bench_kudos.py", "--quick", timeout_s=60, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "skipped: no koboldcpp.py in /nonexistent/koboldcpp (set KCPP_DIR)" in result.stdout
     assert "reproduce: KCPP_DIR=/nonexistent/koboldcpp python bench/bench_kudos.py --quick" in (
@@ -201,13 +205,7 @@ def test_overhead_pairs_each_job_with_its_own_calls_when_the_next_pop_overlaps_a
 
 def test_the_route_tracer_follows_one_chat_job_over_http_and_over_the_fakes() -> None:
     for extra in ([], ["--fakes"]):
-        result = subprocess.run(
-            [sys.executable, "bench/trace_route.py", "-v", *extra],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = bench("bench/trace_route.py", "-v", *extra, timeout_s=60)
         out = result.stdout
         assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
         route = out.splitlines()[1]
