@@ -26,6 +26,10 @@ from .api import KcppProbes
 #: A request koboldcpp noted within this many seconds of the worker's own last
 #: one (sent or ended) is taken for the worker's own.
 OWN_MARGIN_S = 1.0
+#: Seconds after the worker's own generation ended during which a busy
+#: koboldcpp is taken to be finishing that request: it holds its model lock a
+#: moment after answering (about 50 ms), or hands it to a request queued behind.
+OWN_TAIL_S = 0.5
 
 
 class LocalManners(Protocol):
@@ -238,19 +242,31 @@ class StandaloneManners:
                 # (re)started (its own start-up counts as one), are not a local
                 # user to yield to.
                 self._baseline = last_request
-            elif self._busy and not self._own_in_flight and (
-                self._queued or last_request > self.last_own_request_time
-            ):
-                # None of the worker's requests is in flight, yet someone waits
-                # for the model lock, or took it after the worker's last request
-                # ended: a local user. koboldcpp stamps a request when it takes
-                # the lock, so one queued behind the worker's own looks like the
-                # worker's to the rule in _local.
+            elif self._busy and not self._own_in_flight and self._someone_else(last_request):
                 self._other_seen_at = self._clock()
         if not self._busy:
             self._idle_read_at = now
             self._idle_last_request = last_request
         return self._local(last_request)
+
+    def _someone_else(self, last_request: float) -> bool:
+        """koboldcpp is busy, none of the worker's requests in flight: is the lock
+        holder (stamped ``last_request``, epoch seconds) someone else's request?
+
+        koboldcpp stamps a request when it takes the lock, so one queued behind
+        the worker's own looks like the worker's to the rule in :meth:`_local`.
+        It is someone else's when a request waits for the lock, when the
+        holder took it after the worker's last request ended, or when the
+        holder took it about when that request ended (within ``OWN_MARGIN_S``
+        before the worker noted its end, which a loaded machine delays) and
+        koboldcpp is still busy past ``OWN_TAIL_S`` after it. A holder stamped
+        earlier is the worker's own request running on (an abort that lands
+        late).
+        """
+        own_end = self.last_own_request_time
+        if self._queued or last_request > own_end:
+            return True
+        return self._clock() - own_end > OWN_TAIL_S and last_request > own_end - OWN_MARGIN_S
 
     def _local(self, last_request: float | None) -> float | None:
         """``last_request`` when it came after the worker's own last request; else

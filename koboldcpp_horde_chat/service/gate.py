@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..kcpp.api import KcppAPI
-from ..kcpp.manners import LocalManners
+from ..kcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from .state import WorkerState
 
@@ -21,11 +21,9 @@ from .state import WorkerState
 MAINTENANCE_POLL_S = 60.0
 #: Seconds between checks of whether a submit retried on its own thread is settled.
 SUBMIT_RETRY_POLL_S = 0.5
-#: Seconds after the worker's own generation during which a busy koboldcpp is
-#: taken to be finishing that request (it releases its model lock just after
-#: answering): it is checked again every ``OWN_TAIL_POLL_S`` instead of every
-#: ``BUSY_POLL_S``.
-OWN_TAIL_S = 0.5
+#: Seconds between checks of a busy koboldcpp within ``manners.OWN_TAIL_S`` of the
+#: worker's own generation (it releases its model lock just after answering),
+#: instead of every ``BUSY_POLL_S``.
 OWN_TAIL_POLL_S = 0.01
 #: Seconds between two checks of a koboldcpp busy with someone else's request.
 BUSY_POLL_S = 0.2

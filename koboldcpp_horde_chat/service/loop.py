@@ -33,7 +33,7 @@ from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities, pop_body
 from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.api import KcppAPI
-from ..kcpp.manners import LocalManners, NoManners
+from ..kcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.chat import ChatRun
 from ..run.job import Edges, JobContext, Lease, abort_quietly
 from ..run.life import Move, Phase
@@ -41,7 +41,7 @@ from ..run.submit import STOP_SUBMIT_EXTRA_S, SubmitPipeline
 from ..run.text import serve_text
 from ..settings import WorkerSettings
 from .backoff import Backoff, EmptyPopBackoff
-from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, OWN_TAIL_S, PopGate
+from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .pop_ahead import PopAhead
 from .state import WorkerState
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal

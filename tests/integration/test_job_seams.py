@@ -66,7 +66,7 @@ def test_a_job_whose_pop_was_beside_the_submit_at_the_signal_ends_by_the_stops_d
     horde.inject("pop", "ok", "hang:1.6")  # the second pop answers 1.6 s after it is sent
     worker = workers("--stop-grace", str(GRACE_S))
     until(lambda: "submitted" in terminal_actions(horde).get(
-        (job_ids(horde, first) or ["?"])[0], []), 20, worker.log())
+        (job_ids(horde, first) or ["?"])[0], []), 20, worker.log)
     took = stop_and_time(worker)
     assert took < STOP_BOUND_S, worker.log()
     (late,) = job_ids(horde, second)
@@ -81,7 +81,7 @@ def test_a_stop_during_the_messages_fetch_ends_within_the_grace(
     rid = horde.send_chat(ASK, best_effort=True)
     horde.inject("storage", "hang:30")
     worker = workers("--stop-grace", str(GRACE_S))
-    until(lambda: bool(job_ids(horde, rid)), 20, worker.log())
+    until(lambda: bool(job_ids(horde, rid)), 20, worker.log)
     time.sleep(0.3)  # the fetch is under way
     took = stop_and_time(worker)
     assert took < STOP_BOUND_S, worker.log()
@@ -96,7 +96,7 @@ def test_a_stop_during_the_token_count_ends_within_the_grace(
     rid = horde.send_chat(ASK, best_effort=True)
     kcpp.inject("tokencount", "hang:30")
     worker = workers("--stop-grace", str(GRACE_S))
-    until(lambda: bool(job_ids(horde, rid)), 20, worker.log())
+    until(lambda: bool(job_ids(horde, rid)), 20, worker.log)
     time.sleep(0.3)
     took = stop_and_time(worker)
     assert took < STOP_BOUND_S, worker.log()
@@ -119,7 +119,7 @@ def test_a_job_killed_before_its_generation_is_faulted_by_the_next_start(
     else:
         kcpp.inject("tokencount", "hang:30")
     first = workers()
-    until(lambda: bool(job_ids(horde, rid)), 20, first.log())
+    until(lambda: bool(job_ids(horde, rid)), 20, first.log)
     time.sleep(0.3)
     (job_id,) = job_ids(horde, rid)
     journaled = json.loads(journal_path(WORKER_NAME, tmp_path / "state").read_text())["jobs"]
@@ -130,7 +130,7 @@ def test_a_job_killed_before_its_generation_is_faulted_by_the_next_start(
     assert terminal_actions(horde) == {}
 
     second = workers()
-    until(lambda: job_id in terminal_actions(horde), 20, second.log())
+    until(lambda: job_id in terminal_actions(horde), 20, second.log)
     assert terminal_actions(horde)[job_id] == ["faulted"]
     assert second.said(f"job={job_id} kind=chat faulted after a restart") <= 1
 
@@ -197,12 +197,12 @@ def test_a_job_that_waited_while_koboldcpp_restarted_smaller_is_not_served_under
             {"messages": [{"role": "user", "content": big}], "max_tokens": 256}, best_effort=True
         )
         horde.inject("submit", "hang:3")  # the first job's submit answers 3 s late
-        until(lambda: bool(job_ids(horde, b)), 20, worker.log())  # popped beside that submit
+        until(lambda: bool(job_ids(horde, b)), 20, worker.log)  # popped beside that submit
         first.kill()
         second.start()
         assert horde.wait([a], timeout_s=20), worker.log()
         (job_b,) = job_ids(horde, b)
-        until(lambda: job_b in terminal_actions(horde), 20, worker.log())
+        until(lambda: job_b in terminal_actions(horde), 20, worker.log)
         assert terminal_actions(horde)[job_b] == ["faulted"], worker.log()
         assert not [r for r in second.requests if r["path"] == "/v1/chat/completions"]
     finally:

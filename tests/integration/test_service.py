@@ -102,7 +102,7 @@ def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it
     restarted_at = time.monotonic()
     slow(kcpp, 0.2)
     second = workers()
-    until(lambda: job_id in terminal_actions(horde), 20, second.log())
+    until(lambda: job_id in terminal_actions(horde), 20, second.log)
     assert terminal_actions(horde)[job_id] == ["faulted"]
     assert kcpp.aborts[:1] == [journaled[0]["genkey"]]  # its generation was aborted
     # The fault was the restarted worker's first call to the Horde: before any pop.
@@ -266,7 +266,7 @@ def test_koboldcpp_back_with_another_model_is_declared_anew_before_a_job_is_serv
             "koboldcpp/Small-Model (context 4096)): reading it again", timeout_s=20
         )
         pops = len(horde.pops)
-        until(lambda: len(horde.pops) > pops + 1, 20, worker.log())
+        until(lambda: len(horde.pops) > pops + 1, 20, worker.log)
         body = horde.pops[-1]["body"]
         assert body["model_id"] == "koboldcpp/Other-Model"
         assert body["chat_limits"]["max_context_length"] == 1024

@@ -59,7 +59,7 @@ class WorkerProcess:
         return sum(text in line for line in self.lines)
 
     def wait_for(self, text: str, timeout_s: float = 15.0) -> None:
-        until(lambda: self.said(text) > 0, timeout_s, f"no line with {text!r}:\n" + self.log())
+        until(lambda: self.said(text) > 0, timeout_s, lambda: f"no line with {text!r}:\n" + self.log())
 
     def log(self) -> str:
         return "\n".join(self.lines[-40:])
@@ -77,10 +77,17 @@ class WorkerProcess:
         self._reader.join(5)
 
 
-def until(condition: Callable[[], bool], timeout_s: float = 15.0, why: str = "timed out") -> None:
+def until(
+    condition: Callable[[], bool],
+    timeout_s: float = 15.0,
+    why: str | Callable[[], str] = "timed out",
+) -> None:
+    """Wait until ``condition()``; fail after ``timeout_s`` saying ``why`` (a callable
+    is called then, so a worker's log shows its lines up to the failure)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, why
+        if time.monotonic() >= deadline:
+            raise AssertionError(why() if callable(why) else why)
         time.sleep(0.02)
 
 

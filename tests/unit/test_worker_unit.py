@@ -699,6 +699,26 @@ def test_koboldcpp_busy_with_a_request_that_took_the_lock_after_the_workers_is_a
     assert manners.last_local_request_time() == clock()
 
 
+def test_a_local_request_handed_the_lock_before_the_worker_noted_its_end_is_a_local_user() -> None:
+    """koboldcpp hands its lock to a queued request as it answers the worker; a
+    worker slow to read that answer (a loaded machine) notes its own end after
+    koboldcpp stamped the next request. Busy past koboldcpp's short hold after
+    answering, koboldcpp serves someone else: a local user to yield to."""
+    backend = PerfBackend({"idle": 1, "queue": 0, "idletime": 50.0, "uptime": 50.0})
+    manners, clock = standalone(backend)
+    manners.last_local_request_time()
+    manners.note_own_request()
+    clock.advance(3.0)  # the worker's generation ends; the queued local user takes the lock
+    clock.advance(0.3)  # the worker reads koboldcpp's answer 0.3 s later
+    manners.note_own_request_done()
+    clock.advance(0.1)
+    backend.answers = [{"idle": 0, "queue": 0, "idletime": 0.4, "uptime": 53.4}]
+    assert manners.last_local_request_time() is None  # within koboldcpp's hold after answering
+    clock.advance(0.6)
+    backend.answers = [{"idle": 0, "queue": 0, "idletime": 1.0, "uptime": 54.0}]
+    assert manners.last_local_request_time() == clock()
+
+
 def test_a_perf_read_without_answer_marks_koboldcpp_unreachable_until_one_answers() -> None:
     from koboldcpp_horde_chat.errors import BackendError
 
