@@ -875,7 +875,7 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_a_jobs_life_through_the_real_loop_keeps_every_seam(fake_time: None) -> None:
-    run_state_machine_as_test(  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
         JobLife,
         settings=settings(
             max_examples=150,
