@@ -237,6 +237,9 @@ class ChatRun:
             self._check_not_aborted(backend_reply, budget)
             submit_body = chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
         except (BackendError, ReplyError) as exc:
+            # Given up meanwhile (the stop hangs up a stream, which then ends cut
+            # short): the fault names the stop, not koboldcpp.
+            ctx.check_abandoned()
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
         message = submit_body.get("message", {})
         detail = (

@@ -550,3 +550,37 @@ def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_ab
     faults = [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
     assert any(why in line for line in faults), faults
     assert not any("a stop on koboldcpp" in line for line in faults), faults
+
+
+def test_a_streamed_job_whose_stream_is_cut_by_the_stop_is_faulted_for_the_stop(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The stop's grace runs out mid-stream: the worker gives the job up and hangs up
+    its stream, which then ends without a finish reason. The fault names the stop,
+    not a koboldcpp that cut its stream short."""
+    from koboldcpp_horde_chat.errors import BackendError
+    from koboldcpp_horde_chat.run import chat as chat_run
+
+    why = "the job did not end within the 6 s stop grace period"
+
+    def cut_by_the_stop(edges: Any, job: Any, ctx: Any, body: bytes) -> Any:
+        ctx.give_up(why)
+        raise BackendError("the stream ended without a finish reason (and without [DONE]: cut off)")
+
+    monkeypatch.setattr(chat_run, "generate_streamed", cut_by_the_stop)
+    caplog.set_level(logging.INFO)
+    rid = horde.send_chat(
+        {"messages": [{"role": "user", "content": "Sky?"}], "stream": True},
+        best_effort=True,
+        max_attempts=1,
+    )
+    serve(horde, start_worker, [rid])
+    (entry,) = [e for e in horde.ledger if e["action"] != "refused"]
+    assert entry["action"] == "faulted"
+    faults = [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
+    assert any(why in line for line in faults), faults
+    assert not any("generation failed" in line for line in faults), faults
