@@ -442,6 +442,8 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
                 return 0
             log.error("%s", exc)
             return 2
+        if states:
+            state.carry_over(states[0])
         states[:] = [state]
         log.info("%s", serving_line(settings))
         manners = StandaloneManners(

@@ -115,6 +115,25 @@ class WorkerState:
         #: Submits being retried on threads of their own (no pop meanwhile).
         self.retrying_submits = 0
 
+    def carry_over(self, earlier: WorkerState) -> None:
+        """Go on from ``earlier``, this worker's state before it declared anew
+        (standalone: koboldcpp came back serving another model or context).
+
+        The Horde counts a worker's aborted jobs and its nonconformant replies
+        by its name, whatever koboldcpp serves: the fault window, the refusal
+        counts, the features those withdrew, the Horde's messages already said
+        and the totals go on here, so that a koboldcpp that keeps crashing and
+        coming back changed still has chat withdrawn before the Horde's
+        maintenance (``guard.MaintenanceGuard``).
+        """
+        with earlier.lock:
+            self.maintenance_guard = earlier.maintenance_guard
+            self.refusal_guard = earlier.refusal_guard
+            self.withheld = self.withheld | earlier.withheld
+            self.moderator_messages_seen = set(earlier.moderator_messages_seen)
+            self.stats = earlier.stats
+            self._next_summary = earlier._next_summary
+
     @property
     def chat_enabled(self) -> bool:
         """Whether the next pop declares chat (False while withdrawn)."""

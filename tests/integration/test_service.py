@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.service.journal_paths import journal_path
@@ -278,3 +280,55 @@ def test_koboldcpp_back_with_another_model_is_declared_anew_before_a_job_is_serv
         worker.stop()
         first.stop()
         second.stop()
+
+
+def test_faults_before_koboldcpp_came_back_changed_still_count_toward_withdrawing_chat(
+    horde: DevHorde,
+    start_worker: Callable[..., object],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Horde counts a worker's aborted jobs by its name whatever koboldcpp it
+    serves from: the worker re-declared after koboldcpp came back with another
+    context still counts the faults from before (and its totals go on), or a
+    koboldcpp crashing and coming back changed could take it into maintenance.
+    Here chat is withdrawn at 2 faults (15 in the product)."""
+    import functools
+    import logging
+
+    from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
+    from koboldcpp_horde_chat.service import state as state_module
+    from koboldcpp_horde_chat.service.guard import MaintenanceGuard
+
+    monkeypatch.setattr(
+        state_module,
+        "MaintenanceGuard",
+        functools.partial(MaintenanceGuard, withdraw_at=2, restore_below=1),
+    )
+    caplog.set_level(logging.INFO)
+    first = Kcpp(max_context_length=4096).start()
+    second = Kcpp(max_context_length=2048, port=first.port)
+    third = Kcpp(max_context_length=2048, port=first.port)
+    try:
+        for kcpp in (first, second, third):
+            slow(kcpp, 20.0)
+        start_worker(kcpp_url=first.url)
+
+        def killed_mid_job(kcpp: Kcpp) -> None:
+            rid = horde.send_chat(
+                {"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True, max_attempts=1
+            )
+            until(lambda: kcpp.generating, 20)
+            kcpp.kill()
+            until(lambda: horde.status(rid)["state"] == "faulted", 20)
+
+        killed_mid_job(first)
+        second.start()
+        until(lambda: "reading it again" in caplog.text, 30)
+        killed_mid_job(second)
+        third.start()
+        until(lambda: "withdrawing the chat declaration" in caplog.text, 30, lambda: caplog.text[-3000:])
+    finally:
+        first.stop()
+        second.stop()
+        third.stop()
