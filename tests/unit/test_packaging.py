@@ -116,7 +116,9 @@ def test_the_license_is_declared_and_no_url_that_does_not_exist() -> None:
 
 def test_the_changelog_dates_each_release() -> None:
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-    releases = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    headings = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    # what changed since the last release comes first, under "Unreleased"
+    releases = headings[1:] if headings[:1] == ["Unreleased"] else headings
     assert releases
     for heading in releases:
         assert re.fullmatch(r"\d+\.\d+\.\d+ - \d{4}-\d{2}-\d{2}", heading), heading
