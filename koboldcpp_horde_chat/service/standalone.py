@@ -400,12 +400,17 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
                 state.fault_jobs_now()
             raise SystemExit(130)
         if states:
-            log.info(
-                "signal %d: finishing the job in hand (within %g s, else it is faulted), "
-                "then stopping",
-                signum,
-                args.stop_grace,
-            )
+            in_hand = len(states[0].jobs_in_hand())
+            if in_hand:
+                log.info(
+                    "signal %d: finishing the %s in hand (within %g s, else faulted), "
+                    "then stopping",
+                    signum,
+                    "job" if in_hand == 1 else f"{in_hand} jobs",
+                    args.stop_grace,
+                )
+            else:
+                log.info("signal %d: stopping (no job in hand)", signum)
             states[0].request_stop(args.stop_grace)
         else:
             log.info("signal %d: stopping", signum)

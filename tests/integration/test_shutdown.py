@@ -117,6 +117,9 @@ def test_a_signal_while_idle_exits_0_within_5_s(
     assert code == 0
     assert time.monotonic() - signalled < 5.0
     assert not horde.ledger
+    _, err = proc.communicate(timeout=5)
+    assert f"signal {int(signum)}: stopping (no job in hand)" in err, err[-2000:]
+    assert "finishing" not in err
 
 
 def test_a_second_signal_exits_at_once_after_faulting_the_job_in_hand(
