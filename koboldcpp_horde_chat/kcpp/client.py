@@ -459,15 +459,15 @@ class KoboldClient:
         raw = self._read_capped(response, path, deadline)
         if status == 401:
             raise BackendUnauthorized(
-                f"{path}: 401 {error_detail(raw)} (koboldcpp's password is "
+                f"{path}: 401{error_detail(raw)} (koboldcpp's password is "
                 + ("wrong" if self._password else "missing")
                 + ")",
                 status=401,
             )
         if status == 503:
-            raise BackendBusy(f"{path}: 503 {error_detail(raw)}", status=503)
+            raise BackendBusy(f"{path}: 503{error_detail(raw)}", status=503)
         if not 200 <= status < 300:
-            raise BackendError(f"{path}: HTTP {status} {error_detail(raw)}", status=status)
+            raise BackendError(f"{path}: HTTP {status}{error_detail(raw)}", status=status)
         try:
             decoded = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):

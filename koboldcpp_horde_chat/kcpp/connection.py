@@ -318,7 +318,12 @@ def ca_bundle_from_env() -> str | bool:
 
 
 def error_detail(raw: bytes) -> str:
-    """A short description of an error body: koboldcpp's ``detail.msg`` when present."""
+    """A short description of an error body, led by a space: koboldcpp's
+    ``detail.msg`` when present; ``""`` for an empty body."""
+    return f" {_detail(raw)}" if raw.strip() else ""
+
+
+def _detail(raw: bytes) -> str:
     try:
         decoded = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):

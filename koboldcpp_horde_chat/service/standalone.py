@@ -336,6 +336,11 @@ def settings_from_args(
             now = time.monotonic()
             if wait_s is not None and now - started >= wait_s:
                 waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
+                if exc.status:  # something else answers there (a wrong port, say)
+                    raise ConfigError(
+                        f"{args.kcpp_url} answers, but not as koboldcpp ({exc}){waited}: "
+                        "is --kcpp-url koboldcpp's address?"
+                    ) from None
                 raise ConfigError(
                     f"koboldcpp at {args.kcpp_url} does not answer{waited}: {exc}"
                 ) from None

@@ -393,3 +393,25 @@ def test_an_unusable_default_journal_directory_turns_crash_recovery_off_in_one_l
         f"from {horde.url} via {kcpp.url}"
     ), serving
     assert "status=0" not in stderr and "Traceback" not in stderr
+
+
+def test_a_kcpp_url_that_answers_but_not_as_koboldcpp_is_named_so() -> None:
+    """Another web server at --kcpp-url (a wrong port) answers 404: the line says it
+    answers, not as koboldcpp, rather than that nothing answers."""
+    from http.server import BaseHTTPRequestHandler
+
+    from tests.http_server import LocalServer
+
+    def not_found(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        handler.send_response(404)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    with LocalServer(not_found) as other:
+        result = run_cli("--kcpp-url", other.url, "--horde-url", DEAD_URL, "--kcpp-wait", "0")
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"{other.url} answers, but not as koboldcpp (/api/v1/model: HTTP 404): "
+        "is --kcpp-url koboldcpp's address?"
+    ) in result.stderr, result.stderr
+    assert "does not answer" not in result.stderr
