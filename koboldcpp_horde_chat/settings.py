@@ -241,21 +241,21 @@ class WorkerSettings:
     def max_length_warning(self) -> str | None:
         """One start-up warning line when ``--hordegenlen`` was lowered, else None.
 
-        E.g. ``"--hordegenlen 100000 is lowered to 3277: koboldcpp cuts a
-        max_length above 3277 on this worker's 4096-token context, which keeps
-        room for the prompt"``.
+        E.g. ``"max_length 100000 (--hordegenlen) is lowered to 3277: koboldcpp
+        cuts a max_length above 3277 on this worker's 4096-token context, which
+        keeps room for the prompt"`` (also when the value is the default, 1024).
         """
         declared = self.declared_max_length
         if declared >= self.max_length:
             return None
         if 0 < self.kcpp_genlimit <= declared:
             return (
-                f"--hordegenlen {self.max_length} is lowered to {declared}: koboldcpp's "
-                f"--genlimit {self.kcpp_genlimit} stops every generation there"
+                f"max_length {self.max_length} (--hordegenlen) is lowered to {declared}: "
+                f"koboldcpp's --genlimit {self.kcpp_genlimit} stops every generation there"
             )
         return (
-            f"--hordegenlen {self.max_length} is lowered to {declared}: koboldcpp cuts a "
-            f"max_length above {declared} on this worker's {self.max_context_length}-token "
+            f"max_length {self.max_length} (--hordegenlen) is lowered to {declared}: koboldcpp "
+            f"cuts a max_length above {declared} on this worker's {self.max_context_length}-token "
             "context, which keeps room for the prompt"
         )
 

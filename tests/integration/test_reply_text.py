@@ -220,7 +220,7 @@ def test_a_genlen_beyond_the_context_is_declared_with_room_for_a_prompt(
     assert (waiting["state"], waiting["job_ids"]) == ("waiting", [])
     warnings = [r.getMessage() for r in caplog.records if "--hordegenlen" in r.getMessage()]
     assert warnings == [
-        "worker 1: --hordegenlen 100000 is lowered to 3277: koboldcpp cuts a max_length "
+        "worker 1: max_length 100000 (--hordegenlen) is lowered to 3277: koboldcpp cuts a max_length "
         "above 3277 on this worker's 4096-token context, which keeps room for the prompt"
     ]
 

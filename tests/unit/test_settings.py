@@ -82,13 +82,13 @@ def test_a_genlen_koboldcpp_would_cut_is_declared_at_koboldcpps_bound() -> None:
     big = settings(max_length=100_000)
     assert big.declared_max_length == 3277
     assert big.max_length_warning() == (
-        "--hordegenlen 100000 is lowered to 3277: koboldcpp cuts a max_length above 3277 "
+        "max_length 100000 (--hordegenlen) is lowered to 3277: koboldcpp cuts a max_length above 3277 "
         "on this worker's 4096-token context, which keeps room for the prompt"
     )
     # the bound follows the declared context (--hordemaxctx), not koboldcpp's alone
     small = settings(max_length=1024, horde_max_context_length=1000)
     assert small.declared_max_length == 800
-    assert "--hordegenlen 1024 is lowered to 800" in (small.max_length_warning() or "")
+    assert "max_length 1024 (--hordegenlen) is lowered to 800" in (small.max_length_warning() or "")
 
 
 # --- koboldcpp's --genlimit ---------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_a_genlen_above_koboldcpps_genlimit_is_declared_at_the_genlimit() -> Non
     limited = settings(max_length=512, kcpp_genlimit=200)
     assert limited.declared_max_length == 200
     assert limited.max_length_warning() == (
-        "--hordegenlen 512 is lowered to 200: koboldcpp's --genlimit 200 stops every "
+        "max_length 512 (--hordegenlen) is lowered to 200: koboldcpp's --genlimit 200 stops every "
         "generation there"
     )
     assert settings(max_length=100, kcpp_genlimit=200).declared_max_length == 100
