@@ -536,27 +536,32 @@ def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_ab
         return result
 
     monkeypatch.setattr(chat_run, "generate_streamed", given_up_as_it_ends)
-    caplog.set_level(logging.INFO)
     kcpp.token_delay_s = 0.05
     kcpp.script(lambda body: ScriptedReply(text="The sky is blue today. " * 20))
+    faults = fault_lines_of_one_streamed_job(horde, start_worker, caplog, max_tokens=300)
+    assert any(why in line for line in faults), faults
+    assert not any("a stop on koboldcpp" in line for line in faults), faults
+
+
+def fault_lines_of_one_streamed_job(
+    horde: DevHorde, start_worker: Any, caplog: pytest.LogCaptureFixture, **fields: Any
+) -> list[str]:
+    """Serve one streamed chat request (``fields`` added to it); check its one job
+    was faulted and return the worker's lines that say so."""
+    caplog.set_level(logging.INFO)
     rid = horde.send_chat(
-        {"messages": [{"role": "user", "content": "Sky?"}], "max_tokens": 300, "stream": True},
+        {"messages": [{"role": "user", "content": "Sky?"}], "stream": True, **fields},
         best_effort=True,
         max_attempts=1,
     )
     serve(horde, start_worker, [rid])
     (entry,) = [e for e in horde.ledger if e["action"] != "refused"]
     assert entry["action"] == "faulted"
-    faults = [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
-    assert any(why in line for line in faults), faults
-    assert not any("a stop on koboldcpp" in line for line in faults), faults
+    return [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
 
 
 def test_a_streamed_job_whose_stream_is_cut_by_the_stop_is_faulted_for_the_stop(
-    horde: DevHorde,
-    kcpp: ScriptedKoboldcpp,
-    start_worker: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    horde: DevHorde, start_worker: Any, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The stop's grace runs out mid-stream: the worker gives the job up and hangs up
@@ -572,15 +577,6 @@ def test_a_streamed_job_whose_stream_is_cut_by_the_stop_is_faulted_for_the_stop(
         raise BackendError("the stream ended without a finish reason (and without [DONE]: cut off)")
 
     monkeypatch.setattr(chat_run, "generate_streamed", cut_by_the_stop)
-    caplog.set_level(logging.INFO)
-    rid = horde.send_chat(
-        {"messages": [{"role": "user", "content": "Sky?"}], "stream": True},
-        best_effort=True,
-        max_attempts=1,
-    )
-    serve(horde, start_worker, [rid])
-    (entry,) = [e for e in horde.ledger if e["action"] != "refused"]
-    assert entry["action"] == "faulted"
-    faults = [r.getMessage() for r in caplog.records if "faulted" in r.getMessage()]
+    faults = fault_lines_of_one_streamed_job(horde, start_worker, caplog)
     assert any(why in line for line in faults), faults
     assert not any("generation failed" in line for line in faults), faults
