@@ -48,7 +48,7 @@ def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Outcome:
         )
         generation = text_generation(body)
     except (BackendError, ReplyError) as exc:
-        raise JobFault(f"backend failed: {exc}", backend_failed=True) from None
+        raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
     return Outcome(text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
 
 

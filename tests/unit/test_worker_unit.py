@@ -20,7 +20,14 @@ from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests import pops
-from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent, FakeStream
+from tests.fakes import (
+    FakeBackend,
+    FakeClock,
+    FakeHorde,
+    FakeStopEvent,
+    FakeStream,
+    backend_error,
+)
 
 KEY = "unit-key-5f2e9c"
 MODEL = "koboldcpp/fake"
@@ -792,3 +799,19 @@ def test_a_stop_sequence_sent_as_one_string_is_held_back_from_progress_posts_too
     assert "user:" not in posted
     (submitted,) = horde.jobs["s1"].bodies
     assert submitted["message"]["content"] == "Blue sky."
+
+
+def test_a_failed_generation_is_named_alike_for_chat_and_text_jobs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One fault line for one cause, whichever kind of job koboldcpp failed."""
+    backend = FakeBackend()
+    backend.chats.append(backend_error("server_error"))
+    backend.generates.append(backend_error("server_error"))
+    worker, horde, _, _ = make([chat_pop("c1"), text_pop("t1")], backend=backend)
+    caplog.set_level(logging.INFO)
+    run(worker, 2)
+    assert horde.verdicts() == {"c1": "faulted", "t1": "faulted"}
+    faults = [r.getMessage() for r in caplog.records if " faulted: " in r.getMessage()]
+    assert len(faults) == 2, faults
+    assert all("faulted: generation failed: HTTP 500" in line for line in faults), faults
