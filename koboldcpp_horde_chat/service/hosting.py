@@ -185,6 +185,11 @@ def open_state(
     finally:
         horde.close()
         backend.close()
+    # The faults the Horde still counts toward maintenance, an earlier process's and
+    # the recovery's: the first pop's declaration already knows them.
+    state.restore_faults(
+        journal.recent_faults(time.time()), now=time.monotonic(), wall=time.time()
+    )
     return state
 
 

@@ -23,10 +23,17 @@ koboldcpp by genkey.
   the worker: it is logged once.
 - the start-up pass over what an earlier process left: ``service.recovery``.
 
-The file::
+The journal also keeps when the worker's faults the Horde counts toward
+maintenance happened in the last hour (epoch seconds), so that a worker
+restarted after a crash goes on counting them (``guard.MaintenanceGuard``):
+a koboldcpp that crashes on a kind of job, with the worker inside it, would
+otherwise start each time from an empty window. The file::
 
     {"version": 1, "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
-                             "genkey": "HORDEREQ_...", "lease_end": 1700000150.0}]}
+                             "genkey": "HORDEREQ_...", "lease_end": 1700000150.0}],
+     "faults": [1700000100.0]}
+
+(``faults`` is written only when there are some; a file without it has none.)
 
 Seed sections: "7. Fault a job" (the faulted submit, the request back to the
 queue), "Streaming progress" (the lease) and "Worked example: koboldcpp's
@@ -60,6 +67,11 @@ __all__ = [
 FILE_VERSION: Final = 1
 #: A journal file larger than this (bytes) is not one this program wrote.
 MAX_FILE_BYTES: Final = 1024 * 1024
+
+#: How long a fault is kept (seconds): the Horde's window for aborted jobs.
+FAULT_WINDOW_S: Final = 3600.0
+#: The most faults kept (more than the Horde's maintenance threshold ever needs).
+MAX_FAULTS: Final = 100
 
 KINDS: Final = frozenset({"chat", "text"})
 GENKEY_PREFIX: Final = "HORDEREQ_"
@@ -200,6 +212,7 @@ class Journal:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._entries: dict[str, JournalEntry] = {}
+        self._faults: list[float] = []
         self._loaded = False
         self._failing = False
         self._dirty = False
@@ -310,6 +323,13 @@ class Journal:
                 log.warning("job journal %s: entry %d skipped: %s", self.path, index, exc)
                 continue
             self._entries[entry.job_id] = entry
+        faults = doc.get("faults")
+        if isinstance(faults, list):
+            self._faults = [
+                float(t)
+                for t in faults[-MAX_FAULTS:]
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+            ]
 
     def _set_aside(self, problem: str) -> None:
         target = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
@@ -357,6 +377,24 @@ class Journal:
             else:
                 self._dirty = True
 
+    def record_fault(self, at: float) -> None:
+        """Keep a fault the Horde counts toward maintenance, made at epoch seconds
+        ``at``; written with the next change (:meth:`add`, :meth:`remove`,
+        :meth:`flush`), as a job's removal is. Faults older than
+        :data:`FAULT_WINDOW_S` are dropped."""
+        with self._lock:
+            self._load_locked()
+            self._faults = [t for t in self._faults if t > at - FAULT_WINDOW_S][-MAX_FAULTS + 1 :]
+            self._faults.append(at)
+            self._dirty = True
+
+    def recent_faults(self, now: float) -> list[float]:
+        """The kept faults within :data:`FAULT_WINDOW_S` before epoch seconds ``now``,
+        oldest first (an earlier process's included)."""
+        with self._lock:
+            self._load_locked()
+            return [t for t in self._faults if now - FAULT_WINDOW_S < t <= now]
+
     def flush(self) -> None:
         """Write removals not written yet (see :meth:`remove`); nothing when none."""
         with self._lock:
@@ -365,7 +403,12 @@ class Journal:
 
     def _write_locked(self, *, durable: bool = True) -> None:
         self._dirty = False
-        doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in self._entries.values()]}
+        doc: dict[str, Any] = {
+            "version": FILE_VERSION,
+            "jobs": [e.to_json() for e in self._entries.values()],
+        }
+        if self._faults:
+            doc["faults"] = [round(t, 3) for t in self._faults]
         data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         directory = self.path.parent
         tmp: str | None = None

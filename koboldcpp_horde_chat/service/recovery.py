@@ -145,6 +145,7 @@ def recover(
                 "(lease ended %.0f s ago): nothing sent",
                 entry.job_id, entry.kind, now - entry.lease_end,
             )
+            journal.record_fault(now)  # an aborted job on the Horde
             journal.remove(entry.job_id)
             continue
         if entry.genkey:
@@ -165,6 +166,8 @@ def recover(
             settled += 1
         else:
             failed += 1
+        if outcome != "settled":  # faulted, or left to expire: aborted on the Horde
+            journal.record_fault(wall())
         journal.remove(entry.job_id)
     result = RecoveryResult(faulted, settled, expired, failed, kept, key_refused)
     if result.total:

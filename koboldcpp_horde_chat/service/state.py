@@ -256,17 +256,34 @@ class WorkerState:
     # -------------------------------------------------------------- counting
 
     def record_fault(self, now: float, *, counts: bool = True) -> None:
-        """Count a fault sent; ``counts`` False for one the Horde counts apart."""
+        """Count a fault sent; ``counts`` False for one the Horde counts apart.
+
+        One that counts toward maintenance is kept in the journal too, so a
+        restarted worker goes on counting it (:meth:`restore_faults`)."""
         with self.lock:
             self.stats.faults += 1
             if counts:
-                self.maintenance_guard.record_fault(now)
+                self._count_toward_maintenance(now)
 
     def record_expired(self, now: float) -> None:
         """A job expires on the Horde (its submit could not be delivered): an
         aborted job there, so it counts toward maintenance."""
         with self.lock:
-            self.maintenance_guard.record_fault(now)
+            self._count_toward_maintenance(now)
+
+    def _count_toward_maintenance(self, now: float) -> None:
+        self.maintenance_guard.record_fault(now)
+        if self.journal is not None:
+            self.journal.record_fault(time.time())
+
+    def restore_faults(self, faults: Iterable[float], *, now: float, wall: float) -> None:
+        """Count the faults an earlier process made (epoch seconds, from the journal:
+        ``Journal.recent_faults``) in this one's maintenance window, which runs
+        on monotonic seconds (``now``; ``wall`` is the epoch time of the same
+        instant)."""
+        with self.lock:
+            for at in faults:
+                self.maintenance_guard.record_fault(now - (wall - at))
 
     def record_dropped(self) -> None:
         """A job ended without an accepted submit or fault of ours."""

@@ -332,3 +332,48 @@ def test_faults_before_koboldcpp_came_back_changed_still_count_toward_withdrawin
         first.stop()
         second.stop()
         third.stop()
+
+
+def test_faults_of_an_earlier_run_still_count_toward_withdrawing_chat(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """A koboldcpp that crashes on some chat jobs, with the worker inside it, restarts
+    the worker each time: the Horde still counts the aborted jobs of the hour, so the
+    next run must too (kept beside the journal), or chat is never withdrawn before
+    maintenance. Here chat is withdrawn at 2 faults (15 in the product)."""
+    import functools
+    import logging
+
+    from koboldcpp_horde_chat.service import state as state_module
+    from koboldcpp_horde_chat.service.guard import MaintenanceGuard
+
+    monkeypatch.setattr(
+        state_module,
+        "MaintenanceGuard",
+        functools.partial(MaintenanceGuard, withdraw_at=2, restore_below=1),
+    )
+    caplog.set_level(logging.INFO)
+    journal = str(tmp_path / "state")
+
+    def one_faulted_run() -> None:
+        kcpp.inject("chat", (500, {"detail": {"msg": "boom"}}))
+        running = start_worker("--journal-dir", journal)
+        rid = horde.send_chat(
+            {"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True, max_attempts=1
+        )
+        until(lambda: horde.status(rid)["state"] == "faulted", 20)
+        pops = len(horde.pops)
+        until(lambda: len(horde.pops) > pops, 20)  # the pop after the fault: declared anew
+        running.stop()  # type: ignore[attr-defined]
+
+    one_faulted_run()
+    assert "withdrawing the chat declaration" not in caplog.text
+    assert "chat_jobs" in horde.pops[-1]["body"]
+    one_faulted_run()
+    assert "withdrawing the chat declaration" in caplog.text, caplog.text[-3000:]
+    assert "chat_jobs" not in horde.pops[-1]["body"]

@@ -869,3 +869,45 @@ def test_a_removal_not_written_now_goes_out_with_the_next_add_or_flush(tmp_path:
     mtime = path.stat().st_mtime_ns
     journal.flush()  # nothing pending: no write
     assert path.stat().st_mtime_ns == mtime
+
+
+# --- the faults the Horde counts toward maintenance, kept for the next process -------------
+
+
+def test_faults_are_kept_for_an_hour_and_read_by_the_next_process(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.json"
+    first = Journal(path)
+    first.record_fault(NOW - 4000.0)
+    first.record_fault(NOW - 60.0)
+    first.add(chat_entry())  # written with the next change, as a removal is
+    assert on_disk(path)["faults"] == [NOW - 60.0]  # the one over an hour old is dropped
+    later = Journal(path)
+    assert later.recent_faults(NOW) == [NOW - 60.0]
+    assert later.recent_faults(NOW + 3600.0) == []  # an hour after it, the Horde forgot it too
+
+
+def test_a_journal_without_faults_writes_none_and_bad_ones_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.json"
+    Journal(path).add(chat_entry())
+    assert "faults" not in on_disk(path)  # the file as before, when nothing faulted
+    path.write_text(
+        json.dumps({"version": 1, "jobs": [], "faults": ["x", True, None, NOW - 5, 1e999]})
+    )
+    assert Journal(path).recent_faults(NOW) == [NOW - 5]
+
+
+@pytest.mark.parametrize(
+    ("entry", "answer", "counted"),
+    [
+        (chat_entry(), {"reward": 0}, 1),  # faulted: an aborted job on the Horde
+        (chat_entry(lease_left_s=-10.0), {"reward": 0}, 1),  # expired while down: aborted too
+        (chat_entry(), HordeRefusal("This job has ended.", status=400, rc="AbortedGen"), 0),
+    ],
+    ids=["faulted", "expired", "settled"],
+)
+def test_the_recovery_keeps_the_jobs_the_horde_counts_as_aborted(
+    tmp_path: Path, entry: JournalEntry, answer: Any, counted: int
+) -> None:
+    path = journal_with(tmp_path, entry)
+    run_recover(path, ScriptedHorde(answer))
+    assert len(Journal(path).recent_faults(NOW)) == counted
