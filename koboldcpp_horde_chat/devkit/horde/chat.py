@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from koboldcpp_horde_chat.devkit.horde.helpers import _ApiError, _is_int, _is_number
+from koboldcpp_horde_chat.devkit.horde.helpers import _ApiError, _is_int, _is_number, _job_answer
 from koboldcpp_horde_chat.devkit.horde.images import ObjectStore, _image_parts
 from koboldcpp_horde_chat.devkit.horde.leases import Leases
 from koboldcpp_horde_chat.devkit.horde.state import _ChatSpec, _Declaration, _Job, _Req
@@ -213,18 +213,7 @@ class ChatContract(ObjectStore, Leases):
             payload["response_format"] = copy.deepcopy(body["response_format"])
         if spec.stream:
             payload["stream_progress"] = True
-        return {
-            "payload": payload,
-            "id": job.id,
-            "ids": [job.id],
-            "messages": [],
-            "ttl": self._ttl_value(),
-            "extra_source_images": None,
-            "skipped": {},
-            "softprompt": None,
-            "model": decl.model_id,
-            "chat": True,
-        }
+        return {**_job_answer(job.id, payload, self._ttl_value(), decl.model_id), "chat": True}
 
     def _chat_reply(self, job: _Job, req: _Req, body: dict[str, Any]) -> dict[str, Any]:
         """Step 6 and "Submit refusals"; raises the refusal as an ``_ApiError``."""

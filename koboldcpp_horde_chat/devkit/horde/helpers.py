@@ -110,6 +110,22 @@ def _nul_path(obj: Any, path: str = "") -> str | None:
     return None
 
 
+def _job_answer(job_id: str, payload: dict[str, Any], ttl: Any, model: Any) -> dict[str, Any]:
+    """A pop answer carrying one job, as the Horde shapes it (the chat flag is added
+    by the caller for a chat job)."""
+    return {
+        "payload": payload,
+        "id": job_id,
+        "ids": [job_id],
+        "messages": [],
+        "ttl": ttl,
+        "extra_source_images": None,
+        "skipped": {},
+        "softprompt": None,
+        "model": model,
+    }
+
+
 def _rfc822(epoch_s: float) -> str:
     """An absolute time as the Horde writes dates in its answers (RFC 822, UTC)."""
     return email.utils.formatdate(epoch_s)

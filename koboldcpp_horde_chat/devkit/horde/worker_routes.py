@@ -16,6 +16,7 @@ from koboldcpp_horde_chat.devkit.horde.helpers import (
     _ApiError,
     _invalid_input,
     _is_int,
+    _job_answer,
     _nul_path,
     _rfc822,
     log,
@@ -162,17 +163,7 @@ class WorkerRoutes(ChatContract, Eligibility):
                 "max_context_length": req.max_context_length,
             }
         )
-        return {
-            "payload": payload,
-            "id": job.id,
-            "ids": [job.id],
-            "messages": [],
-            "ttl": self._ttl_value(),
-            "extra_source_images": None,
-            "skipped": {},
-            "softprompt": None,
-            "model": model,
-        }
+        return _job_answer(job.id, payload, self._ttl_value(), model)
 
     def _submit(self, body: dict[str, Any], key: str) -> Response:
         job_id = body.get("id")
