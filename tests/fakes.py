@@ -37,6 +37,7 @@ from koboldcpp_horde_chat.errors import (
     HordeUnavailable,
 )
 from koboldcpp_horde_chat.kcpp.client import BackendInfo
+from koboldcpp_horde_chat.kcpp.manners import NoManners
 
 if TYPE_CHECKING:
     from koboldcpp_horde_chat.horde.api import HordeAPI
@@ -518,37 +519,17 @@ class FakeBackend:
 # ---------------------------------------------------------------- local use
 
 
-class FakeManners:
+class FakeManners(NoManners):
     """Local-use signals of a koboldcpp nobody else uses; tests override what they script.
 
-    Reachable, no local user, not busy, not stopping, never changed, the
-    worker's own requests noted nowhere; ``requests_queued`` True (a manners
-    that cannot tell: a busy koboldcpp is waited for even in the tail of the
-    worker's own request).
+    As :class:`NoManners` (reachable, no local user, not busy, not stopping,
+    never changed, the worker's own requests noted nowhere), except that
+    ``requests_queued`` is True (a manners that cannot tell: a busy koboldcpp
+    is waited for even in the tail of the worker's own request).
     """
-
-    unreachable = False
-
-    def last_local_request_time(self) -> float | None:
-        return None
-
-    def model_busy(self) -> bool:
-        return False
 
     def requests_queued(self) -> bool:
         return True
-
-    def should_stop(self) -> bool:
-        return False
-
-    def recheck(self) -> str | None:
-        return None
-
-    def note_own_request(self) -> None:
-        return None
-
-    def note_own_request_done(self) -> None:
-        return None
 
 
 if TYPE_CHECKING:
