@@ -9,12 +9,9 @@ tells what became of the job. Target, phases and method: bench/README.md.
 from __future__ import annotations
 
 import json
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +25,8 @@ from harness.product import journal_path
 from harness.report import add_json, bench_result, figure, finish, parser, reproduce
 from harness.servers import API_KEY
 
+from tests.integration.worker_process import WorkerProcess
+
 WORKER_NAME = "bench-stop-worker"
 #: Seconds past the grace the process may take to exit (the abort and one fault).
 BOUND_EXTRA_S = 2.0
@@ -39,67 +38,6 @@ READY_TIMEOUT_S = 30.0
 #: Seconds past the bound this bench waits for an exit before it kills the worker.
 EXIT_TIMEOUT_EXTRA_S = 15.0
 FINAL = ("submitted", "faulted", "cancelled", "expired")
-
-
-class WorkerProcess:
-    """``python -m koboldcpp_horde_chat`` against the servers; its stderr lines read as they come."""
-
-    def __init__(
-        self, horde: DevHorde, kcpp: ScriptedKoboldcpp, journal_dir: Path, grace: float,
-        *extra: str,
-    ) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "koboldcpp_horde_chat",
-                "--hordekey", API_KEY,
-                "--hordeworkername", WORKER_NAME,
-                "--horde-url", horde.url,
-                "--kcpp-url", kcpp.url,
-                "--hordegenlen", "512",
-                "--journal-dir", str(journal_dir),
-                "--stop-grace", f"{grace:g}",
-                "--log-level", "INFO",
-                *extra,
-            ],
-            cwd=PKG_ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def said(self, text: str) -> bool:
-        return any(text in line for line in self.lines)
-
-    def log(self) -> str:
-        return "\n".join(self.lines[-30:])
-
-    def sigterm_to_exit(self, timeout_s: float) -> float | None:
-        """Send SIGTERM; seconds until the process exited (None: killed after ``timeout_s``)."""
-        self.proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return None
-        took = time.monotonic() - signalled
-        self._reader.join(5)
-        return took
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._reader.join(5)
 
 
 def until(condition: Callable[[], bool], why: str, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -274,7 +212,10 @@ def one_round(phase: Phase, grace: float, workdir: Path) -> dict[str, Any]:
     journal_dir = Path(tempfile.mkdtemp(prefix=f"{phase.name}-", dir=workdir))
     try:
         rids = phase.prepare(horde, kcpp, grace)
-        worker = WorkerProcess(horde, kcpp, journal_dir, grace, *phase.worker_args)
+        worker = WorkerProcess(
+            horde, kcpp, journal_dir, "--stop-grace", f"{grace:g}", *phase.worker_args,
+            key=API_KEY, name=WORKER_NAME, cwd=PKG_ROOT,
+        )
         try:
             try:
                 phase.reached(horde, kcpp, worker, rids)
@@ -282,7 +223,7 @@ def one_round(phase: Phase, grace: float, workdir: Path) -> dict[str, Any]:
                 raise RuntimeError(f"{phase.name}: {exc}\n{worker.log()}") from None
             took = worker.sigterm_to_exit(grace + BOUND_EXTRA_S + EXIT_TIMEOUT_EXTRA_S)
         finally:
-            worker.kill()
+            worker.stop()
         path = journal_path(WORKER_NAME, journal_dir)
         journaled = (
             {e["job_id"] for e in json.loads(path.read_text())["jobs"]} if path.exists() else set()

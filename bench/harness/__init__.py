@@ -2,7 +2,8 @@
 
 Importing the package puts the package under test first on ``sys.path``: the
 repository's ``koboldcpp_horde_chat``, or the one in ``$BENCH_PKG_ROOT``; the
-repository stays on it too (``soak.py`` uses ``tests/fakes.py``).
+repository stays on it too (``soak.py`` uses ``tests/fakes.py``, ``bench_stop.py``
+the worker process of ``tests/integration/worker_process.py``).
 
 * ``product``: every module of ``koboldcpp_horde_chat`` the benchmarks use
   (the devkit aside), imported there and nowhere else;

@@ -6,7 +6,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,10 +13,7 @@ from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.service.standalone import run_standalone
 
-if TYPE_CHECKING:
-    from .worker_process import WorkerProcess
-
-API_KEY = "test-key-0123456789"
+from .worker_process import API_KEY, WorkerProcess
 
 
 @pytest.fixture
@@ -106,7 +102,6 @@ def workers(
 ) -> Iterator[Callable[..., WorkerProcess]]:
     """Start worker processes (``worker_process.WorkerProcess``) with extra flags;
     each one still running at the test's end is killed."""
-    from .worker_process import WorkerProcess
 
     started: list[WorkerProcess] = []
 

@@ -1,13 +1,15 @@
-"""The standalone worker as a process, for the tests that run it as a supervisor would.
+"""The standalone worker as a process, for the tests that run it as a supervisor would
+(and for ``bench/bench_stop.py``, which times its stops).
 
-``python -m koboldcpp_horde_chat`` runs in a subprocess against the dev Horde and
-the scripted koboldcpp of the test process; its log lines (stderr) are read as
+``python -m koboldcpp_horde_chat`` runs in a subprocess against a dev Horde and a
+scripted koboldcpp of the calling process; its log lines (stderr) are read as
 they come. The ``workers`` fixture (``conftest.py``) starts them and kills what
 is left at the test's end.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -18,9 +20,9 @@ from pathlib import Path
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 
-from .conftest import API_KEY
-
 ROOT = Path(__file__).resolve().parents[2]
+#: The API key the tests' dev Horde accepts.
+API_KEY = "test-key-0123456789"
 FINAL = ("submitted", "faulted", "cancelled", "expired")
 WORKER_NAME = "service-worker"
 
@@ -28,12 +30,23 @@ WORKER_NAME = "service-worker"
 class WorkerProcess:
     """The worker process; its log lines (stderr) are read as they come."""
 
-    def __init__(self, horde: DevHorde, kcpp: ScriptedKoboldcpp, journal_dir: Path, *extra: str):
+    def __init__(
+        self,
+        horde: DevHorde,
+        kcpp: ScriptedKoboldcpp,
+        journal_dir: Path,
+        *extra: str,
+        key: str = API_KEY,
+        name: str = WORKER_NAME,
+        cwd: Path = ROOT,
+    ) -> None:
+        """Start ``python -m koboldcpp_horde_chat`` in ``cwd`` (the package it runs is
+        the one there) as worker ``name`` with ``key``, flags ``extra`` added."""
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "koboldcpp_horde_chat",
-                "--hordekey", API_KEY,
-                "--hordeworkername", WORKER_NAME,
+                "--hordekey", key,
+                "--hordeworkername", name,
                 "--horde-url", horde.url,
                 "--kcpp-url", kcpp.url,
                 "--hordegenlen", "512",
@@ -41,7 +54,7 @@ class WorkerProcess:
                 "--log-level", "INFO",
                 *extra,
             ],
-            cwd=ROOT,
+            cwd=cwd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -69,6 +82,19 @@ class WorkerProcess:
         code = self.proc.wait(timeout_s)
         self._reader.join(5)
         return code
+
+    def sigterm_to_exit(self, timeout_s: float) -> float | None:
+        """Send SIGTERM; seconds until the process exited (None: killed after ``timeout_s``)."""
+        self.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return None
+        took = time.monotonic() - signalled
+        self._reader.join(5)
+        return took
 
     def stop(self) -> None:
         if self.proc.poll() is None:
