@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -362,17 +363,38 @@ def test_the_design_map_names_every_module_of_the_package() -> None:
     assert missing == [], f"docs/DESIGN.md does not name: {missing}"
 
 
-#: The longest a module of the worker may be, in lines: one a maintainer reads whole
-#: before changing it. devkit (the dev Horde and the scripted koboldcpp) is exempt.
+#: The length past which a module of the worker gets a reviewer's warning, in
+#: lines: about what a maintainer reads whole before changing it. A hint, not a
+#: rule: a module may pass it, never by trimming its documentation; one that does
+#: is listed in MODULES_ALLOWED_LONGER with the reason, and any other draws a
+#: warning in the test report. devkit (the dev Horde and the scripted koboldcpp)
+#: is exempt.
 MODULE_MAX_LINES = 500
 
+#: Modules allowed past MODULE_MAX_LINES, each with why it is one room.
+MODULES_ALLOWED_LONGER: dict[str, str] = {}
 
-def test_no_module_of_the_worker_is_longer_than_a_maintainer_reads_whole() -> None:
+
+def module_sizes() -> dict[str, int]:
+    """{module path relative to the package: lines} for the worker outside devkit."""
     package = ROOT / "koboldcpp_horde_chat"
-    sizes = {
+    return {
         str(path.relative_to(package)): len(path.read_text(encoding="utf-8").splitlines())
         for path in package.rglob("*.py")
         if "devkit" not in path.relative_to(package).parts
     }
+
+
+def test_a_module_longer_than_a_maintainer_reads_whole_draws_a_reviewers_warning() -> None:
+    sizes = module_sizes()
     assert len(sizes) > 40
-    assert {name: n for name, n in sizes.items() if n > MODULE_MAX_LINES} == {}
+    assert all(reason.strip() for reason in MODULES_ALLOWED_LONGER.values())
+    unknown = sorted(set(MODULES_ALLOWED_LONGER) - set(sizes))
+    assert unknown == [], f"MODULES_ALLOWED_LONGER names no module: {unknown}"
+    for name, lines in sorted(sizes.items()):
+        if lines > MODULE_MAX_LINES and name not in MODULES_ALLOWED_LONGER:
+            warnings.warn(
+                f"{name} has {lines} lines (hint: {MODULE_MAX_LINES}); split it by concern "
+                "or list it in MODULES_ALLOWED_LONGER with the reason",
+                stacklevel=1,
+            )
