@@ -286,15 +286,18 @@ def shared_state(
     (statistics, chat withdrawal, stop, the job journal), keyed by worker
     name, Horde URL and model. The first thread opens the job journal
     (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state
-    directory) and faults the jobs an earlier run left in hand before any
-    thread pops (``recovery.recover``); the others wait for it.
+    directory) and starts the recovery of the jobs an earlier run left in
+    hand at once, on a thread of its own that needs only the Horde
+    (``recovery.Recovery``: nothing to abort on koboldcpp, whose restart
+    ended every earlier generation); every thread waits for it before its
+    first pop.
     """
     key = (settings.worker_name, settings.horde_url, settings.model_id)
     with _SHARED_LOCK:
         state = _SHARED.get(key)
         if state is None:
             env = os.environ if environ is None else environ
-            state = open_state(settings, journal_dir(env))
+            state = open_state(settings, journal_dir(env), abort_orphans=False)
             _SHARED[key] = state
         return state
 

@@ -256,20 +256,30 @@ class Edges:
     def record(self, ctx: JobContext) -> None:
         """Write the job to the journal as it is now (a plain write: a killed
         process's writes are kept by the kernel), so that a restart after a
-        crash faults it (``recovery.recover``). Its lease end is the latest the
-        Horde could hold it: the lease cap from the pop."""
+        crash ends it (``recovery.recover``). Its lease end is the one the
+        Horde runs: the pop's ``ttl`` from the pop's answer."""
         if self.journal is None:
             return
-        lease_end = self.wall() + ctx.lease.popped_at + self.settings.lease_cap_s - self.clock()
         self.journal.add(
             JournalEntry(
                 job_id=ctx.id,
                 kind=ctx.kind,
                 model_id=ctx.model_id if ctx.chat else None,
                 genkey=ctx.genkey,
-                lease_end=lease_end,
+                lease_end=self._lease_end(ctx),
             )
         )
+
+    def _lease_end(self, ctx: JobContext) -> float:
+        """The job's lease end in epoch seconds (its monotonic deadline on the wall clock)."""
+        return self.wall() + ctx.lease.deadline - self.clock()
+
+    def record_lease(self, ctx: JobContext) -> None:
+        """Write the job's lease end again after an accepted progress post moved
+        it later (seed "Streaming progress"), so a restart does not take a
+        lease that runs for one that ended."""
+        if self.journal is not None:
+            self.journal.set_lease_end(ctx.id, self._lease_end(ctx))
 
     def generating(self, ctx: JobContext) -> str:
         """The job's generation starts: returns its genkey (made with the job at the

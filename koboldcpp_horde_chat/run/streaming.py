@@ -111,7 +111,7 @@ class _StreamedGeneration:
             ended = False
             while not ended:
                 now = edges.clock()
-                lease.deadline = max(lease.deadline, poster.lease_deadline)
+                self._extend_lease()
                 if ctx.abandoned.is_set():
                     self._close_and_abort()
                     ctx.check_abandoned()
@@ -197,6 +197,13 @@ class _StreamedGeneration:
                 if self.slot.closed.wait(2.0):
                     raise BackendError("the job ended while koboldcpp was busy") from None
 
+    def _extend_lease(self) -> None:
+        """Take the lease the accepted posts extended; journal it when it moved."""
+        lease = self.ctx.lease
+        if self.poster.lease_deadline > lease.deadline:
+            lease.deadline = self.poster.lease_deadline
+            self.edges.record_lease(self.ctx)
+
     def _feed(self, data: str) -> None:
         delta = self.accumulator.feed_event(data)
         if delta.content or delta.reasoning:
@@ -240,7 +247,7 @@ class _StreamedGeneration:
                     action = poster.on_lost(edges.clock())
             if action is ProgressAction.RETRY:
                 body = poster.retry_body()
-                lease.deadline = max(lease.deadline, poster.lease_deadline)
+                self._extend_lease()
                 if lease.remaining(edges.clock()) - SUBMIT_MARGIN_S <= 0.5:
                     return  # the caller's lease check aborts and faults the job
                 edges.pause(0.5)

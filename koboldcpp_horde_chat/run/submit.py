@@ -9,10 +9,16 @@ deliberate no-submit (seed "The pop loop"). This module sends the first two:
   (seed "7. Fault a job"), logged in one line with its reason;
 - :meth:`SubmitPipeline.fault_now`: one quick fault when the process exits.
 
-After a job's terminal action it is cleared from the job journal.
+The job journal follows every step (``service.journal``): a reply is kept in
+it before it is sent (a restart sends the same reply again, never a fault),
+a fault is marked sent before it goes (a restart never sends a second one),
+and the job is cleared as soon as the Horde answers.
 
-A lost answer (no answer, a reset, 5xx, 429) is retried with the same body
-while the lease lasts. ``DuplicateGen`` means the job was already settled,
+A reply whose answer was lost (no answer, a reset, 5xx, 429) is retried with
+the same body while the lease lasts; a fault only when it is known not to
+have reached the Horde (``journal_rules.known_not_taken``: a refused
+connection, 429, 503), since every fault the Horde takes re-opens the
+request: at most one fault per job. ``DuplicateGen`` means the job was already settled,
 ``AbortedGen`` or 404 that it ended on the Horde; both are logged and dropped.
 A refusal of the API key stops the worker. Any other refusal of a reply is
 definitive (seed "Submit refusals"): the reply is never sent again, and the
@@ -36,6 +42,7 @@ from ..horde.submits import (
     fault_submit,
     text_fault_submit,
 )
+from ..service.journal_rules import known_not_taken
 from ..service.state import WorkerState
 from ..settings import WorkerSettings
 from .job import JobContext
@@ -123,6 +130,9 @@ class SubmitPipeline:
         """
         if not ctx.settle():
             return
+        journal = self.state.journal
+        if journal is not None:  # a restart sends this reply, not a fault
+            journal.keep_reply(ctx.id, body)
         if not self._send(ctx, body, detail=detail, on_refused=on_refused):
             self.state.release(ctx)
 
@@ -158,7 +168,21 @@ class SubmitPipeline:
             )
         else:
             body = text_fault_submit(ctx.id)
+        self._mark_fault_sent(ctx)
         return self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
+
+    def _mark_fault_sent(self, ctx: JobContext) -> None:
+        """Journal the fault as sent before it goes (with the fault history):
+        a restart then never sends the job a second one."""
+        journal = self.state.journal
+        if journal is not None:
+            journal.mark_fault_sent(ctx.id)
+
+    def _mark_not_taken(self, ctx: JobContext) -> None:
+        """The terminal action just sent did not reach the Horde (journaled so)."""
+        journal = self.state.journal
+        if journal is not None:
+            journal.mark_not_taken(ctx.id)
 
     def fault_now(self, ctx: JobContext) -> None:
         """Fault a job with a single short submit attempt (the process is exiting).
@@ -173,10 +197,13 @@ class SubmitPipeline:
             else text_fault_submit(ctx.id)
         )
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
+        self._mark_fault_sent(ctx)
         try:
             self.horde.submit(body, timeout_s=timeout)
             log.warning("job=%s faulted: the worker is exiting now", ctx.id)
         except HordeError as exc:
+            if isinstance(exc, HordeUnavailable) and known_not_taken(exc.status, exc.sent):
+                self._mark_not_taken(ctx)  # the next start may fault it
             log.warning("job=%s left to expire: the worker is exiting now (%s)", ctx.id, exc)
             ctx.end(Move.ABANDON)
         else:
@@ -237,6 +264,17 @@ class SubmitPipeline:
                 return False
             except HordeUnavailable as exc:
                 remaining = ctx.lease.remaining(self.clock())
+                if is_fault:
+                    if not known_not_taken(exc.status, exc.sent):
+                        # The Horde may have taken it: a second fault would re-open
+                        # the request again. Nothing more is sent for this job.
+                        log.warning(
+                            "job=%s the fault's answer was lost (%s); not sent again "
+                            "(the Horde may have taken it)", ctx.id, exc,
+                        )
+                        ctx.end(Move.SETTLED)
+                        return False
+                    self._mark_not_taken(ctx)
                 if ctx.abandoned.is_set() or self.state.stop_overdue():
                     # Stopping, and the grace period is over: the process exits now.
                     # The job stays in the journal: the next start faults it.
@@ -260,6 +298,8 @@ class SubmitPipeline:
                     self._retry_elsewhere(ctx, body, detail, on_refused, started, attempts, delay)
                     return True
                 self.pause(delay)
+                if is_fault:
+                    self._mark_fault_sent(ctx)
                 continue
             except HordeError as exc:  # pragma: no cover - the two subclasses above cover all
                 log.error("job=%s submit failed: %s", ctx.id, exc)
@@ -307,6 +347,8 @@ class SubmitPipeline:
             )
             try:
                 self.pause(delay)
+                if on_refused is None:
+                    sender._mark_fault_sent(ctx)
                 sender._send(
                     ctx, body, detail=detail, on_refused=on_refused, started=started,
                     attempts=attempts,

@@ -7,18 +7,20 @@ things in the same words: the worker name (:func:`check_worker_name`), the
 URLs (:func:`check_url`), the limits (:func:`check_limits`) and, standalone,
 a journal directory the operator named (:func:`check_journal_dir`). Both
 then give a worker's loops one :class:`~state.WorkerState` holding the
-worker's job journal, and fault the jobs the journal says an earlier run left
-in hand before any loop pops (``recovery.recover``).
+worker's job journal, and end the jobs the journal says an earlier run left
+in hand before any loop pops (``recovery.Recovery``, started as soon as the
+Horde and the key are known).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
+from .. import BRIDGE_AGENT
 from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities
@@ -29,7 +31,7 @@ from ..settings import WorkerSettings, worker_name_problem
 from .journal import Journal, check_directory, reason
 from .journal_paths import JOURNAL_DIR_ENV, journal_path
 from .loop import Worker
-from .recovery import recover
+from .recovery import Recovery
 from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.hosting")
@@ -117,36 +119,23 @@ def serving_line(settings: WorkerSettings) -> str:
     )
 
 
-def open_state(
-    settings: WorkerSettings,
+def open_journal(
+    worker_name: str,
     journal_directory: Path,
     *,
-    stop_event: threading.Event | None = None,
     journal_setting: str = JOURNAL_DIR_ENV,
-) -> WorkerState:
-    """A worker's shared state, with its journal opened and the jobs an earlier run
-    left in hand faulted (their genkeys aborted on koboldcpp).
+) -> Journal | None:
+    """The worker's job journal, held by this process (``Journal.lock``).
 
-    Args:
-        settings: the worker's configuration (name, Horde, koboldcpp, model_id).
-        journal_directory: where the worker's journal file is
-            (``journal_paths.journal_path(settings.worker_name, journal_directory)``).
-        stop_event: the loops' stop event (a new one when None); it also ends
-            the recovery's pauses between attempts.
-        journal_setting: how the operator moves the journal (``--journal-dir``
-            standalone), named in the line below.
-
-    Returns:
-        The state to give every loop of the worker. Never raises for the
-        Horde's or koboldcpp's answers (``recovery.recover`` logs them). When
-        the journal cannot be kept in ``journal_directory`` the state has no
-        journal and one WARNING line says crash recovery is off and why.
+    Returns None, after one WARNING line saying crash recovery is off and
+    why, when the journal cannot be kept in ``journal_directory``
+    (``journal_setting`` names how the operator moves it).
 
     Raises:
         ConfigError: another process on this machine serves the same worker
-            name (it holds the journal, ``Journal.lock``).
+            name (it holds the journal).
     """
-    journal = Journal(journal_path(settings.worker_name, journal_directory))
+    journal = Journal(journal_path(worker_name, journal_directory))
     try:
         holder = journal.lock()
     except OSError as exc:
@@ -158,38 +147,119 @@ def open_state(
             reason(exc),
             journal_setting,
         )
-        return WorkerState(settings, stop_event=stop_event, journal=None)
+        return None
     if holder is not None:
         raise ConfigError(
-            f"another worker named {settings.worker_name!r} runs on this machine"
+            f"another worker named {worker_name!r} runs on this machine"
             + (f" (process {holder})" if holder else "")
             + ": the Horde sees one worker per name; stop that one, or give this one "
             "another --hordeworkername"
         )
-    state = WorkerState(settings, stop_event=stop_event, journal=journal)
-    stopper = state.stop_event
+    return journal
 
-    def pause(seconds: float) -> None:
-        stopper.wait(seconds)
 
-    horde, backend = horde_client(settings), kcpp_client(settings)
-    try:
-        recover(
-            journal,
-            horde=horde,
-            backend=backend,
-            wall=time.time,
-            model_id_default=settings.model_id,
-            pause=pause,
-        )
-    finally:
-        horde.close()
-        backend.close()
-    # The faults the Horde still counts toward maintenance, an earlier process's and
-    # the recovery's: the first pop's declaration already knows them.
-    state.restore_faults(
-        journal.recent_faults(time.time()), now=time.monotonic(), wall=time.time()
+def start_recovery(
+    journal: Journal,
+    *,
+    horde_url: str,
+    api_key: str,
+    model_id_default: str,
+    stop_event: threading.Event,
+    kcpp: tuple[str, str] | None = None,
+    connect_timeout_s: float | None = None,
+) -> Recovery:
+    """Start the recovery of the jobs an earlier run left in hand, on a thread of
+    its own, now: it needs the Horde and the API key only, not koboldcpp
+    (``recovery.Recovery``).
+
+    Args:
+        journal: the worker's journal (:func:`open_journal`).
+        horde_url, api_key: the Horde and the key (sent only there).
+        model_id_default: the ``model_id`` of a chat fault whose entry has none.
+        stop_event: the worker's stop; it ends the recovery's pauses.
+        kcpp: ``(url, password)`` of the koboldcpp whose orphaned generations
+            to abort (standalone); None inside koboldcpp, whose restart ended
+            them.
+        connect_timeout_s: the clients' connect timeout (None: theirs).
+    """
+    extra: dict[str, Any] = {}
+    if connect_timeout_s is not None:
+        extra["connect_timeout_s"] = connect_timeout_s
+
+    def horde() -> HordeClient:
+        return HordeClient(horde_url, api_key, bridge_agent=BRIDGE_AGENT, **extra)
+
+    backend_factory = None
+    if kcpp is not None:
+        url, password = kcpp
+
+        def backend_factory() -> KoboldClient:
+            return KoboldClient(url, password, **extra)
+
+    return Recovery(
+        journal,
+        horde_factory=horde,
+        backend_factory=backend_factory,
+        model_id_default=model_id_default,
+        stop_event=stop_event,
     )
+
+
+def open_state(
+    settings: WorkerSettings,
+    journal_directory: Path,
+    *,
+    stop_event: threading.Event | None = None,
+    journal_setting: str = JOURNAL_DIR_ENV,
+    journal: Journal | None = None,
+    recovery: Recovery | None = None,
+    abort_orphans: bool = True,
+) -> WorkerState:
+    """A worker's shared state, with its journal and the recovery of the jobs an
+    earlier run left in hand under way (the loops wait for it before their
+    first pop: ``WorkerState.wait_recovered``).
+
+    Args:
+        settings: the worker's configuration (name, Horde, koboldcpp, model_id).
+        journal_directory: where the worker's journal file is
+            (``journal_paths.journal_path(settings.worker_name, journal_directory)``).
+        stop_event: the loops' stop event (a new one when None); it also ends
+            the recovery's pauses between attempts.
+        journal_setting: how the operator moves the journal (``--journal-dir``
+            standalone), named in the warning when it cannot be kept.
+        journal, recovery: a journal already opened and its recovery already
+            started (:func:`open_journal`, :func:`start_recovery`: the
+            standalone worker starts them before koboldcpp answers); None:
+            both are opened and started here.
+        abort_orphans: abort the recovered jobs' generations on the
+            configured koboldcpp (False inside koboldcpp).
+
+    Returns:
+        The state to give every loop of the worker; without a journal when it
+        cannot be kept in ``journal_directory`` (one WARNING line).
+
+    Raises:
+        ConfigError: another process on this machine serves the same worker
+            name (it holds the journal, ``Journal.lock``).
+    """
+    if journal is None:
+        journal = open_journal(
+            settings.worker_name, journal_directory, journal_setting=journal_setting
+        )
+    if journal is None:
+        return WorkerState(settings, stop_event=stop_event, journal=None)
+    state = WorkerState(settings, stop_event=stop_event, journal=journal)
+    if recovery is None:
+        recovery = start_recovery(
+            journal,
+            horde_url=settings.horde_url,
+            api_key=settings.api_key,
+            model_id_default=settings.model_id,
+            stop_event=state.stop_event,
+            kcpp=(settings.kcpp_url, settings.kcpp_password) if abort_orphans else None,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
+    state.recovery = recovery
     return state
 
 

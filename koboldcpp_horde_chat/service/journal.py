@@ -1,43 +1,68 @@
-"""The job journal: the jobs in hand, on disk, so a restart can fault them (I/O edge).
+"""The job journal: the jobs in hand, on disk, so a restart can end them (I/O edge).
 
 When the worker process dies with a job in hand (killed for memory, a crash,
 a power loss, koboldcpp closed), the Horde holds the job until its lease
 ends: the client waits for nothing (150 s, up to 600 s for a trusted streamed
 job) and the worker is charged a dropped job. So the worker records each job
-in a small file as soon as the pop's answer carries it (and again with its
-genkey before it generates), and clears it after the job's terminal action.
-At the next start, before the first pop, the recovery faults every
-recorded job whose lease has not ended (seed "7. Fault a job": the request
-gets the job back for another worker) and aborts its local generation on
-koboldcpp by genkey.
+in a small file as soon as the pop's answer carries it, and the file tells
+the truth at every instant of the job's life:
+
+- the lease the Horde really runs: the pop's ``ttl`` from the pop's answer,
+  moved later only after an accepted progress post (seed "Streaming
+  progress");
+- the job's terminal-action state (``service.journal_rules``): ``none`` yet,
+  ``reply_kept`` (the generated reply, kept in the entry), ``reply_sent`` or
+  ``fault_sent`` (sent, the answer not known). A reply is written before it
+  is sent, a fault is marked before it is sent;
+- answered: the job's removal is written as soon as the Horde answers its
+  terminal action, before anything else happens (the next pop's job, a
+  pause, an exit path).
+
+At the next start, as soon as the Horde answers and before the first pop,
+the recovery (``service.recovery``) sends each kept reply again (a reply the
+Horde had stored is answered ``DuplicateGen`` at no cost), faults each job
+without a terminal action whose lease surely runs (seed "7. Fault a job"),
+and never sends a second fault: on the real Horde every faulted submit
+re-opens the request (``wp.n += 1``), also for a job that already ended.
 
 - :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
-  genkey, lease end in epoch seconds). No API key, no password and no
-  conversation text: nothing else is written.
+  genkey, lease end in epoch seconds, terminal-action state, kept reply).
+  No API key, no password and no conversation: the only text written is the
+  generated reply, and only until the Horde answers it.
 - where the file lives, one file per worker name: ``service.journal_paths``.
 - :class:`Journal`: the file, shared by the pop loops of one worker. A write
-  is a temporary file in the same directory, then ``os.replace``-d over the
-  journal: a process killed at any instant leaves the old file or the new
-  one whole. Only on request (``durable``) is each written ``fsync``-ed, and
-  the directory too where the platform allows. A failed write never stops
-  the worker: it is logged once.
+  is a temporary file (mode 0o600) in the same directory, then
+  ``os.replace``-d over the journal: a process killed at any instant leaves
+  the old file or the new one whole. Only on request (``durable``) is each
+  written ``fsync``-ed, and the directory too where the platform allows. A
+  failed write never stops the worker: it is logged once.
 - the start-up pass over what an earlier process left: ``service.recovery``.
 
 The journal also keeps when the worker's faults the Horde counts toward
 maintenance happened in the last hour (epoch seconds), so that a worker
 restarted after a crash goes on counting them (``guard.MaintenanceGuard``):
 a koboldcpp that crashes on a kind of job, with the worker inside it, would
-otherwise start each time from an empty window. The file::
+otherwise start each time from an empty window. Each write carries the
+clocks' mark (wall, boot id, time since boot: ``journal_rules.ClockMark``),
+so a restart reads the earlier run's times on its own clock, whatever the
+wall clock did meanwhile. The file (version 1; an earlier version of the
+program reads it, ignoring the keys it does not know)::
 
-    {"version": 1, "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
-                             "genkey": "HORDEREQ_...", "lease_end": 1700000150.0}],
-     "faults": [1700000100.0]}
+    {"version": 1,
+     "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
+               "genkey": "HORDEREQ_...", "lease_end": 1700000150.0,
+               "terminal": "reply_sent", "reply": {"id": "<id>", "message": ...}}],
+     "faults": [1700000100.0],
+     "clock": {"wall": 1700000042.5, "boot_id": "<uuid>", "boottime": 5321.25}}
 
-(``faults`` is written only when there are some; a file without it has none.)
+(``terminal`` absent means ``none``; ``reply`` is written only with a kept
+reply; ``faults`` only when there are some; a file without ``clock`` is read
+on the wall clock alone.)
 
 Seed sections: "7. Fault a job" (the faulted submit, the request back to the
-queue), "Streaming progress" (the lease) and "Worked example: koboldcpp's
-embedded worker" (abort by genkey).
+queue), "Streaming progress" (the lease), "Check the completed reply"
+(``DuplicateGen``) and "Worked example: koboldcpp's embedded worker" (abort
+by genkey).
 """
 
 from __future__ import annotations
@@ -51,22 +76,26 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
+
+from .journal_rules import REPLY_STATES, TERMINAL_STATES, ClockMark, fault_ages_shift
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
 __all__ = [
     "FILE_VERSION",
+    "clock_mark",
     "Journal",
     "JournalEntry",
 ]
 
 #: The ``version`` written in the file; a file of another version is set aside.
 FILE_VERSION: Final = 1
-#: A journal file larger than this (bytes) is not one this program wrote.
-MAX_FILE_BYTES: Final = 1024 * 1024
+#: A journal file larger than this (bytes) is not one this program wrote (a kept
+#: reply may hold up to 1 MiB of reasoning beside its content, per job in hand).
+MAX_FILE_BYTES: Final = 64 * 1024 * 1024
 
 #: How long a fault is kept (seconds): the Horde's window for aborted jobs.
 FAULT_WINDOW_S: Final = 3600.0
@@ -93,10 +122,14 @@ class JournalEntry:
         genkey: the ``HORDEREQ_`` genkey of the local generation, or ``""``
             before one was made. Only ``HORDEREQ_`` keys are accepted, so a
             recovery never aborts a local user's generation.
-        lease_end: epoch seconds when the job's lease ends on the Horde at the
-            latest (for a streamed job, the lease cap counted from the pop is a
-            safe value: the Horde answers a fault after the lease with
-            ``{"reward": 0}`` and counts the job once).
+        lease_end: epoch seconds when the job's lease ends on the Horde: the
+            pop's ``ttl`` from the pop's answer, later only after an accepted
+            progress post (seed "Streaming progress").
+        terminal: the terminal-action state, one of
+            ``journal_rules.TERMINAL_STATES`` (``"none"``, ``"reply_kept"``,
+            ``"reply_sent"``, ``"fault_sent"``).
+        reply: the submit body of the generated reply (``reply_kept`` and
+            ``reply_sent`` only), sent again by a restart as it is.
 
     Raises:
         ValueError: a field of the wrong type or value.
@@ -107,6 +140,8 @@ class JournalEntry:
     model_id: str | None
     genkey: str
     lease_end: float
+    terminal: str = "none"
+    reply: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
@@ -128,20 +163,36 @@ class JournalEntry:
             finite = False
         if not finite:
             raise ValueError("lease_end is not a finite number")
+        if not isinstance(self.terminal, str) or self.terminal not in TERMINAL_STATES:
+            raise ValueError("terminal is not a terminal-action state")
+        if self.reply is not None and not isinstance(self.reply, dict):
+            raise ValueError("reply is not an object or null")
+        if self.terminal in REPLY_STATES and (
+            self.reply is None or self.reply.get("id") != self.job_id
+        ):
+            raise ValueError("reply is not this job's submit body")
 
     def to_json(self) -> dict[str, Any]:
-        """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey", "lease_end"}``."""
-        return {
+        """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey",
+        "lease_end"}``, with ``"terminal"`` when not ``"none"`` and ``"reply"``
+        when one is kept."""
+        obj: dict[str, Any] = {
             "job_id": self.job_id,
             "kind": self.kind,
             "model_id": self.model_id,
             "genkey": self.genkey,
             "lease_end": float(self.lease_end),
         }
+        if self.terminal != "none":
+            obj["terminal"] = self.terminal
+        if self.reply is not None:
+            obj["reply"] = self.reply
+        return obj
 
     @classmethod
     def from_json(cls, obj: object) -> JournalEntry:
-        """The entry a JSON object describes (extra keys are ignored).
+        """The entry a JSON object describes (extra keys are ignored; an entry of
+        an earlier version, without ``terminal``, has none).
 
         Raises:
             ValueError: not an object, a key missing, or a field of the wrong
@@ -158,7 +209,37 @@ class JournalEntry:
             model_id=obj.get("model_id"),
             genkey=obj["genkey"],
             lease_end=obj["lease_end"],
+            terminal=obj.get("terminal", "none"),
+            reply=obj.get("reply"),
         )
+
+
+def _boot_id() -> str:
+    """The kernel's boot id (Linux), ``""`` elsewhere or when unreadable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+_BOOT_ID: str | None = None
+
+
+def clock_mark(wall: float | None = None) -> ClockMark:
+    """This instant on the wall clock, with the boot id and the time since boot
+    (``CLOCK_BOOTTIME`` where the platform has it): see ``journal_rules``."""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        _BOOT_ID = _boot_id()
+    boottime: float | None = None
+    clock_id = getattr(time, "CLOCK_BOOTTIME", None)
+    if clock_id is not None:
+        try:
+            boottime = time.clock_gettime(clock_id)
+        except OSError:
+            boottime = None
+    return ClockMark(time.time() if wall is None else wall, _BOOT_ID, boottime)
 
 
 # --------------------------------------------------------------------- journal
@@ -218,6 +299,10 @@ class Journal:
         self._dirty = False
         self._written = False
         self._lock_fd: int | None = None
+        #: The clocks' mark the earlier process wrote with the file (None: none).
+        self._earlier_clock: ClockMark | None = None
+        #: This process's mark when it read the file.
+        self._loaded_clock: ClockMark | None = None
 
     def lock(self) -> int | None:
         """Take the journal for this process, for as long as it lives.
@@ -290,10 +375,20 @@ class Journal:
             self._load_locked()
             return list(self._entries.values())
 
+    def clocks(self) -> tuple[ClockMark | None, ClockMark]:
+        """(the clocks' mark the earlier process wrote with the file, None for a
+        file without one; this process's mark when it read the file), for
+        ``journal_rules.plan``."""
+        with self._lock:
+            self._load_locked()
+            assert self._loaded_clock is not None
+            return self._earlier_clock, self._loaded_clock
+
     def _load_locked(self) -> None:
         if self._loaded:
             return
         self._loaded = True
+        self._loaded_clock = clock_mark()
         try:
             with open(self.path, "rb") as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
@@ -323,10 +418,14 @@ class Journal:
                 log.warning("job journal %s: entry %d skipped: %s", self.path, index, exc)
                 continue
             self._entries[entry.job_id] = entry
+        self._earlier_clock = ClockMark.from_json(doc.get("clock"))
+        # The earlier run's faults on this run's wall clock, each as recent as it
+        # can be (the worst for what the Horde counts: journal_rules).
+        shift = fault_ages_shift(self._earlier_clock, self._loaded_clock)
         faults = doc.get("faults")
         if isinstance(faults, list):
             self._faults = [
-                float(t)
+                float(t) + shift
                 for t in faults[-MAX_FAULTS:]
                 if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
             ]
@@ -358,29 +457,92 @@ class Journal:
             self._write_locked(durable=durable)
 
     def remove(self, job_id: str, *, write: bool = True) -> None:
-        """Clear a job after its terminal action.
+        """Clear a job whose terminal action the Horde answered (or that ended
+        without one on purpose).
 
-        Written like :meth:`add` but never waited for on disk; with ``write``
-        False not written now at all, but with the next :meth:`add` or
-        :meth:`flush` (a job's path then writes the file once, at its pop). A
-        removal lost in a crash only makes the next start fault a job that
-        was settled, which the Horde answers with ``DuplicateGen`` (after a
-        reply) or ``{"reward": 0}`` (after a fault or the job's end). A job
-        that is not recorded leaves the file as it is.
+        Written at once, like :meth:`add` but never waited for on disk, so
+        that no restart can send the job anything more; with ``write`` False
+        (a caller batching several changes) written with the next write or
+        :meth:`flush`. A job that is not recorded leaves the file as it is.
         """
         with self._lock:
             self._load_locked()
             if self._entries.pop(job_id, None) is None:
+                if write and self._dirty:
+                    self._write_locked(durable=False)
                 return
             if write:
                 self._write_locked(durable=False)
             else:
                 self._dirty = True
 
+    def _change(self, job_id: str, **changes: Any) -> bool:
+        """Replace fields of a recorded entry and write the file; False when the
+        job is not recorded (nothing written)."""
+        with self._lock:
+            self._load_locked()
+            entry = self._entries.get(job_id)
+            if entry is None:
+                return False
+            self._entries[job_id] = replace(entry, **changes)
+            self._write_locked(durable=False)
+            return True
+
+    def keep_reply(self, job_id: str, body: dict[str, Any], *, sent: bool = True) -> bool:
+        """Keep a job's generated reply (its submit body) before it is sent:
+        ``reply_sent`` (the default: the caller sends it next, so its answer
+        may be lost) or ``reply_kept`` (``sent`` False: not sent yet). A
+        restart sends it again, not a fault, while the lease may run.
+        Returns False when the job is not recorded."""
+        return self._change(
+            job_id, terminal="reply_sent" if sent else "reply_kept", reply=dict(body)
+        )
+
+    def mark_fault_sent(self, job_id: str) -> bool:
+        """Mark a job's fault as sent, before it is sent: a restart then sends
+        the job nothing more (at most one fault per job). Drops a kept reply
+        (the Horde refused it). Returns False when the job is not recorded."""
+        return self._change(job_id, terminal="fault_sent", reply=None)
+
+    def mark_not_taken(self, job_id: str) -> bool:
+        """The terminal action just sent is known not to have reached the Horde
+        (``journal_rules.known_not_taken``): a fault goes back to ``none``
+        (a restart may fault the job), a reply to ``reply_kept``. Returns
+        False when the job is not recorded."""
+        with self._lock:
+            self._load_locked()
+            entry = self._entries.get(job_id)
+        if entry is None:
+            return False
+        if entry.terminal == "fault_sent":
+            return self._change(job_id, terminal="none")
+        if entry.terminal == "reply_sent":
+            return self._change(job_id, terminal="reply_kept")
+        return True
+
+    def set_lease_end(self, job_id: str, lease_end: float) -> bool:
+        """Record a job's new lease end (epoch seconds), after an accepted progress
+        post extended it; an earlier end than recorded is ignored. Returns False
+        when the job is not recorded."""
+        with self._lock:
+            self._load_locked()
+            entry = self._entries.get(job_id)
+            if entry is None or lease_end <= entry.lease_end:
+                return entry is not None
+            self._entries[job_id] = replace(entry, lease_end=lease_end)
+            self._write_locked(durable=False)
+            return True
+
+    def entry(self, job_id: str) -> JournalEntry | None:
+        """The recorded entry of ``job_id``, or None."""
+        with self._lock:
+            self._load_locked()
+            return self._entries.get(job_id)
+
     def record_fault(self, at: float) -> None:
         """Keep a fault the Horde counts toward maintenance, made at epoch seconds
         ``at``; written with the next change (:meth:`add`, :meth:`remove`,
-        :meth:`flush`), as a job's removal is. Faults older than
+        :meth:`mark_fault_sent`, :meth:`flush`). Faults older than
         :data:`FAULT_WINDOW_S` are dropped."""
         with self._lock:
             self._load_locked()
@@ -396,7 +558,8 @@ class Journal:
             return [t for t in self._faults if now - FAULT_WINDOW_S < t <= now]
 
     def flush(self) -> None:
-        """Write removals not written yet (see :meth:`remove`); nothing when none."""
+        """Write changes not written yet (see :meth:`remove`, :meth:`record_fault`);
+        nothing when none."""
         with self._lock:
             if self._dirty:
                 self._write_locked(durable=False)
@@ -409,6 +572,7 @@ class Journal:
         }
         if self._faults:
             doc["faults"] = [round(t, 3) for t in self._faults]
+        doc["clock"] = clock_mark().to_json()
         data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         directory = self.path.parent
         tmp: str | None = None

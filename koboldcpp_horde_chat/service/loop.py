@@ -164,6 +164,8 @@ class Worker:
         warning = self.settings.max_length_warning()
         if warning is not None and self.worker_id == 1:
             log.warning("worker %d: %s", self.worker_id, warning)
+        if not self.state.wait_recovered():  # the earlier run's jobs first
+            return self.state.exit_code
         with self.state.lock:
             self.state.slots.append(self)
         try:

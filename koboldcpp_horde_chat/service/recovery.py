@@ -1,32 +1,52 @@
 """Crash recovery: the start-up pass over the jobs an earlier process left in hand.
 
-Before the first pop, :func:`recover` faults every job the journal
-(``service.journal``) holds whose lease has not ended, so the request gets it
-back for another worker at once (seed "7. Fault a job"), and aborts its local
-generation on koboldcpp by genkey (seed "Worked example: koboldcpp's embedded
-worker").
+As soon as the Horde answers, before the first pop and without waiting for
+koboldcpp, :func:`recover` ends every job the journal (``service.journal``)
+holds, by its terminal-action state and its lease
+(``journal_rules.plan``):
+
+- a kept reply is sent again, the same bytes as the submit would have sent,
+  while the lease may run: the Horde stores it, or answers ``DuplicateGen``
+  when it had stored it already (seed "Check the completed reply": no cost);
+- a job without a terminal action is faulted while its lease surely runs
+  (seed "7. Fault a job": the request gets the job back for another worker
+  at once), and its local generation is aborted on koboldcpp by genkey when
+  a koboldcpp client is given (seed "Worked example: koboldcpp's embedded
+  worker");
+- a job whose fault went before, or whose lease may have ended, is sent
+  nothing: on the real Horde every faulted submit re-opens the request
+  (``wp.n += 1``), also for a job that already ended.
+
+A submit the Horde does not answer is tried again with a growing pause (1 s,
+2 s, 4 s... at most 30 s, or the Horde's ``Retry-After``) until it answers or
+the lease ends; a fault only when it is known not to have been taken
+(``journal_rules.known_not_taken``), so a job gets at most one.
+:class:`Recovery` runs :func:`recover` on a thread of its own, so a host can
+start it before koboldcpp answers and have its loops wait for it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
-from ..horde.codes import SETTLED_RCS, is_key_refusal
-from ..horde.submits import fault_submit, text_fault_submit
+from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
+from ..horde.submits import FAULT_REPLY_REFUSED, fault_submit, text_fault_submit
+from . import journal as _journal
 from .journal import Journal, JournalEntry
+from .journal_rules import FAULT_MARGIN_S, known_not_taken, plan
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
-#: Submit attempts for one recovered job while the Horde does not answer.
-RECOVERY_ATTEMPTS: Final = 3
-#: Longest pause between two of those attempts, seconds.
-RECOVERY_PAUSE_MAX_S: Final = 5.0
-
+#: The first pause between two attempts at one recovered job's submit, seconds.
+RECOVERY_PAUSE_FIRST_S: Final = 1.0
+#: The longest pause between two of those attempts, seconds.
+RECOVERY_PAUSE_MAX_S: Final = 30.0
 
 
 class HordeSubmitter(Protocol):
@@ -52,14 +72,16 @@ class RecoveryResult:
     Attributes:
         faulted: faults the Horde accepted (the requests went back to the queue).
         settled: jobs the Horde had already ended (``AbortedGen``,
-            ``DuplicateGen`` or 404).
-        expired: jobs whose lease had ended: nothing sent.
-        failed: jobs left to expire: the Horde did not answer within the lease
-            and attempts, or refused the fault for another reason.
-        kept: jobs left in the journal for the next start because the Horde
-            refused the API key (the one refused and every one after it).
+            ``DuplicateGen`` or 404), or whose fault went before the restart.
+        expired: jobs whose lease may have ended: nothing sent.
+        failed: jobs left to expire: the Horde did not answer within the
+            lease, or refused the submit for another reason.
+        kept: jobs left in the journal for the next start (the Horde refused
+            the API key, or the worker was stopped during the recovery).
         key_refused: the Horde refused the API key (401, or 403 for the
             credentials); the recovery stopped there.
+        replied: kept replies the Horde accepted now.
+        kudos: what those replies earned.
     """
 
     faulted: int = 0
@@ -68,11 +90,15 @@ class RecoveryResult:
     failed: int = 0
     kept: int = 0
     key_refused: bool = False
+    replied: int = 0
+    kudos: float = 0.0
 
     @property
     def total(self) -> int:
         """Every job the journal held."""
-        return self.faulted + self.settled + self.expired + self.failed + self.kept
+        return (
+            self.faulted + self.settled + self.expired + self.failed + self.kept + self.replied
+        )
 
 
 def _fault_body(entry: JournalEntry, model_id_default: str) -> dict[str, Any]:
@@ -81,37 +107,77 @@ def _fault_body(entry: JournalEntry, model_id_default: str) -> dict[str, Any]:
     return text_fault_submit(entry.job_id)
 
 
+@dataclass
+class _Pending:
+    """One recovered job still to be answered."""
+
+    entry: JournalEntry
+    action: str  # "reply" or "fault"
+    body: dict[str, Any]
+    ends_at: float  # wall seconds (this run's clock) after which nothing is sent
+    fault_ends_at: float  # after which no fault is sent (the lease surely runs until then)
+    attempts: int = 0
+    next_at: float = 0.0
+    retry_after_s: float = 0.0
+
+
+@dataclass
+class _Counts:
+    faulted: int = 0
+    settled: int = 0
+    expired: int = 0
+    failed: int = 0
+    kept: int = 0
+    replied: int = 0
+    kudos: float = 0.0
+    key_refused: bool = False
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+
+
 def recover(
     journal: Journal,
     *,
     horde: HordeSubmitter,
-    backend: BackendAborter,
-    wall: Callable[[], float],
+    backend: BackendAborter | None,
+    wall: Callable[[], float] = time.time,
     model_id_default: str,
     submit_timeout_s: float = 10.0,
     abort_timeout_s: float = 2.0,
     pause: Callable[[float], None] = time.sleep,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> RecoveryResult:
-    """Fault the jobs an earlier process left in hand; call at start, before the first pop.
+    """End the jobs an earlier process left in hand; call at start, before the first pop.
 
-    For each entry of ``journal.load()``, in order:
+    For each entry of ``journal.load()`` (``journal_rules.plan`` on the clock
+    marks of the earlier run and of now):
 
-    - its ``lease_end`` has passed (``wall()``): nothing is sent; logged as
-      expired on the Horde;
-    - else its genkey (when there is one) is aborted on koboldcpp
-      (``backend.abort(genkey, timeout_s=abort_timeout_s)``, best effort,
-      failures logged at debug) and the job is faulted (seed "7. Fault a
-      job"): a chat job with ``{"id", "state": "faulted", "model_id"}`` (the
-      entry's ``model_id``, else ``model_id_default``), a text job with
-      ``{"id", "generation": "", "state": "faulted"}``. ``AbortedGen``,
-      ``DuplicateGen`` or 404: already settled. ``HordeUnavailable``: tried
-      again up to 3 attempts in all, after a pause of 1 s then 2 s (or the
-      ``Retry-After``, at most 5 s), while the lease lasts; then left to
-      expire. A refused API key (401, or 403 for the credentials) stops the
-      recovery: that job and the ones after it stay in the journal.
+    - ``reply``: the kept submit body is sent as it is. Accepted: replied
+      (its kudos counted); ``DuplicateGen``: the Horde had stored it;
+      ``AbortedGen`` or 404: the job ended (counted as an aborted job);
+      another refusal (``ChatSubmitInvalid``...): the job is faulted, once,
+      while its lease surely runs.
+    - ``fault``: marked ``fault_sent`` in the journal, then the fault is sent
+      (seed "7. Fault a job": a chat job with ``{"id", "state": "faulted",
+      "model_id"}``, the entry's ``model_id`` else ``model_id_default``; a
+      text job with ``{"id", "generation": "", "state": "faulted"}``);
+      ``AbortedGen``, ``DuplicateGen`` or 404: already settled. Its genkey
+      is aborted on koboldcpp afterwards (``backend``; best effort, failures
+      logged at debug; nothing when ``backend`` is None).
+    - ``expired`` and ``fault_sent``: nothing is sent.
 
-    Every job ends in one log line with ``job=<id>``; every job processed is
-    removed from the journal. Nothing raised for the Horde's or koboldcpp's
+    ``HordeUnavailable``: a reply is sent again after a pause while its lease
+    may run; a fault only when the failure shows it was not taken
+    (``journal_rules.known_not_taken``) and while its lease surely runs. The
+    pauses grow 1 s, 2 s, 4 s... up to :data:`RECOVERY_PAUSE_MAX_S` (the
+    ``Retry-After`` when longer, within that bound); while one job waits the
+    others are tried. A refused API key (401, or 403 for the credentials)
+    stops the recovery: that job and the ones after it stay in the journal,
+    and so does every job still pending when ``stopped()`` turns True.
+
+    Every job ends in one log line with ``job=<id>``; every job ended is
+    removed from the journal at once. Faults the Horde counts toward
+    maintenance (a fault sent, a lease ended) are kept in the journal
+    (``Journal.record_fault``). Nothing raised for the Horde's or koboldcpp's
     answers.
 
     Args:
@@ -119,106 +185,272 @@ def recover(
         horde: the Horde client (``submit(body, *, timeout_s) -> dict``,
             raising ``HordeRefusal`` / ``HordeUnavailable``).
         backend: the koboldcpp client (``abort(genkey, *, timeout_s) -> bool``,
-            raising ``BackendError``); never given the API key.
+            raising ``BackendError``), never given the API key; None inside
+            koboldcpp, whose restart ended every earlier generation.
         wall: epoch seconds.
         model_id_default: the worker's ``model_id`` for a chat entry without one.
         submit_timeout_s, abort_timeout_s: read timeouts, seconds.
         pause: waits between attempts, seconds.
+        stopped: True once the worker is asked to stop (the rest is kept).
 
     Returns:
         The counts (:class:`RecoveryResult`).
     """
     entries = journal.load()
-    faulted = settled = expired = failed = kept = 0
-    key_refused = False
+    earlier, _ = journal.clocks()
+    now_mark = _journal.clock_mark(wall())
+    counts = _Counts()
+    pending: list[_Pending] = []
     for entry in entries:
-        if key_refused:
-            kept += 1
-            log.warning("job=%s kind=%s kept in the journal: the Horde refused the API key",
-                        entry.job_id, entry.kind)
-            continue
-        now = wall()
-        if now >= entry.lease_end:
-            expired += 1
+        step = plan(entry.to_json(), earlier, now_mark)
+        fault_step = plan(entry.to_json() | {"terminal": "none"}, earlier, now_mark)
+        fault_ends_at = now_mark.wall + fault_step.lease_left_s - FAULT_MARGIN_S
+        if step.action == "fault_sent":
+            counts.settled += 1
+            journal.record_fault(now_mark.wall)  # the Horde may have counted it
+            log.warning(
+                "job=%s kind=%s: its fault was sent before the restart; nothing more sent "
+                "(a second fault would re-open the request again)", entry.job_id, entry.kind,
+            )
+            journal.remove(entry.job_id)
+        elif step.action == "expired":
+            counts.expired += 1
             log.warning(
                 "job=%s kind=%s expired on the Horde while the worker was down "
-                "(lease ended %.0f s ago): nothing sent",
-                entry.job_id, entry.kind, now - entry.lease_end,
+                "(lease ended %.0f s ago, or may have): nothing sent",
+                entry.job_id, entry.kind, max(0.0, -step.lease_left_s),
             )
-            journal.record_fault(now)  # an aborted job on the Horde
+            journal.record_fault(now_mark.wall)  # an aborted job on the Horde
             journal.remove(entry.job_id)
-            continue
-        if entry.genkey:
-            try:
-                backend.abort(entry.genkey, timeout_s=abort_timeout_s)
-            except BackendError as exc:
-                log.debug("job=%s abort of %s failed: %s", entry.job_id, entry.genkey, exc)
-        outcome = _fault_after_restart(
-            entry, horde, wall, pause, _fault_body(entry, model_id_default), submit_timeout_s
-        )
-        if outcome == "key_refused":
-            key_refused = True
-            kept += 1
-            continue
-        if outcome == "faulted":
-            faulted += 1
-        elif outcome == "settled":
-            settled += 1
+        elif step.action == "reply":
+            assert entry.reply is not None
+            pending.append(_Pending(entry, "reply", dict(entry.reply),
+                                    now_mark.wall + step.lease_left_s, fault_ends_at))
         else:
-            failed += 1
-        if outcome != "settled":  # faulted, or left to expire: aborted on the Horde
-            journal.record_fault(wall())
-        journal.remove(entry.job_id)
-    result = RecoveryResult(faulted, settled, expired, failed, kept, key_refused)
+            pending.append(_Pending(entry, "fault", _fault_body(entry, model_id_default),
+                                    fault_ends_at, fault_ends_at))
+    while pending:
+        if stopped() or counts.key_refused:
+            for item in pending:
+                counts.kept += 1
+                why = ("the Horde refused the API key" if counts.key_refused
+                       else "the worker stopped first")
+                log.warning("job=%s kind=%s kept in the journal: %s",
+                            item.entry.job_id, item.entry.kind, why)
+            break
+        now = wall()
+        due = [item for item in pending if item.next_at <= now]
+        if not due:
+            pause(max(0.0, min(item.next_at for item in pending) - now))
+            continue
+        for item in due:
+            if stopped() or counts.key_refused:
+                break
+            if _attempt(item, journal, horde, wall, model_id_default, submit_timeout_s, counts):
+                pending.remove(item)
+    _abort_generations(counts.aborts, backend, abort_timeout_s)
+    result = RecoveryResult(
+        counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
+        counts.key_refused, counts.replied, counts.kudos,
+    )
     if result.total:
         log.info(
-            "jobs in hand at the last stop: %d faulted, %d already settled, %d expired, "
+            "jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
             "%d left to expire, %d kept in the journal",
-            faulted, settled, expired, failed, kept,
+            f"{counts.replied} replies submitted ({counts.kudos:.0f} kudos), "
+            if counts.replied else "",
+            counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
         )
     return result
 
 
-def _fault_after_restart(
-    entry: JournalEntry,
+def _attempt(
+    item: _Pending,
+    journal: Journal,
     horde: HordeSubmitter,
     wall: Callable[[], float],
-    pause: Callable[[float], None],
-    body: dict[str, Any],
+    model_id_default: str,
     timeout_s: float,
-) -> str:
-    """Send one recovered job's fault: ``"faulted"``, ``"settled"``,
-    ``"key_refused"`` or ``"failed"``; logs the job's line."""
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            horde.submit(body, timeout_s=timeout_s)
-        except HordeRefusal as exc:
-            if exc.rc in SETTLED_RCS or exc.status == 404:
-                log.info("job=%s kind=%s already settled on the Horde (%s): nothing more to send",
-                         entry.job_id, entry.kind, exc.rc or exc.status)
-                return "settled"
-            if is_key_refusal(exc):
-                log.error(
-                    "job=%s kind=%s not faulted after a restart: the Horde refused the "
-                    "API key (%s); kept in the journal",
-                    entry.job_id, entry.kind, exc,
-                )
-                return "key_refused"
-            log.error("job=%s kind=%s left to expire: the Horde refused the fault (%s)",
-                      entry.job_id, entry.kind, exc)
-            return "failed"
-        except HordeUnavailable as exc:
-            delay = min(max(float(attempts), exc.retry_after_s or 0.0), RECOVERY_PAUSE_MAX_S)
-            if attempts >= RECOVERY_ATTEMPTS or wall() + delay >= entry.lease_end:
-                log.error("job=%s kind=%s left to expire: the Horde did not answer the fault (%s)",
-                          entry.job_id, entry.kind, exc)
-                return "failed"
-            log.debug("job=%s fault not answered (%s); trying again in %.1f s",
-                      entry.job_id, exc, delay)
-            pause(delay)
-            continue
+    counts: _Counts,
+) -> bool:
+    """One attempt at a recovered job's submit; True when the job is done with
+    (answered, given up or kept), False to try again at ``item.next_at``."""
+    entry = item.entry
+    if wall() >= item.ends_at:
+        return _give_up(item, journal, wall, counts, "the lease ended before the Horde answered")
+    if item.action == "fault":
+        journal.mark_fault_sent(entry.job_id)  # before it goes: never a second one
+    item.attempts += 1
+    try:
+        answer = horde.submit(item.body, timeout_s=timeout_s)
+    except HordeRefusal as exc:
+        if is_key_refusal(exc):
+            counts.key_refused = True
+            counts.kept += 1
+            if item.action == "fault":
+                journal.mark_not_taken(entry.job_id)
+            log.error(
+                "job=%s kind=%s not ended after a restart: the Horde refused the "
+                "API key (%s); kept in the journal", entry.job_id, entry.kind, exc,
+            )
+            return True
+        if exc.rc in SETTLED_RCS or exc.status == 404:
+            counts.settled += 1
+            if item.action == "reply" and exc.rc == "AbortedGen":
+                journal.record_fault(wall())  # it ended unanswered: an aborted job there
+            log.info("job=%s kind=%s already settled on the Horde (%s): nothing more to send",
+                     entry.job_id, entry.kind, exc.rc or exc.status)
+            journal.remove(entry.job_id)
+            return True
+        if item.action == "reply":
+            # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
+            log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, exc)
+            item.action, item.body = "fault", _fault_body(entry, model_id_default)
+            if entry.kind == "chat" and exc.rc in REFUSAL_RCS:
+                item.body["fault_reason"] = FAULT_REPLY_REFUSED
+            item.ends_at = item.fault_ends_at
+            item.attempts, item.next_at = 0, 0.0
+            return False
+        counts.failed += 1
+        log.error("job=%s kind=%s left to expire: the Horde refused the fault (%s)",
+                  entry.job_id, entry.kind, exc)
+        journal.remove(entry.job_id)
+        return True
+    except HordeUnavailable as exc:
+        not_taken = known_not_taken(exc.status, exc.sent)
+        if item.action == "fault" and not not_taken:
+            # It may have been counted: a second fault would re-open the request again.
+            return _give_up(item, journal, wall, counts,
+                            f"the fault's answer was lost ({exc}); not sent twice")
+        if item.action == "fault":
+            journal.mark_not_taken(entry.job_id)  # not taken: it may go again
+        delay = min(
+            RECOVERY_PAUSE_MAX_S,
+            max(RECOVERY_PAUSE_FIRST_S * 2 ** (item.attempts - 1), exc.retry_after_s or 0.0),
+        )
+        if wall() + delay >= item.ends_at:
+            return _give_up(item, journal, wall, counts,
+                            f"the Horde did not answer within the lease ({exc})")
+        log.debug("job=%s %s not answered (%s); trying again in %.1f s",
+                  entry.job_id, item.action, exc, delay)
+        item.next_at = wall() + delay
+        return False
+    if item.action == "reply":
+        counts.replied += 1
+        kudos = _kudos(answer.get("reward"))
+        counts.kudos += kudos
+        log.warning("job=%s kind=%s reply kept at the last stop submitted after a restart "
+                    "(%.0f kudos)", entry.job_id, entry.kind, kudos)
+    else:
+        counts.faulted += 1
+        journal.record_fault(wall())  # the Horde counts it as an aborted job
         log.warning("job=%s kind=%s faulted after a restart: the worker stopped with it in hand",
                     entry.job_id, entry.kind)
-        return "faulted"
+        if entry.genkey:
+            counts.aborts.append((entry.job_id, entry.genkey))
+    journal.remove(entry.job_id)
+    return True
+
+
+def _give_up(
+    item: _Pending, journal: Journal, wall: Callable[[], float], counts: _Counts, why: str
+) -> bool:
+    counts.failed += 1
+    journal.record_fault(wall())  # expired, or its fault taken: an aborted job on the Horde
+    log.error("job=%s kind=%s left to expire: %s", item.entry.job_id, item.entry.kind, why)
+    journal.remove(item.entry.job_id)
+    return True
+
+
+def _abort_generations(
+    aborts: list[tuple[str, str]], backend: BackendAborter | None, timeout_s: float
+) -> None:
+    """Abort the faulted jobs' generations on koboldcpp, best effort, after the
+    Horde's answers (a koboldcpp that is down or loading costs nothing there)."""
+    if backend is None:
+        return
+    for job_id, genkey in aborts:
+        try:
+            backend.abort(genkey, timeout_s=timeout_s)
+        except BackendError as exc:
+            log.debug("job=%s abort of %s failed: %s", job_id, genkey, exc)
+
+
+def _kudos(reward: object) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        return 0.0
+    return float(reward) if reward == reward and abs(reward) != float("inf") else 0.0
+
+
+class Recovery:
+    """:func:`recover` on a thread of its own, started at once.
+
+    A host starts it as soon as it knows the Horde, the API key and the
+    journal (before koboldcpp answers); the pop loops call :meth:`wait`
+    before their first pop.
+
+    Args:
+        journal: the worker's journal (held by this process).
+        horde_factory: makes the Horde client the thread uses (closed after).
+        backend_factory: makes the koboldcpp client for the aborts, or None.
+        model_id_default: see :func:`recover`.
+        stop_event: set when the worker stops: the recovery's pauses end and
+            the jobs still pending stay in the journal.
+    """
+
+    def __init__(
+        self,
+        journal: Journal,
+        *,
+        horde_factory: Callable[[], Any],
+        backend_factory: Callable[[], Any] | None,
+        model_id_default: str,
+        stop_event: threading.Event,
+    ) -> None:
+        self.journal = journal
+        self.result: RecoveryResult | None = None
+        self._done = threading.Event()
+        self._horde_factory = horde_factory
+        self._backend_factory = backend_factory
+        self._model_id_default = model_id_default
+        self._stop = stop_event
+        self._thread = threading.Thread(target=self._run, name="journal-recovery", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        horde = backend = None
+        try:
+            horde = self._horde_factory()
+            backend = self._backend_factory() if self._backend_factory is not None else None
+            self.result = recover(
+                self.journal,
+                horde=horde,
+                backend=backend,
+                model_id_default=self._model_id_default,
+                pause=self._stop.wait,
+                stopped=self._stop.is_set,
+            )
+        except Exception:  # never let the recovery hold the worker's start
+            log.exception("the recovery of the jobs in hand at the last stop failed")
+        finally:
+            for client in (horde, backend):
+                close = getattr(client, "close", None)
+                if callable(close):
+                    close()
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        """True once the recovery ended."""
+        return self._done.is_set()
+
+    def wait(self, stop_event: threading.Event | None = None, timeout_s: float | None = None) -> bool:
+        """Wait until the recovery ended (or ``stop_event`` is set, or
+        ``timeout_s`` passed); True when it ended."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._done.wait(0.1):
+            if stop_event is not None and stop_event.is_set():
+                return self._done.is_set()
+            if end is not None and time.monotonic() >= end:
+                return False
+        return True

@@ -38,11 +38,15 @@ from .hosting import (
     check_limits,
     check_url,
     check_worker_name,
+    open_journal,
     open_state,
     run_worker,
     serving_line,
+    start_recovery,
 )
+from .journal import Journal
 from .journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
+from .recovery import Recovery
 from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat")
@@ -381,9 +385,10 @@ def settings_from_args(
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
     """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
 
-    Waits for koboldcpp for ``--kcpp-wait`` seconds, or as long as it takes
-    without that flag (a signal ends the wait). Faults the jobs the journal
-    says an earlier run left in hand, then runs ``--parallelrequests`` pop
+    Ends the jobs the journal says an earlier run left in hand as soon as the
+    Horde answers, on a thread of its own (``recovery.Recovery``); meanwhile
+    waits for koboldcpp for ``--kcpp-wait`` seconds, or as long as it takes
+    without that flag (a signal ends the wait). Then runs ``--parallelrequests`` pop
     loops sharing one state. A first signal stops popping; a job in hand may
     finish within ``--stop-grace`` seconds, else it is aborted and faulted. A
     second signal faults the jobs in hand at once and exits. Exit codes: 0
@@ -426,7 +431,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         signal.signal(signal.SIGTERM, on_signal)
 
     # A directory the operator named must keep the journal (else exit 2); the
-    # default one only turns crash recovery off, saying so (hosting.open_state).
+    # default one only turns crash recovery off, saying so (hosting.open_journal).
     journal_source: str | None = None
     if args.journal_dir:
         directory, journal_source = Path(args.journal_dir).expanduser(), "--journal-dir"
@@ -434,17 +439,49 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         directory = journal_dir()
         if os.environ.get(JOURNAL_DIR_ENV, "").strip():
             journal_source = JOURNAL_DIR_ENV
+    # The jobs an earlier run left in hand go first, as soon as the Horde answers:
+    # their leases run while koboldcpp loads or restarts, so the recovery does
+    # not wait for it (the pop loops wait for the recovery).
+    try:
+        check_flags(args)
+        if journal_source is not None:
+            check_journal_dir(directory, journal_source)
+        journal = open_journal(args.hordeworkername, directory, journal_setting="--journal-dir")
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    recovery = None
+    if journal is not None:
+        recovery = start_recovery(
+            journal,
+            horde_url=args.horde_url,
+            api_key=args.hordekey,
+            model_id_default=standalone_model_id("", args.hordemodelname),
+            stop_event=stop_event,
+            kcpp=(args.kcpp_url, args.kcpp_password),
+        )
+    try:
+        return _run_declared(args, stop_event, states, directory, journal, recovery)
+    finally:
+        if journal is not None:
+            journal.unlock()
+
+
+def _run_declared(
+    args: argparse.Namespace,
+    stop_event: threading.Event,
+    states: list[WorkerState],
+    directory: Path,
+    journal: Journal | None,
+    recovery: Recovery | None,
+) -> int:
+    """Read koboldcpp, declare and serve; read it again and declare anew when it
+    came back serving something else. The exit code."""
     while True:
         try:
-            check_flags(args)
-            if journal_source is not None:
-                check_journal_dir(directory, journal_source)
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
             settings, caps = settings_from_args(
                 args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
-            )
-            state = open_state(
-                settings, directory, stop_event=stop_event, journal_setting="--journal-dir"
             )
         except ConfigError as exc:
             if stop_event.is_set():
@@ -452,6 +489,12 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
                 return 0
             log.error("%s", exc)
             return 2
+        if journal is not None:
+            state = open_state(
+                settings, directory, stop_event=stop_event, journal=journal, recovery=recovery
+            )
+        else:
+            state = WorkerState(settings, stop_event=stop_event, journal=None)
         if states:
             state.carry_over(states[0])
         states[:] = [state]
@@ -463,11 +506,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
                 settings.backend_model_name, settings.backend_max_context_length, settings.vision
             ),
         )
-        try:
-            code = _serve(settings, caps, state, manners, args.parallelrequests)
-        finally:
-            if state.journal is not None:
-                state.journal.unlock()
+        code = _serve(settings, caps, state, manners, args.parallelrequests)
         if manners.changed is None or stop_event.is_set():
             return code
         log.warning("%s: reading it again to declare what it serves now", manners.changed)

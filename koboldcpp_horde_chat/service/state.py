@@ -30,6 +30,7 @@ from ..settings import WorkerSettings
 from . import guard, status
 from .guard import MaintenanceGuard, RefusalGuard
 from .journal import Journal
+from .recovery import Recovery
 
 if TYPE_CHECKING:
     from ..run.job import JobContext
@@ -114,6 +115,9 @@ class WorkerState:
         self._ended = threading.Condition(self.lock)
         #: Submits being retried on threads of their own (no pop meanwhile).
         self.retrying_submits = 0
+        #: The recovery of the jobs an earlier run left in hand (None: none).
+        self.recovery: Recovery | None = None
+        self._faults_restored = False
 
     def carry_over(self, earlier: WorkerState) -> None:
         """Go on from ``earlier``, this worker's state before it declared anew
@@ -133,6 +137,26 @@ class WorkerState:
             self.moderator_messages_seen = set(earlier.moderator_messages_seen)
             self.stats = earlier.stats
             self._next_summary = earlier._next_summary
+            self._faults_restored = earlier._faults_restored
+
+    def wait_recovered(self) -> bool:
+        """Before a loop's first pop: wait for the recovery of the jobs an earlier
+        run left in hand (it ends when the Horde answered each, or its lease
+        ended), then count the faults the journal keeps (an earlier process's
+        and the recovery's) in this worker's maintenance window, once. False
+        when the worker stops first."""
+        recovery = self.recovery
+        if recovery is not None and not recovery.wait(self.stop_event):
+            return False
+        with self.lock:
+            if self._faults_restored or self.journal is None:
+                self._faults_restored = True
+                return True
+            self._faults_restored = True
+        self.restore_faults(
+            self.journal.recent_faults(time.time()), now=time.monotonic(), wall=time.time()
+        )
+        return True
 
     @property
     def chat_enabled(self) -> bool:
@@ -221,14 +245,14 @@ class WorkerState:
     def release(self, ctx: JobContext) -> None:
         """The job's life ended: no longer in hand; cleared from the journal when
         it was settled (an abandoned job stays there for the next start). The
-        removal is written with the journal's next write (the next job's, at
-        its pop) or at :meth:`flush_journal`: a job's path writes the file once."""
+        removal is written now, before anything else happens (the next pop's
+        job, a pause, an exit path), so a restart never sends it anything."""
         with self.lock:
             if self._in_hand.get(ctx.id) is ctx:
                 del self._in_hand[ctx.id]
             self._ended.notify_all()
         if self.journal is not None and ctx.phase is Phase.SETTLED:
-            self.journal.remove(ctx.id, write=False)
+            self.journal.remove(ctx.id)
 
     def flush_journal(self) -> None:
         """Write the journal's pending removals (when the loop is idle or stops)."""

@@ -575,10 +575,12 @@ def test_a_fault_returns_the_request_to_the_queue_until_its_attempts_run_out(hor
     assert (status["state"], status["faulted"], status["fault_reasons"]) == ("faulted", True, ["prompt_overflow"])
     assert horde.ledger[-1]["fault_reason"] is None
     assert w.pop(decl())["id"] is None
-    # A repeated fault (its first answer lost) is answered as the first, and counted once.
+    # A repeated fault (its first answer lost) is answered as the first, counted once
+    # toward the worker, and re-opens the request (the real Horde's wp.n += 1).
     again = w.submit({"id": first, "state": "faulted", "model_id": MODEL})
     assert (again.status_code, again.json()) == (200, {"reward": 0})
     assert horde.ledger[-1]["action"] == "late_fault"
+    assert [f["job_id"] for f in horde.late_faults] == [first]
     assert horde.worker("w1")["uncompleted_jobs"] == 1  # type: ignore[index]
 
 

@@ -178,15 +178,33 @@ def _ended_job(horde: DevHorde, w: Worker, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["expired", "faulted", "cancelled"])
-def test_a_fault_for_a_job_that_ended_is_answered_reward_0_and_counted_nowhere(
+def test_a_fault_for_a_job_that_ended_is_answered_reward_0_and_reopens_its_request(
     horde: DevHorde, w: Worker, how: str
 ) -> None:
+    """As the real Horde's set_generation: wp.n += 1 for every faulted submit, before
+    it looks at the job; the worker's counts are unchanged."""
     job_id = _ended_job(horde, w, how)
     before = counts(horde)
     late = w.submit(fault(job_id))
     assert (late.status_code, late.json()) == (200, {"reward": 0})
     assert horde.ledger[-1]["action"] == "late_fault"
+    assert [(f["job_id"], f["ended"]) for f in horde.late_faults] == [
+        (job_id, "expired" if how == "expired" else "faulted" if how == "faulted" else "cancelled")
+    ]
     assert counts(horde) == before
+
+
+def test_a_fault_for_an_accepted_job_is_duplicate_gen_and_generates_the_request_again(
+    horde: DevHorde, w: Worker
+) -> None:
+    (job_id,) = pop_jobs(horde, w, 1)
+    assert w.submit(reply(job_id)).status_code == 200
+    rid = horde.job(job_id)["request_id"]  # type: ignore[index]
+    assert horde.status(rid)["state"] == "done"
+    late = w.submit(fault(job_id))
+    assert (late.status_code, late.json()["rc"]) == (400, "DuplicateGen")
+    assert [(f["job_id"], f["ended"]) for f in horde.late_faults] == [(job_id, "submitted")]
+    assert horde.status(rid)["state"] == "waiting"  # another worker generates it again
 
 
 @pytest.mark.parametrize("how", ["expired", "faulted", "cancelled"])
@@ -195,14 +213,6 @@ def test_a_reply_for_a_job_that_ended_is_still_aborted_gen(horde: DevHorde, w: W
     late = w.submit(reply(job_id))
     assert (late.status_code, late.json()["rc"]) == (400, "AbortedGen")
     assert horde.ledger[-1]["action"] == "aborted_gen"
-
-
-def test_a_fault_for_a_submitted_job_is_duplicate_gen(horde: DevHorde, w: Worker) -> None:
-    (job_id,) = pop_jobs(horde, w, 1)
-    assert w.submit(reply(job_id)).status_code == 200
-    late = w.submit(fault(job_id))
-    assert (late.status_code, late.json()["rc"]) == (400, "DuplicateGen")
-    assert horde.status(horde.job(job_id)["request_id"])["state"] == "done"  # type: ignore[index]
 
 
 # --- worker names -------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import pytest
 from typing import Any
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
@@ -114,27 +116,51 @@ def test_a_chat_job_in_hand_at_a_crash_is_faulted_and_its_request_requeued(
     assert horde.job(again["id"])["request_id"] == rid
 
 
-def test_a_job_submitted_just_before_the_crash_is_already_settled(
+def test_a_reply_accepted_just_before_the_crash_is_sent_again_not_faulted(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
+) -> None:
+    """The worker keeps the reply in the journal before it sends it; the Horde stored
+    it and the process died before its answer: the next start sends the same reply,
+    answered DuplicateGen at no cost, never a fault (which would re-open the request)."""
+    rid, answer = pop_chat_job(horde)
+    job_id = answer["id"]
+    path = journal_before_the_crash(tmp_path, answer, GENKEY)
+    reply = {"id": job_id, "message": {"role": "assistant", "content": "Blue."},
+             "finish_reason": "stop", "model_id": MODEL, "state": "ok"}
+    assert Journal(path).keep_reply(job_id, reply)
+    with client(horde) as h:  # the reply was accepted; the process died before its answer
+        h.submit(reply, timeout_s=5)
+
+    result = restart(path, horde, kcpp.url)
+
+    assert result == RecoveryResult(settled=1)
+    ledger = [e for e in horde.ledger if e["job_id"] == job_id]
+    assert [e["action"] for e in ledger] == ["submitted", "duplicate"]
+    assert ledger[1]["body"] == reply  # the same reply, not a fault
+    assert horde.status(rid)["state"] == "done"  # the reply stands
+    assert kcpp.aborts == []  # its generation had ended
+    assert Journal(path).load() == []
+
+
+def test_a_reply_kept_at_a_crash_is_submitted_by_the_next_start(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
 ) -> None:
     rid, answer = pop_chat_job(horde)
     job_id = answer["id"]
     path = journal_before_the_crash(tmp_path, answer, GENKEY)
-    with client(horde) as h:  # the reply was accepted; the process died before clearing it
-        h.submit(
-            {"id": job_id, "message": {"role": "assistant", "content": "Blue."},
-             "finish_reason": "stop", "model_id": MODEL, "state": "ok"},
-            timeout_s=5,
-        )
+    reply = {"id": job_id, "message": {"role": "assistant", "content": "Blue."},
+             "finish_reason": "stop", "model_id": MODEL, "state": "ok"}
+    assert Journal(path).keep_reply(job_id, reply, sent=False)
 
     result = restart(path, horde, kcpp.url)
 
-    assert result == RecoveryResult(settled=1)
-    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["submitted", "duplicate"]
-    assert horde.status(rid)["state"] == "done"  # the reply stands
+    assert result.replied == 1 and result.kudos > 0
+    assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["submitted"]
+    assert horde.status(rid)["state"] == "done"
     assert Journal(path).load() == []
 
 
+@pytest.mark.late_fault_expected
 def test_a_job_whose_lease_ended_on_the_horde_is_counted_once(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path
 ) -> None:
@@ -145,10 +171,12 @@ def test_a_job_whose_lease_ended_on_the_horde_is_counted_once(
 
     result = restart(path, horde, kcpp.url)
 
-    # As the real Horde, the fault of a job that already ended is answered {"reward": 0}.
+    # The worker's clock said the lease ran: as the real Horde, the fault of a job
+    # that already ended is answered {"reward": 0}, and re-opens its request.
     assert result == RecoveryResult(faulted=1)
     assert [e["action"] for e in horde.ledger if e["job_id"] == job_id] == ["expired", "late_fault"]
-    assert horde.status(rid)["restarted"] == 1  # requeued once, by the expiry only
+    assert horde.status(rid)["restarted"] == 1
+    assert [f["job_id"] for f in horde.late_faults] == [job_id]
     assert horde.worker(POP["name"])["uncompleted_jobs"] == 1  # type: ignore[index]
 
 

@@ -19,6 +19,7 @@ from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal,
 from koboldcpp_horde_chat.service import hosting
 from koboldcpp_horde_chat.service import journal as journal_mod
 from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.service.journal_rules import ClockMark
 from koboldcpp_horde_chat.service.journal_paths import APP_DIR_NAME, default_state_dir, journal_path
 from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from koboldcpp_horde_chat.settings import WorkerSettings
@@ -47,6 +48,18 @@ def text_entry(job_id: str = "job-t", *, lease_left_s: float = 150.0) -> Journal
 
 def on_disk(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text("utf-8")))
+
+
+#: The clocks' mark the journal writes in these tests: the fixed NOW, no boot clock.
+MARK = {"wall": NOW, "boot_id": "", "boottime": None}
+
+
+@pytest.fixture(autouse=True)
+def _fixed_clock_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal's clocks read as the tests' fixed wall clock (NOW), with no boot clock."""
+    monkeypatch.setattr(
+        journal_mod, "clock_mark", lambda wall=None: ClockMark(NOW if wall is None else wall)
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +212,7 @@ def test_add_returns_with_the_entry_on_disk(tmp_path: Path) -> None:
     path = tmp_path / "state" / "jobs.json"
     journal = Journal(path)
     journal.add(chat_entry())
-    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()]}
+    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()], "clock": MARK}
     journal.add(text_entry())
     assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["job-1", "job-t"]
     journal.remove("job-1")
@@ -247,7 +260,7 @@ def test_an_add_on_a_jobs_path_is_a_plain_write_that_a_killed_process_leaves_who
     monkeypatch.setattr(os, "replace", replace)
     Journal(path).add(chat_entry())
     assert order == ["replace"]
-    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()]}
+    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()], "clock": MARK}
 
 
 def test_the_directory_is_made_on_the_first_write_private(tmp_path: Path) -> None:
@@ -637,11 +650,12 @@ def test_a_job_the_horde_already_ended_is_settled(
 def test_an_unavailable_horde_is_tried_again_within_the_lease(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A fault the Horde did not take (503, a refused connection) goes again."""
     caplog.set_level(logging.INFO)
     path = journal_with(tmp_path, chat_entry())
     horde = ScriptedHorde(
         HordeUnavailable("submit: HTTP 503", status=503),
-        HordeUnavailable("submit: connection lost", status=0),
+        HordeUnavailable("submit: connection refused", status=0, sent=False),
         {"reward": 0},
     )
     result, pauses = run_recover(path, horde)
@@ -652,38 +666,63 @@ def test_an_unavailable_horde_is_tried_again_within_the_lease(
     assert len(lines) == 1 and "faulted after a restart" in lines[0]
 
 
-def test_retry_after_sets_the_pause_up_to_five_seconds(tmp_path: Path) -> None:
+def test_retry_after_sets_the_pause_up_to_thirty_seconds(tmp_path: Path) -> None:
     path = journal_with(tmp_path, chat_entry())
     horde = ScriptedHorde(
         HordeUnavailable("429", status=429, retry_after_s=3.0),
-        HordeUnavailable("429", status=429, retry_after_s=60.0),
+        HordeUnavailable("429", status=429, retry_after_s=600.0),
     )
     result, pauses = run_recover(path, horde)
     assert result.faulted == 1
-    assert pauses.waited == [3.0, 5.0]
+    assert pauses.waited == [3.0, 30.0]
 
 
 def test_an_unavailable_horde_past_the_lease_leaves_the_job_to_expire(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = journal_with(tmp_path, chat_entry(lease_left_s=2.5))
-    horde = ScriptedHorde(*[HordeUnavailable("submit: HTTP 502", status=502)] * 5)
+    path = journal_with(tmp_path, chat_entry(lease_left_s=8.5))
+    horde = ScriptedHorde(*[HordeUnavailable("submit: HTTP 503", status=503)] * 5)
     result, pauses = run_recover(path, horde)
     assert result == RecoveryResult(failed=1)
-    assert len(horde.bodies) == 2  # the second pause would end after the lease
-    assert pauses.waited == [1.0]
+    # 3.5 s of lease beyond the fault's 5 s margin: the pause after the third
+    # attempt (4 s) would end past it.
+    assert len(horde.bodies) == 3
+    assert pauses.waited == [1.0, 2.0]
     lines = job_lines(caplog, "job-1")
     assert len(lines) == 1 and "left to expire" in lines[0]
     assert Journal(path).load() == []
 
 
-def test_an_unavailable_horde_is_given_up_after_three_attempts(tmp_path: Path) -> None:
+def test_three_503s_at_start_do_not_give_a_recoverable_job_up(tmp_path: Path) -> None:
+    """The Horde answers 503 three times, then takes the fault: tried until it answers."""
+    path = journal_with(tmp_path, chat_entry(lease_left_s=150.0))
+    horde = ScriptedHorde(*[HordeUnavailable("submit: HTTP 503", status=503)] * 5, {"reward": 0})
+    result, pauses = run_recover(path, horde)
+    assert result == RecoveryResult(faulted=1)
+    assert len(horde.bodies) == 6
+    assert pauses.waited == [1.0, 2.0, 4.0, 8.0, 16.0]
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        HordeUnavailable("submit: no answer in time", status=0),
+        HordeUnavailable("submit: connection lost", status=0, sent=None),
+        HordeUnavailable("submit: HTTP 502", status=502, sent=True),
+        HordeUnavailable("submit: HTTP 504", status=504, sent=True),
+    ],
+    ids=["timeout", "reset", "502", "504"],
+)
+def test_a_fault_whose_answer_was_lost_is_not_sent_again(
+    tmp_path: Path, lost: HordeUnavailable
+) -> None:
+    """The Horde may have taken it: a second fault would re-open the request again."""
     path = journal_with(tmp_path, chat_entry(lease_left_s=600.0))
-    horde = ScriptedHorde(*[HordeUnavailable("submit: HTTP 502", status=502)] * 5)
+    horde = ScriptedHorde(lost, {"reward": 0})
     result, pauses = run_recover(path, horde)
     assert result == RecoveryResult(failed=1)
-    assert len(horde.bodies) == 3
-    assert pauses.waited == [1.0, 2.0]
+    assert len(horde.bodies) == 1 and pauses.waited == []
+    assert Journal(path).load() == []
 
 
 def test_another_refusal_of_the_fault_leaves_the_job_to_expire(

@@ -279,6 +279,7 @@ class DevHorde(WorkerRoutes, ClientRoutes):
         self._worker_messages: list[_WorkerMessage] = []
         self._objects: dict[str, tuple[bytes, dict[str, str]]] = {}
         self._ledger: list[dict[str, Any]] = []
+        self._late_faults: list[dict[str, Any]] = []
         self._pops: list[dict[str, Any]] = []
         self._requests_log: list[dict[str, Any]] = []
         self._scripts: dict[str, deque[Any]] = {name: deque() for name in (*ROUTES, "storage")}

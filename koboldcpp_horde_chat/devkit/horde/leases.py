@@ -47,12 +47,24 @@ class Leases(HordeCore):
         "late_fault"|"cancelled"|"expired", "status": HTTP status answered (None
         for cancelled and expired), "rc": return code or None, "fault_reason":
         kept reason or None, "body": the submit body or None}``. ``late_fault``
-        is a fault for a job that had already ended without a reply (expired,
-        faulted or cancelled): answered 200 ``{"reward": 0}``, counted nowhere.
+        is a fault for a job that had already ended (accepted, expired, faulted
+        or cancelled): it re-opened the request, as on the real Horde
+        (:attr:`late_faults`).
         """
         with self._lock:
             self._expire_locked()
             return copy.deepcopy(self._ledger)
+
+    @property
+    def late_faults(self) -> list[dict[str, Any]]:
+        """Every fault sent for a job that had already ended, in order:
+        ``{"job_id", "request_id", "ended": "submitted"|"expired"|"faulted"|"cancelled",
+        "worker"}``. Each re-opened its request (the real Horde's ``wp.n += 1``):
+        another worker generates it again and the requester waits and pays
+        again. The tests' common fixture fails a test that caused one unless
+        the test is marked ``late_fault_expected``."""
+        with self._lock:
+            return copy.deepcopy(self._late_faults)
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         """A job's state for tests: ``{"id", "request_id", "kind", "worker", "model",

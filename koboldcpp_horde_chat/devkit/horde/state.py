@@ -110,6 +110,8 @@ class _Req:
     # outcome
     state: str = "waiting"
     restarted: int = 0
+    #: Faults for jobs that had already ended: each re-opened the request.
+    reopened: int = 0
     job_ids: list[str] = field(default_factory=list)
     message: dict[str, Any] | None = None
     finish_reason: str | None = None
@@ -176,6 +178,7 @@ class HordeCore:
     _worker_messages: list[_WorkerMessage]
     _objects: dict[str, tuple[bytes, dict[str, str]]]
     _ledger: list[dict[str, Any]]
+    _late_faults: list[dict[str, Any]]
     _pops: list[dict[str, Any]]
     _requests_log: list[dict[str, Any]]
     _scripts: dict[str, deque[Any]]

@@ -226,16 +226,38 @@ class WorkerRoutes(ChatContract, Eligibility):
         returns: a job with a stored reply answers 400 ``DuplicateGen`` to any
         submit; a job that ended without one (expired, faulted, or cancelled: the
         real Horde marks each faulted) answers a fault 200 ``{"reward": 0}`` (the
-        ``kudos == -1`` branch for ``state == "faulted"``), counted nowhere since the
-        job was counted when it ended, and anything else 400 ``AbortedGen``.
+        ``kudos == -1`` branch for ``state == "faulted"``), and anything else 400
+        ``AbortedGen``.
+
+        A fault is never free there: ``set_generation`` runs ``self.wp.n += 1``
+        for every faulted submit before it looks at the job, so a fault for a
+        job that already ended (accepted, faulted, expired) re-opens its
+        request: another worker generates it again. So here too: the request
+        goes back to the queue when it had ended (``reopened`` counts it), and
+        the fault is kept in :attr:`late_faults` (ledger ``late_fault``) for a
+        test to see that none was sent.
         """
+        if state == "faulted":
+            self._reopen(job, body)
         if job.action == "submitted":
             raise _ApiError(400, "DuplicateGen", "This job was already submitted.")
         if state != "faulted":
             raise _ApiError(400, "AbortedGen", "This job has ended; it was not stored.")
-        self._record(job, "late_fault", 200, None, None, body)
-        log.info("job %s faulted after it ended (%s): nothing counted", job.id, job.action)
         return {"reward": 0}
+
+    def _reopen(self, job: _Job, body: dict[str, Any]) -> None:
+        """A fault for job ``job``, which had ended: its request is re-opened."""
+        req = self._requests[job.request_id]
+        req.reopened += 1
+        if req.state in ("done", "faulted"):
+            req.state = "waiting"
+        self._record(job, "late_fault", 200 if job.action != "submitted" else 400,
+                     None, None, body)
+        self._late_faults.append(
+            {"job_id": job.id, "request_id": req.id, "ended": job.action, "worker": job.worker}
+        )
+        log.warning("job %s faulted after it ended (%s): request %s re-opened, as the real "
+                    "Horde's wp.n += 1 does", job.id, job.action, req.id)
 
     def _check_fault_shape(self, job: _Job, body: dict[str, Any]) -> None:
         """The input check of a faulted submit (before any state is looked at).
