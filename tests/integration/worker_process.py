@@ -39,16 +39,18 @@ class WorkerProcess:
         key: str = API_KEY,
         name: str = WORKER_NAME,
         cwd: Path = ROOT,
+        kcpp_url: str | None = None,
     ) -> None:
         """Start ``python -m koboldcpp_horde_chat`` in ``cwd`` (the package it runs is
-        the one there) as worker ``name`` with ``key``, flags ``extra`` added."""
+        the one there) as worker ``name`` with ``key``, flags ``extra`` added
+        (``kcpp_url`` in place of ``kcpp``'s, for one that is down)."""
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "koboldcpp_horde_chat",
                 "--hordekey", key,
                 "--hordeworkername", name,
                 "--horde-url", horde.url,
-                "--kcpp-url", kcpp.url,
+                "--kcpp-url", kcpp_url or kcpp.url,
                 "--hordegenlen", "512",
                 "--journal-dir", str(journal_dir),
                 "--log-level", "INFO",

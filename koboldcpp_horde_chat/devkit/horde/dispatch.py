@@ -45,6 +45,8 @@ class Dispatch(HordeCore):
           is not processed;
         * ``"reset"``: the connection is closed without an answer; not processed;
         * ``"hang:<seconds>"``: sleep, then process and answer normally;
+        * ``"late:<seconds>"``: process at once, answer after sleeping (a stored
+          submit whose answer is still on its way);
         * ``"truncate"``: process normally, send half the JSON body;
         * ``"drop"``: process normally, close without answering (a lost response);
         * ``"ok"``: process and answer normally.
@@ -64,7 +66,7 @@ class Dispatch(HordeCore):
                         f"a scripted answer is (status, json_body[, headers]), not {item!r}"
                     )
             elif isinstance(item, str):
-                if item.startswith("hang:"):
+                if item.startswith(("hang:", "late:")):
                     float(item[5:])
                 elif item not in ("reset", "truncate", "drop", "ok"):
                     raise ValueError(f"unknown scripted response {item!r}")
@@ -110,6 +112,9 @@ class Dispatch(HordeCore):
             time.sleep(float(script[5:]))
             return serve()
         resp = serve()
+        if script.startswith("late:"):
+            time.sleep(float(script[5:]))
+            return resp
         if script == "truncate":
             resp.truncate = True
         elif script == "drop":

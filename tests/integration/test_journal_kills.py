@@ -1,0 +1,129 @@
+"""A SIGKILL at each instant of a job's terminal action, then a restart: the worker
+process against the dev Horde and the scripted koboldcpp.
+
+On the real Horde every faulted submit re-opens the request (``wp.n += 1``), also
+for a job that already ended: the common ``horde`` fixture fails a test whose dev
+Horde saw such a fault. Seed sections: "7. Fault a job", "Check the completed
+reply" (DuplicateGen), "Streaming progress" (the lease).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+from koboldcpp_horde_chat.service.journal_paths import journal_path
+
+from .worker_process import WORKER_NAME, WorkerProcess, terminal_actions, until
+
+ASK = {"messages": [{"role": "user", "content": "Name one colour."}]}
+
+
+def journaled(tmp_path: Path) -> list[dict]:  # type: ignore[type-arg]
+    path = journal_path(WORKER_NAME, tmp_path / "state")
+    return list(json.loads(path.read_text())["jobs"]) if path.exists() else []
+
+
+def submits_of(horde: DevHorde, job_id: str) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(c["body"]) for c in horde.requests_log
+            if c["path"].endswith("/submit") and json.loads(c["body"]).get("id") == job_id]
+
+
+def kill(worker: WorkerProcess) -> None:
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait(10)
+
+
+def test_a_kill_while_the_stored_replys_answer_is_on_its_way_sends_the_reply_again(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess],
+    tmp_path: Path,
+) -> None:
+    kcpp.script(lambda body: ScriptedReply(text="Blue."))
+    rid = horde.send_chat(ASK, best_effort=True)
+    horde.inject("submit", "late:30")  # stored at once, answered 30 s later
+    first = workers()
+    until(lambda: "submitted" in str(terminal_actions(horde)), 20, first.log)
+    (job_id,) = horde.status(rid)["job_ids"]
+    (kept,) = journaled(tmp_path)
+    assert kept["terminal"] == "reply_sent" and kept["reply"] == submits_of(horde, job_id)[0]
+    kill(first)
+
+    second = workers()
+    second.wait_for("jobs in hand at the last stop", 20)
+    assert [s.get("state") for s in submits_of(horde, job_id)] == ["ok", "ok"]  # no fault
+    assert submits_of(horde, job_id)[0] == submits_of(horde, job_id)[1]
+    assert terminal_actions(horde) == {job_id: ["submitted"]}
+    assert horde.status(rid)["state"] == "done"
+    assert journaled(tmp_path) == []
+
+
+def test_a_kill_just_after_an_accepted_submit_leaves_nothing_for_the_next_start(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess],
+    tmp_path: Path,
+) -> None:
+    """The pop sent beside the submit is still in flight: the removal is already on disk."""
+    kcpp.script(lambda body: ScriptedReply(text="Blue."))
+    rid = horde.send_chat(ASK, best_effort=True)
+    horde.inject("pop", "ok", "hang:20")  # the pop beside the submit answers late
+    first = workers()
+    until(lambda: "submitted" in str(terminal_actions(horde)), 20, first.log)
+    (job_id,) = horde.status(rid)["job_ids"]
+    until(lambda: first.said(f"job={job_id} kind=chat submitted") == 1, 5, first.log)
+    assert journaled(tmp_path) == []
+    kill(first)
+
+    second = workers()
+    second.wait_for("worker 1: started", 20)
+    time.sleep(0.5)
+    assert len(submits_of(horde, job_id)) == 1
+    assert terminal_actions(horde) == {job_id: ["submitted"]}
+
+
+def test_a_fault_whose_answer_was_lost_is_sent_once(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess],
+) -> None:
+    kcpp.inject("chat", (500, {"error": "boom"}))
+    rid = horde.send_chat(ASK, best_effort=True)
+    horde.inject("submit", "drop")  # the fault is taken; its answer is lost
+    worker = workers()
+    until(lambda: bool(horde.status(rid)["job_ids"]), 20, worker.log)
+    (job_id,) = horde.status(rid)["job_ids"][:1]
+    until(lambda: worker.said(f"job={job_id} the fault's answer was lost") == 1, 20, worker.log)
+    time.sleep(1.0)
+    faults = [s for s in submits_of(horde, job_id) if s.get("state") == "faulted"]
+    assert len(faults) == 1
+    assert terminal_actions(horde)[job_id] == ["faulted"]
+
+
+def test_the_next_start_faults_a_job_in_hand_before_koboldcpp_answers(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess],
+    tmp_path: Path,
+) -> None:
+    """The job's lease runs while koboldcpp loads: the recovery does not wait for it.
+    The journal holds the pop's ttl, not the lease cap."""
+    rid = horde.send_chat(ASK, best_effort=True)
+    kcpp.inject("tokencount", "hang:30")
+    first = workers()
+    until(lambda: bool(horde.status(rid)["job_ids"]), 20, first.log)
+    (job_id,) = horde.status(rid)["job_ids"]
+    until(lambda: bool(journaled(tmp_path)), 5, first.log)
+    (entry,) = journaled(tmp_path)
+    left = entry["lease_end"] - time.time()
+    assert horde.ttl_s - 2 < left <= horde.ttl_s + 0.5  # the pop's ttl, not the 200 s cap
+    kill(first)
+    url = kcpp.url
+    kcpp.kill()  # koboldcpp is down (loading, say)
+
+    second = WorkerProcess(horde, kcpp, tmp_path / "state", kcpp_url=url)
+    try:
+        until(lambda: job_id in terminal_actions(horde), 20, second.log)
+        assert terminal_actions(horde)[job_id] == ["faulted"]
+        assert second.said("waiting for koboldcpp") >= 1  # it still does not answer
+        assert journaled(tmp_path) == []
+    finally:
+        second.stop()
