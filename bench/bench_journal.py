@@ -1,8 +1,9 @@
 """What a job costs the job journal: today's plain writes against the former durable add.
 
-Today's one write a job (an add at the pop's answer, the genkey in it; the
-removal goes out with the next job's add) against the former fsync-ed add and
-remove, side by side, beside the default state directory and in /tmp.
+Today's three writes a job (an add at the pop's answer, the genkey in it; the
+reply kept before it is sent; the removal as soon as the Horde answers)
+against the former fsync-ed add and remove, side by side, beside the default
+state directory and in /tmp.
 Method: bench/README.md.
 """
 
@@ -22,6 +23,12 @@ from harness.report import add_json, bench_result, figure, finish, parser, perce
 from harness.timed_worker import state_disk_dir
 
 WARMUP = 20
+#: A chat reply's submit body as the worker keeps it (about 1 KiB of content).
+REPLY = {
+    "id": "", "message": {"role": "assistant", "content": "The sky is blue. " * 60},
+    "finish_reason": "stop", "model_id": "koboldcpp/bench-model", "state": "ok",
+    "prompt_tokens": 21, "completion_tokens": 240,
+}
 
 
 def entry(job_id: str, genkey: str = "") -> JournalEntry:
@@ -37,12 +44,13 @@ def entry(job_id: str, genkey: str = "") -> JournalEntry:
 
 def today(journal: Journal, job_id: str) -> tuple[float, float]:
     """Seconds of today's path for one job: (the add at the pop's answer, the
-    whole job: that add and the removal, which the next add writes)."""
+    whole job: that add, the reply kept before its submit, the removal)."""
     only = entry(job_id, "HORDEREQ_0123456789ab")
     t0 = time.perf_counter()
     journal.add(only)
     t1 = time.perf_counter()
-    journal.remove(job_id, write=False)
+    journal.keep_reply(job_id, REPLY | {"id": job_id})
+    journal.remove(job_id)
     return t1 - t0, time.perf_counter() - t0
 
 

@@ -83,11 +83,13 @@ class ClockMark:
         if not isinstance(obj, dict):
             return None
         wall, boot_id, boottime = obj.get("wall"), obj.get("boot_id", ""), obj.get("boottime")
-        if not _finite(wall) or not isinstance(boot_id, str):
+        if not isinstance(wall, int | float) or not _finite(wall) or not isinstance(boot_id, str):
             return None
-        if boottime is not None and not _finite(boottime):
+        if boottime is None:
+            return cls(float(wall), boot_id, None)
+        if not isinstance(boottime, int | float) or not _finite(boottime):
             return None
-        return cls(float(wall), boot_id, None if boottime is None else float(boottime))
+        return cls(float(wall), boot_id, float(boottime))
 
 
 def _finite(value: object) -> bool:

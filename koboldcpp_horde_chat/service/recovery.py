@@ -417,6 +417,9 @@ class Recovery:
         self._thread = threading.Thread(target=self._run, name="journal-recovery", daemon=True)
         self._thread.start()
 
+    def _pause(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
     def _run(self) -> None:
         horde = backend = None
         try:
@@ -427,7 +430,7 @@ class Recovery:
                 horde=horde,
                 backend=backend,
                 model_id_default=self._model_id_default,
-                pause=self._stop.wait,
+                pause=self._pause,
                 stopped=self._stop.is_set,
             )
         except Exception:  # never let the recovery hold the worker's start
@@ -444,7 +447,9 @@ class Recovery:
         """True once the recovery ended."""
         return self._done.is_set()
 
-    def wait(self, stop_event: threading.Event | None = None, timeout_s: float | None = None) -> bool:
+    def wait(
+        self, stop_event: threading.Event | None = None, timeout_s: float | None = None
+    ) -> bool:
         """Wait until the recovery ended (or ``stop_event`` is set, or
         ``timeout_s`` passed); True when it ended."""
         end = None if timeout_s is None else time.monotonic() + timeout_s

@@ -19,8 +19,8 @@ from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal,
 from koboldcpp_horde_chat.service import hosting
 from koboldcpp_horde_chat.service import journal as journal_mod
 from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
-from koboldcpp_horde_chat.service.journal_rules import ClockMark
 from koboldcpp_horde_chat.service.journal_paths import APP_DIR_NAME, default_state_dir, journal_path
+from koboldcpp_horde_chat.service.journal_rules import ClockMark
 from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from koboldcpp_horde_chat.settings import WorkerSettings
 
