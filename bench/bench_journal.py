@@ -96,7 +96,7 @@ def run(*, jobs: int, quick: bool) -> dict[str, Any]:
         meds = {k: statistics.median(v) for k, v in times.items()}
         p99s = {k: percentile(v, 99) for k, v in times.items()}
         for key, label in (
-            ("today", "today (add; removal with the next add)"),
+            ("today", "today (add, kept reply, removal)"),
             ("former", "former (fsync add, remove)"),
             ("today_pre", "before generation, today (1 add)"),
             ("former_pre", "before generation, former (fsync add)"),
