@@ -62,7 +62,7 @@ def test_quick_run_of_the_cheap_benchmarks_prints_their_figures() -> None:
         "SIGTERM -> exit, token count",
         "SIGTERM -> exit, streamed generation",
         "SIGTERM -> exit, idle (between pops)",
-        "journal per job, today (add; removal with the next add), tmp",
+        "journal per job, today (add, kept reply, removal), tmp",
         "journal per job, former (fsync add, remove), tmp",
     ):
         assert re.search(re.escape(label) + r".*?" + figure, out), label
