@@ -7,7 +7,7 @@ through ``/api/v1/generate`` from one pop loop, and submits structured replies
 or faults.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 # The pop's bridge agent, "<name>:<version>:<free text>". The Horde reads the name
 # before the first colon and sends text requests that keep its default
 # ``validated_backends: true`` only to workers whose name it lists as a validated

@@ -237,7 +237,7 @@ def test_the_patch_applies_to_the_koboldcpp_tree(koboldcpp_src: Path, tmp_path: 
     added = [
         line for line in patch.read_text(encoding="utf-8").splitlines() if line.startswith("+ ")
     ]
-    assert len(added) == 9
+    assert len(added) == 12
     assert len(source.splitlines()) == len(original) + len(added)
 
 

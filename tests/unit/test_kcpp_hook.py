@@ -31,8 +31,23 @@ from koboldcpp_horde_chat.service import standalone
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.startup_cases import REFUSED_AT_START
 
-PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
+ROOT = Path(__file__).resolve().parents[2]
+PATCH_DIR = ROOT / "patches"
 RELEASES = ("1.116.1", "1.117.1")
+#: The patches earlier versions shipped (tests/data/earlier-patches/README.md):
+#: a koboldcpp patched with any of them serves through today's package.
+EARLIER_PATCH_DIRS = {
+    "0.1.0": ROOT / "tests" / "data" / "earlier-patches" / "0.1.0",
+    "0.1.0-kcpp.hook": ROOT / "tests" / "data" / "earlier-patches" / "0.1.0-kcpp.hook",
+}
+#: Every patch a koboldcpp may carry: (which, release) -> its file.
+EVERY_PATCH = {
+    ("current", release): PATCH_DIR / f"koboldcpp-{release}.patch" for release in RELEASES
+} | {
+    (which, release): folder / f"koboldcpp-{release}.patch"
+    for which, folder in EARLIER_PATCH_DIRS.items()
+    for release in RELEASES
+}
 SEED_FEATURES = [
     "seed",
     "presence_penalty",
@@ -637,7 +652,8 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
     assert context[3] == "    epurl = get_my_epurl()"
     assert all(line.startswith("    ") for line in added)
     code = "\n".join(added)
-    assert "from koboldcpp_horde_chat.kcpp import hook as kcpp_hook" in code
+    # The entry point every patch has imported since 0.1.0, kept in every version.
+    assert "from koboldcpp_horde_chat import kcpp_hook" in code
     # Silent only when the package is not installed; any other failure is said.
     assert 'isinstance(hookerr, ModuleNotFoundError) and hookerr.name == "koboldcpp_horde_chat"' in code
     assert "print(" in code
@@ -645,6 +661,39 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
         "kcpp_hook.run_horde_worker(sys.modules[__name__], args, api_key, worker_name, "
         "worker_id, parallel_batching_threads)" in code
     )
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_each_patch_header_names_koboldcpps_release_tag_and_the_package_version_it_needs(
+    release: str,
+) -> None:
+    header = (PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8").split(
+        "--- a/koboldcpp.py"
+    )[0]
+    assert f"Made against koboldcpp's release v{release} (LostRuins/koboldcpp, tag v{release}" in header
+    assert "Needs koboldcpp-horde-chat 0.1.0 or newer" in header
+    assert "License: AGPL-3.0" in header
+
+
+def test_the_entry_point_every_patch_imported_is_kept_with_its_signature() -> None:
+    import inspect
+
+    from koboldcpp_horde_chat import kcpp_hook as entry
+    from koboldcpp_horde_chat.kcpp import hook
+
+    expected = [
+        "kcpp", "args", "api_key", "worker_name", "worker_id", "parallel_batching_threads"
+    ]
+    for module in (entry, hook):
+        assert list(inspect.signature(module.run_horde_worker).parameters) == expected
+    imported = {
+        re.search(r"^\+\s+(from koboldcpp_horde_chat\S* import .+)$", path.read_text(), re.M)[1]  # type: ignore[index]
+        for path in EVERY_PATCH.values()
+    }
+    assert imported == {
+        "from koboldcpp_horde_chat import kcpp_hook",
+        "from koboldcpp_horde_chat.kcpp import hook as kcpp_hook",
+    }
 
 
 def test_both_releases_carry_the_same_change() -> None:
@@ -656,15 +705,16 @@ def test_both_releases_carry_the_same_change() -> None:
     assert bodies[0] == bodies[1]
 
 
-def patched_function(release: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+def patched_function(
+    release: str, monkeypatch: pytest.MonkeyPatch, which: str = "current"
+) -> Callable[..., Any]:
     """koboldcpp's ``run_horde_worker`` head with the patch applied, up to its first own line.
 
-    ``get_my_epurl`` stands for koboldcpp's own worker: reaching it means the
-    patch fell back to koboldcpp's loop.
+    ``which``: the patch of ``patches/`` ("current") or one shipped earlier
+    (a key of :data:`EARLIER_PATCH_DIRS`). ``get_my_epurl`` stands for
+    koboldcpp's own worker: reaching it means the patch fell back to koboldcpp's loop.
     """
-    body = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))[1][
-        0
-    ][4]
+    body = parse_patch(EVERY_PATCH[(which, release)].read_text(encoding="utf-8"))[1][0][4]
     new_side = [line[1:] for line in body if line[:1] in (" ", "+")]
     end = new_side.index("    epurl = get_my_epurl()")
     source = "\n".join(new_side[: end + 1]) + "\n    return ('koboldcpp loop', epurl)\n"
@@ -676,16 +726,18 @@ def patched_function(release: str, monkeypatch: pytest.MonkeyPatch) -> Callable[
     return module.run_horde_worker  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize(("which", "release"), sorted(EVERY_PATCH))
 def test_patched_koboldcpp_hands_its_worker_to_the_hook(
-    release: str, monkeypatch: pytest.MonkeyPatch
+    which: str, release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Also a koboldcpp patched for an earlier version, after the package's upgrade."""
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: calls.append(a))
-    run = patched_function(release, monkeypatch)
+    run = patched_function(release, monkeypatch, which)
     args = argparse.Namespace(port=5001)
     assert run(args, API_KEY, "my-worker", 2, 3) is None
     assert calls == [(sys.modules["patched_koboldcpp"], args, API_KEY, "my-worker", 2, 3)]
+    assert capsys.readouterr() == ("", "")
 
 
 class _NotInstalled:
@@ -719,8 +771,8 @@ def test_patched_koboldcpp_says_why_when_the_installed_package_does_not_import(
     release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
-    monkeypatch.delattr(koboldcpp_horde_chat.kcpp, "hook")
-    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp.hook", None)  # import fails
+    monkeypatch.delattr(koboldcpp_horde_chat, "kcpp_hook", raising=False)
+    monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp_hook", None)  # import fails
     run = patched_function(release, monkeypatch)
     assert run(argparse.Namespace(), API_KEY, "my-worker", 1, 1) == (
         "koboldcpp loop",
@@ -743,16 +795,22 @@ BROKEN_PACKAGES = {
 }
 
 
-def run_patched_koboldcpp(release: str, tmp_path: Path, package_init: str | None) -> str:
+def run_patched_koboldcpp(
+    release: str,
+    tmp_path: Path,
+    package_init: str | None,
+    which: str = "current",
+    package_files: dict[str, str] | None = None,
+) -> str:
     """Run the patched ``run_horde_worker`` in a fresh interpreter; returns its stdout.
 
     The interpreter is isolated (``-I -S``: no site-packages, no environment,
     no current directory), so ``koboldcpp_horde_chat`` is importable only when
-    ``package_init`` gives it a stand-in ``__init__.py`` in ``tmp_path``.
+    ``package_init`` gives it a stand-in ``__init__.py`` in ``tmp_path``
+    (``package_files``: more of its files, by path inside the package). ``which``
+    is the patch (see :func:`patched_function`).
     """
-    body = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))[1][
-        0
-    ][4]
+    body = parse_patch(EVERY_PATCH[(which, release)].read_text(encoding="utf-8"))[1][0][4]
     new_side = [line[1:] for line in body if line[:1] in (" ", "+")]
     end = new_side.index("    epurl = get_my_epurl()")
     (tmp_path / "koboldcpp.py").write_text(
@@ -767,6 +825,10 @@ def run_patched_koboldcpp(release: str, tmp_path: Path, package_init: str | None
     if package_init is not None:
         (tmp_path / "koboldcpp_horde_chat").mkdir()
         (tmp_path / "koboldcpp_horde_chat" / "__init__.py").write_text(package_init + "\n")
+        for name, text in (package_files or {}).items():
+            path = tmp_path / "koboldcpp_horde_chat" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
     runner = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import koboldcpp; "
         "koboldcpp.run_horde_worker(None, 'key', 'my-worker', 1, 1)"
@@ -810,6 +872,68 @@ def test_a_broken_install_prints_one_line_then_koboldcpp_runs_its_own_worker(
     ) in said
     assert said.endswith("or uninstall it.")
     assert fallback == "koboldcpp own worker: started"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_broken_entry_module_is_a_broken_install_to_reinstall(
+    release: str, tmp_path: Path
+) -> None:
+    lines = run_patched_koboldcpp(
+        release, tmp_path, "", package_files={"kcpp_hook.py": "import requests_not_installed_here"}
+    ).splitlines()
+    assert len(lines) == 2, lines
+    assert "(ModuleNotFoundError: No module named 'requests_not_installed_here')" in lines[0]
+    assert "Fix: reinstall it for this Python (" in lines[0]
+    assert lines[1] == "koboldcpp own worker: started"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_package_without_the_patchs_entry_point_says_to_apply_its_own_patch(
+    release: str, tmp_path: Path
+) -> None:
+    """A version whose entry point is not the one this patch imports: reinstalling
+    changes nothing, so the line says which patch to apply instead."""
+    lines = run_patched_koboldcpp(
+        release, tmp_path, "__version__ = '9.0.0'", package_files={"entry.py": "x = 1"}
+    ).splitlines()
+    assert len(lines) == 2, lines
+    said, fallback = lines
+    assert said.startswith(
+        "koboldcpp-horde-chat is installed but does not import (ImportError: cannot import "
+        "name 'kcpp_hook' from 'koboldcpp_horde_chat'"
+    )
+    assert said.endswith(
+        "Fix: apply the koboldcpp patch that comes with the installed version (patches/ in its "
+        "source tree or sdist): this patch imports koboldcpp_horde_chat.kcpp_hook, which that "
+        "version does not have."
+    )
+    assert "reinstall" not in said
+    assert fallback == "koboldcpp own worker: started"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("which", sorted(EARLIER_PATCH_DIRS))
+def test_a_koboldcpp_patched_for_an_earlier_version_runs_this_worker_after_an_upgrade(
+    which: str, release: str, tmp_path: Path
+) -> None:
+    """The upgrade that silently dropped the worker: a koboldcpp patched for 0.1.0
+    (or for the development tree after it) with today's package installed runs the
+    package's worker, says nothing, and never falls back to koboldcpp's own."""
+    entry = (ROOT / "koboldcpp_horde_chat" / "kcpp_hook.py").read_text(encoding="utf-8")
+    assert "from .kcpp import hook" in entry
+    # The package as installed, its hook replaced by one that says it ran.
+    out = run_patched_koboldcpp(
+        release,
+        tmp_path,
+        "",
+        which,
+        package_files={
+            "kcpp_hook.py": entry.replace("from .kcpp import hook", "from .kcpp import hook  # noqa"),
+            "kcpp/__init__.py": "",
+            "kcpp/hook.py": "def run_horde_worker(kcpp, *a):\n    print('this worker: started', a)",
+        },
+    )
+    assert out == "this worker: started (None, 'key', 'my-worker', 1, 1)\n"
 
 
 # ------------------------------------------ start-up checks, journal and console in koboldcpp

@@ -115,11 +115,30 @@ def test_the_license_is_declared_and_no_url_that_does_not_exist() -> None:
     assert "pypi.org" not in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+def test_the_metadata_names_its_authors_without_inventing_an_address() -> None:
+    meta = setup_cfg()["metadata"]
+    assert meta["author"] == "koboldcpp-horde-chat developers"
+    assert meta["maintainer"] == "koboldcpp-horde-chat developers"
+    assert "author_email" not in meta and "maintainer_email" not in meta
+
+
+def test_the_sdist_ships_the_agpl_text_beside_the_agpl_patches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = (ROOT / "patches" / "AGPL-3.0.txt").read_text(encoding="utf-8")
+    assert text.lstrip().startswith("GNU AFFERO GENERAL PUBLIC LICENSE\n")
+    assert "Version 3, 19 November 2007" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "patches/AGPL-3.0.txt" in manifest_selects(monkeypatch)
+    readme = (ROOT / "patches" / "README.md").read_text(encoding="utf-8")
+    assert "`AGPL-3.0.txt`" in readme
+
+
 def test_the_changelog_dates_each_release() -> None:
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = re.findall(r"^## (.+)$", text, re.MULTILINE)
     # what changed since the last release comes first, under "Unreleased"
-    releases = headings[1:] if headings[:1] == ["Unreleased"] else headings
+    releases = headings[1:] if headings[:1] and headings[0].startswith("Unreleased") else headings
     assert releases
     for heading in releases:
         assert re.fullmatch(r"\d+\.\d+\.\d+ - \d{4}-\d{2}-\d{2}", heading), heading
@@ -134,15 +153,30 @@ def test_each_patch_says_its_license_before_its_diff(patch: Path) -> None:
 
 
 def test_the_changelog_has_the_current_version() -> None:
+    """A release is numbered as its changelog entry; the tree between releases
+    builds as a development version of the next one, which the changelog's
+    "Unreleased" heading names, so a build of it and the release differ."""
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     version = koboldcpp_horde_chat.__version__
-    assert re.search(rf"^## {re.escape(version)}\b", text, re.MULTILINE), version
+    first = re.findall(r"^## (.+)$", text, re.MULTILINE)[0]
+    if first.startswith("Unreleased"):
+        assert re.fullmatch(r"\d+\.\d+\.\d+\.dev\d+", version), version
+        assert first == f"Unreleased ({version})"
+        released = re.findall(r"^## (\d+\.\d+\.\d+) - ", text, re.MULTILINE)
+        assert released and _release_tuple(version) > _release_tuple(released[0])
+    else:
+        assert first.startswith(f"{version} - "), (first, version)
+
+
+def _release_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3])
 
 
 def test_the_extras_split_behaviour_tests_from_pinned_lint() -> None:
     extras = setup_cfg()["options.extras_require"]
     test = {re.split(r"[<>=]", r.strip())[0] for r in extras["test"].splitlines() if r.strip()}
     assert test == {"pytest", "pytest-xdist", "responses", "hypothesis", "jsonschema"}
+    assert extras["test-gguf"].split() == ["gguf>=0.10"]
     assert test_static.lint_pins() == {
         "ruff": "0.17.6",
         "mypy": "2.4.1",
