@@ -177,7 +177,11 @@ class Worker:
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
-        log.info("worker %d: stopped (%s)", self.worker_id, self.state.summary(self.wall()))
+        log.info(
+            "worker %d: stopped (%s)",
+            self.worker_id,
+            self.state.summary(self.wall(), time_word="uptime"),
+        )
         return self.state.exit_code
 
     def _pass(self) -> None:

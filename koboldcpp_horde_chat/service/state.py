@@ -67,13 +67,16 @@ class WorkerStats:
     faults: int = 0
     dropped: int = 0
 
-    def summary(self, now: float) -> str:
-        """``"total kudos=12 jobs=1 faults=0 rate=n/a"``; the rate shows after ten minutes."""
-        elapsed = now - self.started_at
-        # A rate over the first minutes says nothing: show it after ten.
-        rate = f"{self.kudos / (elapsed / 3600.0):.1f} kudos/h" if elapsed >= 600 else "n/a"
-        return (
-            f"total kudos={self.kudos:.0f} jobs={self.jobs} faults={self.faults} rate={rate}"
+    def summary(self, now: float, *, time_word: str = "time") -> str:
+        """The totals and rates after a job (``status.earnings_line``), at epoch ``now``:
+        ``"total 12 kudos, time 0:00:40, 1 job, 1080.00 kudos/h, 90.00 jobs/h,
+        12.00 kudos/job, 0 faults"``."""
+        return status.earnings_line(
+            kudos=self.kudos,
+            jobs=self.jobs,
+            faults=self.faults,
+            elapsed_s=now - self.started_at,
+            time_word=time_word,
         )
 
 
@@ -320,10 +323,10 @@ class WorkerState:
             self.stats.kudos += kudos
             self.stats.jobs += 1
 
-    def summary(self, now: float) -> str:
+    def summary(self, now: float, *, time_word: str = "time") -> str:
         """The statistics line (see :meth:`WorkerStats.summary`)."""
         with self.lock:
-            return self.stats.summary(now)
+            return self.stats.summary(now, time_word=time_word)
 
     def periodic_summary(self, now: float, wall: float) -> str | None:
         """The totals line once every ``status.SUMMARY_EVERY_S`` (monotonic ``now``),

@@ -10,7 +10,10 @@ doing without reading the code:
 - :func:`moderator_lines`: the Horde's messages to the worker's owner (the
   pop answer's top-level ``messages``), each said once;
 - :func:`describe_skipped`: what an empty pop's ``skipped`` counts show;
-- :func:`summary_line`: the periodic totals line (jobs, kudos, uptime).
+- :func:`summary_line`: the periodic totals line (jobs, kudos, uptime);
+- :func:`earnings_line`: the totals after every job and at the stop, with
+  the rates koboldcpp's own worker prints (kudos per hour, jobs per hour,
+  kudos per job).
 """
 
 from __future__ import annotations
@@ -224,6 +227,41 @@ def summary_line(
         f"{jobs} jobs, {kudos:.0f} kudos{rate}, {faults} faults, {dropped} dropped, "
         f"uptime {uptime}"
     )
+
+
+def earnings_line(
+    *, kudos: float, jobs: int, faults: int, elapsed_s: float, time_word: str = "time"
+) -> str:
+    """``"total 5570 kudos, time 0:15:00, 85 jobs, 22280.00 kudos/h, 340.00 jobs/h,
+    65.53 kudos/job, 0 faults"``: the totals as koboldcpp's own worker prints them
+    after every submit (``[Total:5570 kudos, Time:000h:15m:00s, Jobs:85,
+    EarnRate:22280.00 kudos/hr, JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job]``,
+    koboldcpp 1.116.1 ``koboldcpp.py`` L10066-10078), in this worker's words.
+
+    Args:
+        kudos: kudos earned by accepted submits; jobs: accepted submits;
+        faults: faults sent; elapsed_s: seconds since the worker started (the
+        rates are over it, from the first job on, as koboldcpp's are);
+        time_word: what the elapsed time is called (``"uptime"`` at the stop).
+
+    No ``kudos/job`` while no job was submitted. Never raises.
+    """
+    elapsed = max(1.0, elapsed_s)
+    hours = elapsed / 3600.0
+    rates = [f"{kudos / hours:.2f} kudos/h", f"{jobs / hours:.2f} jobs/h"]
+    if jobs > 0:
+        rates.append(f"{kudos / jobs:.2f} kudos/job")
+    return (
+        f"total {kudos:.0f} kudos, {time_word} {_clock(elapsed_s)}, "
+        f"{jobs} job{'' if jobs == 1 else 's'}, {', '.join(rates)}, "
+        f"{faults} fault{'' if faults == 1 else 's'}"
+    )
+
+
+def _clock(seconds_f: float) -> str:
+    """``"1:02:03"`` for 3723 seconds (hours grow past 24)."""
+    seconds = int(max(0.0, seconds_f))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _one_line(text: str, limit: int) -> str:

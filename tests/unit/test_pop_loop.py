@@ -433,3 +433,49 @@ def test_a_koboldcpp_that_answers_again_with_another_context_is_not_popped_for()
     worker.gate.backend_suspect = True
     worker.run_once()
     assert horde.pop_calls == 0
+
+
+def test_every_job_says_the_totals_and_rates_from_the_first_job_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As koboldcpp's own worker prints after every submit: total kudos, time,
+    jobs, kudos per hour, jobs per hour and kudos per job (the fake Horde pays
+    12.5 kudos a job); the stop line gives the uptime."""
+    caplog.set_level(logging.INFO)
+    worker, horde, clock, stop = build([chat_pop(f"j{i}") for i in range(1, 6)])
+    for _ in range(5):
+        clock.advance(60.0)
+        worker.run_once()
+    lines = [m.split(" | ", 1)[1] for m in messages_logged(caplog) if " submitted: " in m]
+    assert lines == [
+        "total 12 kudos, time 0:01:00, 1 job, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
+        "0 faults",
+        "total 25 kudos, time 0:02:00, 2 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
+        "0 faults",
+        "total 38 kudos, time 0:03:00, 3 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
+        "0 faults",
+        "total 50 kudos, time 0:04:00, 4 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
+        "0 faults",
+        "total 62 kudos, time 0:05:00, 5 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
+        "0 faults",
+    ]
+
+
+class _StopAfterOnePop(Manners):
+    horde: FakeHorde
+
+    def should_stop(self) -> bool:
+        return self.horde.pop_calls >= 1
+
+
+def test_the_stop_line_gives_the_uptime_and_the_totals(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    manners = _StopAfterOnePop()
+    worker, horde, clock, _ = build([chat_pop("j1")], manners=manners)
+    manners.horde = horde
+    clock.advance(90.0)
+    assert worker.run() == 0
+    assert messages_logged(caplog)[-1] == (
+        "worker 1: stopped (total 12 kudos, uptime 0:01:30, 1 job, 500.00 kudos/h, "
+        "40.00 jobs/h, 12.50 kudos/job, 0 faults)"
+    )

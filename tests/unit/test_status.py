@@ -11,6 +11,7 @@ from koboldcpp_horde_chat.service.status import (
     SkippedReporter,
     describe_pop_refusal,
     describe_skipped,
+    earnings_line,
     moderator_lines,
     summary_line,
 )
@@ -164,3 +165,25 @@ def test_each_refusal_has_its_action(status: int, rc: str, action: str) -> None:
 def test_wrong_credentials_names_the_worker_name_not_the_key() -> None:
     advice = describe_pop_refusal(403, "WrongCredentials", "Wrong credentials to submit as this worker.")
     assert "choose another --hordeworkername" in advice.line
+
+
+def test_the_earnings_line_gives_what_koboldcpps_own_worker_prints() -> None:
+    """koboldcpp: [Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00
+    kudos/hr, JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job]."""
+    assert earnings_line(kudos=5570, jobs=85, faults=2, elapsed_s=900) == (
+        "total 5570 kudos, time 0:15:00, 85 jobs, 22280.00 kudos/h, 340.00 jobs/h, "
+        "65.53 kudos/job, 2 faults"
+    )
+
+
+def test_the_earnings_line_has_rates_from_the_first_job_and_none_to_divide_by_zero() -> None:
+    assert earnings_line(kudos=6, jobs=1, faults=1, elapsed_s=36, time_word="uptime") == (
+        "total 6 kudos, uptime 0:00:36, 1 job, 600.00 kudos/h, 100.00 jobs/h, 6.00 kudos/job, "
+        "1 fault"
+    )
+    assert earnings_line(kudos=0, jobs=0, faults=0, elapsed_s=0) == (
+        "total 0 kudos, time 0:00:00, 0 jobs, 0.00 kudos/h, 0.00 jobs/h, 0 faults"
+    )
+    assert earnings_line(kudos=10, jobs=1, faults=0, elapsed_s=90061).startswith(
+        "total 10 kudos, time 25:01:01, 1 job,"
+    )
