@@ -501,7 +501,17 @@ class FakeBackend:
     ) -> Any:
         self._count("generate", timeout_s)
         return self._next(
-            self.generates, {"results": [{"text": "Once upon a time.", "finish_reason": "stop"}]}
+            self.generates,
+            {
+                "results": [
+                    {
+                        "text": "Once upon a time.",
+                        "finish_reason": "stop",
+                        "prompt_tokens": 6,
+                        "completion_tokens": 5,
+                    }
+                ]
+            },
         )
 
     def abort(self, genkey: str, *, timeout_s: float = 10.0) -> Any:

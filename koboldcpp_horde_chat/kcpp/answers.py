@@ -120,6 +120,18 @@ def text_generation(body: object) -> str:
     return text
 
 
+def text_completion_tokens(body: object) -> int | None:
+    """The tokens koboldcpp generated for a ``/api/v1/generate`` answer
+    (``results[0].completion_tokens``, koboldcpp 1.116.1 L5340-5341), or None
+    when it does not say (an older koboldcpp). Never raises."""
+    if not isinstance(body, dict):
+        return None
+    results = body.get("results")
+    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+        return None
+    return _optional_count(results[0], "completion_tokens")
+
+
 #: koboldcpp's C++ stop reason for a generation that ran out of tokens: its budget,
 #: or an abort (``/api/extra/perf`` ``stop_reason``; koboldcpp 1.116.1 ``expose.h`` L24,
 #: ``gpttype_adapter.cpp`` L5217).

@@ -84,13 +84,13 @@ class ChatRun:
         """
         job = self.job
         log.info(
-            "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s keys=%s",
+            "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s",
             job.id,
             job.max_length,
             job.max_context_length,
             job.stream_progress,
-            payload_keys(job.payload),
         )
+        log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
         self.ctx.move(Move.PREPARE)
         messages = self._messages()
         if fit.count_images(messages):

@@ -17,7 +17,7 @@ import logging
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..horde.submits import text_submit
-from ..kcpp.answers import text_generation
+from ..kcpp.answers import text_completion_tokens, text_generation
 from ..kcpp.bodies import text_request_body
 from .job import Edges, JobContext, Outcome
 
@@ -49,7 +49,10 @@ def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Outcome:
         generation = text_generation(body)
     except (BackendError, ReplyError) as exc:
         raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
-    return Outcome(text_submit(job.id, generation), f"{len(generation)} chars", _refusal_fault)
+    # The reply's length in tokens as koboldcpp counted them, as a chat job's.
+    tokens = text_completion_tokens(body)
+    detail = f"tokens={'?' if tokens is None else tokens}"
+    return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
 
 
 def _refusal_fault(exc: HordeRefusal) -> JobFault:

@@ -9,7 +9,8 @@ doing without reading the code:
   pops again, each change said once; short flickers are not said;
 - :func:`moderator_lines`: the Horde's messages to the worker's owner (the
   pop answer's top-level ``messages``), each said once;
-- :func:`describe_skipped`: what an empty pop's ``skipped`` counts show;
+- :func:`describe_skipped`: what an empty pop's ``skipped`` counts show
+  (:class:`SkippedReporter`: each reason said once until it changes);
 - :func:`summary_line`: the periodic totals line (jobs, kudos, uptime);
 - :func:`earnings_line`: the totals after every job and at the stop, with
   the rates koboldcpp's own worker prints (kudos per hour, jobs per hour,
@@ -69,7 +70,7 @@ PAUSE_REPORT_AFTER_S = 2.0
 IMMEDIATE_PAUSES = frozenset(
     {"backend_down", "maintenance", "chat_withdrawn", "refused", "horde_down", "submit_retry"}
 )
-#: Seconds between two lines about empty pops' ``skipped`` counts.
+#: Seconds at least between two lines about empty pops' ``skipped`` counts.
 SKIPPED_EVERY_S = 60.0
 #: Seconds between two summary lines.
 SUMMARY_EVERY_S = 600.0
@@ -196,20 +197,38 @@ def describe_skipped(skipped: object) -> str | None:
 
 
 class SkippedReporter:
-    """Says what empty pops' ``skipped`` counts show, at most once every
-    :data:`SKIPPED_EVERY_S` seconds."""
+    """Says what empty pops' ``skipped`` counts show, once until it changes.
+
+    A line is said when the reasons (the ``skipped`` keys with a count) differ
+    from those said last: the same request waiting pop after pop under the
+    same reason is said once, whatever its counts do meanwhile. A pop that
+    skipped nothing forgets what was said, so a reason that comes back is said
+    again. Two lines are at least :data:`SKIPPED_EVERY_S` seconds apart (a
+    change within that time is said once it has passed, if it still holds).
+    """
 
     def __init__(self) -> None:
         self._said_at: float | None = None
+        self._said: frozenset[str] | None = None
 
     def line(self, skipped: object, now: float) -> str | None:
         """The line to log for an empty pop's ``skipped`` at monotonic ``now``, or None."""
         line = describe_skipped(skipped)
         if line is None:
+            self._said = None
+            return None
+        assert isinstance(skipped, dict)  # describe_skipped said something
+        reasons = frozenset(
+            str(name)[:40]
+            for name, value in skipped.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        )
+        if reasons == self._said:
             return None
         if self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S:
             return None
         self._said_at = now
+        self._said = reasons
         return line
 
 

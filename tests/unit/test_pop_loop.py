@@ -325,7 +325,7 @@ def test_too_many_workers_is_named_by_its_rc_and_retried_a_minute_later(
     assert "worker 1: the Horde takes pops again: popping" in lines
 
 
-def test_empty_pops_say_what_was_skipped_at_most_once_a_minute(
+def test_empty_pops_say_what_was_skipped_once_while_it_stays_the_same(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
@@ -334,8 +334,7 @@ def test_empty_pops_say_what_was_skipped_at_most_once_a_minute(
     for _ in range(40):
         worker.run_once()  # 1 s, then 2 s, then 3 s between empty pops: 85 s in all
     said = [m for m in messages_logged(caplog) if "skipped" in m]
-    assert said[0] == "worker 1: no job for this worker: 2 requests skipped: untrusted=2"
-    assert len(said) == 2
+    assert said == ["worker 1: no job for this worker: 2 requests skipped: untrusted=2"]
 
 
 def test_a_totals_line_comes_every_ten_minutes(caplog: pytest.LogCaptureFixture) -> None:
@@ -479,3 +478,23 @@ def test_the_stop_line_gives_the_uptime_and_the_totals(caplog: pytest.LogCapture
         "worker 1: stopped (total 12 kudos, uptime 0:01:30, 1 job, 500.00 kudos/h, "
         "40.00 jobs/h, 12.50 kudos/job, 0 faults)"
     )
+
+
+def test_chat_and_text_jobs_both_report_their_length_in_koboldcpps_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    worker, _, _, _ = build([chat_pop("c1"), text_pop("t1")])
+    worker.run_once()
+    worker.run_once()
+    records = [r for r in caplog.records if r.name.startswith("koboldcpp_horde_chat")]
+    submitted = [r.getMessage() for r in records if " submitted: " in r.getMessage()]
+    assert submitted[0].startswith("job=c1 kind=chat submitted: finish=stop tokens=3 calls=0, ")
+    assert submitted[1].startswith("job=t1 kind=text submitted: tokens=5, ")
+    assert not [m for m in submitted if "chars" in m]
+    # The payload's keys are for debugging: at DEBUG, not on the job's INFO line.
+    received = [r for r in records if "kind=chat received:" in r.getMessage()]
+    assert [r.levelno for r in received] == [logging.INFO]
+    assert "keys" not in received[0].getMessage()
+    keys = [r for r in records if r.getMessage().startswith("job=c1 payload keys: ")]
+    assert [r.levelno for r in keys] == [logging.DEBUG]

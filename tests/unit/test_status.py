@@ -118,6 +118,26 @@ def test_skipped_lines_come_at_most_once_a_minute() -> None:
     )
 
 
+def test_a_skip_reason_that_repeats_is_said_once_until_it_changes() -> None:
+    """The same request waiting under max_length for an hour: one line, not one a minute."""
+    reporter = SkippedReporter()
+    said = [reporter.line({"max_length": 1}, 2.0 * i) for i in range(1800)]
+    assert [s for s in said if s] == ["1 request skipped: max_length=1"]
+    # more requests under the same reason are no change
+    assert reporter.line({"max_length": 3}, 3700.0) is None
+    # another reason is: said (at most once a minute)
+    assert reporter.line({"max_length": 1, "models": 2}, 3702.0) == (
+        "3 requests skipped: max_length=1, models=2"
+    )
+    assert reporter.line({"max_length": 1}, 3704.0) is None  # within the minute
+    assert reporter.line({"max_length": 1}, 3702.0 + SKIPPED_EVERY_S) == (
+        "1 request skipped: max_length=1"
+    )
+    # nothing skipped, then the same reason again: said again
+    assert reporter.line({}, 3800.0) is None
+    assert reporter.line({"max_length": 1}, 3900.0) == "1 request skipped: max_length=1"
+
+
 def test_the_summary_line_gives_jobs_kudos_faults_and_uptime() -> None:
     assert summary_line(jobs=3, kudos=40.4, faults=1, dropped=0, uptime_s=125) == (
         "3 jobs, 40 kudos, 1 faults, 0 dropped, uptime 0:02:05"
