@@ -104,18 +104,31 @@ def check_journal_dir(directory: Path, source: str) -> None:
 
 
 def serving_line(settings: WorkerSettings) -> str:
-    """The start line both hosts log: what is served, for which model, from
-    which Horde, via which koboldcpp.
+    """The start line both hosts log: what the Horde will send, for which model,
+    from which Horde, via which koboldcpp.
 
-    E.g. ``"serving chat and text jobs for koboldcpp/Qwen3-8B from
-    https://aihorde.net via http://127.0.0.1:5001"`` (``"chat jobs"`` with
-    ``prompt_jobs`` off; ``", 2 at once"`` added for two slots).
+    The worker declares chat on every pop, but only a Horde with the chat
+    routes sends chat jobs (the public one hands out text jobs today), so the
+    line promises text jobs and names chat jobs as what comes once the Horde
+    has those routes; the loop says so again when the first chat job comes
+    (``loop.first_chat_job_line``). E.g. ``"serving text jobs for
+    koboldcpp/Qwen3-8B from https://aihorde.net via http://127.0.0.1:5001, and
+    chat jobs once that Horde sends them (chat is declared on every pop; a
+    Horde without the chat routes sends text jobs only)"``; a chat-only worker
+    (``prompt_jobs`` off): ``"serving chat jobs only ... (a Horde without the
+    chat routes sends this worker nothing)"``; ``", 2 at once"`` added after
+    the koboldcpp URL for two slots.
     """
-    kinds = "chat and text jobs" if settings.prompt_jobs else "chat jobs"
     slots = f", {settings.threads} at once" if settings.threads > 1 else ""
+    where = f"for {settings.model_id} from {settings.horde_url} via {settings.kcpp_url}{slots}"
+    if not settings.prompt_jobs:
+        return (
+            f"serving chat jobs only {where} (a Horde without the chat routes sends this "
+            "worker nothing)"
+        )
     return (
-        f"serving {kinds} for {settings.model_id} from {settings.horde_url} "
-        f"via {settings.kcpp_url}{slots}"
+        f"serving text jobs {where}, and chat jobs once that Horde sends them (chat is "
+        "declared on every pop; a Horde without the chat routes sends text jobs only)"
     )
 
 

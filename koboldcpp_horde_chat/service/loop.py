@@ -54,6 +54,21 @@ DRAIN_POP_EXTRA_S = 1.0
 #: koboldcpp is read again (it may have restarted meanwhile).
 RECHECK_AFTER_WAIT_S = 1.0
 
+def first_chat_job_line(state: WorkerState, job: object) -> str | None:
+    """The line for the worker's first chat job (of all its loops), else None: the
+    start line promised text jobs and chat jobs only once the Horde sends them
+    (``hosting.serving_line``); this is when it does."""
+    if not isinstance(job, ChatJob):
+        return None
+    with state.lock:
+        if state.chat_job_seen:
+            return None
+        state.chat_job_seen = True
+    return "the Horde sends chat jobs: serving chat jobs" + (
+        " and text jobs" if state.settings.prompt_jobs else ""
+    )
+
+
 class Worker:
     """One pop loop for chat and text jobs.
 
@@ -365,6 +380,9 @@ class Worker:
             return False
         self._empty_backoff.reset()
         ctx.started = self.clock()
+        first = first_chat_job_line(self.state, job)
+        if first is not None:
+            log.info("worker %d: %s", self.worker_id, first)
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
             self._check_backend_unchanged(ctx)

@@ -121,6 +121,8 @@ class WorkerState:
         #: The recovery of the jobs an earlier run left in hand (None: none).
         self.recovery: Recovery | None = None
         self._faults_restored = False
+        #: A chat job was popped (``loop.first_chat_job_line`` says the first).
+        self.chat_job_seen = False
 
     def carry_over(self, earlier: WorkerState) -> None:
         """Go on from ``earlier``, this worker's state before it declared anew
@@ -141,6 +143,7 @@ class WorkerState:
             self.stats = earlier.stats
             self._next_summary = earlier._next_summary
             self._faults_restored = earlier._faults_restored
+            self.chat_job_seen = earlier.chat_job_seen
 
     def wait_recovered(self) -> bool:
         """Before a loop's first pop: wait for the recovery of the jobs an earlier

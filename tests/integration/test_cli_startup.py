@@ -389,8 +389,9 @@ def test_an_unusable_default_journal_directory_turns_crash_recovery_off_in_one_l
     serving = [line for line in stderr.splitlines() if ": serving " in line]
     assert len(serving) == 1, stderr
     assert serving[0].endswith(
-        f"INFO koboldcpp_horde_chat: serving chat and text jobs for {kcpp.model_name} "
-        f"from {horde.url} via {kcpp.url}"
+        f"INFO koboldcpp_horde_chat: serving text jobs for {kcpp.model_name} "
+        f"from {horde.url} via {kcpp.url}, and chat jobs once that Horde sends them (chat "
+        "is declared on every pop; a Horde without the chat routes sends text jobs only)"
     ), serving
     assert "status=0" not in stderr and "Traceback" not in stderr
 

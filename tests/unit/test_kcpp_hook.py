@@ -1022,8 +1022,10 @@ def test_the_start_line_names_the_horde_and_koboldcpp_as_the_standalone_one_does
     kcpp = make_kcpp(args_={"port": 5005})
     kcpp_hook.run_horde_worker(kcpp, kcpp.args, API_KEY, "my-worker", 2, 2)
     assert (
-        "worker 2: serving chat and text jobs for koboldcpp/Qwen3-8B-Q4_K_M from "
-        "http://127.0.0.1:7001 via http://localhost:5005, 2 at once"
+        "worker 2: serving text jobs for koboldcpp/Qwen3-8B-Q4_K_M from "
+        "http://127.0.0.1:7001 via http://localhost:5005, 2 at once, and chat jobs once that "
+        "Horde sends them (chat is declared on every pop; a Horde without the chat routes "
+        "sends text jobs only)"
     ) in [r.getMessage() for r in caplog.records]
 
 

@@ -498,3 +498,16 @@ def test_chat_and_text_jobs_both_report_their_length_in_koboldcpps_tokens(
     assert "keys" not in received[0].getMessage()
     keys = [r for r in records if r.getMessage().startswith("job=c1 payload keys: ")]
     assert [r.levelno for r in keys] == [logging.DEBUG]
+
+
+def test_the_first_chat_job_is_said_once_as_the_start_line_promised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    worker, _, _, _ = build([text_pop("t1"), chat_pop("c1"), chat_pop("c2")])
+    for _ in range(3):
+        worker.run_once()
+    said = [m for m in messages_logged(caplog) if "the Horde sends chat jobs" in m]
+    assert said == ["worker 1: the Horde sends chat jobs: serving chat jobs and text jobs"]
+    lines = messages_logged(caplog)
+    assert lines.index(said[0]) < next(i for i, m in enumerate(lines) if m.startswith("job=c1"))
