@@ -152,6 +152,16 @@ def _hope_image_seen(status: dict[str, Any]) -> str | None:
     return "the scripted koboldcpp did not report the image it was sent"
 
 
+#: Said before a case whose reply a real model may get wrong in a way the Horde
+#: refuses (a call to a function the request did not offer, say): the two WARNING
+#: lines that follow then are the worker doing right.
+MODEL_REFUSAL_WARNINGS = (
+    "Two WARNING lines may follow, and are expected if they do: when the model's reply "
+    "breaks the request's rules, the Horde refuses it (reply refused) and the worker "
+    "faults the job with reply_refused, as it must."
+)
+
+
 def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
     """The requests the demo sends; ``context`` is the worker's chat context in tokens.
 
@@ -220,12 +230,14 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
                 "max_tokens": 128,
             },
             _hope_tool_call,
+            before="" if scripted else MODEL_REFUSAL_WARNINGS,
         ),
         DemoCase(
             "tool-history follow-up",
             "chat",
             {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
             _hope_reply,
+            before="" if scripted else MODEL_REFUSAL_WARNINGS,
         ),
         DemoCase(
             "json_object",

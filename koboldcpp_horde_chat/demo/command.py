@@ -96,11 +96,18 @@ class FaultCauses(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.causes: dict[str, str] = {}
+        self.warnings = 0
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.warnings += 1
         match = FAULT_LINE.match(record.getMessage())
         if match:
             self.causes[match.group(1)] = match.group(2)
+
+    def take_warnings(self) -> int:
+        """The WARNING (and worse) lines the worker logged since the last call."""
+        count, self.warnings = self.warnings, 0
+        return count
 
 
 def _describe(case: DemoCase, status: dict[str, Any]) -> str:
@@ -144,6 +151,20 @@ def _result_lines(
     label = "not as expected" if scripted else "model"
     lines += [f"       {label}: {n}" for n in verdict.model_notes]
     return lines
+
+
+def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool) -> str:
+    """What the case's WARNING lines above were, when it passed with some: the
+    expected fault, or what the model did (its notes); "" otherwise (a failed
+    case's lines say what went wrong)."""
+    if not count or not verdict.passed(scripted=scripted):
+        return ""
+    lines = f"{count} WARNING line{'s' if count > 1 else ''} above"
+    if case.expect_fault is not None:
+        return f"       the {lines}: the expected {case.expect_fault} fault"
+    if verdict.model_notes:
+        return f"       the {lines}: expected, from what the model did (model: above)"
+    return f"       the {lines}: said by the worker while it did right"
 
 
 def _wait(horde: Any, request_id: str, deadline: float, worker: threading.Thread) -> bool:
@@ -255,6 +276,7 @@ def main(argv: Sequence[str] = ()) -> int:
             if case.skip:
                 _say(f"[skip] {case.name:<24} {case.skip}")
                 continue
+            fault_causes.take_warnings()  # what came before this case is not its
             if case.before:
                 _say(f"       {case.before}")
             if case.kind == "chat":
@@ -274,6 +296,9 @@ def main(argv: Sequence[str] = ()) -> int:
             )
             for line in _result_lines(case, status, verdict, scripted=scripted):
                 _say(line)
+            explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
+            if explained:
+                _say(explained)
             notes += len(verdict.model_notes)
             if not verdict.passed(scripted=scripted):
                 failed.append(case.name)

@@ -74,6 +74,8 @@ def test_the_expected_prompt_overflow_warning_is_announced_before_it(capsys: pyt
         "and the worker must fault it with prompt_overflow."
     )
     assert lines[at + 1].startswith("[ok  ] does not fit ")
+    # and pointed at after the case
+    assert lines[at + 2] == "       the 1 WARNING line above: the expected prompt_overflow fault"
 
 
 def test_a_model_that_does_not_call_a_tool_is_not_a_worker_failure(
@@ -120,6 +122,13 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
     assert lines[at + 1] == (
         "       model: the Horde refused the model's reply (message.tool_calls[0] calls 'GetWeather', "
         "not a function of the request); the worker faulted it with reply_refused, as it must (3 times)"
+    )
+    # The WARNING lines (a refusal and a reply_refused fault for each job) are announced
+    # before the case and pointed at after it.
+    assert lines[at - 1] == "       " + cases.MODEL_REFUSAL_WARNINGS
+    assert cases.MODEL_REFUSAL_WARNINGS.startswith("Two WARNING lines may follow, and are expected")
+    assert lines[at + 2] == (
+        "       the 6 WARNING lines above: expected, from what the model did (model: above)"
     )
     assert "Demo passed" in out
 
