@@ -15,7 +15,9 @@ Horde and the key are known).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +38,10 @@ from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.hosting")
 
+#: The standalone worker's name when ``--hordeworkername`` is not given (a
+#: service's or a container's environment, beside ``AI_HORDE_API_KEY``).
+WORKER_NAME_ENV = "HORDE_WORKER_NAME"
+
 
 def check_worker_name(name: str, source: str) -> str:
     """``name`` stripped, as the Horde stores it.
@@ -49,6 +55,22 @@ def check_worker_name(name: str, source: str) -> str:
     if problem:
         raise ConfigError(f"{source}: {problem}")
     return name.strip()
+
+
+def worker_name_from(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The worker name: ``--hordeworkername`` when given, else the
+    ``HORDE_WORKER_NAME`` environment variable, stripped.
+
+    Raises ConfigError naming where the name came from when the Horde would
+    refuse it, or ``"--hordeworkername is required (or set HORDE_WORKER_NAME)"``
+    when neither gives one.
+    """
+    if flag is not None:
+        return check_worker_name(flag, "--hordeworkername")
+    value = (os.environ if environ is None else environ).get(WORKER_NAME_ENV)
+    if value is None:
+        raise ConfigError(f"--hordeworkername is required (or set {WORKER_NAME_ENV})")
+    return check_worker_name(value, WORKER_NAME_ENV)
 
 
 def check_url(value: str, source: str, *, horde: bool = False) -> str:

@@ -34,15 +34,16 @@ from ..settings import (
     WorkerSettings,
 )
 from .hosting import (
+    WORKER_NAME_ENV,
     check_journal_dir,
     check_limits,
     check_url,
-    check_worker_name,
     open_journal,
     open_state,
     run_worker,
     serving_line,
     start_recovery,
+    worker_name_from,
 )
 from .journal import Journal
 from .journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
@@ -114,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hordeworkername",
-        default="",
-        help="your AI Horde worker name (1 to 100 characters, as the Horde takes)",
+        default=None,
+        help="your AI Horde worker name, 1 to 100 characters, as the Horde takes "
+        f"(or the {WORKER_NAME_ENV} environment variable)",
     )
     p.add_argument(
         "--kcpp-url",
@@ -286,7 +288,7 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if not args.hordekey:
         raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
-    args.hordeworkername = check_worker_name(args.hordeworkername, "--hordeworkername")
+    args.hordeworkername = worker_name_from(args.hordeworkername)
     check_limits(args.hordegenlen, args.hordemaxctx)
     if args.kcpp_max_request_mb < 1:
         raise ConfigError("--kcpp-max-request-mb must be at least 1")

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.service.standalone import DEFAULT_STOP_GRACE_S, build_parser
+from koboldcpp_horde_chat.service.standalone import (
+    DEFAULT_STOP_GRACE_S,
+    build_parser,
+    check_flags,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "contrib" / "koboldcpp-horde-chat.service"
@@ -81,13 +85,46 @@ def test_the_api_key_comes_from_an_environment_file_never_the_command_line(
     assert "AI_HORDE_API_KEY=" in UNIT.read_text(encoding="utf-8")
 
 
-def test_the_command_line_is_one_the_worker_takes(unit: dict[str, dict[str, list[str]]]) -> None:
+#: Where the README installs the command for the unit: a virtual environment the
+#: service can read (not under /home or /root, hidden by ProtectHome=yes).
+VENV = "/opt/koboldcpp-horde-chat"
+COMMAND = f"{VENV}/bin/koboldcpp-horde-chat"
+
+
+def test_the_command_line_is_one_the_worker_takes(
+    unit: dict[str, dict[str, list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     argv = exec_start(unit)
-    assert argv[0] == "/usr/bin/koboldcpp-horde-chat"
-    values = {"%S/koboldcpp-horde-chat": "/var/lib/koboldcpp-horde-chat", "${HORDE_WORKER_NAME}": "My Worker"}
+    assert argv[0] == COMMAND
+    # The name comes from the environment file (HORDE_WORKER_NAME), not a templated flag.
+    assert "--hordeworkername" not in argv and not [a for a in argv if "$" in a]
+    monkeypatch.setenv("HORDE_WORKER_NAME", "My Worker")
+    monkeypatch.setenv("AI_HORDE_API_KEY", "k" * 22)
+    values = {"%S/koboldcpp-horde-chat": "/var/lib/koboldcpp-horde-chat"}
     args = build_parser().parse_args([values.get(a, a) for a in argv[1:]])
+    check_flags(args)
     assert args.hordeworkername == "My Worker" and args.journal_dir == "/var/lib/koboldcpp-horde-chat"
     assert args.stop_grace == DEFAULT_STOP_GRACE_S
+
+
+def test_the_readme_installs_the_command_where_the_unit_runs_it(
+    unit: dict[str, dict[str, list[str]]],
+) -> None:
+    """The README's service install makes the venv the unit's ExecStart names, with the
+    system's Python (a venv's python links to the Python that made it), and shows the
+    drop-in for a command installed elsewhere."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### As a systemd service") :]
+    section = section[: section.index("\n## ")]
+    assert f"sudo /usr/bin/python3 -m venv {VENV}\n" in section
+    assert f"sudo {VENV}/bin/pip install /path/to/koboldcpp-horde-chat\n" in section
+    assert exec_start(unit)[0] == f"{VENV}/bin/koboldcpp-horde-chat"
+    assert "ProtectHome=yes" in section
+    dropin = re.search(r"```ini\n(\[Service\]\nExecStart=\nExecStart=(.+)\n)```", section)
+    assert dropin, section
+    other = shlex.split(dropin.group(2))
+    assert other[0] == "/usr/bin/koboldcpp-horde-chat" and other[1:] == exec_start(unit)[1:]
+    assert "HORDE_WORKER_NAME=My Worker" in section
 
 
 def test_systemd_waits_longer_than_the_stop_grace_before_it_kills(
@@ -122,9 +159,24 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
     program.chmod(0o755)
     text = UNIT.read_text(encoding="utf-8")
     copy = tmp_path / UNIT.name
-    copy.write_text(text.replace("ExecStart=/usr/bin/koboldcpp-horde-chat ", f"ExecStart={program} "))
+    copy.write_text(text.replace(f"ExecStart={COMMAND} ", f"ExecStart={program} "))
     assert copy.read_text() != text
     result = subprocess.run(
         [tool, "verify", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
+
+
+def test_the_unit_as_the_readme_installs_it_verifies_where_it_is_installed() -> None:
+    """On a machine where the README's service install was done (the venv in
+    /opt/koboldcpp-horde-chat, the unit in /etc/systemd/system), the installed unit
+    is this one and ``systemd-analyze verify`` accepts it as it is."""
+    tool = shutil.which("systemd-analyze")
+    installed = Path("/etc/systemd/system") / UNIT.name
+    if tool is None or not installed.exists() or not Path(COMMAND).exists():
+        pytest.skip(f"the README's service install is not done here ({installed}, {COMMAND})")
+    assert installed.read_text(encoding="utf-8") == UNIT.read_text(encoding="utf-8")
+    result = subprocess.run(
+        [tool, "verify", str(installed)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
