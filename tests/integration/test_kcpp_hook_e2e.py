@@ -9,7 +9,13 @@ Opt-in checks against a real koboldcpp source tree (skipped unless set):
 * ``KOBOLDCPP_SRC=<tree>``: the patch for that tree's release applies with
   ``patch -p1 --dry-run`` and ``git apply --check``, and the patched file compiles;
 * plus ``KOBOLDCPP_MODEL=<file.gguf>`` with a built ``koboldcpp_default.so`` in
-  the tree: a patched koboldcpp serves a chat job and a text job from the dev Horde.
+  the tree: a patched koboldcpp serves a chat job and a text job from the dev Horde;
+* plus the ``gguf`` package (the ``test-gguf`` extra): koboldcpp started with a
+  tiny random-weight vision projector written at test time (``tiny_projector``)
+  serves a ``url`` and a ``base64`` image job, and its log shows each image decoded.
+
+The koboldcpp tree is never changed: koboldcpp runs from a temporary directory
+of links to its files, beside a patched copy of ``koboldcpp.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +35,14 @@ from typing import Any
 
 import pytest
 
+from koboldcpp_horde_chat.demo.cases import DEMO_IMAGE_DATA_URL
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
 from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.service.hosting import run_worker
+from koboldcpp_horde_chat.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH_DIR = ROOT / "patches"
@@ -280,6 +291,117 @@ def test_a_patched_koboldcpp_serves_chat_and_text_jobs(
     assert horde.status(text)["state"] == "done"
     assert "chat_jobs" in horde.pops[0]["body"]
     assert "horde-worker-1" in log_path.read_text()
+
+
+#: koboldcpp's log line for an image its projector decoded (tools/mtmd, 1.116.1).
+IMAGE_DECODED = re.compile(r"image decoded \(batch 1/1\) in \d+ ms")
+
+
+@pytest.fixture
+def real_kcpp_with_projector(koboldcpp_src: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A koboldcpp of ``KOBOLDCPP_SRC`` with ``KOBOLDCPP_MODEL`` and a tiny vision
+    projector written now (``--mmproj``), on 127.0.0.1; yields (its URL, its log)."""
+    model = os.environ.get("KOBOLDCPP_MODEL", "")
+    if not model or not (koboldcpp_src / "koboldcpp_default.so").exists():
+        pytest.skip("set KOBOLDCPP_MODEL and build koboldcpp_default.so in KOBOLDCPP_SRC")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        pytest.skip(
+            "the gguf package is not installed (pip install '.[test-gguf]'): it writes the "
+            "tiny vision projector this test starts koboldcpp with"
+        )
+    from tests.integration.tiny_projector import write_tiny_projector
+
+    projector = write_tiny_projector(tmp_path / "tiny-mmproj.gguf")
+    patched = _patched_copy(koboldcpp_src, tmp_path / "kcpp")
+    port = _free_port()
+    command = [
+        sys.executable, "koboldcpp.py",
+        "--model", model, "--mmproj", str(projector),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--contextsize", "2048", "--threads", "2", "--skiplauncher", "--quiet",
+    ]  # fmt: skip
+    log_path = tmp_path / "koboldcpp.log"
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(command, cwd=patched, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            client = KoboldClient(url, connect_timeout_s=2.0)
+            assert wait_for(lambda: _answers(client), 180.0), log_path.read_text()
+            yield url, log_path
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def _answers(client: KoboldClient) -> bool:
+    try:
+        return client.ready()
+    except Exception:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["url", "base64"])
+def test_a_real_koboldcpp_with_a_projector_decodes_each_image_job(
+    real_kcpp_with_projector: tuple[str, Path], horde: DevHorde, transport: str
+) -> None:
+    """A ``url`` job (the worker fetches the signed URL without the key) and a
+    ``base64`` job (a data URL in the payload, as koboldcpp's own worker declares)
+    reach koboldcpp as data URLs, and koboldcpp decodes each one."""
+    url, log_path = real_kcpp_with_projector
+    info = KoboldClient(url).info()
+    assert info.vision, "koboldcpp did not report vision with the projector"
+    settings = WorkerSettings(
+        api_key=sorted(horde.api_keys)[0],
+        worker_name=f"real-kcpp-{transport}",
+        model_id=info.model_name,
+        backend_max_context_length=info.max_context_length,
+        max_length=48,
+        horde_url=horde.url,
+        kcpp_url=url,
+        vision=True,
+        image_url_transport=transport == "url",
+        local_idle_s=0.0,
+    )
+    stop = threading.Event()
+    caps = BackendCapabilities(vision=True, image_url=transport == "url")
+    thread = threading.Thread(
+        target=run_worker, args=(settings,), kwargs={"stop_event": stop, "caps": caps}, daemon=True
+    )
+    thread.start()
+    try:
+        request = horde.send_chat(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in this picture?"},
+                            {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+                        ],
+                    }
+                ],
+                "max_tokens": 16,
+            },
+            best_effort=True,
+        )
+        assert horde.wait([request], timeout_s=240.0), (horde.status(request), log_path.read_text())
+    finally:
+        stop.set()
+        thread.join(30)
+    status = horde.status(request)
+    assert status["state"] == "done", status
+    assert status["message"]["role"] == "assistant"
+    # The job carried the image by the transport the worker declared ...
+    served = [p for p in horde.pops if p.get("response", {}).get("id")]
+    assert len(served) == 1
+    part = served[0]["response"]["payload"]["messages"][0]["content"][1]
+    sent = part["image_url"]["url"]
+    assert sent.startswith("http://127.0.0.1:" if transport == "url" else "data:image/jpeg;base64,")
+    # ... and koboldcpp decoded it.
+    assert len(IMAGE_DECODED.findall(log_path.read_text(errors="replace"))) == 1, log_path.read_text()
 
 
 def _free_port() -> int:
