@@ -133,7 +133,7 @@ def serving_line(settings: WorkerSettings) -> str:
     routes sends chat jobs (the public one hands out text jobs today), so the
     line promises text jobs and names chat jobs as what comes once the Horde
     has those routes; the loop says so again when the first chat job comes
-    (``loop.first_chat_job_line``). E.g. ``"serving text jobs for
+    (``status.first_chat_job_line``). E.g. ``"serving text jobs for
     koboldcpp/Qwen3-8B from https://aihorde.net via http://127.0.0.1:5001, and
     chat jobs once that Horde sends them (chat is declared on every pop; a
     Horde without the chat routes sends text jobs only)"``; a chat-only worker

@@ -44,7 +44,7 @@ from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .pop_ahead import PopAhead
 from .state import WorkerState
-from .status import PauseTracker, SkippedReporter, describe_pop_refusal
+from .status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -53,21 +53,6 @@ DRAIN_POP_EXTRA_S = 1.0
 #: A job served this many seconds after its pop or later is served only after
 #: koboldcpp is read again (it may have restarted meanwhile).
 RECHECK_AFTER_WAIT_S = 1.0
-
-def first_chat_job_line(state: WorkerState, job: object) -> str | None:
-    """The line for the worker's first chat job (of all its loops), else None: the
-    start line promised text jobs and chat jobs only once the Horde sends them
-    (``hosting.serving_line``); this is when it does."""
-    if not isinstance(job, ChatJob):
-        return None
-    with state.lock:
-        if state.chat_job_seen:
-            return None
-        state.chat_job_seen = True
-    return "the Horde sends chat jobs: serving chat jobs" + (
-        " and text jobs" if state.settings.prompt_jobs else ""
-    )
-
 
 class Worker:
     """One pop loop for chat and text jobs.
@@ -192,11 +177,7 @@ class Worker:
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
-        log.info(
-            "worker %d: stopped (%s)",
-            self.worker_id,
-            self.state.summary(self.wall(), time_word="uptime"),
-        )
+        log.info("worker %d: stopped (%s)", self.worker_id, self.state.stop_summary(self.wall()))
         return self.state.exit_code
 
     def _pass(self) -> None:
@@ -380,9 +361,8 @@ class Worker:
             return False
         self._empty_backoff.reset()
         ctx.started = self.clock()
-        first = first_chat_job_line(self.state, job)
-        if first is not None:
-            log.info("worker %d: %s", self.worker_id, first)
+        if isinstance(job, ChatJob) and self.state.first_chat_job():
+            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
             self._check_backend_unchanged(ctx)

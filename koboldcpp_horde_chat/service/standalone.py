@@ -34,7 +34,6 @@ from ..settings import (
     WorkerSettings,
 )
 from .hosting import (
-    WORKER_NAME_ENV,
     check_journal_dir,
     check_limits,
     check_url,
@@ -116,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hordeworkername",
         default=None,
-        help="your AI Horde worker name, 1 to 100 characters, as the Horde takes "
-        f"(or the {WORKER_NAME_ENV} environment variable)",
+        help="your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)",
     )
     p.add_argument(
         "--kcpp-url",

@@ -121,7 +121,7 @@ class WorkerState:
         #: The recovery of the jobs an earlier run left in hand (None: none).
         self.recovery: Recovery | None = None
         self._faults_restored = False
-        #: A chat job was popped (``loop.first_chat_job_line`` says the first).
+        #: A chat job was popped (:meth:`first_chat_job`).
         self.chat_job_seen = False
 
     def carry_over(self, earlier: WorkerState) -> None:
@@ -330,6 +330,18 @@ class WorkerState:
         """The statistics line (see :meth:`WorkerStats.summary`)."""
         with self.lock:
             return self.stats.summary(now, time_word=time_word)
+
+    def stop_summary(self, now: float) -> str:
+        """The statistics line for the stop, with the uptime (epoch ``now``)."""
+        return self.summary(now, time_word="uptime")
+
+    def first_chat_job(self) -> bool:
+        """A chat job was popped: True the first time (of all the worker's loops),
+        for ``status.first_chat_job_line``."""
+        with self.lock:
+            first = not self.chat_job_seen
+            self.chat_job_seen = True
+        return first
 
     def periodic_summary(self, now: float, wall: float) -> str | None:
         """The totals line once every ``status.SUMMARY_EVERY_S`` (monotonic ``now``),

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..settings import WorkerSettings
+
 #: Why the loop is not popping: the line said when the pause starts, and the
 #: one said when it pops again.
 PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
@@ -274,6 +276,18 @@ def earnings_line(
         f"total {kudos:.0f} kudos, {time_word} {_clock(elapsed_s)}, "
         f"{jobs} job{'' if jobs == 1 else 's'}, {', '.join(rates)}, "
         f"{faults} fault{'' if faults == 1 else 's'}"
+    )
+
+
+def first_chat_job_line(settings: WorkerSettings) -> str:
+    """The line for the worker's first chat job: the start line promised text jobs,
+    and chat jobs only once the Horde sends them (``hosting.serving_line``).
+
+    E.g. ``"the Horde sends chat jobs: serving chat jobs and text jobs"``
+    (``"... serving chat jobs"`` for a chat-only worker).
+    """
+    return "the Horde sends chat jobs: serving chat jobs" + (
+        " and text jobs" if settings.prompt_jobs else ""
     )
 
 

@@ -47,4 +47,4 @@ def test_without_flag_or_environment_the_name_is_required_saying_both_ways() -> 
 
 def test_the_help_names_the_environment_variable() -> None:
     text = " ".join(standalone.build_parser().format_help().split())
-    assert "(or the HORDE_WORKER_NAME environment variable)" in text
+    assert "your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)" in text
