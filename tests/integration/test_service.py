@@ -106,7 +106,9 @@ def test_a_job_in_hand_at_a_sigkill_is_faulted_by_the_restarted_worker_before_it
     second = workers()
     until(lambda: job_id in terminal_actions(horde), 20, second.log)
     assert terminal_actions(horde)[job_id] == ["faulted"]
-    assert kcpp.aborts[:1] == [journaled[0]["genkey"]]  # its generation was aborted
+    # its generation is aborted once the Horde answered the fault
+    until(lambda: kcpp.aborts, 10, second.log)
+    assert kcpp.aborts[:1] == [journaled[0]["genkey"]]
     # The fault was the restarted worker's first call to the Horde: before any pop.
     calls = [r for r in horde.requests_log if r["port"] == "horde" and r["at"] > restarted_at]
     assert calls[0]["path"].endswith("/generate/text/submit")
