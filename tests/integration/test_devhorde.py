@@ -11,6 +11,7 @@ import copy
 import email.utils
 import gzip
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -722,6 +723,23 @@ def test_scripted_faults_answer_the_next_calls_then_service_resumes(horde: DevHo
     assert w.pop(decl())["id"] is None
     with pytest.raises(ValueError):
         horde.inject("pop", "explode")
+
+
+def test_a_late_answer_is_processed_at_once_and_answered_after_the_delay(
+    horde: DevHorde, w: Worker
+) -> None:
+    """``late:<s>``: the pop's job is assigned when the pop arrives (as a Horde whose
+    answer is on its way), its answer comes ``s`` seconds later."""
+    rid = horde.send_chat(USER_ONLY, best_effort=True)
+    horde.inject("pop", "late:0.6")
+    start = time.monotonic()
+    seen: list[list[str]] = []
+    watcher = threading.Timer(0.3, lambda: seen.append(list(horde.status(rid)["job_ids"])))
+    watcher.start()
+    job = w.pop(decl())
+    assert time.monotonic() - start >= 0.6
+    watcher.join()
+    assert seen == [[job["id"]]]  # assigned before the answer left
 
 
 # --- validated backends (the Horde's bridge agent rule) ---------------------------------
