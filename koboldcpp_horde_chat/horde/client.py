@@ -25,6 +25,11 @@ Errors are mapped by HTTP status and the Horde's ``rc``, never by message text:
   ``REQUESTS_CA_BUNDLE`` (or ``CURL_CA_BUNDLE``).
 * an answer body over the cap (64 MiB for pop, which may carry base64 images;
   1 MiB for the others): :class:`HordeUnavailable`.
+* while the worker stops (``deadlines``, ``inflight.CallDeadlines``): a call
+  ends by the stop's deadline for its route, whatever its timeout; one still
+  in flight then is hung up (:class:`HordeUnavailable`, status 0, ``sent=None``:
+  "no answer from aihorde.net by the stop's deadline"), one made after it is
+  not sent (``sent=False``).
 
 The API key never appears in an exception's message or ``repr``, nor in a log
 line; ``repr(client)`` shows the host only. Each call logs one debug line
@@ -39,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any, Final
@@ -50,6 +56,7 @@ import urllib3.exceptions
 from .. import __version__, netfail
 from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
 from ..httpbody import read_body, redact_url
+from ..inflight import Call, CallDeadlines, TrackingAdapter
 from ..settings import MIB
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
@@ -78,6 +85,8 @@ RESPONSE_MAX_BYTES: Final = 1 * MIB
 MESSAGE_MAX_CHARS: Final = 300
 """Error messages are shortened to this many characters."""
 CLIENT_AGENT: Final = f"koboldcpp-horde-chat:{__version__}"
+ROUTE_KINDS: Final = {ROUTE_POP: "pop", ROUTE_SUBMIT: "submit", ROUTE_PROGRESS: "progress"}
+"""The kind of each route, as ``inflight.CallDeadlines`` names it."""
 RETRY_AFTER_MAX_S: Final = 3600.0
 """A ``Retry-After`` beyond an hour is clamped to an hour."""
 
@@ -140,6 +149,10 @@ class HordeClient:
             about 0.3 ms a call) and never uses ``.netrc`` credentials.
         pop_max_bytes, max_bytes: caps on the decoded answer body of a pop and
             of the other calls, bytes.
+        deadlines: the stop's deadlines of the worker's calls (``"pop"``,
+            ``"submit"``, ``"progress"``), shared by its clients; None: calls end
+            by their own timeouts only. A call in flight at its deadline is hung
+            up only on a session the client made (and not through a proxy).
 
     Raises:
         ConfigError: an unusable ``base_url`` or ``api_key`` (the message never
@@ -162,6 +175,7 @@ class HordeClient:
         session: requests.Session | None = None,
         pop_max_bytes: int = POP_MAX_BYTES,
         max_bytes: int = RESPONSE_MAX_BYTES,
+        deadlines: CallDeadlines | None = None,
     ) -> None:
         try:
             parts = urlsplit(base_url.strip())
@@ -196,7 +210,12 @@ class HordeClient:
                 os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
             )
             session.trust_env = False  # also: no .netrc credentials, ever
+            adapter = TrackingAdapter()  # a call in flight can be hung up at a stop
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
         self._session = session
+        self._deadlines = deadlines
+        self._call = Call()
         self._pop_max_bytes = pop_max_bytes
         self._max_bytes = max_bytes
         self._headers = {
@@ -301,25 +320,58 @@ class HordeClient:
         raw_id = body.get("id")
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
         data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        kind = ROUTE_KINDS.get(route, route)
+        connect_s = self._connect_timeout_s
+        left = self._deadlines.left(kind) if self._deadlines is not None else None
+        if left is not None:
+            if left <= 0:
+                raise HordeUnavailable(
+                    f"POST {route}: not sent, the worker's stop deadline has passed",
+                    status=0, job_id=job_id, sent=False,
+                )
+            timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
         start = time.monotonic()
-        deadline = start + self._connect_timeout_s + timeout_s
-        try:
-            response = self._session.post(
-                self._base_url + route,
-                data=data.encode("utf-8"),
-                headers=self._headers,
-                timeout=(self._connect_timeout_s, timeout_s),
-                allow_redirects=False,
-                stream=True,
-            )
-        except requests.exceptions.RequestException as exc:
-            log.debug("POST %s: no answer after %.2f s: %s",
-                      route, time.monotonic() - start, netfail.describe(exc))
-            raise self._network_error(route, exc, job_id) from None
-        try:
-            return self._answer(route, response, job_id, max_bytes, deadline, start)
-        finally:
-            response.close()
+        deadline = start + connect_s + timeout_s
+        if left is not None:
+            deadline = min(deadline, start + left)
+        call = self._call
+        with call.running(), self._cut_at_stop(kind, call):
+            try:
+                response = self._session.post(
+                    self._base_url + route,
+                    data=data.encode("utf-8"),
+                    headers=self._headers,
+                    timeout=(connect_s, timeout_s),
+                    allow_redirects=False,
+                    stream=True,
+                )
+            except requests.exceptions.RequestException as exc:
+                log.debug("POST %s: no answer after %.2f s: %s",
+                          route, time.monotonic() - start, netfail.describe(exc))
+                if call.hung_up:
+                    raise self._cut_error(route, job_id) from None
+                raise self._network_error(route, exc, job_id) from None
+            try:
+                return self._answer(route, response, job_id, max_bytes, deadline, start)
+            except HordeUnavailable:
+                if call.hung_up:
+                    raise self._cut_error(route, job_id) from None
+                raise
+            finally:
+                response.close()
+
+    def _cut_at_stop(self, kind: str, call: Call) -> AbstractContextManager[None]:
+        """Hang the call up at the stop's deadline of its kind (when there is one)."""
+        if self._deadlines is None:
+            return nullcontext()
+        return self._deadlines.running(kind, call)
+
+    def _cut_error(self, route: str, job_id: str | None) -> HordeUnavailable:
+        """The call was hung up at the stop's deadline: it may have reached the Horde."""
+        return HordeUnavailable(
+            f"POST {route}: no answer from {self._host} by the worker's stop deadline",
+            status=0, job_id=job_id, sent=None,
+        )
 
     def _answer(
         self,

@@ -48,11 +48,11 @@ import urllib3.exceptions
 
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from ..httpbody import read_body
+from ..inflight import Call, CallDeadlines, TrackingAdapter, in_generation
 from ..jsonbody import RAW_STRING_MIN_CHARS, encode_json
 from .connection import (
     BackendStream,
     InFlight,
-    TrackingAdapter,
     ca_bundle_from_env,
     describe_failure,
     error_detail,
@@ -157,6 +157,8 @@ class KoboldClient:
             session.mount("https://", adapter)
         self._session = session
         self._in_flight = InFlight()
+        #: The stop's deadlines (``inflight.CallDeadlines``, kind ``"kcpp"``), once bound.
+        self.deadlines: CallDeadlines | None = None
 
     def __repr__(self) -> str:
         return f"KoboldClient({self.base_url!r}, protected={bool(self._password)})"
@@ -401,18 +403,44 @@ class KoboldClient:
         return time.monotonic() + self.connect_timeout_s + timeout_s
 
     def _get(self, path: str, timeout_s: float) -> dict[str, Any]:
-        deadline = self._deadline(timeout_s)
-        response = self._request("GET", path, None, timeout_s)
-        try:
-            return self._decode(response, path, deadline)
-        finally:
-            response.close()
+        return self._call("GET", path, None, timeout_s)
 
     def _post(
         self, path: str, body: dict[str, Any] | bytes | bytearray, timeout_s: float
     ) -> dict[str, Any]:
+        return self._call("POST", path, body, timeout_s)
+
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | bytes | bytearray | None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """One call, its answer read by its deadline. While the worker stops, a call
+        that is not a generation (given up at the stop's deadline on its own) ends
+        by the ``"kcpp"`` deadline of ``deadlines``: its timeout cut to it, hung up then."""
+        deadlines = None if in_generation() else self.deadlines
+        if deadlines is None:
+            return self._call_once(method, path, body, timeout_s)
+        left = deadlines.left("kcpp")
+        if left is not None:
+            if left <= 0:
+                raise BackendError(f"{method} {path}: not sent, the worker's stop deadline passed")
+            timeout_s = min(timeout_s, left)
+        call = Call()
+        with call.running(), deadlines.running("kcpp", call):
+            try:
+                return self._call_once(method, path, body, timeout_s)
+            except BackendError as exc:
+                if call.hung_up:
+                    cut = f"{method} {path}: cut at the worker's stop deadline"
+                    raise BackendError(cut) from exc
+                raise
+
+    def _call_once(
+        self, method: str, path: str, body: dict[str, Any] | bytes | bytearray | None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
         deadline = self._deadline(timeout_s)
-        response = self._request("POST", path, body, timeout_s)
+        response = self._request(method, path, body, timeout_s)
         try:
             return self._decode(response, path, deadline)
         finally:

@@ -2,8 +2,8 @@
 generation request that another thread can hang up (I/O edge, for ``kcpp.client``).
 
 :class:`BackendStream` reads a Server-Sent Events answer raw and may be closed
-from another thread. The tracked connection classes tell the generation call
-in flight (:class:`InFlight`) which connection it sends on, so that
+from another thread. The tracked connection classes (``inflight``) tell the
+generation call in flight (:class:`InFlight`) which connection it sends on, so that
 ``KoboldClient.hang_up`` can shut that socket down from another thread: with
 koboldcpp batching, an abort by genkey stops nothing.
 
@@ -28,15 +28,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
 
 import requests
-import requests.adapters
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from .. import netfail
 from ..errors import BackendError
+from ..inflight import Call
 
 log = logging.getLogger("koboldcpp_horde_chat.backend")
 
@@ -143,34 +140,24 @@ class BackendStream:
         self.close()
 
 
-class InFlight:
+class InFlight(Call):
     """The generation request a :class:`KoboldClient` has in flight (for ``hang_up``).
 
-    ``active`` while a generation call runs on thread ``thread``; ``conn`` is
-    the urllib3 connection it sends on, once known (the tracked connection
-    classes below register themselves when that thread connects or sends);
-    ``stream`` is the last stream :meth:`KoboldClient.open_chat_stream` opened.
-    Every field is read and written under ``lock``.
+    A :class:`~..inflight.Call` (``active``, ``thread``, ``conn``) that also
+    keeps ``stream``, the last stream :meth:`KoboldClient.open_chat_stream`
+    opened. Every field is read and written under ``lock``.
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.active = False
-        self.hung_up = False
-        self.thread = 0
-        self.conn: HTTPConnection | None = None
+        super().__init__()
         self.stream: BackendStream | None = None
 
     def hang_up(self) -> bool:
         """Close the connection of the generation request in flight (any thread);
         True when something was hung up (see ``KoboldClient.hang_up``)."""
-        hung = False
         with self.lock:
             stream, self.stream = self.stream, None
-            if self.active:
-                self.hung_up = hung = True
-                if self.conn is not None:
-                    shut(self.conn.sock)
+        hung = super().hang_up()
         if stream is not None and not stream.closed:
             stream.close()
             hung = True
@@ -188,106 +175,18 @@ class InFlight:
                 failed ("hung up by the worker" after :meth:`hang_up`).
         """
         with self.lock:
-            self.active = True
-            self.hung_up = False
-            self.thread = threading.get_ident()
-            self.conn = None
             self.stream = None
-        tracking.in_flight = self
-        try:
-            if cancel is not None and cancel.is_set():
-                raise BackendError(f"{what}: not sent, the job was given up")
-            yield
-        except BackendError:
-            with self.lock:
-                hung_up = self.hung_up
-            if hung_up:
-                raise BackendError(f"{what}: hung up by the worker") from None
-            raise
-        finally:
-            tracking.in_flight = None
-            with self.lock:
-                self.active = False
-                self.conn = None
-
-
-tracking = threading.local()
-"""``in_flight``: the :class:`InFlight` of the generation call running on this thread."""
-
-
-def track(conn: HTTPConnection) -> None:
-    """Register ``conn`` with the generation call running on this thread, if any.
-
-    Called by the tracked connections when they connect and before they send.
-    After a hang-up the socket is shut down at once and ``ConnectionAbortedError``
-    raised, so a request the hang-up came before is never sent.
-    """
-    in_flight: InFlight | None = getattr(tracking, "in_flight", None)
-    if in_flight is None:
-        return
-    with in_flight.lock:
-        if not in_flight.active or in_flight.thread != threading.get_ident():
-            return
-        in_flight.conn = conn
-        if not in_flight.hung_up:
-            return
-        shut(conn.sock)
-    raise ConnectionAbortedError("the worker hung up")
-
-
-def shut(sock: socket.socket | None) -> None:
-    """Shut a socket down both ways, which wakes a thread blocked on it; never raises."""
-    if sock is None:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-class TrackedHTTPConnection(HTTPConnection):
-    """An HTTP connection that tells the generation call in flight about itself."""
-
-    def connect(self) -> None:
-        super().connect()
-        track(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        track(self)
-        super().request(*args, **kwargs)
-
-
-class TrackedHTTPSConnection(HTTPSConnection):
-    """The HTTPS twin of :class:`TrackedHTTPConnection`."""
-
-    def connect(self) -> None:
-        super().connect()
-        track(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        track(self)
-        super().request(*args, **kwargs)
-
-
-class TrackedHTTPPool(HTTPConnectionPool):
-    ConnectionCls = TrackedHTTPConnection
-
-
-class TrackedHTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = TrackedHTTPSConnection
-
-
-class TrackingAdapter(requests.adapters.HTTPAdapter):
-    """requests' adapter whose connections register with the generation call in flight."""
-
-    def init_poolmanager(
-        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
-    ) -> None:
-        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {
-            "http": TrackedHTTPPool,
-            "https": TrackedHTTPSPool,
-        }
+        with self.running():
+            try:
+                if cancel is not None and cancel.is_set():
+                    raise BackendError(f"{what}: not sent, the job was given up")
+                yield
+            except BackendError:
+                with self.lock:
+                    hung_up = self.hung_up
+                if hung_up:
+                    raise BackendError(f"{what}: hung up by the worker") from None
+                raise
 
 
 def socket_of(response: requests.Response) -> socket.socket | None:

@@ -99,6 +99,8 @@ class JobContext:
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
             ends at it (:meth:`Edges.until_given_up`, the generation's abort).
+        popped_in_stop: the pop's answer came after a stop with a deadline
+            began: the job is faulted at once, not generated.
         stop_generation: set by the loop while the job's generation runs:
             ends it on koboldcpp (abort by genkey, connection closed); called
             by :meth:`give_up` from any thread.
@@ -116,6 +118,7 @@ class JobContext:
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
     stop_generation: Callable[[], None] | None = field(default=None, repr=False)
+    popped_in_stop: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _wakers: list[threading.Event] = field(default_factory=list, repr=False)
 
@@ -230,6 +233,8 @@ class Edges:
             standalone worker does not take it for a local user's.
         wall: epoch seconds.
         journal: the worker's job journal (None: no journal).
+        stop_deadline: the stop's deadline (``time.monotonic()`` seconds), or
+            None while the worker is not stopping under one.
     """
 
     settings: WorkerSettings
@@ -241,6 +246,7 @@ class Edges:
     wall: Callable[[], float] = time.time
     journal: Journal | None = None
     note_own_request_done: Callable[[], None] = lambda: None
+    stop_deadline: Callable[[], float | None] = lambda: None
     _step_runner: _StepRunner | None = field(default=None, init=False, repr=False)
 
     @contextmanager
@@ -324,10 +330,19 @@ class Edges:
         return cast(T, value)
 
     def pause(self, seconds: float) -> None:
-        """Wait; a requested stop shortens waits between pops, not a job's own retries."""
-        if not self.stop_event.wait(seconds):
-            return
-        threading.Event().wait(seconds)
+        """Wait ``seconds`` (a job's own retry pause), never longer: a stop does not
+        shorten it, but its deadline (``stop_deadline``) does, so that the retry
+        after it makes its last attempt by the deadline."""
+        if self.stop_deadline() is None and not self.stop_event.is_set():
+            start = time.monotonic()
+            if not self.stop_event.wait(seconds):
+                return
+            seconds -= time.monotonic() - start  # the stop came: the rest of the wait
+        deadline = self.stop_deadline()
+        if deadline is not None:
+            seconds = min(seconds, deadline - time.monotonic())
+        if seconds > 0:
+            threading.Event().wait(seconds)
 
     def abort_quietly(self, genkey: str) -> None:
         """Best-effort abort of the local generation (see :func:`abort_quietly`)."""

@@ -221,13 +221,16 @@ class _StreamedGeneration:
         A lost answer (no answer, a reset, or a 2xx answer that could not be
         read: the post may have been processed) is retried with the identical
         body; 429 and 5xx are answers for ``on_response``. Retries stop when the
-        lease nears its end (the caller then faults the job).
+        lease nears its end (the caller then faults the job), and nothing more
+        is posted once the job is given up (the caller faults it).
 
         Raises JobEnded when the job ended (cancelled or ChatJobAborted): the
         local generation is then aborted and nothing is submitted.
         """
         edges, poster, lease = self.edges, self.poster, self.ctx.lease
         while True:
+            if self.ctx.abandoned.is_set():
+                return  # given up (the stop's deadline): no more posts, no retries
             room = lease.remaining(edges.clock()) - SUBMIT_MARGIN_S
             timeout = max(1.0, min(edges.settings.progress_timeout_s, room))
             try:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +51,8 @@ log = logging.getLogger("koboldcpp_horde_chat.submit")
 
 #: Seconds one submit attempt may take when the process is exiting.
 EXIT_SUBMIT_TIMEOUT_S = 5.0
-#: Seconds past the stop's grace period a submit may still take.
-STOP_SUBMIT_EXTRA_S = 1.0
+#: The shortest read timeout a submit is sent with while stopping, seconds.
+STOP_SUBMIT_MIN_TIMEOUT_S = 0.1
 
 RefusalHandler = Callable[[HordeRefusal], JobFault]
 """Turns the Horde's refusal of a reply into the fault that follows it."""
@@ -196,7 +195,7 @@ class SubmitPipeline:
             if ctx.chat
             else text_fault_submit(ctx.id)
         )
-        timeout = min(EXIT_SUBMIT_TIMEOUT_S, self.settings.submit_timeout_s)
+        timeout = min(EXIT_SUBMIT_TIMEOUT_S, self._timeout())
         self._mark_fault_sent(ctx)
         try:
             self.horde.submit(body, timeout_s=timeout)
@@ -212,12 +211,14 @@ class SubmitPipeline:
 
     def _timeout(self) -> float:
         """A submit's read timeout, seconds: ``submit_timeout_s``, but when the
-        worker is stopping no later than a second after the stop's grace period
-        (a supervisor kills the process soon after it)."""
+        worker is stopping no later than ``state.STOP_SUBMIT_EXTRA_S`` after the stop's
+        deadline (a supervisor kills the process soon after it): a stop never
+        lengthens a wait. The Horde client itself hangs up a submit still in
+        flight then, and sends none after it."""
         timeout = self.settings.submit_timeout_s
-        deadline = self.state.stop_deadline
-        if deadline is not None:
-            timeout = min(timeout, max(1.0, deadline + STOP_SUBMIT_EXTRA_S - time.monotonic()))
+        left = self.state.call_deadlines.left("submit")
+        if left is not None:
+            timeout = min(timeout, max(STOP_SUBMIT_MIN_TIMEOUT_S, left))
         return timeout
 
     def _send(

@@ -26,6 +26,7 @@ from .. import BRIDGE_AGENT
 from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities
+from ..inflight import CallDeadlines
 from ..kcpp.api import KcppAPI
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import LocalManners
@@ -298,21 +299,30 @@ def open_state(
     return state
 
 
-def horde_client(settings: WorkerSettings) -> HordeClient:
-    """A Horde client for the worker's Horde, key and bridge agent (one per thread)."""
+def horde_client(
+    settings: WorkerSettings, deadlines: CallDeadlines | None = None
+) -> HordeClient:
+    """A Horde client for the worker's Horde, key and bridge agent (one per thread);
+    its calls end by the stop's ``deadlines`` (``WorkerState.call_deadlines``)."""
     return HordeClient(
         settings.horde_url,
         settings.api_key,
         bridge_agent=settings.bridge_agent,
         connect_timeout_s=settings.connect_timeout_s,
+        deadlines=deadlines,
     )
 
 
-def kcpp_client(settings: WorkerSettings) -> KoboldClient:
-    """A koboldcpp client for the worker's koboldcpp (one per thread)."""
-    return KoboldClient(
+def kcpp_client(
+    settings: WorkerSettings, deadlines: CallDeadlines | None = None
+) -> KoboldClient:
+    """A koboldcpp client for the worker's koboldcpp (one per thread); its calls
+    other than generations end by the stop's ``deadlines``."""
+    client = KoboldClient(
         settings.kcpp_url, settings.kcpp_password, connect_timeout_s=settings.connect_timeout_s
     )
+    client.deadlines = deadlines
+    return client
 
 
 def run_worker(
@@ -330,17 +340,22 @@ def run_worker(
     One ``requests.Session`` per client and per thread: call this once per
     worker thread. ``state`` is shared with the worker's other loops.
     """
+    if state is None:
+        state = WorkerState(settings, stop_event=stop_event)
+    deadlines = state.call_deadlines
+    if backend is None:
+        backend = kcpp_client(settings, deadlines)
     worker = Worker(
         settings,
-        horde=horde_client(settings),
-        backend=backend if backend is not None else kcpp_client(settings),
+        horde=horde_client(settings, deadlines),
+        backend=backend,
         stop_event=stop_event,
         manners=manners,
         caps=caps,
         worker_id=worker_id,
         state=state,
-        pop_horde=horde_client(settings),
-        abort_backend=kcpp_client(settings),
-        retry_horde=lambda: horde_client(settings),
+        pop_horde=horde_client(settings, deadlines),
+        abort_backend=kcpp_client(settings, deadlines),
+        retry_horde=lambda: horde_client(settings, deadlines),
     )
     return worker.run()

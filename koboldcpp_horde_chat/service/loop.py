@@ -37,19 +37,26 @@ from ..kcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.chat import ChatRun
 from ..run.job import Edges, JobContext, Lease, abort_quietly
 from ..run.life import Move, Phase
-from ..run.submit import STOP_SUBMIT_EXTRA_S, SubmitPipeline
+from ..run.submit import SubmitPipeline
 from ..run.text import serve_text
 from ..settings import WorkerSettings
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .pop_ahead import PopAhead
-from .state import WorkerState
+from .state import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
-#: Seconds past the stop's deadline the loop waits for a pop sent beside a submit.
-DRAIN_POP_EXTRA_S = 1.0
+#: Seconds past the pops' stop deadline (``state.STOP_POP_EXTRA_S`` after the
+#: stop's) the loop still waits for the pop sent beside a submit: a backstop, for
+#: the Horde client hangs it up then.
+DRAIN_POP_EXTRA_S = 0.25
+#: Said when the worker exits with a pop unanswered (and counted as an aborted job).
+POP_LEFT_LINE = (
+    "a job may be assigned to this stopped worker and expire on the Horde "
+    "(counted as a possible aborted job)"
+)
 #: A job served this many seconds after its pop or later is served only after
 #: koboldcpp is read again (it may have restarted meanwhile).
 RECHECK_AFTER_WAIT_S = 1.0
@@ -118,6 +125,7 @@ class Worker:
             note_own_request_done=self.gate.note_own_request_done,
             wall=wall,
             journal=state.journal,
+            stop_deadline=lambda: state.stop_deadline,
         )
         self.pipeline = SubmitPipeline(
             settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause,
@@ -188,28 +196,38 @@ class Worker:
             self.stop_event.wait(self._error_backoff.next_delay())
 
     def drain(self) -> None:
-        """Serve the job of a pop still in flight, if any: a popped job always gets
-        its terminal action, also when the loop is stopping (under the stop's
-        deadline: a pop that has not answered a second after it is given up)."""
+        """Take the answer of a pop still in flight, if any: a popped job always
+        gets its terminal action, also when the loop is stopping (a job popped
+        after the stop's signal is faulted at once, see :meth:`_serve_popped`).
+        Under the stop's deadline the pop is waited for until
+        ``state.STOP_POP_EXTRA_S`` after it (the Horde client hangs it up then);
+        one that did not answer is said and counted (:meth:`_pop_left`)."""
         while self._ahead is not None:
             deadline = self.state.stop_deadline
             if deadline is not None:
-                wait_s = max(0.0, deadline + DRAIN_POP_EXTRA_S - time.monotonic())
+                wait_s = max(
+                    0.0, deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S - time.monotonic()
+                )
                 if not self._ahead.join(wait_s):
-                    log.warning(
-                        "worker %d: the pop sent beside the last submit did not answer "
-                        "by the stop's deadline; not waiting for it", self.worker_id,
-                    )
                     self._ahead = None
+                    self._pop_left("the pop sent beside the last submit did not answer")
                     return
             self._pass()
+
+    def _pop_left(self, what: str) -> None:
+        """A pop got no answer and the worker stops: whatever job the Horde assigned
+        it goes to a worker that is gone and expires there, an aborted job on the
+        worker's count. Say so in one line and count it toward maintenance."""
+        log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
+                    POP_LEFT_LINE)
+        self.state.record_expired(self.clock())
 
     def _wait_jobs_ended(self) -> None:
         """Wait for submits of this loop still retried on threads of their own
         (bounded by the stop's deadline, or by the longest lease)."""
         deadline = self.state.stop_deadline
         bound = (
-            deadline + STOP_SUBMIT_EXTRA_S + 0.5 - time.monotonic()
+            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - time.monotonic()
             if deadline is not None
             else self.settings.lease_cap_s
         )
@@ -267,6 +285,15 @@ class Worker:
         (the pop sent beside a submit), else None.
         """
         if error is not None or pop is None:
+            if (
+                self.state.stop_deadline is not None
+                and isinstance(error, HordeUnavailable)
+                and error.status == 0
+                and error.sent is not False
+            ):
+                # No answer while stopping: the Horde may have assigned a job.
+                self._pop_left("the pop in flight at the stop got no answer")
+                return False
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
             else:
@@ -328,6 +355,7 @@ class Worker:
             worker_id=self.worker_id,
         )
         ctx.stop_generation = lambda: self._stop_generation(ctx)
+        ctx.popped_in_stop = self.state.stop_deadline is not None
         self.state.hold(ctx)
         self.edges.record(ctx)
         ctx.move(Move.JOURNAL)
@@ -365,6 +393,12 @@ class Worker:
             log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
+            if ctx.popped_in_stop:
+                # The stop has a deadline the job's generation cannot be known to
+                # meet. Faulted now, the request goes to another worker at once;
+                # left to expire, it would wait out the lease first, and the Horde
+                # counts either as an aborted job (abort(), then wp.n += 1).
+                raise JobFault("popped after the stop's signal: not generated")
             self._check_backend_unchanged(ctx)
             if isinstance(job, ChatJob):
                 outcome = ChatRun(self.edges, self.caps, self.state, job, ctx).serve()

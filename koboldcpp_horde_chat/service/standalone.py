@@ -498,6 +498,7 @@ def _run_declared(
         if states:
             state.carry_over(states[0])
         states[:] = [state]
+        backend.deadlines = state.call_deadlines  # the manners' reads end by a stop's deadline
         log.info("%s", serving_line(settings))
         manners = StandaloneManners(
             backend,

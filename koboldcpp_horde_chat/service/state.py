@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import HordeRefusal
+from ..inflight import CallDeadlines
 from ..run.life import Phase
 from ..settings import WorkerSettings
 from . import guard, status
@@ -39,6 +40,12 @@ log = logging.getLogger("koboldcpp_horde_chat.state")
 
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
+#: Seconds past the stop's deadline a pop in flight is still waited for (the job
+#: it brings is then faulted at once, so that another worker takes it now).
+STOP_POP_EXTRA_S = 1.0
+#: Seconds past the stop's deadline a submit may still take (the fault of a job
+#: given up at the deadline, or popped by then); progress posts end at the deadline.
+STOP_SUBMIT_EXTRA_S = 1.5
 
 
 class Slot(Protocol):
@@ -110,6 +117,8 @@ class WorkerState:
         self._key_refused = False
         self.slots: list[Slot] = []
         self.stop_deadline: float | None = None
+        #: When a stopping worker's calls end, by kind (its clients share it).
+        self.call_deadlines = CallDeadlines()
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: threading.Timer | None = None
@@ -203,12 +212,25 @@ class WorkerState:
         job whose pop was in flight at the signal), is given up
         (``JobContext.give_up``: its blocking step ends, its generation is
         stopped, and its loop faults it); a job received after the deadline is
-        given up at once. Calling it again keeps the first deadline.
+        given up at once. Every Horde call ends by the deadline too
+        (``call_deadlines``): a progress post still in flight then is hung
+        up, a pop and a koboldcpp call other than a generation (a generation
+        ends with its job's give-up) ``STOP_POP_EXTRA_S`` later, a submit (the
+        fault of a job given up) ``STOP_SUBMIT_EXTRA_S`` later. Calling it
+        again keeps the first deadline.
         """
         with self.lock:
             if self.stop_deadline is not None:
                 return
-            self.stop_deadline = time.monotonic() + grace_s
+            self.stop_deadline = deadline = time.monotonic() + grace_s
+            self.call_deadlines.set(
+                {
+                    "pop": deadline + STOP_POP_EXTRA_S,
+                    "progress": deadline,
+                    "submit": deadline + STOP_SUBMIT_EXTRA_S,
+                    "kcpp": deadline + STOP_POP_EXTRA_S,  # the abort after a give-up
+                }
+            )
             self._grace_s = grace_s
             timer = threading.Timer(max(0.0, grace_s), self._grace_over)
             timer.daemon = True

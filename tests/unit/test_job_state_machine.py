@@ -66,9 +66,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from koboldcpp_horde_chat import inflight as inflight_module
 from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeRefusal, HordeUnavailable
 from koboldcpp_horde_chat.run import chat as chat_run
-from koboldcpp_horde_chat.run import submit as submit_module
 from koboldcpp_horde_chat.run.life import Phase
 from koboldcpp_horde_chat.service import loop as worker_module
 from koboldcpp_horde_chat.service import state as state_module
@@ -865,7 +865,8 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(state_module, "time", _FakeTime)
     monkeypatch.setattr(state_module, "threading", _FakeThreading())
     monkeypatch.setattr(worker_module, "time", _FakeTime)
-    monkeypatch.setattr(submit_module, "time", _FakeTime)
+    monkeypatch.setattr(inflight_module, "time", _FakeTime)
+    monkeypatch.setattr(inflight_module, "threading", _FakeThreading())
     monkeypatch.setattr(chat_run, "fetch_messages", chat_run.fetch_messages)  # type: ignore[attr-defined]
     logging.disable(logging.CRITICAL)
     try:

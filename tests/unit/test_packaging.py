@@ -406,7 +406,13 @@ def test_the_design_map_names_every_module_of_the_package() -> None:
 MODULE_MAX_LINES = 500
 
 #: Modules allowed past MODULE_MAX_LINES, each with why it is one room.
-MODULES_ALLOWED_LONGER: dict[str, str] = {}
+MODULES_ALLOWED_LONGER: dict[str, str] = {
+    "kcpp/client.py": "koboldcpp's HTTP API as the worker calls it, one method per route, "
+    "and the one place its calls are made, bounded and hung up",
+    "service/loop.py": "one pop loop's life: pop, serve, pause, and its bounded stop "
+    "(the drain of the pop in flight, the jobs given up), which reads the loop's own "
+    "fields throughout",
+}
 
 
 def module_sizes() -> dict[str, int]:
