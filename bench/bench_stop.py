@@ -79,17 +79,24 @@ class Phase:
     reported_from: int = 0  # the table reports the jobs of the requests from this index on
 
 
-def _prep_pop(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
-    long_reply(kcpp, grace)  # the first job: 40 tokens; the late one: long
-    kcpp.script(
-        lambda body: ScriptedReply(
-            text="sky " * (40 if "first" in json.dumps(body) else LONG_TOKENS)
+def _prep_pop_beside(
+    late: Callable[[float], str],
+) -> Callable[[DevHorde, ScriptedKoboldcpp, float], list[str]]:
+    """Two requests; the pop beside the first job's submit answers ``late(grace)``."""
+
+    def prep(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+        long_reply(kcpp, grace)  # the first job: 40 tokens; the late one: long
+        kcpp.script(
+            lambda body: ScriptedReply(
+                text="sky " * (40 if "first" in json.dumps(body) else LONG_TOKENS)
+            )
         )
-    )
-    first = horde.send_chat(ask("first"), best_effort=True)
-    second = horde.send_chat(ask("second"), best_effort=True)
-    horde.inject("pop", "ok", "hang:1.6")  # the pop beside the first submit answers 1.6 s late
-    return [first, second]
+        first = horde.send_chat(ask("first"), best_effort=True)
+        second = horde.send_chat(ask("second"), best_effort=True)
+        horde.inject("pop", "ok", late(grace))
+        return [first, second]
+
+    return prep
 
 
 def _reached_pop(
@@ -162,6 +169,58 @@ def _reached_submit(
     time.sleep(0.3)  # its retry waits
 
 
+def _prep_own_pop(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+    rids = _prep_one()(horde, kcpp, grace)
+    horde.inject("pop", f"late:{grace + 30:g}")  # the job is assigned; its answer is late
+    return rids
+
+
+def _prep_submit_late(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+    kcpp.token_delay_s = 0.005
+    kcpp.script(lambda body: ScriptedReply(text="sky " * 20))
+    rid = horde.send_chat(ask("Tell me about the sky."), best_effort=True)
+    horde.inject("submit", f"late:{grace + 30:g}")  # accepted at once, answered late
+    return [rid]
+
+
+def _reached_submit_sent(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, rids: list[str]
+) -> None:
+    def settled() -> bool:
+        ids = job_ids(horde, rids[0])
+        return bool(ids) and any(
+            e["job_id"] == ids[0] and e["action"] in FINAL for e in horde.ledger
+        )
+
+    until(settled, "the submit's arrival")
+    time.sleep(0.3)
+
+
+def _prep_progress(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+    rids = _prep_one(stream=True)(horde, kcpp, grace)
+    horde.inject("progress", *[f"hang:{grace + 30:g}"] * 5)  # no post is answered in time
+    return rids
+
+
+def _reached_progress(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, rids: list[str]
+) -> None:
+    until(
+        lambda: any(r["path"].endswith("/progress") for r in horde.requests_log),
+        "the first progress post",
+    )
+    time.sleep(0.3)
+
+
+def _prep_retry_after(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+    kcpp.token_delay_s = 0.005
+    kcpp.script(lambda body: ScriptedReply(text="sky " * 20))
+    rid = horde.send_chat(ask("Tell me about the sky."), best_effort=True)
+    down = (503, {"message": "down", "rc": "Unavailable"}, {"Retry-After": f"{grace + 5:g}"})
+    horde.inject("submit", down)  # once: the retry would be accepted
+    return [rid]
+
+
 def _reached_idle(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, rids: list[str]
 ) -> None:
@@ -170,7 +229,9 @@ def _reached_idle(
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("pop", "pop beside the submit in flight", _prep_pop, _reached_pop,
+    # the pop beside the first submit answers 1.6 s late (hang: the job is assigned then)
+    Phase("pop", "pop beside the submit in flight",
+          _prep_pop_beside(lambda g: "hang:1.6"), _reached_pop,
           reported_from=1),
     Phase("fetch", "messages fetch", _prep_fetch, _reached_popped,
           horde_options={"offload_bytes": 0}),
@@ -181,12 +242,25 @@ PHASES: tuple[Phase, ...] = (
           worker_args=("--parallelrequests", "2")),
     Phase("submit", "submit being retried (503)", _prep_submit, _reached_submit),
     Phase("idle", "idle (between pops)", lambda h, k, g: [], _reached_idle),
+    Phase("ownpop", "the loop's own pop (answer late)", _prep_own_pop, _reached_popped),
+    Phase("poplate", "pop beside submit (answer late)",
+          _prep_pop_beside(lambda g: f"late:{g + 30:g}"), _reached_pop,
+          reported_from=1),
+    Phase("submitlate", "submit sent (answer late)", _prep_submit_late, _reached_submit_sent),
+    Phase("progress", "progress posts unanswered", _prep_progress, _reached_progress),
+    Phase("retryafter", "submit after 503 Retry-After G+5", _prep_retry_after,
+          _reached_submit),
 )
 QUICK_PHASES = ("pop", "tokencount", "streamed", "idle")
 
 
-def terminal_action(horde: DevHorde, rid: str, journaled: set[str]) -> str:
-    """What became of the request's job: its ledger action, else whether the journal kept it."""
+#: What the worker logs when it exits with a pop unanswered (a job may come to nobody).
+POP_LEFT_LINE = "may be assigned to this stopped worker"
+
+
+def terminal_action(horde: DevHorde, rid: str, journaled: set[str], said_lost: bool) -> str:
+    """What became of the request's job: its ledger action, else whether the journal
+    kept it, else whether the worker said it left a pop unanswered."""
     ids = job_ids(horde, rid)
     if not ids:
         return "not popped"
@@ -194,7 +268,9 @@ def terminal_action(horde: DevHorde, rid: str, journaled: set[str]) -> str:
     actions = [e["action"] for e in horde.ledger if e["job_id"] == job_id and e["action"] in FINAL]
     if actions:
         return "+".join(actions)
-    return "left in the journal" if job_id in journaled else "lost"
+    if job_id in journaled:
+        return "left in the journal"
+    return "left to expire, said so" if said_lost else "lost"
 
 
 def _jobs_line(actions: list[str]) -> str:
@@ -228,7 +304,11 @@ def one_round(phase: Phase, grace: float, workdir: Path) -> dict[str, Any]:
         journaled = (
             {e["job_id"] for e in json.loads(path.read_text())["jobs"]} if path.exists() else set()
         )
-        actions = [terminal_action(horde, rid, journaled) for rid in rids[phase.reported_from :]]
+        said_lost = bool(worker.said(POP_LEFT_LINE))
+        actions = [
+            terminal_action(horde, rid, journaled, said_lost)
+            for rid in rids[phase.reported_from :]
+        ]
         return {
             "seconds": took,
             "actions": actions or ["no job"],
