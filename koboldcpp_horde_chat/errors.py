@@ -193,4 +193,14 @@ class JobFault(HordeChatError):
 class JobEnded(HordeChatError):
     """The job ended without a submit: the client cancelled it or the Horde
     ended it (``ChatJobAborted``). The local generation was aborted; nothing
-    more is sent for it (seed "Streaming progress")."""
+    more is sent for it (seed "Streaming progress").
+
+    Attributes:
+        counted: the Horde ended the job itself (``ChatJobAborted``: its lease
+            ran out, an aborted job it counts toward maintenance), not the
+            client's cancel (settled, not counted).
+    """
+
+    def __init__(self, why: str, *, counted: bool = False) -> None:
+        super().__init__(why)
+        self.counted = counted

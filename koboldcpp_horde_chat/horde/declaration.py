@@ -263,6 +263,8 @@ def pop_body(
     *,
     withhold: Iterable[str] = frozenset(),
     chat_jobs: bool = True,
+    max_length: int | None = None,
+    chat_max_length: int | None = None,
 ) -> dict[str, Any]:
     """The whole body of ``POST /api/v2/generate/text/pop``.
 
@@ -273,13 +275,17 @@ def pop_body(
     declaration is withdrawn: no chat field and no ``prompt_jobs`` is sent.
     Lengths are tokens: the text limits are koboldcpp's own worker's, with
     ``max_length`` lowered as the chat one is (``settings.declared_max_length``).
+    ``max_length`` and ``chat_max_length``, when given, replace the text
+    ``max_length`` and ``chat_limits.max_length`` (lowered so that a job
+    finishes within its lease: ``service.lease_fit``), never above
+    ``settings.declared_max_length``.
 
     Seed: "1. Declare chat on pop", "Declaration checks and withdrawal".
     """
     body: dict[str, Any] = {
         "name": settings.worker_name,
         "models": [settings.model_id],
-        "max_length": settings.declared_max_length,
+        "max_length": _at_most(max_length, settings.declared_max_length),
         "max_context_length": settings.max_context_length,
         "priority_usernames": [],
         "softprompts": [],
@@ -289,7 +295,16 @@ def pop_body(
         body["threads"] = settings.threads
     if chat_jobs:
         body.update(chat_declaration(settings, caps, withhold=withhold))
+        if chat_max_length is not None:
+            limits = dict(body["chat_limits"])
+            limits["max_length"] = _at_most(chat_max_length, settings.declared_max_length)
+            body["chat_limits"] = limits
     return body
+
+
+def _at_most(value: int | None, cap: int) -> int:
+    """``value`` (at least 1) capped at ``cap``; ``cap`` when None."""
+    return cap if value is None else max(1, min(value, cap))
 
 
 _UNSAFE_NAME_CHARS = re.compile(r"[^\w.\-]")

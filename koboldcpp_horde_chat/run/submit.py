@@ -153,7 +153,7 @@ class SubmitPipeline:
 
     def _fault(self, ctx: JobContext, fault: JobFault) -> bool:
         """Send the fault (the job is ``settling``); True when its retries were handed off."""
-        self.state.record_fault(self.clock(), counts=fault.counts)
+        self.state.record_fault(self.clock(), counts=fault.counts, kind=ctx.kind)
         log.warning(
             "job=%s kind=%s faulted%s: %s",
             ctx.id,
@@ -252,6 +252,10 @@ class SubmitPipeline:
                     self.state.stop_for_key(exc)
                 elif exc.rc == "AbortedGen" or exc.status == 404:
                     self.state.record_dropped()
+                    if exc.rc == "AbortedGen" and not is_fault:
+                        # The Horde ended the job first (its lease ran out, or a
+                        # cancel settled it): counted as an aborted job, to be safe.
+                        self.state.record_expired(self.clock(), ctx.kind)
                     log.warning("job=%s ended on the Horde before the submit (%s)", ctx.id, exc.rc)
                 elif on_refused is not None:
                     # Any other definitive refusal of a reply: the job is still
@@ -289,7 +293,7 @@ class SubmitPipeline:
                 if attempts >= 3 and remaining <= 0:
                     self.state.record_dropped()
                     if not is_fault:  # the job expires on the Horde: an aborted job there
-                        self.state.record_expired(self.clock())
+                        self.state.record_expired(self.clock(), ctx.kind)
                     log.error("job=%s submit failed (%s), the lease is over; dropped", ctx.id, exc)
                     ctx.end(Move.SETTLED)
                     return False

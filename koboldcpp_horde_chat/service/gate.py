@@ -3,18 +3,27 @@
 Seed "The pop loop": pop only when the job can be served. The gate yields to
 a local user and to a busy koboldcpp as koboldcpp's own worker does (the
 local-use signals are ``kcpp.manners``'), waits while koboldcpp does not
-answer, while a submit is being retried, and while a chat-only worker's chat
-declaration is withdrawn.
+answer, while a submit is being retried, while koboldcpp fails every
+generation (probing it with a short one), while the Horde's hour is nearly
+full of this worker's aborted jobs (``guard.MaintenanceGuard``), and while a
+chat-only worker's chat declaration is withdrawn.
 """
 
 from __future__ import annotations
 
+import math
+import secrets
 from collections.abc import Callable
 
+from ..errors import BackendError, ReplyError
+from ..kcpp.answers import text_generation
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
-from .state import WorkerState
+from .journal import GENKEY_PREFIX
+from .lease_fit import tokens_of_text
+from .state import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
+from .status import abort_limit_line
 
 #: Seconds between pops while the Horde keeps the worker in maintenance (also
 #: while a chat-only worker's chat is withdrawn).
@@ -29,6 +38,14 @@ OWN_TAIL_POLL_S = 0.01
 BUSY_POLL_S = 0.2
 #: Seconds between two checks while a local user is generating.
 LOCAL_USER_POLL_S = 1.0
+#: Seconds between two probes of a koboldcpp that failed generations in a row.
+PROBE_EVERY_S = 10.0
+#: A probe's read timeout, seconds (a koboldcpp hanging on it is still failing).
+PROBE_TIMEOUT_S = 60.0
+#: The probe: a short text generation, as a Horde job's (its genkey is the
+#: worker's own, so koboldcpp does not take it for a local user's request).
+PROBE_MAX_LENGTH = 16
+PROBE_PROMPT = "Once upon a time"
 
 
 class PopGate:
@@ -60,6 +77,10 @@ class PopGate:
         self.wall = wall
         self.backend_suspect = False
         self._own_done_at: float | None = None
+        self._next_probe = 0.0
+        #: The words of the last pause, when they are not its reason's own
+        #: (``status.abort_limit_line``); None otherwise.
+        self.line: str | None = None
 
     def pause(self) -> tuple[str, float] | None:
         """Why the loop must not pop now (a ``status.PAUSE_REASONS`` key) and how
@@ -69,8 +90,12 @@ class PopGate:
         and to a busy koboldcpp as koboldcpp's own worker does; waits while
         koboldcpp, which failed a job or a read of its perf, does not answer
         (its readiness GET); pauses a chat-only
-        worker whose chat declaration is withdrawn.
+        worker whose chat declaration is withdrawn. While koboldcpp has failed
+        generations in a row it probes it; while the aborted jobs of the Horde's
+        hour are too many it waits until the window allows one more
+        (:attr:`line` then says until when).
         """
+        self.line = None
         last_local = self.manners.last_local_request_time()
         if self.manners.unreachable:
             # Not answering even an idle read: do not pop a job it cannot serve.
@@ -87,6 +112,20 @@ class PopGate:
         if self.state.retrying_submits:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
+        if not self._backend_generates():
+            return "backend_failing", max(0.1, self._next_probe - self.clock())
+        limit = self.state.abort_limit(self.clock())
+        if limit is not None:
+            count, in_hand, resume_at = limit
+            wait_s = max(0.0, resume_at - self.clock())
+            self.line = abort_limit_line(
+                count=count,
+                in_hand=in_hand,
+                limit=HORDE_FAULT_LIMIT_PER_HOUR,
+                resume_wall=math.ceil(self.wall() + wait_s),
+                wait_s=wait_s,
+            )
+            return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
         return None
@@ -134,3 +173,38 @@ class PopGate:
             self.backend_suspect = False
             return self.backend_changed() is None
         return False
+
+    def _backend_generates(self) -> bool:
+        """False while koboldcpp, which failed generations in a row
+        (``guard.FailureStreak``), fails the probe too.
+
+        An answering koboldcpp that fails every generation would fault every job
+        popped meanwhile. The probe, at most every :data:`PROBE_EVERY_S`, is a
+        short text generation; its answer is measured like a job's.
+        """
+        if not self.state.failure_streak.failing:
+            return True
+        now = self.clock()
+        if now < self._next_probe:
+            return False
+        genkey = f"{GENKEY_PREFIX}probe{secrets.token_hex(8)}"
+        body = {
+            "prompt": PROBE_PROMPT,
+            "max_length": PROBE_MAX_LENGTH,
+            "max_context_length": 512,
+            "genkey": genkey,
+        }
+        started = self.clock()
+        self.note_own_request()
+        try:
+            text = text_generation(self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S))
+        except (BackendError, ReplyError):
+            self._next_probe = self.clock() + PROBE_EVERY_S
+            return False
+        finally:
+            self.note_own_request_done()
+            self.own_generation_ended()
+        self.state.probe_succeeded(
+            tokens_of_text(text), self.clock() - started, max_length=PROBE_MAX_LENGTH
+        )
+        return True

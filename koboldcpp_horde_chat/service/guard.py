@@ -6,9 +6,25 @@ Two guards, each fed plain numbers by the worker (``service/state.py``) with the
 * :class:`MaintenanceGuard` (seed step 7, "7. Fault a job"): the Horde puts a
   worker that aborts more than 20 jobs in an hour into maintenance, so "a
   worker that faults every chat job should withdraw its chat declaration
-  instead". The guard counts this worker's faults over the last hour; at 15
-  it says to withdraw the chat declaration (text jobs go on), and once fewer
-  than 10 remain in the hour it says to declare chat again.
+  instead". The guard counts every job the Horde counts as aborted (a fault,
+  an expired lease, a submit answered ``AbortedGen``, a pop abandoned at a
+  stop) over the last hour and a minute (:data:`COUNT_WINDOW_S`); at 15, when
+  chat jobs are among them, it says to withdraw the chat declaration (text
+  jobs go on), and once fewer than 10 remain it says to declare chat again.
+  With :data:`STOP_POPPING_AT` counted, jobs in hand included (each may still
+  become one), it says to stop popping until the window allows one more
+  (:meth:`MaintenanceGuard.pop_allowed`, :meth:`MaintenanceGuard.resume_at`).
+
+  The Horde's own window (``log_aborted_job`` in the real Horde's
+  ``horde/classes/base/worker.py``) starts at an aborted job that comes more
+  than an hour after the window began (or at the worker's creation) and counts
+  until the next such job: it always lies within the last hour, so a count
+  over the last hour is never below the Horde's. The extra minute covers the
+  time between the worker's count and the Horde's (a fault's submit in
+  flight, clocks apart).
+* :class:`FailureStreak`: generations koboldcpp failed in a row; at
+  :data:`FAILED_IN_A_ROW` the worker stops popping and probes koboldcpp with a
+  small generation until one succeeds, instead of faulting every job it pops.
 * :class:`RefusalGuard` (seed "Submit refusals"): "withdraw a guarantee that
   the backend repeatedly fails to satisfy". It counts the Horde's
   ``ChatSubmitNonconformant`` refusals per declared guarantee or feature over
@@ -40,6 +56,14 @@ WITHDRAW_CHAT_AT: Final = 15
 """Faults in the last hour at which the chat declaration is withdrawn (5 short of the limit)."""
 RESTORE_CHAT_BELOW: Final = 10
 """Chat is declared again once fewer faults than this remain in the last hour."""
+STOP_POPPING_AT: Final = 19
+"""Counted aborts (jobs in hand included) at which the worker stops popping: one
+short of the Horde's 20, spare for a job the worker never saw (a pop whose
+answer was lost), so the 21st is never reached."""
+COUNT_WINDOW_S: Final = HOUR_S + 60.0
+"""The window aborted jobs are counted over, seconds: the Horde's hour and a minute."""
+FAILED_IN_A_ROW: Final = 3
+"""Generations failed in a row after which the worker stops popping and probes koboldcpp."""
 REFUSALS_TO_WITHDRAW: Final = 3
 """``ChatSubmitNonconformant`` refusals in an hour that withdraw a guarantee or feature."""
 
@@ -87,17 +111,19 @@ class SlidingWindow:
 
 
 class MaintenanceGuard:
-    """Withdraw the chat declaration before the Horde's 20 aborted jobs an hour.
+    """Count the jobs the Horde counts as aborted; withdraw chat, then stop popping,
+    before its 20 an hour.
 
-    Call :meth:`record_fault` for each fault the Horde counts as an aborted
-    job (not a fault that follows a ``ChatSubmitNonconformant`` refusal, which
-    the Horde counts apart, and not a job the Horde ended itself), then
-    :meth:`update` before each pop.
+    Call :meth:`record_fault` for each job the Horde counts as aborted (a fault
+    other than one that follows a ``ChatSubmitNonconformant`` refusal, which
+    the Horde counts apart; an expired lease; a submit answered
+    ``AbortedGen``), then :meth:`update` and :meth:`pop_allowed` before each pop.
 
     Args:
-        withdraw_at: faults in the window at which chat is withdrawn (15).
+        withdraw_at: counted aborts in the window at which chat is withdrawn (15).
         restore_below: chat is declared again below this many (10).
-        window_s: the window, seconds (3600).
+        window_s: the window, seconds (:data:`COUNT_WINDOW_S`).
+        stop_at: counted aborts, jobs in hand included, at which popping stops (19).
 
     Attributes:
         chat_enabled: whether the next pop should declare chat.
@@ -108,38 +134,102 @@ class MaintenanceGuard:
         *,
         withdraw_at: int = WITHDRAW_CHAT_AT,
         restore_below: int = RESTORE_CHAT_BELOW,
-        window_s: float = HOUR_S,
+        window_s: float = COUNT_WINDOW_S,
+        stop_at: int = STOP_POPPING_AT,
     ) -> None:
         if not 0 < restore_below <= withdraw_at:
             raise ValueError("need 0 < restore_below <= withdraw_at")
+        if stop_at < 1 or not window_s > 0:
+            raise ValueError("need stop_at >= 1 and a positive window_s")
         self.withdraw_at = withdraw_at
         self.restore_below = restore_below
-        self._faults = SlidingWindow(window_s, maxlen=HORDE_FAULT_LIMIT_PER_HOUR * 4)
+        self.stop_at = stop_at
+        self.window_s = float(window_s)
+        self._faults: deque[tuple[float, str | None]] = deque(
+            maxlen=HORDE_FAULT_LIMIT_PER_HOUR * 4
+        )
         self.chat_enabled = True
 
-    def record_fault(self, now: float) -> None:
-        """Count one fault at ``now``."""
-        self._faults.add(now)
+    def record_fault(self, now: float, kind: str | None = None) -> None:
+        """Count one aborted job at ``now``; ``kind`` is the job's (None: not known,
+        as for a fault kept from an earlier run, taken as possibly chat)."""
+        self._faults.append((now, kind))
+
+    def _forget(self, now: float) -> None:
+        while self._faults and now - self._faults[0][0] >= self.window_s:
+            self._faults.popleft()
 
     def recent(self, now: float) -> int:
-        """Faults in the last window (at most 80)."""
-        return self._faults.count(now)
+        """Counted aborts in the last window (at most 80)."""
+        self._forget(now)
+        return len(self._faults)
 
     def update(self, now: float) -> Transition | None:
         """Decide the declaration for the next pop.
 
-        Returns ``"withdraw"`` when chat was enabled and ``withdraw_at`` faults
-        are in the window, ``"restore"`` when it was withdrawn and fewer than
-        ``restore_below`` remain, else None. :attr:`chat_enabled` follows.
+        Returns ``"withdraw"`` when chat was enabled and ``withdraw_at`` counted
+        aborts are in the window, chat jobs among them (chat fails too),
+        ``"restore"`` when it was withdrawn and fewer than ``restore_below``
+        remain, else None. :attr:`chat_enabled` follows.
         """
         recent = self.recent(now)
-        if self.chat_enabled and recent >= self.withdraw_at:
+        chat_failed = any(kind != "text" for _, kind in self._faults)
+        if self.chat_enabled and recent >= self.withdraw_at and chat_failed:
             self.chat_enabled = False
             return "withdraw"
         if not self.chat_enabled and recent < self.restore_below:
             self.chat_enabled = True
             return "restore"
         return None
+
+    def pop_allowed(self, now: float, in_hand: int = 0) -> bool:
+        """Whether one more job may be popped: the counted aborts plus the
+        ``in_hand`` jobs (each may still become one) stay below ``stop_at``."""
+        return self.recent(now) + in_hand < self.stop_at
+
+    def resume_at(self, now: float, in_hand: int = 0) -> float:
+        """When :meth:`pop_allowed` becomes true again if nothing more is counted
+        and ``in_hand`` jobs remain (clock of ``now``); ``now`` when it already is."""
+        self._forget(now)
+        excess = len(self._faults) + in_hand - self.stop_at + 1
+        if excess <= 0:
+            return now
+        if excess > len(self._faults):  # only jobs in hand ending can allow it
+            return now + self.window_s
+        return self._faults[excess - 1][0] + self.window_s
+
+
+class FailureStreak:
+    """Generations koboldcpp failed in a row (an error, a crash, a hang).
+
+    Call :meth:`failed` for each job whose generation koboldcpp failed and
+    :meth:`succeeded` for each it answered (or a probe it answered).
+
+    Args:
+        limit: failures in a row after which :attr:`failing` is True (3).
+    """
+
+    def __init__(self, limit: int = FAILED_IN_A_ROW) -> None:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self.limit = limit
+        self.count = 0
+
+    @property
+    def failing(self) -> bool:
+        """``limit`` generations failed in a row: stop popping, probe koboldcpp."""
+        return self.count >= self.limit
+
+    def failed(self) -> bool:
+        """Count a failed generation; True when this one makes the streak :attr:`failing`."""
+        self.count += 1
+        return self.count == self.limit
+
+    def succeeded(self) -> bool:
+        """A generation succeeded; True when this ends a :attr:`failing` streak."""
+        was = self.failing
+        self.count = 0
+        return was
 
 
 def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> list[str]:

@@ -5,9 +5,13 @@ submit pipeline read and change it under its lock. It holds
 
 - the running totals (:class:`WorkerStats`), as koboldcpp's worker prints them;
 - what the next pop declares: chat on or withdrawn (``guard.MaintenanceGuard``,
-  before the Horde's 20 aborted jobs an hour) and the features withheld by
+  before the Horde's 20 aborted jobs an hour), the ``max_length`` per kind
+  that fits the lease (``lease_fit.LeaseFit``) and the features withheld by
   the operator or withdrawn after repeated ``ChatSubmitNonconformant``
   refusals (``guard.RefusalGuard``);
+- whether the worker may pop at all: not with the Horde's hour nearly full
+  of aborted jobs (``guard.MaintenanceGuard.pop_allowed``), nor while
+  koboldcpp fails every generation (``guard.FailureStreak``);
 - the stop event and the exit code (a refused API key or declaration stops
   every loop).
 
@@ -22,15 +26,16 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import HordeRefusal
 from ..inflight import CallDeadlines
 from ..run.life import Phase
 from ..settings import WorkerSettings
 from . import guard, status
-from .guard import MaintenanceGuard, RefusalGuard
+from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
 from .journal import Journal
+from .lease_fit import LeaseFit, perf_speed
 from .recovery import Recovery
 
 if TYPE_CHECKING:
@@ -113,6 +118,8 @@ class WorkerState:
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.maintenance_guard = MaintenanceGuard()
         self.refusal_guard = RefusalGuard()
+        self.lease_fit = LeaseFit(settings.declared_max_length, settings.lease_s)
+        self.failure_streak = FailureStreak()
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []
@@ -147,6 +154,7 @@ class WorkerState:
         with earlier.lock:
             self.maintenance_guard = earlier.maintenance_guard
             self.refusal_guard = earlier.refusal_guard
+            self.failure_streak = earlier.failure_streak
             self.withheld = self.withheld | earlier.withheld
             self.moderator_messages_seen = set(earlier.moderator_messages_seen)
             self.stats = earlier.stats
@@ -307,24 +315,27 @@ class WorkerState:
 
     # -------------------------------------------------------------- counting
 
-    def record_fault(self, now: float, *, counts: bool = True) -> None:
-        """Count a fault sent; ``counts`` False for one the Horde counts apart.
+    def record_fault(self, now: float, *, counts: bool = True, kind: str | None = None) -> None:
+        """Count a fault sent (of a ``kind`` job); ``counts`` False for one the
+        Horde counts apart.
 
         One that counts toward maintenance is kept in the journal too, so a
         restarted worker goes on counting it (:meth:`restore_faults`)."""
         with self.lock:
             self.stats.faults += 1
             if counts:
-                self._count_toward_maintenance(now)
+                self._count_toward_maintenance(now, kind)
 
-    def record_expired(self, now: float) -> None:
-        """A job expires on the Horde (its submit could not be delivered): an
-        aborted job there, so it counts toward maintenance."""
+    def record_expired(self, now: float, kind: str | None = None) -> None:
+        """A job ended on the Horde without our terminal action (its lease ran out:
+        a submit not delivered in time, answered ``AbortedGen``, a progress post
+        answered ``ChatJobAborted``): an aborted job there, so it counts toward
+        maintenance."""
         with self.lock:
-            self._count_toward_maintenance(now)
+            self._count_toward_maintenance(now, kind)
 
-    def _count_toward_maintenance(self, now: float) -> None:
-        self.maintenance_guard.record_fault(now)
+    def _count_toward_maintenance(self, now: float, kind: str | None = None) -> None:
+        self.maintenance_guard.record_fault(now, kind)
         if self.journal is not None:
             self.journal.record_fault(time.time())
 
@@ -376,13 +387,15 @@ class WorkerState:
                 return None
             self._next_summary = now + status.SUMMARY_EVERY_S
             stats = self.stats
-            return status.summary_line(
+            line = status.summary_line(
                 jobs=stats.jobs,
                 kudos=stats.kudos,
                 faults=stats.faults,
                 dropped=stats.dropped,
                 uptime_s=wall - stats.started_at,
             )
+            aborted = self.maintenance_guard.recent(now)
+        return f"{line}, {status.aborted_count(aborted, HORDE_FAULT_LIMIT_PER_HOUR)}"
 
     def new_moderator_lines(self, messages: object) -> list[str]:
         """Lines for the Horde's messages to the owner not said before (by any loop)."""
@@ -456,3 +469,73 @@ class WorkerState:
                 name,
                 self.refusal_guard.threshold,
             )
+
+    # ------------------------------------------------ the guard: pops and lengths
+
+    def abort_limit(self, now: float) -> tuple[int, int, float] | None:
+        """None when one more job may be popped; else ``(counted, in_hand,
+        resume_at)``: the aborted jobs counted in the window, the jobs in hand
+        (each may still become one) and when popping is allowed again if
+        nothing more is counted (clock of ``now``; ``guard.MaintenanceGuard``)."""
+        with self.lock:
+            mguard = self.maintenance_guard
+            in_hand = len(self._in_hand)
+            if mguard.pop_allowed(now, in_hand):
+                return None
+            return mguard.recent(now), in_hand, mguard.resume_at(now, in_hand)
+
+    def aborted_recent(self, now: float) -> int:
+        """The aborted jobs counted in the window (the Horde's hour and a minute)."""
+        with self.lock:
+            return self.maintenance_guard.recent(now)
+
+    def declared_lengths(self) -> tuple[int, int]:
+        """``(text, chat)``: the ``max_length`` the next pop declares per kind, tokens."""
+        with self.lock:
+            return self.lease_fit.declared("text"), self.lease_fit.declared("chat")
+
+    def seed_speed(self, perf: dict[str, Any]) -> None:
+        """koboldcpp's own speed figure (``/api/extra/perf``) before any job is measured."""
+        with self.lock:
+            changes = self.lease_fit.seed(perf_speed(perf))
+        for change in changes:
+            log.warning("%s (koboldcpp's own figure)", change.line())
+
+    def record_generated(
+        self, kind: str, tokens: int, seconds: float, *, max_length: int, ttl_s: float
+    ) -> None:
+        """koboldcpp answered a ``kind`` job of ``max_length`` tokens (base lease
+        ``ttl_s``) with ``tokens`` in ``seconds``: measure the speed, refit the
+        declared ``max_length`` (one line when it changes) and end a streak of
+        failed generations."""
+        with self.lock:
+            self.lease_fit.note_lease(ttl_s)
+            change = self.lease_fit.record(kind, tokens, seconds, max_length=max_length)
+            self.failure_streak.succeeded()
+        if change is not None:
+            log.warning("%s", change.line())
+
+    def record_generation_failed(
+        self, kind: str, *, ran_out: bool, max_length: int, seconds: float, ttl_s: float
+    ) -> None:
+        """koboldcpp failed a ``kind`` job's generation (``ran_out``: it did not
+        answer within the lease). A job that ran out narrows that kind's declared
+        ``max_length`` (one line); the failure counts toward the streak after
+        which the worker stops popping and probes koboldcpp."""
+        with self.lock:
+            self.lease_fit.note_lease(ttl_s)
+            change = (
+                self.lease_fit.ran_out(kind, max_length=max_length, seconds=seconds)
+                if ran_out
+                else None
+            )
+            self.failure_streak.failed()
+        if change is not None:
+            log.warning("%s", change.line())
+
+    def probe_succeeded(self, tokens: int, seconds: float, *, max_length: int) -> None:
+        """A probe generation of ``max_length`` tokens answered ``tokens`` in
+        ``seconds``: a text measurement, and the end of the failing streak."""
+        self.record_generated(
+            "text", tokens, seconds, max_length=max_length, ttl_s=self.lease_fit.lease_s
+        )

@@ -14,11 +14,14 @@ doing without reading the code:
 - :func:`summary_line`: the periodic totals line (jobs, kudos, uptime);
 - :func:`earnings_line`: the totals after every job and at the stop, with
   the rates koboldcpp's own worker prints (kudos per hour, jobs per hour,
-  kudos per job).
+  kudos per job);
+- :func:`aborted_count` and :func:`abort_limit_line`: the guard against the
+  Horde's maintenance, as the operator reads it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +66,16 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
         "could not be delivered either until it is settled",
         "the retried submit is settled: popping again",
     ),
+    # The lines of the guard against maintenance (``guard_pause_line`` words the pause).
+    "abort_limit": (
+        "too many aborted jobs in the Horde's hour: not popping",
+        "the Horde's hour allows another aborted job: popping again",
+    ),
+    "backend_failing": (
+        "koboldcpp failed {failed_in_a_row} generations in a row: not popping; probing it "
+        "with a short generation until one succeeds",
+        "koboldcpp generates again: popping",
+    ),
 }
 
 #: A pause shorter than this, seconds, is not said (a local user's single
@@ -70,7 +83,16 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
 PAUSE_REPORT_AFTER_S = 2.0
 #: Pauses said at once: they do not flicker, and the operator should know at once.
 IMMEDIATE_PAUSES = frozenset(
-    {"backend_down", "maintenance", "chat_withdrawn", "refused", "horde_down", "submit_retry"}
+    {
+        "backend_down",
+        "maintenance",
+        "chat_withdrawn",
+        "refused",
+        "horde_down",
+        "submit_retry",
+        "abort_limit",
+        "backend_failing",
+    }
 )
 #: Seconds at least between two lines about empty pops' ``skipped`` counts.
 SKIPPED_EVERY_S = 60.0
@@ -409,3 +431,36 @@ def describe_pop_refusal(status: int, rc: str, message: str) -> RefusalAdvice:
     text = _one_line(message, 200)
     line = f"the Horde refused the pop ({named}" + (f": {text}" if text else "") + ")"
     return RefusalAdvice(action, f"{line}: {advice}" if advice else line)
+
+
+# --- the guard against the Horde's maintenance ------------------------------------------
+
+
+def aborted_count(count: int, limit: int) -> str:
+    """``"aborted 3 in the Horde's hour (maintenance above 20)"``: the jobs the
+    Horde counts as aborted (faults, expired leases) in its window, as the
+    worker counts them (never fewer than the Horde)."""
+    return f"aborted {count} in the Horde's hour (maintenance above {limit})"
+
+
+def abort_limit_line(
+    *, count: int, in_hand: int, limit: int, resume_wall: float, wait_s: float
+) -> str:
+    """The line said when the guard stops popping, e.g. ``"aborted 19 in the
+    Horde's hour (maintenance above 20): not popping, to stay out of maintenance;
+    popping again at 14:05:12 (in 58 min) unless more are counted"``.
+
+    Args:
+        count: aborted jobs counted in the window.
+        in_hand: jobs in hand (each may still become one); said when above 0.
+        limit: the Horde's threshold (20).
+        resume_wall: epoch seconds when popping is allowed again (local time shown).
+        wait_s: seconds until then.
+    """
+    held = f", {in_hand} job{'s' if in_hand != 1 else ''} in hand" if in_hand else ""
+    at = time.strftime("%H:%M:%S", time.localtime(resume_wall))
+    minutes = max(1, round(wait_s / 60.0))
+    return (
+        f"{aborted_count(count, limit)}{held}: not popping, to stay out of maintenance; "
+        f"popping again at {at} (in {minutes} min) unless more are counted"
+    )

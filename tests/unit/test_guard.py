@@ -83,11 +83,12 @@ def test_chat_is_declared_again_once_fewer_than_ten_faults_remain_in_the_hour() 
     for i in range(15):
         g.record_fault(float(i * 10))  # faults at 0, 10, ..., 140 s
     assert g.update(150.0) == "withdraw"
-    # 3600 + 50 s: faults at 0..50 (6 of them) left the window, 9 remain.
-    assert g.update(3600.0 + 40.0) is None  # 10 remain (50..140)
-    assert g.update(3600.0 + 50.0) == "restore"
+    # The window is the Horde's hour and a minute: at 3660 + 50 s the faults at
+    # 0..50 (6 of them) left it, 9 remain.
+    assert g.update(3660.0 + 40.0) is None  # 10 remain (50..140)
+    assert g.update(3660.0 + 50.0) == "restore"
     assert g.chat_enabled
-    assert g.recent(3650.0) == 9
+    assert g.recent(3710.0) == 9
 
 
 def test_the_maintenance_guard_stays_bounded_over_a_long_run() -> None:
