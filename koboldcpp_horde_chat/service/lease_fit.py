@@ -56,26 +56,26 @@ class LengthChange:
         kind: ``"text"`` or ``"chat"``.
         old, new: the declared ``max_length`` before and after, tokens.
         tokens_per_s: the measured speed behind it, or None (a job ran out of its lease).
-        lease_s: the base lease it fits, seconds.
+        budget_s: the seconds a job's generation may take (:func:`budget_s`).
     """
 
     kind: str
     old: int
     new: int
     tokens_per_s: float | None
-    lease_s: float
+    budget_s: float
 
     def line(self) -> str:
         """The one log line for the change, e.g. ``"max_length for text jobs lowered
-        from 512 to 96: koboldcpp generates 1.0 tokens/s here, and a job must finish
-        within 120 s of its 150 s lease"``."""
+        from 512 to 112: koboldcpp generates 1.0 tokens/s here, and a job's generation
+        must end within 120 s of its lease"``."""
         verb = "lowered" if self.new < self.old else "raised"
         if self.tokens_per_s is None:
             why = "a job's generation ran out of its lease"
         else:
             why = (
-                f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s here, and a job must "
-                f"finish within {self.lease_s * FIT_SHARE:.0f} s of its {self.lease_s:.0f} s lease"
+                f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s here, and a job's "
+                f"generation must end within {self.budget_s:.0f} s of its lease"
             )
         return f"max_length for {self.kind} jobs {verb} from {self.old} to {self.new}: {why}"
 
@@ -86,8 +86,15 @@ def tokens_of_text(text: str) -> int:
     return math.ceil(len(text) / 4)
 
 
-def fitted_length(tokens_per_s: float, lease_s: float, cap: int) -> int:
-    """The ``max_length`` generated within ``FIT_SHARE`` of ``lease_s`` at ``tokens_per_s``.
+def budget_s(lease_s: float, margin_s: float = 0.0) -> float:
+    """The seconds a generation may take in a ``lease_s`` lease: :data:`FIT_SHARE`
+    of it, and no more than ``margin_s`` short of its end (the submit's margin):
+    ``(150, 5) -> 120``, ``(20, 5) -> 15``."""
+    return max(0.0, min(lease_s * FIT_SHARE, lease_s - margin_s))
+
+
+def fitted_length(tokens_per_s: float, lease_s: float, cap: int, margin_s: float = 0.0) -> int:
+    """The ``max_length`` generated within :func:`budget_s` of ``lease_s`` at ``tokens_per_s``.
 
     A multiple of :data:`STEP`, at least :data:`MIN_MAX_LENGTH` and at most
     ``cap`` (which wins when smaller): ``(1.0, 150, 512) -> 112``,
@@ -98,7 +105,7 @@ def fitted_length(tokens_per_s: float, lease_s: float, cap: int) -> int:
     """
     if not (tokens_per_s > 0 and lease_s > 0):
         raise ValueError("tokens_per_s and lease_s must be positive")
-    fit = int(tokens_per_s * lease_s * FIT_SHARE) // STEP * STEP
+    fit = int(tokens_per_s * budget_s(lease_s, margin_s)) // STEP * STEP
     return min(cap, max(MIN_MAX_LENGTH, fit))
 
 
@@ -124,16 +131,19 @@ class LeaseFit:
     Args:
         cap: the operator's ``max_length`` (``--hordegenlen`` as declared), tokens.
         lease_s: the base lease, seconds (the pop's ``ttl``; 150).
+        margin_s: seconds before the lease's end the generation must be over
+            (the submit's margin).
 
     Attributes:
         lease_s: the base lease the fit uses; :meth:`note_lease` updates it
             from each job's ``ttl``.
     """
 
-    def __init__(self, cap: int, lease_s: float = 150.0) -> None:
+    def __init__(self, cap: int, lease_s: float = 150.0, margin_s: float = 0.0) -> None:
         if cap < 1 or not lease_s > 0:
             raise ValueError("cap must be at least 1 and lease_s positive")
         self.cap = cap
+        self.margin_s = margin_s
         self.lease_s = float(lease_s)
         self._declared = {kind: cap for kind in KINDS}
         self._samples: dict[str, deque[tuple[int, float]]] = {
@@ -188,21 +198,25 @@ class LeaseFit:
         to what fewer than ``max_length / seconds`` tokens/s fit. Forgets the
         measured speed of the kind, which it proved too high."""
         old = self._declared[kind]
-        bound = fitted_length(max_length / seconds, self.lease_s, self.cap) if seconds > 0 else old
+        bound = (
+            fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
+            if seconds > 0
+            else old
+        )
         new = max(min(MIN_MAX_LENGTH, self.cap), min(old, max_length // 2, bound))
         self._samples[kind].clear()
         if new >= old:
             return None
         self._declared[kind] = new
-        return LengthChange(kind, old, new, None, self.lease_s)
+        return LengthChange(kind, old, new, None, budget_s(self.lease_s, self.margin_s))
 
     def _refit(self, kind: str) -> LengthChange | None:
         speed = self.speed(kind)
         if speed is None:
             return None
         old = self._declared[kind]
-        fit = fitted_length(speed, self.lease_s, self.cap)
+        fit = fitted_length(speed, self.lease_s, self.cap, self.margin_s)
         if fit < old or (fit > old and (fit >= self.cap or fit >= old * RAISE_FACTOR)):
             self._declared[kind] = fit
-            return LengthChange(kind, old, fit, speed, self.lease_s)
+            return LengthChange(kind, old, fit, speed, budget_s(self.lease_s, self.margin_s))
         return None

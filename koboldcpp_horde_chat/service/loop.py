@@ -422,6 +422,13 @@ class Worker:
             # Cancelled or ended by the Horde: nothing to send.
             if ended.counted:  # its lease ran out: an aborted job on the Horde
                 self.state.record_expired(self.clock(), ctx.kind)
+                self.state.record_generation_failed(
+                    ctx.kind,
+                    ran_out=True,
+                    max_length=max_length,
+                    seconds=self.clock() - ctx.started,
+                    ttl_s=job.ttl_s,
+                )
             ctx.end(Move.NO_SUBMIT)
             self.state.release(ctx)
             self.gate.own_generation_ended()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import HordeRefusal
 from ..inflight import CallDeadlines
+from ..run.job import SUBMIT_MARGIN_S
 from ..run.life import Phase
 from ..settings import WorkerSettings
 from . import guard, status
@@ -118,7 +119,9 @@ class WorkerState:
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.maintenance_guard = MaintenanceGuard()
         self.refusal_guard = RefusalGuard()
-        self.lease_fit = LeaseFit(settings.declared_max_length, settings.lease_s)
+        self.lease_fit = LeaseFit(
+            settings.declared_max_length, settings.lease_s, margin_s=SUBMIT_MARGIN_S
+        )
         self.failure_streak = FailureStreak()
         self.lock = threading.RLock()
         self._key_refused = False

@@ -1,0 +1,155 @@
+"""The guard against the Horde's maintenance, end to end: the standalone worker
+against the dev Horde (which counts aborted jobs and enforces maintenance as the
+real Horde does) and a scripted koboldcpp that is too slow for the lease or
+fails its generations. In each the worker never reaches maintenance and keeps
+earning what it can.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+
+from .worker_process import until
+
+NAME = "test-worker"
+#: 25 tokens/s: --hordegenlen 512 takes 20 s, past a 20 s lease less the submit's
+#: 5 s margin; 128 take 5 s.
+TOKEN_DELAY_S = 0.04
+LONG = 512
+SHORT = 128
+
+
+def _long_replies(kcpp: ScriptedKoboldcpp) -> None:
+    """Every generation runs to its budget, at 25 tokens/s."""
+    kcpp.token_delay_s = TOKEN_DELAY_S
+    kcpp.script(lambda body: ScriptedReply(text="sky " * 4000))
+
+
+def _declared(horde: DevHorde) -> list[int]:
+    return [int(p["body"]["max_length"]) for p in horde.pops]
+
+
+def _counted(horde: DevHorde) -> tuple[int, bool]:
+    details = horde.worker(NAME) or {}
+    return int(details.get("uncompleted_jobs", 0)), bool(details.get("maintenance_mode"))
+
+
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_text_declaration_and_earns(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A text job of --hordegenlen tokens cannot finish in its lease: after the
+    first one runs out, the worker declares a max_length its measured speed
+    generates within the lease, so the long requests go to other workers and the
+    short ones earn. Before the guard every long request was popped until it
+    faulted, each an aborted job on the Horde."""
+    caplog.set_level(logging.INFO)
+    _long_replies(kcpp)
+    long_ids = [horde.send_text("Once", max_length=LONG, max_context_length=2048) for _ in range(3)]
+    short_ids = [
+        horde.send_text("Once", max_length=SHORT, max_context_length=2048) for _ in range(3)
+    ]
+    start_worker()
+    until(lambda: all(horde.status(r)["state"] == "done" for r in short_ids), 90,
+          lambda: caplog.text[-3000:])
+    aborted, maintenance = _counted(horde)
+    assert not maintenance
+    assert aborted <= 1, caplog.text[-3000:]
+    assert "max_length for text jobs lowered from 512" in caplog.text
+    assert min(_declared(horde)) < LONG
+    assert all(horde.status(r)["state"] != "done" for r in long_ids)
+
+
+def test_koboldcpps_own_speed_figure_fits_the_first_pop_to_the_lease(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+) -> None:
+    """A koboldcpp that already generated says its speed (/api/extra/perf): the
+    first pop declares what it generates within 120 s of the 150 s lease, so no
+    job is lost to learn it."""
+    kcpp._perf.update(total_gens=3, last_eval_speed=2.0)  # noqa: SLF001 - a used koboldcpp
+    start_worker()
+    until(lambda: len(horde.pops) >= 1, 30)
+    assert _declared(horde)[0] == 240  # 2 tokens/s x 120 s, by 16
+    assert horde.pops[0]["body"]["chat_limits"]["max_length"] == 240
+
+
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "lease_cap_s": 24.0}], indirect=True)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_chat_declaration_and_earns(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+) -> None:
+    """The same for chat jobs, streamed (progress posts extend the lease, up to
+    its cap) or not."""
+    caplog.set_level(logging.INFO)
+    _long_replies(kcpp)
+
+    def send(max_tokens: int) -> str:
+        return horde.send_chat(
+            {"messages": [{"role": "user", "content": "Sky?"}], "max_tokens": max_tokens,
+             "stream": stream},
+            best_effort=True,
+        )
+
+    long_ids = [send(LONG) for _ in range(3)]
+    short_ids = [send(SHORT) for _ in range(3)]
+    start_worker()
+    until(lambda: all(horde.status(r)["state"] == "done" for r in short_ids), 120,
+          lambda: caplog.text[-3000:])
+    aborted, maintenance = _counted(horde)
+    assert not maintenance
+    assert aborted <= 1, caplog.text[-3000:]
+    assert "max_length for chat jobs lowered from 512" in caplog.text
+    # A streamed job's progress posts extend its lease (here up to 24 s): the
+    # first long one may finish; none after the declaration was lowered.
+    assert sum(horde.status(r)["state"] == "done" for r in long_ids) <= (1 if stream else 0)
+
+
+def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp answers its readiness probe yet fails every generation: after a
+    few failures in a row the worker stops popping and probes koboldcpp with a
+    short generation, instead of faulting every job it pops into maintenance;
+    once koboldcpp generates again it pops and earns."""
+    caplog.set_level(logging.INFO)
+    for _ in range(60):
+        kcpp.inject("generate", (500, {"detail": {"msg": "boom"}}))
+        kcpp.inject("chat", (500, {"detail": {"msg": "boom"}}))
+    ids = [horde.send_text("Once", max_length=32, max_attempts=1) for _ in range(25)]
+    ids += [
+        horde.send_chat(
+            {"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True, max_attempts=1
+        )
+        for _ in range(5)
+    ]
+    start_worker()
+    until(lambda: "failed 3 generations in a row: not popping" in caplog.text, 60,
+          lambda: caplog.text[-3000:])
+    pops = len(horde.pops)
+    assert _counted(horde) == (3, False)
+    time.sleep(12.0)  # a probe (every 10 s) fails meanwhile: still no pop
+    assert len(horde.pops) == pops
+    kcpp._faults.clear()  # noqa: SLF001 - koboldcpp is fixed
+    until(lambda: "koboldcpp generates again: popping" in caplog.text, 30,
+          lambda: caplog.text[-3000:])
+    until(lambda: sum(horde.status(r)["state"] == "done" for r in ids) >= 5, 60)
+    assert _counted(horde) == (3, False)
