@@ -81,6 +81,7 @@ class PopGate:
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
+        self._abort_line: tuple[tuple[int, int], str] | None = None
 
     def pause(self) -> tuple[str, float] | None:
         """Why the loop must not pop now (a ``status.PAUSE_REASONS`` key) and how
@@ -118,13 +119,17 @@ class PopGate:
         if limit is not None:
             count, in_hand, resume_at = limit
             wait_s = max(0.0, resume_at - self.clock())
-            self.line = abort_limit_line(
-                count=count,
-                in_hand=in_hand,
-                limit=HORDE_FAULT_LIMIT_PER_HOUR,
-                resume_wall=math.ceil(self.wall() + wait_s),
-                wait_s=wait_s,
-            )
+            if self._abort_line is None or self._abort_line[0] != (count, in_hand):
+                # Worded once per count: said again only when it changes.
+                line = abort_limit_line(
+                    count=count,
+                    in_hand=in_hand,
+                    limit=HORDE_FAULT_LIMIT_PER_HOUR,
+                    resume_wall=math.ceil(self.wall() + wait_s),
+                    wait_s=wait_s,
+                )
+                self._abort_line = ((count, in_hand), line)
+            self.line = self._abort_line[1]
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S

@@ -408,12 +408,14 @@ class WorkerState:
     # ---------------------------------------------------------- declaration
 
     def update_chat_withdrawal(self, now: float) -> bool:
-        """Withdraw the chat declaration before the Horde's 20 faults an hour.
+        """Withdraw the chat declaration before the Horde's 20 aborted jobs an hour.
 
-        The counting is ``guard.MaintenanceGuard``'s: withdrawn at 15 faults
-        in the last hour, declared again below 10. A worker that also serves
-        text jobs keeps popping without the declaration; a chat-only worker
-        (``prompt_jobs`` False) cannot pop without it, so it pauses popping.
+        The counting is ``guard.MaintenanceGuard``'s: withdrawn at 15 aborted
+        jobs in the Horde's hour (and a minute), chat jobs among them, declared
+        again below 10. A worker that also serves text jobs keeps popping
+        without the declaration; a chat-only worker (``prompt_jobs`` False)
+        cannot pop without it, so it pauses popping. Each change is one line
+        worded as the totals line counts (``status.aborted_count``).
         Returns False when the next pop must be skipped.
         """
         with self.lock:
@@ -421,19 +423,18 @@ class WorkerState:
             change = mguard.update(now)
             recent = mguard.recent(now)
             enabled = mguard.chat_enabled
+        count = status.aborted_count(recent, HORDE_FAULT_LIMIT_PER_HOUR)
         if change == "withdraw":
             log.warning(
-                "%d faults in the last hour (the Horde puts a worker into maintenance "
-                "after %d): withdrawing the chat declaration%s until fewer than %d "
-                "faults remain in the hour",
-                recent,
-                HORDE_FAULT_LIMIT_PER_HOUR,
+                "%s, chat jobs among them: withdrawing the chat declaration%s until "
+                "fewer than %d remain",
+                count,
                 " (text jobs continue)" if self.settings.prompt_jobs else
                 " and pausing pops (chat-only worker)",
                 mguard.restore_below,
             )
         elif change == "restore":
-            log.info("faults have quietened (%d in the last hour): declaring chat again", recent)
+            log.info("%s: declaring chat again", count)
         return enabled or self.settings.prompt_jobs
 
     def outcome_may_withdraw(self, ctx: JobContext, *, is_fault: bool, now: float) -> bool:

@@ -49,8 +49,8 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
         "the Horde takes pops again: popping",
     ),
     "chat_withdrawn": (
-        "chat is withdrawn after too many faults and this worker serves chat jobs only: "
-        "not popping until the faults of the last hour are fewer",
+        "chat is withdrawn after too many aborted jobs and this worker serves chat jobs "
+        "only: not popping until fewer remain in the Horde's hour",
         "chat is declared again: popping",
     ),
     "refused": (

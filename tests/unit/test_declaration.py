@@ -293,3 +293,24 @@ def test_a_colon_in_the_model_id_is_warned_about() -> None:
     assert len(warnings) == 1
     assert "':'" in warnings[0]
     assert model_id_warnings("inactive")
+
+
+# --- the max_length that fits the lease (service.lease_fit) ---------------------------
+
+
+def test_the_lengths_fitted_to_the_lease_replace_the_text_and_chat_max_length() -> None:
+    body = pop_body(settings(), BackendCapabilities(), max_length=240, chat_max_length=112)
+    assert body["max_length"] == 240
+    assert body["chat_limits"]["max_length"] == 112
+    assert body["chat_limits"]["max_context_length"] == 4096  # the context is not narrowed
+    assert body["max_context_length"] == 4096
+
+
+def test_a_fitted_length_is_never_declared_above_hordegenlen_nor_below_one() -> None:
+    body = pop_body(settings(), BackendCapabilities(), max_length=4096, chat_max_length=513)
+    assert (body["max_length"], body["chat_limits"]["max_length"]) == (512, 512)
+    body = pop_body(settings(), BackendCapabilities(), max_length=0, chat_max_length=-5)
+    assert (body["max_length"], body["chat_limits"]["max_length"]) == (1, 1)
+    # Without a fitted length the operator's length is declared, as before.
+    body = pop_body(settings(), BackendCapabilities())
+    assert (body["max_length"], body["chat_limits"]["max_length"]) == (512, 512)

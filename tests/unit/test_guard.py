@@ -6,9 +6,15 @@ import ast
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.service import guard
 from koboldcpp_horde_chat.service.guard import (
+    COUNT_WINDOW_S,
+    HORDE_FAULT_LIMIT_PER_HOUR,
+    STOP_POPPING_AT,
+    FailureStreak,
     MaintenanceGuard,
     RefusalGuard,
     SlidingWindow,
@@ -102,6 +108,158 @@ def test_the_maintenance_guard_stays_bounded_over_a_long_run() -> None:
 def test_the_maintenance_guard_refuses_inverted_thresholds() -> None:
     with pytest.raises(ValueError):
         MaintenanceGuard(withdraw_at=5, restore_below=10)
+    with pytest.raises(ValueError):
+        MaintenanceGuard(stop_at=0)
+    with pytest.raises(ValueError):
+        MaintenanceGuard(window_s=0.0)
+
+
+def test_the_thresholds_are_the_hordes_twenty_less_a_margin() -> None:
+    assert HORDE_FAULT_LIMIT_PER_HOUR == 20
+    assert (guard.WITHDRAW_CHAT_AT, guard.RESTORE_CHAT_BELOW, STOP_POPPING_AT) == (15, 10, 19)
+    assert COUNT_WINDOW_S == 3660.0  # the Horde's hour and a minute
+
+
+def test_text_jobs_failing_alone_do_not_withdraw_chat() -> None:
+    g = MaintenanceGuard()
+    for i in range(18):
+        g.record_fault(float(i), "text")
+    assert g.update(20.0) is None and g.chat_enabled  # chat did not fail: keep it
+    g.record_fault(21.0, "chat")
+    assert g.update(22.0) == "withdraw"
+
+
+@pytest.mark.parametrize("kind", ["chat", None])
+def test_a_chat_fault_or_one_of_unknown_kind_among_fifteen_withdraws_chat(
+    kind: str | None,
+) -> None:
+    g = MaintenanceGuard()
+    for i in range(14):
+        g.record_fault(float(i), "text")
+    g.record_fault(14.0, kind)  # None: kept from an earlier run, may have been chat
+    assert g.update(15.0) == "withdraw"
+
+
+def test_an_aborted_job_is_counted_for_the_horde_hour_and_a_minute() -> None:
+    g = MaintenanceGuard()
+    g.record_fault(100.0)
+    assert g.recent(100.0 + 3659.9) == 1
+    assert g.recent(100.0 + 3660.0) == 0
+
+
+def test_popping_stops_at_nineteen_aborted_jobs_in_the_window() -> None:
+    g = MaintenanceGuard()
+    for i in range(18):
+        g.record_fault(float(i))
+    assert g.pop_allowed(18.0)
+    g.record_fault(18.0)
+    assert not g.pop_allowed(18.0)
+    assert not g.pop_allowed(3659.9)
+    assert g.pop_allowed(3660.0)  # the fault at 0 left the window: 18 remain
+
+
+def test_jobs_in_hand_count_toward_the_stop_as_each_may_still_abort() -> None:
+    g = MaintenanceGuard()
+    for i in range(16):
+        g.record_fault(float(i))
+    assert g.pop_allowed(20.0, in_hand=2)  # 18
+    assert not g.pop_allowed(20.0, in_hand=3)  # 19
+    assert g.pop_allowed(20.0, in_hand=0)
+
+
+def test_popping_resumes_when_the_oldest_aborted_jobs_leave_the_window() -> None:
+    g = MaintenanceGuard()
+    for i in range(19):
+        g.record_fault(float(i * 10))  # at 0, 10, ..., 180
+    assert g.resume_at(200.0) == 3660.0  # the first leaves: 18 remain
+    assert g.resume_at(200.0, in_hand=2) == 20.0 + 3660.0  # three must leave
+    assert not g.pop_allowed(3659.0) and g.pop_allowed(3660.0)
+    assert not g.pop_allowed(3679.0, in_hand=2) and g.pop_allowed(3680.0, in_hand=2)
+    # Already allowed: now.
+    assert g.resume_at(3700.0) == 3700.0
+
+
+def test_with_only_jobs_in_hand_in_the_way_popping_resumes_within_the_window() -> None:
+    g = MaintenanceGuard()
+    g.record_fault(0.0)
+    assert g.resume_at(10.0, in_hand=19) == 10.0 + COUNT_WINDOW_S
+    assert MaintenanceGuard().resume_at(5.0, in_hand=19) == 5.0 + COUNT_WINDOW_S
+
+
+def _horde_counts(times: list[float]) -> int:
+    """The most aborted jobs the real Horde's ``log_aborted_job`` counts at once:
+    its window starts at an aborted job more than an hour after the last start."""
+    count, since, most = 0, -1e18, 0
+    for t in times:
+        if t - since > 3600.0:
+            count, since = 0, t
+        count += 1
+        most = max(most, count)
+    return most
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=400.0),
+            st.integers(min_value=0, max_value=4),  # pops tried
+            st.integers(min_value=0, max_value=4),  # jobs in hand that abort
+            st.integers(min_value=0, max_value=2),  # jobs in hand that complete
+        ),
+        min_size=5,
+        max_size=100,
+    )
+)
+def test_a_worker_that_pops_only_when_allowed_never_reaches_the_hordes_limit(
+    steps: list[tuple[float, int, int, int]],
+) -> None:
+    """Whatever the timing, however many jobs are in hand and however many of them
+    abort, the Horde's own window never counts more than 19 (maintenance is above 20)."""
+    g = MaintenanceGuard()
+    now, in_hand, aborted = 0.0, 0, []
+    for gap, pops, aborts, completes in steps:
+        now += gap
+        for _ in range(pops):
+            if g.pop_allowed(now, in_hand):
+                in_hand += 1
+        for _ in range(min(aborts, in_hand)):
+            in_hand -= 1
+            g.record_fault(now)
+            aborted.append(now)
+        in_hand -= min(completes, in_hand)
+        assert _horde_counts(aborted) <= STOP_POPPING_AT < HORDE_FAULT_LIMIT_PER_HOUR
+
+
+# --- FailureStreak ---------------------------------------------------------------------
+
+
+def test_three_failed_generations_in_a_row_stop_the_popping() -> None:
+    streak = FailureStreak()
+    assert [streak.failed(), streak.failed()] == [False, False]
+    assert not streak.failing
+    assert streak.failed() is True  # the third: said once
+    assert streak.failing
+    assert streak.failed() is False and streak.failing
+
+
+def test_a_success_ends_the_streak_and_says_so_only_when_it_was_failing() -> None:
+    streak = FailureStreak()
+    streak.failed()
+    streak.failed()
+    assert streak.succeeded() is False  # was not failing
+    streak.failed()
+    streak.failed()
+    assert not streak.failing  # failures with a success between are not in a row
+    streak.failed()
+    assert streak.succeeded() is True
+    assert not streak.failing and streak.count == 0
+
+
+def test_a_streak_refuses_a_limit_below_one() -> None:
+    with pytest.raises(ValueError):
+        FailureStreak(0)
+    assert FailureStreak(1).failed() is True
 
 
 # --- refusal attribution -------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from koboldcpp_horde_chat.service.status import (
@@ -9,6 +11,8 @@ from koboldcpp_horde_chat.service.status import (
     SKIPPED_EVERY_S,
     PauseTracker,
     SkippedReporter,
+    abort_limit_line,
+    aborted_count,
     describe_pop_refusal,
     describe_skipped,
     earnings_line,
@@ -207,3 +211,36 @@ def test_the_earnings_line_has_rates_from_the_first_job_and_none_to_divide_by_ze
     assert earnings_line(kudos=10, jobs=1, faults=0, elapsed_s=90061).startswith(
         "total 10 kudos, time 25:01:01, 1 job,"
     )
+
+
+# --- the guard against the Horde's maintenance -----------------------------------------
+
+
+def test_the_aborted_count_names_the_hordes_hour_and_its_threshold() -> None:
+    assert aborted_count(3, 20) == "aborted 3 in the Horde's hour (maintenance above 20)"
+
+
+def test_the_stop_line_says_why_and_when_popping_resumes() -> None:
+    resume = time.mktime((2030, 1, 2, 14, 5, 12, 0, 0, -1))
+    assert abort_limit_line(count=19, in_hand=0, limit=20, resume_wall=resume, wait_s=3480.0) == (
+        "aborted 19 in the Horde's hour (maintenance above 20): not popping, to stay out "
+        "of maintenance; popping again at 14:05:12 (in 58 min) unless more are counted"
+    )
+    line = abort_limit_line(count=17, in_hand=2, limit=20, resume_wall=resume, wait_s=10.0)
+    assert line.startswith("aborted 17 in the Horde's hour (maintenance above 20), 2 jobs in hand:")
+    assert line.endswith("(in 1 min) unless more are counted")  # never "in 0 min"
+    line = abort_limit_line(count=18, in_hand=1, limit=20, resume_wall=resume, wait_s=60.0)
+    assert ", 1 job in hand:" in line
+
+
+def test_a_guard_pause_is_said_once_for_the_same_line_and_popping_again_after() -> None:
+    t = PauseTracker(failed_in_a_row=3)
+    line = "aborted 19 in the Horde's hour (maintenance above 20): not popping, ..."
+    assert t.pausing("abort_limit", 0.0, line=line) == line  # at once
+    assert t.pausing("abort_limit", 60.0, line=line) is None
+    assert t.popping(120.0) == "the Horde's hour allows another aborted job: popping again"
+    assert t.pausing("backend_failing", 130.0) == (
+        "koboldcpp failed 3 generations in a row: not popping; probing it with a short "
+        "generation until one succeeds"
+    )
+    assert t.popping(140.0) == "koboldcpp generates again: popping"

@@ -329,11 +329,43 @@ def test_chat_is_withdrawn_before_the_hordes_twenty_faults_and_restored_after_a_
     assert "chat_jobs" not in last and "chat_features" not in last
     assert last["max_length"] == 512 and last["models"] == [MODEL]
     withdrawals = [r for r in caplog.records if "withdrawing the chat declaration" in r.getMessage()]
-    assert len(withdrawals) == 1 and "15 faults in the last hour" in withdrawals[0].getMessage()
+    assert len(withdrawals) == 1 and withdrawals[0].getMessage().startswith(
+        "aborted 15 in the Horde's hour (maintenance above 20), chat jobs among them: "
+        "withdrawing the chat declaration (text jobs continue) until fewer than 10 remain"
+    )
     clock.advance(3660.0)  # the Horde's hour and the guard's minute beyond it
     worker.run_once()
     assert horde.pop_bodies[-1].get("chat_jobs") is True
-    assert "declaring chat again" in log_text(caplog)
+    assert "aborted 0 in the Horde's hour (maintenance above 20): declaring chat again" in (
+        log_text(caplog)
+    )
+
+
+def test_nineteen_aborted_text_jobs_stop_the_popping_until_the_hordes_hour_allows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker, horde, _, clock = make([text_pop("t1"), chat_pop("c1")])
+    caplog.set_level(logging.INFO)
+    first = clock()
+    for i in range(19):
+        worker.state.record_fault(first + i, kind="text")
+    clock.advance(19.0)
+    run(worker, 3)
+    assert horde.pop_calls == 0
+    stops = [r.getMessage() for r in caplog.records if "not popping, to stay out" in r.getMessage()]
+    assert len(stops) == 1, stops  # said once, not once a pass
+    assert stops[0].startswith(
+        "worker 1: aborted 19 in the Horde's hour (maintenance above 20): not popping"
+    )
+    # The first leaves the Horde's hour and a minute 3641 s from now.
+    assert stops[0].endswith("(in 61 min) unless more are counted")
+    # Text faults alone never withdraw chat: chat fails nowhere.
+    assert "withdrawing the chat declaration" not in log_text(caplog)
+    clock.advance(first + 3660.0 - clock())  # the first leaves the Horde's hour and a minute
+    run(worker, 1)
+    assert horde.pop_calls == 1
+    assert horde.pop_bodies[-1].get("chat_jobs") is True
+    assert "the Horde's hour allows another aborted job: popping again" in log_text(caplog)
 
 
 def test_a_chat_only_worker_pauses_pops_while_chat_is_withdrawn() -> None:
