@@ -22,6 +22,18 @@ Two guards, each fed plain numbers by the worker (``service/state.py``) with the
   over the last hour is never below the Horde's. The extra minute covers the
   time between the worker's count and the Horde's (a fault's submit in
   flight, clocks apart).
+
+  What fails for time is narrowed instead (``service.lease_fit``: the
+  declared ``max_length``); what fails for size is not. A chat job faulted
+  ``prompt_overflow`` did not fit the job's own ``max_context_length``
+  (seed step 3), a budget the Horde keeps within the declared
+  ``chat_limits.max_context_length`` (seed step 2): a narrower declaration
+  would only turn away requests that fit (or, where the Horde fills in the
+  declared value for a request without one, shrink its budget), never keep a
+  conversation from overflowing its own. Such faults count here toward the
+  chat withdrawal. koboldcpp
+  cuts the front of a text prompt too long for its context rather than
+  refusing it, so a text job never fails for size.
 * :class:`FailureStreak`: generations koboldcpp failed in a row; at
   :data:`FAILED_IN_A_ROW` the worker stops popping and probes koboldcpp with a
   small generation until one succeeds, instead of faulting every job it pops.

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
+from koboldcpp_horde_chat.devkit.kcpp import Fault, ScriptedKoboldcpp, ScriptedReply
 
 from .worker_process import until
 
@@ -153,3 +154,82 @@ def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
           lambda: caplog.text[-3000:])
     until(lambda: sum(horde.status(r)["state"] == "done" for r in ids) >= 5, 60)
     assert _counted(horde) == (3, False)
+
+
+def test_a_mix_of_failing_chat_and_text_jobs_withdraws_chat_then_stops_before_maintenance(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp fails every chat completion and the text generations of some
+    prompts, and some conversations do not fit their context (a prompt_overflow
+    fault, counted by the Horde as any other): the jobs come interleaved with text
+    jobs that succeed, so no streak of failures stops the popping. The worker
+    withdraws chat at 15 aborted jobs, keeps earning from text jobs, and stops
+    popping at 19, before the Horde's 21st; the chat context it declares is never
+    narrowed (a narrower one would not keep a conversation from overflowing)."""
+    caplog.set_level(logging.INFO)
+
+    def fail(route: str, body: Any) -> Fault | None:
+        if route == "chat":
+            return 500, {"detail": {"msg": "chat template error"}}
+        if route == "generate" and isinstance(body, dict) and "FAIL" in str(body.get("prompt")):
+            return 500, {"detail": {"msg": "boom"}}
+        return None
+
+    kcpp.fail_when(fail)
+
+    def chat() -> str:
+        return horde.send_chat(
+            {"messages": [{"role": "user", "content": "Sky?"}], "max_tokens": 32},
+            best_effort=True,
+            max_attempts=1,
+        )
+
+    def overflowing_chat() -> str:
+        return horde.send_chat(
+            {
+                "messages": [{"role": "user", "content": "words " * 400}],
+                "max_tokens": 32,
+                "max_context_length": 256,
+            },
+            best_effort=True,
+            max_attempts=1,
+        )
+
+    good: list[str] = []
+    for i in range(24):  # 36 failing jobs in all: 12 chat, then text alone
+        if i < 12:
+            chat() if i % 4 else overflowing_chat()
+        good.append(horde.send_text(f"Once {i}", max_length=32, max_attempts=1))
+        horde.send_text(f"FAIL {i}", max_length=32, max_attempts=1)
+    start_worker()
+    until(
+        lambda: "not popping, to stay out of maintenance" in caplog.text or _counted(horde)[1],
+        120,
+        lambda: caplog.text[-3000:],
+    )
+    pops = len(horde.pops)
+    time.sleep(3.0)
+    assert len(horde.pops) == pops  # stopped
+    aborted, maintenance = _counted(horde)
+    assert not maintenance
+    assert aborted <= 19, caplog.text[-3000:]
+    text = caplog.text
+    assert (
+        "in the Horde's hour (maintenance above 20), chat jobs among them: withdrawing "
+        "the chat declaration (text jobs continue)" in text
+    )
+    bodies = [p["body"] for p in horde.pops]
+    withdrawn_at = next(i for i, b in enumerate(bodies) if "chat_jobs" not in b)
+    assert all("chat_jobs" not in b for b in bodies[withdrawn_at:])  # not back within the hour
+    assert {b["chat_limits"]["max_context_length"] for b in bodies if "chat_limits" in b} == {4096}
+    # It went on earning from text jobs after chat was withdrawn.
+    done = [r for r in good if horde.status(r)["state"] == "done"]
+    popped_after = {
+        j for p in horde.pops[withdrawn_at:] for j in (p["response"] or {}).get("ids", [])
+    }
+    assert done and any(
+        set(horde.status(r)["job_ids"]) & popped_after for r in done
+    ), caplog.text[-3000:]

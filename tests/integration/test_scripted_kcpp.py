@@ -27,6 +27,7 @@ from koboldcpp_horde_chat.devkit.kcpp import (
     BUSY_BODY,
     PROTECTED_MODEL_NAME,
     UNAUTHORIZED_BODY,
+    Fault,
     OaiStreamSplitter,
     ScriptedKoboldcpp,
     ScriptedReply,
@@ -942,6 +943,41 @@ def test_injected_faults_reach_the_client_as_backend_errors(k: ScriptedKoboldcpp
         k.inject("nope", "reset")
     with pytest.raises(ValueError):
         k.inject("chat", "explode")
+
+
+def test_a_standing_fault_rule_fails_requests_by_what_they_are(k: ScriptedKoboldcpp) -> None:
+    """``fail_when`` interleaves failures with successes: every chat completion
+    fails, text generations fail only for the marked prompts, a queued fault
+    still comes first, and a fault the rule gets wrong is a 500."""
+    client = KoboldClient(k.url)
+    seen: list[str] = []
+
+    def rule(route: str, body: Any) -> Fault | None:
+        seen.append(route)
+        if route == "chat":
+            return (500, {"detail": {"msg": "chat boom"}})
+        if route == "generate" and isinstance(body, dict) and body.get("prompt") == "FAIL":
+            return "reset"
+        if route == "generate" and isinstance(body, dict) and body.get("prompt") == "odd":
+            return "explode"
+        return None
+
+    k.fail_when(rule)
+    with pytest.raises(BackendError, match="chat boom"):
+        client.chat_completion({"messages": COLOUR}, timeout_s=5)
+    assert client.generate({"prompt": "Once", "max_length": 4}, timeout_s=5)["results"]
+    with pytest.raises(BackendError) as reset:
+        client.generate({"prompt": "FAIL", "max_length": 4}, timeout_s=5)
+    assert reset.value.status == 0
+    with pytest.raises(BackendError, match="bad scripted fault") as bad:
+        client.generate({"prompt": "odd", "max_length": 4}, timeout_s=5)
+    assert bad.value.status == 500
+    k.inject("generate", (503, {"detail": {"msg": "queued first"}}))
+    with pytest.raises(BackendError, match="queued first"):
+        client.generate({"prompt": "Once", "max_length": 4}, timeout_s=5)
+    assert seen.count("generate") == 3  # the queued fault answered without the rule
+    k.fail_when(None)
+    assert client.chat_completion({"messages": COLOUR}, timeout_s=5)["choices"]
 
 
 def test_a_cut_stream_ends_without_done(k: ScriptedKoboldcpp) -> None:

@@ -292,6 +292,7 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         self.chunk_log: list[tuple[float, dict[str, Any]]] = []
 
         self._script: Callable[[dict[str, Any]], ScriptedReply | None] | None = None
+        self._fail_rule: Callable[[str, Any], Fault | None] | None = None
         self._faults: dict[str, deque[Fault]] = {}
         self._lock = threading.Lock()  # state below
         self._model = threading.Lock()  # koboldcpp's modelbusy
@@ -439,6 +440,8 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
             queued = self._faults.get(route)
             if queued:
                 fault = queued.popleft()
+        if fault is None:
+            fault = self._standing_fault(route, body)
         if isinstance(fault, tuple):
             ex.send_json(fault[0], fault[1])
             return

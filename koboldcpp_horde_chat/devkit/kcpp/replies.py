@@ -183,6 +183,21 @@ def _mint_call_id() -> str:
     return f"call_{random.randint(10000, 99999)}"
 
 
+def check_fault(fault: Fault) -> None:
+    """Raise ValueError unless ``fault`` is one :meth:`ScriptedReplies.inject` takes."""
+    if isinstance(fault, tuple):
+        if len(fault) != 2 or not isinstance(fault[0], int):
+            raise ValueError(f"a fault tuple is (status, body), got {fault!r}")
+    elif not isinstance(fault, str):
+        raise ValueError(f"a fault is a (status, body) tuple or a name, got {fault!r}")
+    elif fault.startswith("hang:"):
+        float(fault[5:])
+    elif fault.startswith("stall:"):
+        float(fault[6:])
+    elif fault not in ("reset", "truncate", "stream_cut", "stream_error", "no_finish"):
+        raise ValueError(f"unknown fault {fault!r}")
+
+
 class ScriptedReplies(KcppCore):
     """What the model generates for a body, and the faults queued per route."""
 
@@ -225,17 +240,35 @@ class ScriptedReplies(KcppCore):
         if route not in ROUTE_NAMES:
             raise ValueError(f"unknown route {route!r}; known: {sorted(ROUTE_NAMES)}")
         for fault in responses:
-            if isinstance(fault, tuple):
-                if len(fault) != 2 or not isinstance(fault[0], int):
-                    raise ValueError(f"a fault tuple is (status, body), got {fault!r}")
-            elif fault.startswith("hang:"):
-                float(fault[5:])
-            elif fault.startswith("stall:"):
-                float(fault[6:])
-            elif fault not in ("reset", "truncate", "stream_cut", "stream_error", "no_finish"):
-                raise ValueError(f"unknown fault {fault!r}")
+            check_fault(fault)
         with self._lock:
             self._faults.setdefault(route, deque()).extend(responses)
+
+    def fail_when(self, rule: Callable[[str, Any], Fault | None] | None) -> None:
+        """Set a standing rule of faults: ``rule(route, body)`` is asked for every
+        request that has no fault queued by :meth:`inject` and returns a fault (as
+        :meth:`inject` takes them) or None to serve the request normally.
+
+        It fails requests by what they are rather than by their order, so failures
+        interleave with successes: e.g. every chat completion (route ``"chat"``)
+        fails while text generations (``"generate"``) are served, or only the
+        requests whose prompt holds a marker fail. ``fail_when(None)`` removes it.
+        A fault the rule returns that :meth:`inject` would refuse is answered 500.
+        """
+        self._fail_rule = rule
+
+    def _standing_fault(self, route: str, body: Any) -> Fault | None:
+        rule = self._fail_rule
+        if rule is None:
+            return None
+        fault = rule(route, body)
+        if fault is None:
+            return None
+        try:
+            check_fault(fault)
+        except (ValueError, TypeError, AttributeError):
+            return (500, {"detail": {"msg": f"bad scripted fault {fault!r}"}})
+        return fault
 
     def _scripted(self, body: dict[str, Any]) -> ScriptedReply | None:
         fn = self._script

@@ -60,6 +60,7 @@ class KcppCore:
     log_chunks: bool
     chunk_log: list[tuple[float, dict[str, Any]]]
     _script: Callable[[dict[str, Any]], ScriptedReply | None] | None
+    _fail_rule: Callable[[str, Any], Fault | None] | None
     _faults: dict[str, deque[Fault]]
     _lock: threading.Lock
     _model: threading.Lock
