@@ -22,6 +22,7 @@ from ..kcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from .journal import GENKEY_PREFIX
 from .lease_fit import tokens_of_text
+from .meter import record_generated
 from .state import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
 from .status import abort_limit_line
 
@@ -209,7 +210,12 @@ class PopGate:
         finally:
             self.note_own_request_done()
             self.own_generation_ended()
-        self.state.probe_succeeded(
-            tokens_of_text(text), self.clock() - started, max_length=PROBE_MAX_LENGTH
+        record_generated(
+            self.state,
+            "text",
+            tokens_of_text(text),
+            self.clock() - started,
+            max_length=PROBE_MAX_LENGTH,
+            ttl_s=self.state.lease_fit.lease_s,
         )
         return True

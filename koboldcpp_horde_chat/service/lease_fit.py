@@ -86,6 +86,27 @@ def tokens_of_text(text: str) -> int:
     return math.ceil(len(text) / 4)
 
 
+def job_max_length(payload: Mapping[str, Any]) -> int:
+    """A job payload's ``max_length``, tokens (0 when it has none that is valid)."""
+    value = payload.get("max_length")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def reply_tokens(body: Mapping[str, Any]) -> int:
+    """Tokens of a reply's submit body: ``completion_tokens`` when koboldcpp
+    counted them (a chat reply), else the Horde's estimate of the reply's text
+    (:func:`tokens_of_text` of the message's content and reasoning, or of the
+    text job's ``generation``)."""
+    counted = body.get("completion_tokens")
+    if isinstance(counted, int) and not isinstance(counted, bool) and counted >= 0:
+        return counted
+    message = body.get("message")
+    if isinstance(message, Mapping):
+        text = "".join(str(message.get(key) or "") for key in ("content", "reasoning_content"))
+        return tokens_of_text(text)
+    return tokens_of_text(str(body.get("generation") or ""))
+
+
 def budget_s(lease_s: float, margin_s: float = 0.0) -> float:
     """The seconds a generation may take in a ``lease_s`` lease: :data:`FIT_SHARE`
     of it, and no more than ``margin_s`` short of its end (the submit's margin):

@@ -30,12 +30,12 @@ from ..errors import (
     PayloadError,
 )
 from ..horde.api import HordeAPI
-from ..horde.declaration import BackendCapabilities, pop_body
+from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.chat import ChatRun
-from ..run.job import SUBMIT_MARGIN_S, Edges, JobContext, Lease, abort_quietly
+from ..run.job import Edges, JobContext, Lease, abort_quietly
 from ..run.life import Move, Phase
 from ..run.submit import SubmitPipeline
 from ..run.text import serve_text
@@ -43,7 +43,7 @@ from ..settings import WorkerSettings
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .guard import FAILED_IN_A_ROW
-from .lease_fit import tokens_of_text
+from .meter import JobMeter
 from .pop_ahead import PopAhead
 from .state import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
 from .status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
@@ -143,6 +143,7 @@ class Worker:
             failed_in_a_row=FAILED_IN_A_ROW,
         )
         self._skipped = SkippedReporter()
+        self.meter = JobMeter(state, backend, clock)
 
     # ------------------------------------------------------------------ loop
 
@@ -178,7 +179,7 @@ class Worker:
         if not self.state.wait_recovered():  # the earlier run's jobs first
             return self.state.exit_code
         if self.worker_id == 1:
-            self._read_speed()
+            self.meter.read_speed()
         with self.state.lock:
             self.state.slots.append(self)
         try:
@@ -269,7 +270,7 @@ class Worker:
             return False
         if self._stopping():  # the checks may have found koboldcpp serving something else
             return False
-        body = self._pop_body()
+        body = self.state.pop_body(self.caps)
         try:
             pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
         except HordeError as exc:
@@ -396,7 +397,6 @@ class Worker:
         ctx.started = self.clock()
         if isinstance(job, ChatJob) and self.state.first_chat_job():
             log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
-        max_length = _max_length(job.payload)
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
             if ctx.popped_in_stop:
@@ -415,33 +415,20 @@ class Worker:
                 # A killed koboldcpp shows as no answer, a reset or a stream cut
                 # short; check it is up before the next pop.
                 self.gate.backend_suspect = True
-                self._generation_failed(ctx, max_length, job.ttl_s)
+                self.meter.failed(ctx, job)
             self._send_fault(ctx, fault)
             return True
         except JobEnded as ended:
             # Cancelled or ended by the Horde: nothing to send.
             if ended.counted:  # its lease ran out: an aborted job on the Horde
-                self.state.record_expired(self.clock(), ctx.kind)
-                self.state.record_generation_failed(
-                    ctx.kind,
-                    ran_out=True,
-                    max_length=max_length,
-                    seconds=self.clock() - ctx.started,
-                    ttl_s=job.ttl_s,
-                )
+                self.meter.ended_by_horde(ctx, job)
             ctx.end(Move.NO_SUBMIT)
             self.state.release(ctx)
             self.gate.own_generation_ended()
             return True
         ctx.move(Move.OUTCOME)
         self.gate.own_generation_ended()
-        self.state.record_generated(
-            ctx.kind,
-            _reply_tokens(outcome.body),
-            self.clock() - ctx.started,
-            max_length=max_length,
-            ttl_s=job.ttl_s,
-        )
+        self.meter.generated(ctx, job, outcome.body)
         self._pop_ahead(ctx, is_fault=False)
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
         return True
@@ -506,49 +493,10 @@ class Worker:
         while True:
             pause = self.gate.pause()
             if pause is None:
-                return None if self._stopping() else self._pop_body()
+                return None if self._stopping() else self.state.pop_body(self.caps)
             if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
                 return None
             self.stop_event.wait(OWN_TAIL_POLL_S)
-
-    def _pop_body(self) -> dict[str, Any]:
-        """The pop body with the declaration as the shared state has it now
-        (the ``max_length`` per kind that fits the lease: ``lease_fit.LeaseFit``)."""
-        state = self.state
-        text_length, chat_length = state.declared_lengths()
-        return pop_body(
-            self.settings,
-            self.caps,
-            withhold=state.withheld,
-            chat_jobs=state.chat_enabled,
-            max_length=text_length,
-            chat_max_length=chat_length,
-        )
-
-    # ------------------------------------------------- speed and failures
-
-    def _read_speed(self) -> None:
-        """koboldcpp's own speed figure (``/api/extra/perf``) for a first job
-        before the worker measured any (best effort: none when it does not answer)."""
-        try:
-            perf = self.backend.perf()
-        except Exception:  # noqa: BLE001 - only a hint; the jobs measure it anyway
-            log.debug("koboldcpp's perf figures could not be read")
-            return
-        self.state.seed_speed(perf)
-
-    def _generation_failed(self, ctx: JobContext, max_length: int, ttl_s: float) -> None:
-        """koboldcpp failed the job's generation: counted toward the streak that
-        stops popping; one that ran out of its lease narrows the declaration."""
-        now = self.clock()
-        ran_out = ctx.lease.remaining(now) <= SUBMIT_MARGIN_S + 1.5
-        self.state.record_generation_failed(
-            ctx.kind,
-            ran_out=ran_out,
-            max_length=max_length,
-            seconds=now - ctx.started,
-            ttl_s=ttl_s,
-        )
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Name the refusal by its ``rc`` and say what the owner can do
@@ -591,23 +539,3 @@ class Worker:
             ctx.give_up("the worker is exiting")
             self.pipeline.fault_now(ctx)
 
-
-def _max_length(payload: dict[str, Any]) -> int:
-    """The job's ``max_length``, tokens (0 when the payload has none)."""
-    value = payload.get("max_length")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _reply_tokens(body: dict[str, Any]) -> int:
-    """Tokens of a reply's submit body: the chat reply's ``completion_tokens`` when
-    koboldcpp counted them, else the Horde's estimate of the text (``ceil(chars / 4)``)."""
-    counted = body.get("completion_tokens")
-    if isinstance(counted, int) and not isinstance(counted, bool) and counted >= 0:
-        return counted
-    message = body.get("message")
-    if isinstance(message, dict):
-        text = "".join(
-            str(message.get(key) or "") for key in ("content", "reasoning_content")
-        )
-        return tokens_of_text(text)
-    return tokens_of_text(str(body.get("generation") or ""))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import HordeRefusal
+from ..horde.declaration import BackendCapabilities, pop_body
 from ..inflight import CallDeadlines
 from ..run.job import SUBMIT_MARGIN_S
 from ..run.life import Phase
@@ -36,7 +37,7 @@ from ..settings import WorkerSettings
 from . import guard, status
 from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
 from .journal import Journal
-from .lease_fit import LeaseFit, perf_speed
+from .lease_fit import LeaseFit
 from .recovery import Recovery
 
 if TYPE_CHECKING:
@@ -488,58 +489,16 @@ class WorkerState:
                 return None
             return mguard.recent(now), in_hand, mguard.resume_at(now, in_hand)
 
-    def aborted_recent(self, now: float) -> int:
-        """The aborted jobs counted in the window (the Horde's hour and a minute)."""
+    def pop_body(self, caps: BackendCapabilities) -> dict[str, Any]:
+        """The next pop's body (``declaration.pop_body``) with the declaration as
+        it stands now: chat on or withdrawn, the features withheld, and the
+        ``max_length`` per kind that fits the lease (``lease_fit.LeaseFit``)."""
         with self.lock:
-            return self.maintenance_guard.recent(now)
-
-    def declared_lengths(self) -> tuple[int, int]:
-        """``(text, chat)``: the ``max_length`` the next pop declares per kind, tokens."""
-        with self.lock:
-            return self.lease_fit.declared("text"), self.lease_fit.declared("chat")
-
-    def seed_speed(self, perf: dict[str, Any]) -> None:
-        """koboldcpp's own speed figure (``/api/extra/perf``) before any job is measured."""
-        with self.lock:
-            changes = self.lease_fit.seed(perf_speed(perf))
-        for change in changes:
-            log.warning("%s (koboldcpp's own figure)", change.line())
-
-    def record_generated(
-        self, kind: str, tokens: int, seconds: float, *, max_length: int, ttl_s: float
-    ) -> None:
-        """koboldcpp answered a ``kind`` job of ``max_length`` tokens (base lease
-        ``ttl_s``) with ``tokens`` in ``seconds``: measure the speed, refit the
-        declared ``max_length`` (one line when it changes) and end a streak of
-        failed generations."""
-        with self.lock:
-            self.lease_fit.note_lease(ttl_s)
-            change = self.lease_fit.record(kind, tokens, seconds, max_length=max_length)
-            self.failure_streak.succeeded()
-        if change is not None:
-            log.warning("%s", change.line())
-
-    def record_generation_failed(
-        self, kind: str, *, ran_out: bool, max_length: int, seconds: float, ttl_s: float
-    ) -> None:
-        """koboldcpp failed a ``kind`` job's generation (``ran_out``: it did not
-        answer within the lease). A job that ran out narrows that kind's declared
-        ``max_length`` (one line); the failure counts toward the streak after
-        which the worker stops popping and probes koboldcpp."""
-        with self.lock:
-            self.lease_fit.note_lease(ttl_s)
-            change = (
-                self.lease_fit.ran_out(kind, max_length=max_length, seconds=seconds)
-                if ran_out
-                else None
+            return pop_body(
+                self.settings,
+                caps,
+                withhold=self.withheld,
+                chat_jobs=self.chat_enabled,
+                max_length=self.lease_fit.declared("text"),
+                chat_max_length=self.lease_fit.declared("chat"),
             )
-            self.failure_streak.failed()
-        if change is not None:
-            log.warning("%s", change.line())
-
-    def probe_succeeded(self, tokens: int, seconds: float, *, max_length: int) -> None:
-        """A probe generation of ``max_length`` tokens answered ``tokens`` in
-        ``seconds``: a text measurement, and the end of the failing streak."""
-        self.record_generated(
-            "text", tokens, seconds, max_length=max_length, ttl_s=self.lease_fit.lease_s
-        )

@@ -267,7 +267,7 @@ def test_the_pop_after_a_refusal_that_withdraws_tools_does_not_declare_tools() -
     worker = overlapping_worker(horde, clock)
     worker.state.record_nonconformant(["tools"], clock())
     worker.state.record_nonconformant(["tools"], clock())
-    assert "tools" in worker._pop_body()["chat_features"]
+    assert "tools" in worker.state.pop_body(worker.caps)["chat_features"]
     worker.run_once()  # j1: refused as nonconformant, faulted; tools withdrawn
     assert horde.jobs["j1"].state == "faulted"
     worker.run_once()
@@ -283,7 +283,7 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     worker = overlapping_worker(horde, clock)
     worker.state.journal = journal
     worker.edges.journal = journal
-    body = worker._pop_body()
+    body = worker.state.pop_body(worker.caps)
     job = worker.receive(body, tools_pop("j9"), clock())
     assert job is not None and job.phase is Phase.JOURNALED
     (entry,) = journal.entries()
