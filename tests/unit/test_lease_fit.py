@@ -17,7 +17,9 @@ from koboldcpp_horde_chat.service.lease_fit import (
     LengthChange,
     budget_s,
     fitted_length,
+    job_max_length,
     perf_speed,
+    reply_tokens,
     tokens_of_text,
 )
 
@@ -43,6 +45,37 @@ def test_lease_fit_is_pure() -> None:
 )
 def test_a_text_reply_is_counted_as_the_horde_estimates_it(text: str, tokens: int) -> None:
     assert tokens_of_text(text) == tokens  # ceil(chars / 4)
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        ({"message": {"content": "Blue."}, "completion_tokens": 3}, 3),  # koboldcpp's count
+        ({"message": {"content": "Blue."}, "completion_tokens": 0}, 0),
+        ({"message": {"content": "x" * 40, "reasoning_content": "y" * 40}}, 20),
+        ({"message": {"content": None, "tool_calls": []}}, 0),
+        ({"message": {"content": "x" * 8}, "completion_tokens": True}, 2),  # not a count
+        ({"message": {"content": "x" * 8}, "completion_tokens": -1}, 2),
+        ({"generation": "x" * 400}, 100),  # a text job's reply
+        ({"generation": None}, 0),
+        ({}, 0),
+    ],
+)
+def test_a_replys_tokens_are_koboldcpps_count_else_the_hordes_estimate(
+    body: dict[str, object], tokens: int
+) -> None:
+    assert reply_tokens(body) == tokens
+
+
+@pytest.mark.parametrize(
+    ("payload", "max_length"),
+    [({"max_length": 512}, 512), ({"max_length": 0}, 0), ({"max_length": -3}, 0),
+     ({"max_length": True}, 0), ({"max_length": "512"}, 0), ({}, 0)],
+)
+def test_a_jobs_max_length_is_read_only_when_valid(
+    payload: dict[str, object], max_length: int
+) -> None:
+    assert job_max_length(payload) == max_length
 
 
 @pytest.mark.parametrize(
