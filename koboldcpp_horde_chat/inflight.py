@@ -160,13 +160,42 @@ class TrackingAdapter(requests.adapters.HTTPAdapter):
         }
 
 
+#: The kind that names the stop's deadline itself: no call has it; the work
+#: that must end by the stop (the recovery's last attempts) reads it.
+STOP_KIND = "stop"
+#: Seconds past the stop's deadline a pop in flight is still waited for (the job
+#: it brings is then faulted at once, so that another worker takes it now).
+STOP_POP_EXTRA_S = 1.0
+#: Seconds past the stop's deadline a submit may still take (the fault of a job
+#: given up at the deadline, or popped by then); progress posts end at the deadline.
+STOP_SUBMIT_EXTRA_S = 1.5
+
+
+def stop_call_ends(deadline: float) -> dict[str, float]:
+    """The deadlines of a stopping worker's calls, by kind (:class:`CallDeadlines`),
+    for a stop whose deadline is ``deadline`` (monotonic seconds): :data:`STOP_KIND`
+    the deadline itself (the recovery's last attempts start by then),
+    ``"progress"`` at it, ``"pop"`` and ``"kcpp"`` :data:`STOP_POP_EXTRA_S`
+    later, ``"submit"`` :data:`STOP_SUBMIT_EXTRA_S` later."""
+    return {
+        STOP_KIND: deadline,
+        "pop": deadline + STOP_POP_EXTRA_S,
+        "progress": deadline,
+        "submit": deadline + STOP_SUBMIT_EXTRA_S,
+        "kcpp": deadline + STOP_POP_EXTRA_S,  # the abort after a give-up
+    }
+
+
 class CallDeadlines:
     """When a stopping worker's calls must end, by kind of call, shared by its clients.
 
-    Before :meth:`set` nothing is cut. After it, a call of kind ``kind`` made
-    before its deadline has its timeouts cut to what is left (:meth:`left`);
-    one made after it is not sent; and one still in flight when the deadline
-    comes is hung up (:meth:`running`), whatever its own timeout.
+    The kinds: ``"pop"``, ``"submit"``, ``"progress"`` (the Horde's routes),
+    ``"kcpp"`` (koboldcpp's calls other than a generation) and
+    :data:`STOP_KIND` (the stop's deadline itself). Before :meth:`set` nothing
+    is cut. After it, a call of kind ``kind`` made before its deadline has its
+    timeouts cut to what is left (:meth:`left`); one made after it is not
+    sent; and one still in flight when the deadline comes is hung up
+    (:meth:`running`), whatever its own timeout.
     Thread-safe; monotonic seconds.
     """
 
@@ -195,6 +224,12 @@ class CallDeadlines:
         """The deadline of calls of ``kind`` (monotonic seconds), or None while not stopping."""
         with self._lock:
             return self._ends.get(kind)
+
+    def stop_at_wall(self) -> float | None:
+        """The stop's deadline (:data:`STOP_KIND`) in epoch seconds, or None while
+        not stopping."""
+        at = self.ends_at(STOP_KIND)
+        return None if at is None else time.time() + (at - time.monotonic())
 
     def left(self, kind: str) -> float | None:
         """Seconds left for a call of ``kind`` (0.0 or less: past), None: no deadline."""

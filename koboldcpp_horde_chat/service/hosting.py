@@ -203,6 +203,7 @@ def start_recovery(
     stop_event: threading.Event,
     kcpp: tuple[str, str] | None = None,
     connect_timeout_s: float | None = None,
+    deadlines: CallDeadlines | None = None,
 ) -> Recovery:
     """Start the recovery of the jobs an earlier run left in hand, on a thread of
     its own, now: it needs the Horde and the API key only, not koboldcpp
@@ -217,20 +218,28 @@ def start_recovery(
             to abort (standalone); None inside koboldcpp, whose restart ended
             them.
         connect_timeout_s: the clients' connect timeout (None: theirs).
+        deadlines: the stop's deadlines (``WorkerState.call_deadlines``, or
+            the host's before the state exists): at a stop the recovery's
+            pauses and calls end by them and the jobs the Horde has not
+            answered by then stay in the journal. None: a stop keeps them at once.
     """
     extra: dict[str, Any] = {}
     if connect_timeout_s is not None:
         extra["connect_timeout_s"] = connect_timeout_s
 
     def horde() -> HordeClient:
-        return HordeClient(horde_url, api_key, bridge_agent=BRIDGE_AGENT, **extra)
+        return HordeClient(
+            horde_url, api_key, bridge_agent=BRIDGE_AGENT, deadlines=deadlines, **extra
+        )
 
     backend_factory = None
     if kcpp is not None:
         url, password = kcpp
 
         def backend_factory() -> KoboldClient:
-            return KoboldClient(url, password, **extra)
+            client = KoboldClient(url, password, **extra)
+            client.deadlines = deadlines
+            return client
 
     return Recovery(
         journal,
@@ -238,6 +247,7 @@ def start_recovery(
         backend_factory=backend_factory,
         model_id_default=model_id_default,
         stop_event=stop_event,
+        deadlines=deadlines,
     )
 
 
@@ -250,6 +260,7 @@ def open_state(
     journal: Journal | None = None,
     recovery: Recovery | None = None,
     abort_orphans: bool = True,
+    call_deadlines: CallDeadlines | None = None,
 ) -> WorkerState:
     """A worker's shared state, with its journal and the recovery of the jobs an
     earlier run left in hand under way (the loops wait for it before their
@@ -269,6 +280,9 @@ def open_state(
             both are opened and started here.
         abort_orphans: abort the recovered jobs' generations on the
             configured koboldcpp (False inside koboldcpp).
+        call_deadlines: the stop's deadlines the host made before the state
+            (the ones its recovery already uses); None: the state's own, which
+            the recovery started here uses.
 
     Returns:
         The state to give every loop of the worker; without a journal when it
@@ -283,8 +297,12 @@ def open_state(
             settings.worker_name, journal_directory, journal_setting=journal_setting
         )
     if journal is None:
-        return WorkerState(settings, stop_event=stop_event, journal=None)
-    state = WorkerState(settings, stop_event=stop_event, journal=journal)
+        return WorkerState(
+            settings, stop_event=stop_event, journal=None, call_deadlines=call_deadlines
+        )
+    state = WorkerState(
+        settings, stop_event=stop_event, journal=journal, call_deadlines=call_deadlines
+    )
     if recovery is None:
         recovery = start_recovery(
             journal,
@@ -294,6 +312,7 @@ def open_state(
             stop_event=state.stop_event,
             kcpp=(settings.kcpp_url, settings.kcpp_password) if abort_orphans else None,
             connect_timeout_s=settings.connect_timeout_s,
+            deadlines=state.call_deadlines,
         )
     state.recovery = recovery
     return state

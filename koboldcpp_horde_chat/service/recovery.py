@@ -28,6 +28,7 @@ start it before koboldcpp answers and have its loops wait for it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from typing import Any, Final, Protocol
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
 from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
 from ..horde.submits import FAULT_REPLY_REFUSED, fault_submit, text_fault_submit
+from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
 from . import journal as _journal
 from .journal import Journal, JournalEntry
 from .journal_rules import FAULT_MARGIN_S, known_not_taken, plan
@@ -47,6 +49,9 @@ log = logging.getLogger("koboldcpp_horde_chat.journal")
 RECOVERY_PAUSE_FIRST_S: Final = 1.0
 #: The longest pause between two of those attempts, seconds.
 RECOVERY_PAUSE_MAX_S: Final = 30.0
+#: While stopping, the last attempt of a job still pending starts this many
+#: seconds before the stop's deadline (none starts after the deadline).
+STOP_LAST_ATTEMPT_LEAD_S: Final = 0.25
 
 
 class HordeSubmitter(Protocol):
@@ -145,6 +150,7 @@ def recover(
     abort_timeout_s: float = 2.0,
     pause: Callable[[float], None] = time.sleep,
     stopped: Callable[[], bool] = lambda: False,
+    stop_deadline: Callable[[], float | None] = lambda: None,
 ) -> RecoveryResult:
     """End the jobs an earlier process left in hand; call at start, before the first pop.
 
@@ -171,8 +177,16 @@ def recover(
     pauses grow 1 s, 2 s, 4 s... up to :data:`RECOVERY_PAUSE_MAX_S` (the
     ``Retry-After`` when longer, within that bound); while one job waits the
     others are tried. A refused API key (401, or 403 for the credentials)
-    stops the recovery: that job and the ones after it stay in the journal,
-    and so does every job still pending when ``stopped()`` turns True.
+    stops the recovery: that job and the ones after it stay in the journal.
+
+    A stop (``stopped()`` True) with a deadline (``stop_deadline()``, epoch
+    seconds) cuts every pause to that deadline: each job still pending gets
+    its last attempt by then (a kept reply, which costs nothing when the job
+    ended; a fault, which gives the request back to the queue now), and no
+    attempt starts after it. A job the Horde has not answered by then stays
+    in the journal as it is (a fault whose answer was lost as sent, so the
+    next start sends nothing more), for the next start. A stop without a
+    deadline keeps every pending job in the journal at once.
 
     Every job ends in one log line with ``job=<id>``; every job ended is
     removed from the journal at once. Faults the Horde counts toward
@@ -191,7 +205,9 @@ def recover(
         model_id_default: the worker's ``model_id`` for a chat entry without one.
         submit_timeout_s, abort_timeout_s: read timeouts, seconds.
         pause: waits between attempts, seconds.
-        stopped: True once the worker is asked to stop (the rest is kept).
+        stopped: True once the worker is asked to stop.
+        stop_deadline: the stop's deadline, epoch seconds (None: none; the
+            pending jobs are then kept at once).
 
     Returns:
         The counts (:class:`RecoveryResult`).
@@ -230,7 +246,8 @@ def recover(
             pending.append(_Pending(entry, "fault", _fault_body(entry, model_id_default),
                                     fault_ends_at, fault_ends_at))
     while pending:
-        if stopped() or counts.key_refused:
+        last = _last_attempt_at(stopped, stop_deadline)
+        if counts.key_refused or (last is not None and wall() > last):
             for item in pending:
                 counts.kept += 1
                 why = ("the Horde refused the API key" if counts.key_refused
@@ -239,14 +256,19 @@ def recover(
                             item.entry.job_id, item.entry.kind, why)
             break
         now = wall()
+        if last is not None:  # a stop: no pause runs past its deadline
+            for item in pending:
+                item.next_at = min(item.next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         due = [item for item in pending if item.next_at <= now]
         if not due:
             pause(max(0.0, min(item.next_at for item in pending) - now))
             continue
         for item in due:
-            if stopped() or counts.key_refused:
+            last = _last_attempt_at(stopped, stop_deadline)
+            if counts.key_refused or (last is not None and wall() > last):
                 break
-            if _attempt(item, journal, horde, wall, model_id_default, submit_timeout_s, counts):
+            if _attempt(item, journal, horde, wall, model_id_default, submit_timeout_s, counts,
+                        lambda: _last_attempt_at(stopped, stop_deadline)):
                 pending.remove(item)
     _abort_generations(counts.aborts, backend, abort_timeout_s)
     result = RecoveryResult(
@@ -264,6 +286,17 @@ def recover(
     return result
 
 
+def _last_attempt_at(
+    stopped: Callable[[], bool], stop_deadline: Callable[[], float | None]
+) -> float | None:
+    """While stopping: when the last attempts start (epoch seconds; ``-inf`` for a
+    stop without a deadline: none more). None while not stopping."""
+    if not stopped():
+        return None
+    at = stop_deadline()
+    return -math.inf if at is None else at
+
+
 def _attempt(
     item: _Pending,
     journal: Journal,
@@ -272,9 +305,15 @@ def _attempt(
     model_id_default: str,
     timeout_s: float,
     counts: _Counts,
+    last_attempt_at: Callable[[], float | None],
 ) -> bool:
     """One attempt at a recovered job's submit; True when the job is done with
-    (answered, given up or kept), False to try again at ``item.next_at``."""
+    (answered, given up or kept), False to try again at ``item.next_at``.
+    ``last_attempt_at()``: while the worker stops, the stop's deadline (epoch
+    seconds; :func:`_last_attempt_at`), else None. Stopping, the next attempt
+    comes by :data:`STOP_LAST_ATTEMPT_LEAD_S` before that deadline; a job the
+    Horde did not answer at its last attempt, or a fault whose answer was
+    lost, stays in the journal as it is (the next start's)."""
     entry = item.entry
     if wall() >= item.ends_at:
         return _give_up(item, journal, wall, counts, "the lease ended before the Horde answered")
@@ -318,6 +357,21 @@ def _attempt(
         return True
     except HordeUnavailable as exc:
         not_taken = known_not_taken(exc.status, exc.sent)
+        last = last_attempt_at()
+        lost_at_stop = item.action == "fault" and not not_taken and last is not None
+        if lost_at_stop or (last is not None and wall() >= last - STOP_LAST_ATTEMPT_LEAD_S):
+            # The stop's last attempt: the job stays in the journal as it is (a
+            # fault that may have been taken as sent: none goes again).
+            if item.action == "fault" and not_taken:
+                journal.mark_not_taken(entry.job_id)  # the next start may send it
+            counts.kept += 1
+            log.warning(
+                "job=%s kind=%s kept in the journal: the worker stopped before the Horde "
+                "answered its %s (%s)%s", entry.job_id, entry.kind, item.action, exc,
+                "" if item.action == "reply" or not_taken
+                else "; the fault may have been taken, so none will be sent again",
+            )
+            return True
         if item.action == "fault" and not not_taken:
             # It may have been counted: a second fault would re-open the request again.
             return _give_up(item, journal, wall, counts,
@@ -328,12 +382,15 @@ def _attempt(
             RECOVERY_PAUSE_MAX_S,
             max(RECOVERY_PAUSE_FIRST_S * 2 ** (item.attempts - 1), exc.retry_after_s or 0.0),
         )
-        if wall() + delay >= item.ends_at:
+        next_at = wall() + delay
+        if last is not None:  # stopping: the last attempt comes before the deadline
+            next_at = min(next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
+        if next_at >= item.ends_at:
             return _give_up(item, journal, wall, counts,
                             f"the Horde did not answer within the lease ({exc})")
         log.debug("job=%s %s not answered (%s); trying again in %.1f s",
-                  entry.job_id, item.action, exc, delay)
-        item.next_at = wall() + delay
+                  entry.job_id, item.action, exc, next_at - wall())
+        item.next_at = next_at
         return False
     if item.action == "reply":
         counts.replied += 1
@@ -395,7 +452,12 @@ class Recovery:
         backend_factory: makes the koboldcpp client for the aborts, or None.
         model_id_default: see :func:`recover`.
         stop_event: set when the worker stops: the recovery's pauses end and
-            the jobs still pending stay in the journal.
+            the jobs still pending stay in the journal (after their last
+            attempts by the stop's deadline, when ``deadlines`` has one).
+        deadlines: the stop's deadlines (``inflight.CallDeadlines``), shared
+            with the clients the factories make: the last attempts start by
+            its ``"stop"`` deadline and its calls are cut to theirs. None:
+            a stop keeps the pending jobs at once.
     """
 
     def __init__(
@@ -406,8 +468,10 @@ class Recovery:
         backend_factory: Callable[[], Any] | None,
         model_id_default: str,
         stop_event: threading.Event,
+        deadlines: CallDeadlines | None = None,
     ) -> None:
         self.journal = journal
+        self.deadlines = deadlines
         self.result: RecoveryResult | None = None
         self._done = threading.Event()
         self._horde_factory = horde_factory
@@ -417,8 +481,14 @@ class Recovery:
         self._thread = threading.Thread(target=self._run, name="journal-recovery", daemon=True)
         self._thread.start()
 
+    def _stop_deadline(self) -> float | None:
+        return None if self.deadlines is None else self.deadlines.stop_at_wall()
+
     def _pause(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+        if self._stop.is_set():  # stopping: the pause already ends by the deadline
+            time.sleep(seconds)
+        else:
+            self._stop.wait(seconds)  # a stop ends it: the pauses are cut then
 
     def _run(self) -> None:
         horde = backend = None
@@ -432,6 +502,7 @@ class Recovery:
                 model_id_default=self._model_id_default,
                 pause=self._pause,
                 stopped=self._stop.is_set,
+                stop_deadline=self._stop_deadline,
             )
         except Exception:  # never let the recovery hold the worker's start
             log.exception("the recovery of the jobs in hand at the last stop failed")
@@ -446,6 +517,26 @@ class Recovery:
     def done(self) -> bool:
         """True once the recovery ended."""
         return self._done.is_set()
+
+    def finish(self, grace_s: float) -> bool:
+        """The host exits: end the recovery by the stop's deadline, and wait for it.
+
+        When it still runs, the stop is made if it was not (``deadlines`` set
+        ``grace_s`` seconds from now, then ``stop_event``), so each job still
+        pending gets its last attempt by that deadline and the rest stays in
+        the journal; then waits until the thread ended, at most until the
+        submits' deadline (the stop's + ``STOP_SUBMIT_EXTRA_S``, where a call
+        still in flight is hung up) and half a second more. Call it before the
+        journal is released. True when the recovery ended.
+        """
+        if self._done.is_set():
+            return True
+        if self.deadlines is not None:
+            self.deadlines.set(stop_call_ends(time.monotonic() + grace_s))  # kept if set
+        self._stop.set()
+        left = None if self.deadlines is None else self.deadlines.left("submit")
+        timeout_s = (grace_s + STOP_SUBMIT_EXTRA_S if left is None else max(0.0, left)) + 0.5
+        return self._done.wait(timeout_s)
 
     def wait(
         self, stop_event: threading.Event | None = None, timeout_s: float | None = None

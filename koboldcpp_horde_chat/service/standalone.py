@@ -25,6 +25,7 @@ from types import FrameType
 from .. import __version__
 from ..errors import BackendError, BackendUnauthorized, ConfigError
 from ..horde.declaration import BackendCapabilities, model_id_warnings, standalone_model_id
+from ..inflight import CallDeadlines, stop_call_ends
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import BackendIdentity, StandaloneManners
 from ..settings import (
@@ -402,10 +403,15 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         stop_event = threading.Event()
     stopper = stop_event
     states: list[WorkerState] = []
+    # The stop's deadlines exist before any state: a signal during the recovery or
+    # the wait for koboldcpp bounds their calls too (the states share them).
+    deadlines = CallDeadlines()
+    forced: list[bool] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if stopper.is_set():
             log.warning("second signal: faulting the jobs in hand and exiting now")
+            forced.append(True)
             for state in states:
                 state.fault_jobs_now()
             raise SystemExit(130)
@@ -423,7 +429,8 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
                 log.info("signal %d: stopping (no job in hand)", signum)
             states[0].request_stop(args.stop_grace)
         else:
-            log.info("signal %d: stopping", signum)
+            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
+            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
             stopper.set()
 
     if threading.current_thread() is threading.main_thread():
@@ -459,10 +466,15 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             model_id_default=standalone_model_id("", args.hordemodelname),
             stop_event=stop_event,
             kcpp=(args.kcpp_url, args.kcpp_password),
+            deadlines=deadlines,
         )
     try:
-        return _run_declared(args, stop_event, states, directory, journal, recovery)
+        return _run_declared(args, stop_event, states, directory, journal, recovery, deadlines)
     finally:
+        # The recovery's last attempts end by the stop's deadline; the rest stays
+        # in the journal, which is released only then (not after a second signal).
+        if recovery is not None and not forced:
+            recovery.finish(args.stop_grace)
         if journal is not None:
             journal.unlock()
 
@@ -474,12 +486,14 @@ def _run_declared(
     directory: Path,
     journal: Journal | None,
     recovery: Recovery | None,
+    deadlines: CallDeadlines,
 ) -> int:
     """Read koboldcpp, declare and serve; read it again and declare anew when it
     came back serving something else. The exit code."""
     while True:
         try:
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
+            backend.deadlines = deadlines  # its reads end by a stop's deadline
             settings, caps = settings_from_args(
                 args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
             )
@@ -491,14 +505,16 @@ def _run_declared(
             return 2
         if journal is not None:
             state = open_state(
-                settings, directory, stop_event=stop_event, journal=journal, recovery=recovery
+                settings, directory, stop_event=stop_event, journal=journal, recovery=recovery,
+                call_deadlines=deadlines,
             )
         else:
-            state = WorkerState(settings, stop_event=stop_event, journal=None)
+            state = WorkerState(
+                settings, stop_event=stop_event, journal=None, call_deadlines=deadlines
+            )
         if states:
             state.carry_over(states[0])
         states[:] = [state]
-        backend.deadlines = state.call_deadlines  # the manners' reads end by a stop's deadline
         log.info("%s", serving_line(settings))
         manners = StandaloneManners(
             backend,

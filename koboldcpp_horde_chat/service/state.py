@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import HordeRefusal
 from ..horde.declaration import BackendCapabilities, pop_body
-from ..inflight import CallDeadlines
+from ..inflight import STOP_POP_EXTRA_S as STOP_POP_EXTRA_S  # the stop's deadlines
+from ..inflight import STOP_SUBMIT_EXTRA_S as STOP_SUBMIT_EXTRA_S
+from ..inflight import CallDeadlines, stop_call_ends
 from ..run.job import SUBMIT_MARGIN_S
 from ..run.life import Phase
 from ..settings import WorkerSettings
@@ -47,14 +49,6 @@ log = logging.getLogger("koboldcpp_horde_chat.state")
 
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
-#: Seconds past the stop's deadline a pop in flight is still waited for (the job
-#: it brings is then faulted at once, so that another worker takes it now).
-STOP_POP_EXTRA_S = 1.0
-#: Seconds past the stop's deadline a submit may still take (the fault of a job
-#: given up at the deadline, or popped by then); progress posts end at the deadline.
-STOP_SUBMIT_EXTRA_S = 1.5
-
-
 class Slot(Protocol):
     """A pop loop as the shared state sees it (for a forced exit)."""
 
@@ -102,6 +96,9 @@ class WorkerState:
         stop_event: set to stop every loop.
         started_at: epoch seconds, for the statistics.
         journal: the worker's job journal, shared by its loops (None: none kept).
+        call_deadlines: the stop's deadlines of the worker's calls, when the host
+            made them before this state (standalone: the recovery's calls and the
+            wait for koboldcpp end by them too); None: new ones.
     """
 
     def __init__(
@@ -111,6 +108,7 @@ class WorkerState:
         stop_event: threading.Event | None = None,
         started_at: float | None = None,
         journal: Journal | None = None,
+        call_deadlines: CallDeadlines | None = None,
     ) -> None:
         self.settings = settings
         self.journal = journal
@@ -129,7 +127,7 @@ class WorkerState:
         self.slots: list[Slot] = []
         self.stop_deadline: float | None = None
         #: When a stopping worker's calls end, by kind (its clients share it).
-        self.call_deadlines = CallDeadlines()
+        self.call_deadlines = call_deadlines if call_deadlines is not None else CallDeadlines()
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: threading.Timer | None = None
@@ -235,14 +233,7 @@ class WorkerState:
             if self.stop_deadline is not None:
                 return
             self.stop_deadline = deadline = time.monotonic() + grace_s
-            self.call_deadlines.set(
-                {
-                    "pop": deadline + STOP_POP_EXTRA_S,
-                    "progress": deadline,
-                    "submit": deadline + STOP_SUBMIT_EXTRA_S,
-                    "kcpp": deadline + STOP_POP_EXTRA_S,  # the abort after a give-up
-                }
-            )
+            self.call_deadlines.set(stop_call_ends(deadline))
             self._grace_s = grace_s
             timer = threading.Timer(max(0.0, grace_s), self._grace_over)
             timer.daemon = True
