@@ -21,10 +21,11 @@ from typing import Any
 
 from harness import PKG_ROOT
 from harness.devkit import DevHorde, ScriptedKoboldcpp, ScriptedReply
-from harness.product import journal_path
+from harness.product import HordeClient, Journal, JournalEntry, journal_path
 from harness.report import add_json, bench_result, figure, finish, parser, reproduce
 from harness.servers import API_KEY
 
+from tests.integration.test_journal_recovery import POP
 from tests.integration.worker_process import WorkerProcess
 
 WORKER_NAME = "bench-stop-worker"
@@ -77,6 +78,8 @@ class Phase:
     worker_args: tuple[str, ...] = ()
     horde_options: dict[str, Any] = field(default_factory=dict)
     reported_from: int = 0  # the table reports the jobs of the requests from this index on
+    #: Writes the journal an earlier process left (the journal directory), before the start.
+    journal: Callable[[DevHorde, Path, float], list[str]] | None = None
 
 
 def _prep_pop_beside(
@@ -221,6 +224,42 @@ def _prep_retry_after(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) ->
     return [rid]
 
 
+def _journal_left(horde: DevHorde, journal_dir: Path, grace: float) -> list[str]:
+    """Two chat jobs an earlier process of this worker popped and left in the journal
+    (one with its reply kept, one without a terminal action); the Horde answers
+    their submits 503 with a Retry-After past the stop; koboldcpp takes the
+    connection and answers late (it loads). Returns their requests."""
+    rids, ids = [], []
+    with HordeClient(horde.url, API_KEY, bridge_agent=str(POP["bridge_agent"])) as client:
+        for text in ("first", "second"):
+            rids.append(horde.send_chat(ask(text)))
+            ids.append(str(client.pop(POP | {"name": WORKER_NAME}, timeout_s=5)["id"]))
+    journal = Journal(journal_path(WORKER_NAME, journal_dir))
+    for job_id in ids:
+        journal.add(JournalEntry(job_id, "chat", str(POP["model_id"]), "", time.time() + 150))
+    reply = {"id": ids[0], "message": {"role": "assistant", "content": "Blue."},
+             "finish_reason": "stop", "model_id": POP["model_id"], "state": "ok"}
+    journal.keep_reply(ids[0], reply, sent=True)
+    down = (503, {"message": "down", "rc": "Unavailable"}, {"Retry-After": f"{grace + 30:g}"})
+    horde.inject("submit", *([down] * 4))
+    return rids
+
+
+def _prep_loading(horde: DevHorde, kcpp: ScriptedKoboldcpp, grace: float) -> list[str]:
+    kcpp.inject("model", f"hang:{grace + 30:g}")
+    return []
+
+
+def _reached_recovery(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, rids: list[str]
+) -> None:
+    until(
+        lambda: sum(r["path"].endswith("/submit") for r in horde.requests_log) >= 2,
+        "the recovery's first submits",
+    )
+    time.sleep(0.3)
+
+
 def _reached_idle(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, rids: list[str]
 ) -> None:
@@ -250,6 +289,8 @@ PHASES: tuple[Phase, ...] = (
     Phase("progress", "progress posts unanswered", _prep_progress, _reached_progress),
     Phase("retryafter", "submit after 503 Retry-After G+5", _prep_retry_after,
           _reached_submit),
+    Phase("startup", "recovery at start (503, loading)", _prep_loading, _reached_recovery,
+          journal=_journal_left),
 )
 QUICK_PHASES = ("pop", "tokencount", "streamed", "idle")
 
@@ -287,7 +328,8 @@ def one_round(phase: Phase, grace: float, workdir: Path) -> dict[str, Any]:
     kcpp.start()
     journal_dir = Path(tempfile.mkdtemp(prefix=f"{phase.name}-", dir=workdir))
     try:
-        rids = phase.prepare(horde, kcpp, grace)
+        rids = phase.journal(horde, journal_dir, grace) if phase.journal is not None else []
+        rids += phase.prepare(horde, kcpp, grace)
         worker = WorkerProcess(
             horde, kcpp, journal_dir, "--stop-grace", f"{grace:g}", *phase.worker_args,
             key=API_KEY, name=WORKER_NAME, cwd=PKG_ROOT,
