@@ -7,6 +7,9 @@ top of koboldcpp's ``run_horde_worker``::
     kcpp_hook.run_horde_worker(sys.modules[__name__], args, api_key, worker_name,
                                worker_id, parallel_batching_threads)
 
+The patches of 0.2.0 onwards also call :func:`start_recovery` early in
+koboldcpp's start-up, before the model loads, in a guarded block of its own.
+
 A koboldcpp patched once keeps serving through this module after any upgrade
 of the package: this module, its name and :func:`run_horde_worker`'s
 signature stay the same in every version, whatever moves inside the package.
@@ -48,4 +51,18 @@ def run_horde_worker(
     hook.run_horde_worker(kcpp, args, api_key, worker_name, worker_id, parallel_batching_threads)
 
 
-__all__ = ["run_horde_worker"]
+def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
+    """End the jobs the last run left in hand as soon as the Horde answers, before
+    koboldcpp loads its model (since 0.2.0).
+
+    The patches of 0.2.0 onwards call it early in koboldcpp's start-up, once
+    ``args`` is read, as ``start_recovery(sys.modules[__name__], args)``,
+    guarded so that a package without it changes nothing (the first
+    :func:`run_horde_worker` call then starts the recovery, as in 0.1.0). It
+    runs :func:`koboldcpp_horde_chat.kcpp.hook.start_recovery`: True when a
+    recovery started now; never raises.
+    """
+    return hook.start_recovery(kcpp, args)
+
+
+__all__ = ["run_horde_worker", "start_recovery"]

@@ -57,7 +57,9 @@ from ..errors import ConfigError
 from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
 from ..service import hosting
 from ..service.hosting import check_limits, check_url, check_worker_name, open_state, serving_line
+from ..service.journal import Journal
 from ..service.journal_paths import journal_dir
+from ..service.recovery import Recovery
 from ..service.state import WorkerState
 from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 
@@ -89,6 +91,9 @@ _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[tuple[str, str, str], WorkerState] = {}
+#: The journals and recoveries :func:`start_recovery` opened before the model
+#: loaded, by (worker name, Horde URL), until the first worker thread takes them.
+_EARLY: dict[tuple[str, str], tuple[Journal, Recovery]] = {}
 
 
 def _get(obj: object, name: str, default: Any = None) -> Any:
@@ -297,9 +302,73 @@ def shared_state(
         state = _SHARED.get(key)
         if state is None:
             env = os.environ if environ is None else environ
-            state = open_state(settings, journal_dir(env), abort_orphans=False)
+            early = _EARLY.pop((settings.worker_name, settings.horde_url), None)
+            if early is not None:  # the recovery already runs (start_recovery)
+                journal, recovery = early
+                state = open_state(
+                    settings, journal_dir(env), stop_event=recovery.stop_event,
+                    journal=journal, recovery=recovery, abort_orphans=False,
+                )
+            else:
+                state = open_state(settings, journal_dir(env), abort_orphans=False)
             _SHARED[key] = state
         return state
+
+
+def start_recovery(
+    kcpp: types.ModuleType, args: object, *, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Start the recovery of the jobs the last run left in hand now, before the
+    model loads, so that their leases do not run out while it does.
+
+    Called by the patches early in koboldcpp's start-up, once ``args`` is read
+    (``--hordekey``, ``--hordeworkername``; ``friendlymodelname`` is set, the
+    ``model_id`` of a chat fault whose entry has none). Opens the worker's
+    journal (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state
+    directory) and starts ``recovery.Recovery`` on a thread of its own, with
+    the Horde of ``AI_HORDE_URL`` (else ``https://aihorde.net``) and the key
+    only. The worker threads koboldcpp starts after the model loads then use
+    that journal and wait for that recovery (:func:`shared_state`); without
+    this call (a patch that does not make it) the first of them starts the
+    recovery, as before. Once per worker name and Horde: a second call
+    changes nothing.
+
+    Returns True when a recovery was started now. Never raises: a name or URL
+    the Horde refuses, or a journal held by another process, is logged in one
+    line and left to the worker thread, which says it again and does not start.
+    """
+    try:
+        configure_logging(debug=_get(args, "debugmode", 0) == 1, kcpp=kcpp)
+        api_key = str(_get(args, "hordekey", "") or "")
+        worker_name = check_worker_name(
+            str(_get(args, "hordeworkername", "") or ""), "--hordeworkername"
+        )
+        horde_url = horde_url_from_env(environ)
+        if not api_key:
+            return False
+        env = os.environ if environ is None else environ
+        with _SHARED_LOCK:
+            if (worker_name, horde_url) in _EARLY or any(
+                key[:2] == (worker_name, horde_url) for key in _SHARED
+            ):
+                return False
+            journal = hosting.open_journal(worker_name, journal_dir(env))
+            if journal is None:
+                return False
+            recovery = hosting.start_recovery(
+                journal,
+                horde_url=horde_url,
+                api_key=api_key,
+                model_id_default=str(_get(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+                stop_event=threading.Event(),
+            )
+            _EARLY[(worker_name, horde_url)] = (journal, recovery)
+        return True
+    except ConfigError as exc:
+        log.error("the jobs in hand at the last stop are not recovered yet: %s", exc)
+    except Exception:  # never stop koboldcpp's start
+        log.exception("the jobs in hand at the last stop are not recovered yet")
+    return False
 
 
 class ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]

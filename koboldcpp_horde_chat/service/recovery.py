@@ -478,6 +478,8 @@ class Recovery:
         self._backend_factory = backend_factory
         self._model_id_default = model_id_default
         self._stop = stop_event
+        #: The event that stops it (the worker's stop, shared with its state).
+        self.stop_event = stop_event
         self._thread = threading.Thread(target=self._run, name="journal-recovery", daemon=True)
         self._thread.start()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -634,7 +634,7 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
     text = (PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8")
     headers, hunks = parse_patch(text)
     assert headers == ["--- a/koboldcpp.py", "+++ b/koboldcpp.py"]
-    assert len(hunks) == 1
+    assert len(hunks) == 2
     old_start, old_len, new_start, new_len, body = hunks[0]
     removed = [line for line in body if line.startswith("-")]
     added = [line[1:] for line in body if line.startswith("+")]
@@ -661,6 +661,66 @@ def test_patch_only_adds_the_guarded_import_inside_run_horde_worker(release: str
         "kcpp_hook.run_horde_worker(sys.modules[__name__], args, api_key, worker_name, "
         "worker_id, parallel_batching_threads)" in code
     )
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patch_starts_the_recovery_before_the_model_loads_in_a_guarded_block(
+    release: str,
+) -> None:
+    """The second hunk: after koboldcpp read the Horde settings (friendlymodelname set),
+    before it loads the model; it only adds lines, and its line numbers follow the
+    first hunk's twelve added lines."""
+    _, hunks = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))
+    first, (old_start, old_len, new_start, new_len, body) = hunks
+    added = [line[1:] for line in body if line.startswith("+")]
+    context = [line[1:] for line in body if line.startswith(" ")]
+    assert [line for line in body if line.startswith("-")] == []
+    assert old_start > first[0] + first[1]
+    assert new_start == old_start + (first[3] - first[1])
+    assert old_len == len(context) and new_len == len(context) + len(added)
+    assert "".join(line[:1] for line in body) == " " * 3 + "+" * len(added) + " " * 3
+    assert context[:3] == [
+        "        maxhordelen = int(args.hordegenlen)",
+        "    if args.hordemaxctx and args.hordemaxctx >= 0:",
+        "        maxhordectx = int(args.hordemaxctx)",
+    ]
+    assert added[0].startswith("    if args.hordekey and args.hordeworkername:")
+    assert added[1:] == [
+        "        try:",
+        "            from koboldcpp_horde_chat import kcpp_hook",
+        "            kcpp_hook.start_recovery(sys.modules[__name__], args)",
+        added[4],
+        "            pass",
+    ]
+    assert added[4].startswith("        except Exception:")
+
+
+def early_block(release: str) -> str:
+    """The second hunk's added lines as a function of ``args`` (koboldcpp's start-up)."""
+    body = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))[1][1][4]
+    return "def startup(args):\n" + "\n".join(line[1:] for line in body if line.startswith("+"))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_early_block_hands_args_to_start_recovery_and_never_raises(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from koboldcpp_horde_chat import kcpp_hook as entry
+
+    calls: list[tuple[Any, ...]] = []
+    module = types.ModuleType("patched_koboldcpp_start")
+    module.__dict__["sys"] = sys
+    exec(compile(early_block(release), "early", "exec"), module.__dict__)  # noqa: S102
+    monkeypatch.setitem(sys.modules, "patched_koboldcpp_start", module)
+    monkeypatch.setattr(entry, "start_recovery", lambda *a: calls.append(a))
+    args = argparse.Namespace(hordekey=API_KEY, hordeworkername="my-worker")
+    module.startup(args)
+    assert calls == [(module, args)]
+    module.startup(argparse.Namespace(hordekey="", hordeworkername="my-worker"))
+    assert len(calls) == 1  # no key: no Horde worker, nothing recovered
+    # A package older than 0.2.0 has no start_recovery: nothing happens, nothing raised.
+    monkeypatch.delattr(entry, "start_recovery")
+    module.startup(args)
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -699,7 +759,8 @@ def test_the_entry_point_every_patch_imported_is_kept_with_its_signature() -> No
 def test_both_releases_carry_the_same_change() -> None:
     """The worker code is identical in 1.116.1 and 1.117.1; only the line numbers differ."""
     bodies = [
-        parse_patch((PATCH_DIR / f"koboldcpp-{r}.patch").read_text(encoding="utf-8"))[1][0][4]
+        [hunk[4] for hunk in parse_patch((PATCH_DIR / f"koboldcpp-{r}.patch").read_text(
+            encoding="utf-8"))[1]]
         for r in RELEASES
     ]
     assert bodies[0] == bodies[1]
@@ -1084,3 +1145,71 @@ def test_while_koboldcpp_generates_a_worker_line_starts_on_a_new_line(
     log.info("after")
     text = out.getvalue()
     assert "tokens)\n[" in text and "Total:0.49s\n[" in text
+
+
+# ------------------------------------------------- the recovery before the model loads
+
+
+def test_start_recovery_starts_it_once_and_the_first_worker_thread_takes_it_over(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """koboldcpp's early block starts the recovery before the model loads; the worker
+    thread started after it uses that journal and waits for that recovery, and
+    starts no second one (a second recovery would find the journal held)."""
+    monkeypatch.setattr(kcpp_hook, "_SHARED", {})
+    monkeypatch.setattr(kcpp_hook, "_EARLY", {})
+    monkeypatch.setenv("KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("AI_HORDE_URL", "http://127.0.0.1:9")  # an empty journal sends nothing
+    started: list[Any] = []
+    real = kcpp_hook.hosting.start_recovery
+    monkeypatch.setattr(
+        kcpp_hook.hosting, "start_recovery", lambda *a, **kw: started.append(real(*a, **kw))
+        or started[-1]
+    )
+    kcpp = make_kcpp()
+    args = kcpp.args
+    assert kcpp_hook.start_recovery(kcpp, args) is True
+    assert kcpp_hook.start_recovery(kcpp, args) is False  # once per worker
+    (recovery,) = started
+    assert recovery.wait(timeout_s=5)
+    settings = kcpp_hook.settings_from_kcpp(kcpp, args, API_KEY, "my-worker", 1)
+    state = kcpp_hook.shared_state(settings)
+    try:
+        assert state.recovery is recovery and state.journal is recovery.journal
+        assert state.stop_event is recovery.stop_event
+        assert len(started) == 1  # the worker thread started no second recovery
+        assert kcpp_hook.start_recovery(kcpp, args) is False  # nor a late early block
+    finally:
+        assert state.journal is not None
+        state.journal.unlock()
+
+
+def test_without_the_early_block_the_first_worker_thread_starts_the_recovery(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A koboldcpp patched before 0.2.0 never calls start_recovery: as before."""
+    monkeypatch.setattr(kcpp_hook, "_SHARED", {})
+    monkeypatch.setattr(kcpp_hook, "_EARLY", {})
+    monkeypatch.setenv("KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("AI_HORDE_URL", "http://127.0.0.1:9")
+    kcpp = make_kcpp()
+    settings = kcpp_hook.settings_from_kcpp(kcpp, kcpp.args, API_KEY, "my-worker", 1)
+    state = kcpp_hook.shared_state(settings)
+    try:
+        assert state.recovery is not None and state.journal is not None
+        assert state.recovery.wait(timeout_s=5)
+    finally:
+        assert state.journal is not None
+        state.journal.unlock()
+
+
+def test_start_recovery_never_raises_and_says_why_it_did_not_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kcpp_hook, "_EARLY", {})
+    monkeypatch.setenv("AI_HORDE_URL", "ftp://example.invalid")
+    caplog.set_level(logging.ERROR, "koboldcpp_horde_chat")
+    kcpp = make_kcpp()
+    assert kcpp_hook.start_recovery(kcpp, kcpp.args) is False
+    assert any("not recovered yet" in r.getMessage() and "AI_HORDE_URL" in r.getMessage()
+               for r in caplog.records)
