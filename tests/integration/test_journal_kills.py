@@ -13,13 +13,17 @@ import json
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.service.journal_paths import journal_path
 
-from .worker_process import WORKER_NAME, WorkerProcess, terminal_actions, until
+from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 
 ASK = {"messages": [{"role": "user", "content": "Name one colour."}]}
 
@@ -127,3 +131,124 @@ def test_the_next_start_faults_a_job_in_hand_before_koboldcpp_answers(
         assert journaled(tmp_path) == []
     finally:
         second.stop()
+
+
+# --- a SIGKILL at every phase of a job's life, then a restart -------------------------
+
+
+@dataclass(frozen=True)
+class KillPhase:
+    """A phase of a job's life at which the worker is killed, and what the next start
+    must send for it (the dev Horde's terminal actions for that job, in order)."""
+
+    prepare: Callable[[DevHorde, ScriptedKoboldcpp], dict[str, Any]]  # -> the chat request
+    reached: Callable[[DevHorde, ScriptedKoboldcpp, WorkerProcess, str], bool]
+    journal_state: str | None  # the entry's terminal state at the kill (None: not listed)
+    then: list[str]  # the job's terminal actions on the Horde after the next start
+    sent_after_restart: int  # the submits the next start sends for the job
+
+
+def _slow_generation(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    slow(kcpp, 20.0)
+    return ASK
+
+
+def _streamed(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    slow(kcpp, 20.0)
+    return ASK | {"stream": True}
+
+
+def _fetch_hangs(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    horde.offload_bytes = 0  # every request's messages are fetched from storage
+    horde.inject("storage", "hang:30")
+    return ASK
+
+
+def _count_hangs(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    kcpp.inject("tokencount", "hang:30")
+    return ASK
+
+
+def _submit_503(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    kcpp.script(lambda body: ScriptedReply(text="Blue."))
+    horde.inject("submit", (503, {"message": "busy"}, {"Retry-After": "30"}))
+    return ASK
+
+
+def _fault_answer_lost(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> dict[str, Any]:
+    kcpp.inject("chat", (500, {"error": "boom"}))
+    horde.inject("submit", "drop")  # the fault is taken; its answer is lost
+    return ASK
+
+
+def _popped(horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, job_id: str) -> bool:
+    return True  # the job is journaled (checked before the kill) and its step hangs
+
+
+def _generating(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, job_id: str
+) -> bool:
+    return kcpp.generating
+
+
+def _streaming(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, worker: WorkerProcess, job_id: str
+) -> bool:
+    return kcpp.generating and any(
+        r["path"].endswith("/progress") for r in horde.requests_log
+    )
+
+
+def _said(text: str) -> Callable[[DevHorde, ScriptedKoboldcpp, WorkerProcess, str], bool]:
+    return lambda horde, kcpp, worker, job_id: worker.said(f"job={job_id} {text}") > 0
+
+
+KILL_PHASES = {
+    # no terminal action yet: the next start faults it while its lease surely runs
+    "fetching messages": KillPhase(_fetch_hangs, _popped, "none", ["faulted"], 1),
+    "counting tokens": KillPhase(_count_hangs, _popped, "none", ["faulted"], 1),
+    "generating": KillPhase(_slow_generation, _generating, "none", ["faulted"], 1),
+    "generating streamed": KillPhase(_streamed, _streaming, "none", ["faulted"], 1),
+    # the reply is kept: the next start sends it, not a fault
+    "submit retried after 503": KillPhase(
+        _submit_503, _said("submit failed"), "reply_sent", ["submitted"], 1
+    ),
+    # the fault may have been taken: nothing more
+    "fault sent, its answer lost": KillPhase(
+        _fault_answer_lost, _said("the fault's answer was lost"), None, ["faulted"], 0
+    ),
+}
+
+
+@pytest.mark.parametrize("phase", list(KILL_PHASES), ids=list(KILL_PHASES))
+def test_a_kill_at_each_phase_then_the_next_start_sends_exactly_what_the_rule_says(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess],
+    tmp_path: Path, phase: str,
+) -> None:
+    """The other phases have tests of their own above: a stored reply's answer on its
+    way, just after an accepted submit, and the token count with koboldcpp down at the
+    restart. The window between the Horde's answer and the journal's write leaves the
+    journal as "the answer on its way" does (the reply kept as sent), so it ends the same."""
+    case = KILL_PHASES[phase]
+    rid = horde.send_chat(case.prepare(horde, kcpp), best_effort=True)
+    first = workers()
+    until(lambda: bool(horde.status(rid)["job_ids"]), 20, first.log)
+    (job_id,) = horde.status(rid)["job_ids"][:1]
+    until(lambda: case.reached(horde, kcpp, first, job_id), 20, first.log)
+    time.sleep(0.3)
+    entries = {e["job_id"]: e for e in journaled(tmp_path)}
+    if case.journal_state is None:
+        assert job_id not in entries, first.log()
+    else:
+        assert entries[job_id].get("terminal", "none") == case.journal_state, first.log()
+    before = len(submits_of(horde, job_id))
+    kill(first)
+
+    second = workers()
+    second.wait_for("worker 1: started", 20)
+    until(lambda: job_id not in {e["job_id"] for e in journaled(tmp_path)}, 10, second.log)
+    time.sleep(0.5)
+    assert len(submits_of(horde, job_id)) - before == case.sent_after_restart, second.log()
+    assert terminal_actions(horde)[job_id] == case.then, second.log()
+    faults = [s for s in submits_of(horde, job_id) if s.get("state") == "faulted"]
+    assert len(faults) <= 1
