@@ -248,8 +248,12 @@ def test_the_patch_applies_to_the_koboldcpp_tree(koboldcpp_src: Path, tmp_path: 
     added = [
         line for line in patch.read_text(encoding="utf-8").splitlines() if line.startswith("+ ")
     ]
-    assert len(added) == 12
+    assert len(added) == 18  # the worker's hand-over (12), the recovery before the load (6)
     assert len(source.splitlines()) == len(original) + len(added)
+    # The recovery starts after koboldcpp read its Horde flags, before it loads the model.
+    early = source.index("kcpp_hook.start_recovery(sys.modules[__name__], args)")
+    assert source.index("maxhordectx = int(args.hordemaxctx)") < early
+    assert early < source.index("loadok = load_model(modelname)")
 
 
 @pytest.mark.slow
