@@ -409,6 +409,9 @@ MODULE_MAX_LINES = 500
 MODULES_ALLOWED_LONGER: dict[str, str] = {
     "kcpp/client.py": "koboldcpp's HTTP API as the worker calls it, one method per route, "
     "and the one place its calls are made, bounded and hung up",
+    "service/recovery.py": "the start-up pass over the journal: each job's plan, its "
+    "attempts and their pauses until the Horde answers, the lease ends or the stop's "
+    "deadline comes, and the thread that runs it before koboldcpp answers",
     "service/loop.py": "one pop loop's life: pop, serve, pause, and its bounded stop "
     "(the drain of the pop in flight, the jobs given up), which reads the loop's own "
     "fields throughout",
