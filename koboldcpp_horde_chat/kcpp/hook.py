@@ -340,9 +340,8 @@ def start_recovery(
     try:
         configure_logging(debug=_get(args, "debugmode", 0) == 1, kcpp=kcpp)
         api_key = str(_get(args, "hordekey", "") or "")
-        worker_name = check_worker_name(
-            str(_get(args, "hordeworkername", "") or ""), "--hordeworkername"
-        )
+        name = str(_get(args, "hordeworkername", "") or "")
+        worker_name = check_worker_name(name, "--hordeworkername")
         horde_url = horde_url_from_env(environ)
         if not api_key:
             return False
