@@ -24,9 +24,7 @@ from harness.devkit import DevHorde, ScriptedKoboldcpp, ScriptedReply
 from harness.product import HordeClient, Journal, JournalEntry, journal_path
 from harness.report import add_json, bench_result, figure, finish, parser, reproduce
 from harness.servers import API_KEY
-
-from tests.integration.test_journal_recovery import POP
-from tests.integration.worker_process import WorkerProcess
+from harness.worker_process import POP, WorkerProcess
 
 WORKER_NAME = "bench-stop-worker"
 #: Seconds past the grace the process may take to exit (the abort and one fault).

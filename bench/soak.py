@@ -1,6 +1,6 @@
 """Soak: 10,000 jobs through the real pop loop with 10% injected faults, on a fake clock.
 
-The worker against the in-process fakes of tests/fakes.py; it prints the jobs'
+The worker against the in-process fakes of bench/harness/fakes.py; it prints the jobs'
 ends, the faults by reason, double submits and lost jobs (the exit code is 1
 when either is not 0) and the RSS. The faults and the job mix: bench/README.md.
 """
@@ -15,10 +15,7 @@ import time
 from collections import Counter
 from typing import Any, cast
 
-from harness.product import BackendBusy, Worker, WorkerSettings
-from harness.report import parser, reproduce, rss_bytes
-
-from tests.fakes import (
+from harness.fakes import (
     FakeBackend,
     FakeClock,
     FakeHorde,
@@ -26,6 +23,8 @@ from tests.fakes import (
     backend_error,
     sse_chunks,
 )
+from harness.product import BackendBusy, Worker, WorkerSettings
+from harness.report import parser, reproduce, rss_bytes
 
 MODEL = "koboldcpp/soak"
 BACKEND_FAULTS = (

@@ -4,7 +4,7 @@ Runs one pass of the real pop loop with ``sys.settrace`` on every thread and
 records each entry into a function of the package (devkit excluded). By
 default the worker uses its real HTTP clients against the dev Horde and the
 scripted koboldcpp on 127.0.0.1; ``--fakes`` swaps them for the in-process
-fakes of tests/fakes.py (the route without the clients' own modules).
+fakes of bench/harness/fakes.py (the route without the clients' own modules).
 
 It prints the files in the order the job passes through them (consecutive
 entries into one file merged), the functions and files entered, and three
@@ -68,7 +68,7 @@ def chat_pop(job_id: str) -> dict[str, Any]:
 
 def trace_over_fakes() -> list[Entry]:
     """One pass of the loop serving one chat job on the in-process fakes."""
-    from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
+    from harness.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
     clock = FakeClock()
     horde = FakeHorde(clock, pops=[chat_pop("route-1")])
@@ -90,7 +90,7 @@ def trace_over_http() -> list[Entry]:
     clients against the dev Horde and the scripted koboldcpp on 127.0.0.1."""
     from koboldcpp_horde_chat.devkit.horde import DevHorde
     from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-    from koboldcpp_horde_chat.service.hosting import horde_client, kcpp_client
+    from koboldcpp_horde_chat.hosts.hosting import horde_client, kcpp_client
 
     with DevHorde(api_keys=(KEY,)) as horde, ScriptedKoboldcpp(max_context_length=4096) as kcpp:
         settings = WorkerSettings(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .service.standalone import run_standalone
+from .hosts.standalone import run_standalone
 
 __all__ = ["SUBCOMMANDS", "main"]
 

@@ -21,17 +21,17 @@ Import paths the patches have used, all kept:
 
 - ``koboldcpp_horde_chat.kcpp_hook`` (this module): the patches of 0.1.0 and
   of 0.2.0 onwards;
-- ``koboldcpp_horde_chat.kcpp.hook`` (where the hook itself lives): the patches
-  of the development tree between 0.1.0 and 0.2.0.dev0.
+- ``koboldcpp_horde_chat.kcpp.hook`` (now a module that forwards, like this
+  one): the patches of the development tree between 0.1.0 and 0.2.0.dev0.
 
-The hook itself is :mod:`koboldcpp_horde_chat.kcpp.hook`.
+The hook itself is :mod:`koboldcpp_horde_chat.hosts.inside_kcpp`.
 """
 
 from __future__ import annotations
 
 import types
 
-from .kcpp import hook
+from .hosts import inside_kcpp
 
 
 def run_horde_worker(
@@ -45,10 +45,12 @@ def run_horde_worker(
     """Serve Horde chat and text jobs in this koboldcpp worker thread until koboldcpp stops.
 
     The patched ``koboldcpp.run_horde_worker`` calls it with koboldcpp's module
-    and its own arguments; it runs :func:`koboldcpp_horde_chat.kcpp.hook.run_horde_worker`,
+    and its own arguments; it runs :func:`koboldcpp_horde_chat.hosts.inside_kcpp.run_horde_worker`,
     which blocks until koboldcpp shuts down and never raises (errors are logged).
     """
-    hook.run_horde_worker(kcpp, args, api_key, worker_name, worker_id, parallel_batching_threads)
+    inside_kcpp.run_horde_worker(
+        kcpp, args, api_key, worker_name, worker_id, parallel_batching_threads
+    )
 
 
 def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
@@ -59,10 +61,10 @@ def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
     ``args`` is read, as ``start_recovery(sys.modules[__name__], args)``,
     guarded so that a package without it changes nothing (the first
     :func:`run_horde_worker` call then starts the recovery, as in 0.1.0). It
-    runs :func:`koboldcpp_horde_chat.kcpp.hook.start_recovery`: True when a
+    runs :func:`koboldcpp_horde_chat.hosts.inside_kcpp.start_recovery`: True when a
     recovery started now; never raises.
     """
-    return hook.start_recovery(kcpp, args)
+    return inside_kcpp.start_recovery(kcpp, args)
 
 
 __all__ = ["run_horde_worker", "start_recovery"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.service.journal_paths import JOURNAL_DIR_ENV
+from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 
 
 @pytest.fixture(autouse=True)

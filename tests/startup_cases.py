@@ -3,7 +3,7 @@
 The standalone worker (``tests/integration/test_cli_startup.py``) exits 2 with
 the line; inside koboldcpp (``tests/unit/test_kcpp_hook.py``) the worker thread
 logs ``worker N: not started: <line>`` and koboldcpp serves on. Both run the
-checks of ``koboldcpp_horde_chat.service.hosting``.
+checks of ``koboldcpp_horde_chat.hosts.hosting``.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_mypy_strict_passes() -> None:
 #: ``mypy --strict`` checks each fake against the Protocol it stands in for
 #: (``horde.api.HordeAPI``, ``kcpp.api.KcppAPI``, ``kcpp.manners.LocalManners``).
 TYPED_TESTS = (
-    "tests/fakes.py",
+    "bench/harness/fakes.py",
     "tests/pops.py",
     "tests/unit/test_pop_loop.py",
     "tests/unit/test_worker_unit.py",

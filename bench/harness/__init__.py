@@ -2,8 +2,9 @@
 
 Importing the package puts the package under test first on ``sys.path``: the
 repository's ``koboldcpp_horde_chat``, or the one in ``$BENCH_PKG_ROOT``; the
-repository stays on it too (``soak.py`` uses ``tests/fakes.py``, ``bench_stop.py``
-the worker process of ``tests/integration/worker_process.py``).
+repository stays on it too. The benchmarks import nothing from ``tests/``; the
+tests import the two modules here they share with the benchmarks (``fakes``,
+``worker_process``).
 
 * ``product``: every module of ``koboldcpp_horde_chat`` the benchmarks use
   (the devkit aside), imported there and nowhere else;
@@ -13,7 +14,11 @@ the worker process of ``tests/integration/worker_process.py``).
 * ``timed_worker``: the worker as ``koboldcpp-horde-chat`` builds it, with timed clients;
 * ``timing``: the worker's own time and the idle gap from the timed calls;
 * ``bodies``: the requests the benchmarks queue;
-* ``real_kcpp``: a real koboldcpp: where it is, how it is started and stopped.
+* ``real_kcpp``: a real koboldcpp: where it is, how it is started and stopped;
+* ``fakes``: in-process fakes of the worker's seams and a fake clock (the soak,
+  the route's trace, and the tests' property tests);
+* ``worker_process``: the standalone worker as a process, its log lines read as
+  they come (``bench_stop.py`` and the tests that run it as a supervisor would).
 
 See bench/README.md for what is measured and how.
 """

@@ -9,15 +9,15 @@ from __future__ import annotations
 from koboldcpp_horde_chat.errors import BackendBusy
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities, pop_body
+from koboldcpp_horde_chat.hosts.standalone import LOG_DATEFMT, LOG_FORMAT, run_standalone
 from koboldcpp_horde_chat.kcpp.client import BackendStream, KoboldClient
 from koboldcpp_horde_chat.kcpp.manners import NoManners, StandaloneManners
 from koboldcpp_horde_chat.kcpp.sse import SSEDecoder
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
-from koboldcpp_horde_chat.service.journal_paths import default_state_dir, journal_path
 from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.service.standalone import LOG_DATEFMT, LOG_FORMAT, run_standalone
-from koboldcpp_horde_chat.service.state import WorkerState
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.state.journal_paths import default_state_dir, journal_path
+from koboldcpp_horde_chat.state.shared import WorkerState
 
 __all__ = [
     "LOG_DATEFMT",

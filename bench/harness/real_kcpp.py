@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import requests
-
 from harness import ROOT
 
 DEFAULT_KCPP_DIR = ROOT / "kcpp-src"

@@ -20,14 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendError, ConfigError
-from ..kcpp.client import KoboldClient
-from ..service.standalone import (
+from ..hosts.standalone import (
     KCPP_URL_ENV,
     KCPP_URL_FLAG,
     configure_logging,
     resolve_url,
     run_standalone,
 )
+from ..kcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, _done, demo_cases
 from .verdict import Verdict, _clip, judge

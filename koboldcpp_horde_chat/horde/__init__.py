@@ -1,1 +1,2 @@
-"""The Horde's side: its client, the declaration, pop parsing, submit bodies, progress."""
+"""The Horde's side: its client, the seam it implements, the declaration, pop
+parsing, progress and return codes. It knows nothing of koboldcpp."""

@@ -1,2 +1,2 @@
-"""koboldcpp's side: its client, request bodies, answers, SSE, the chat stream,
-reasoning, local use, and the hook that runs the worker inside koboldcpp."""
+"""koboldcpp's side: its client, the seam it implements, its answers, SSE,
+reasoning and local use. It knows nothing of the Horde."""

@@ -3,9 +3,11 @@
 :class:`KcppAPI` is koboldcpp's client as the pop loop, the pop gate, the
 chat and text runs and the bounded stop use it; :class:`KcppProbes` the part
 the standalone local-use manners read; :class:`KcppStream` an open chat
-stream as the streamed run reads it. :class:`~.client.KoboldClient` (and its
+stream as the streamed run reads it; :class:`BackendInfo` what koboldcpp
+reports about itself. :class:`~.client.KoboldClient` (and its
 ``BackendStream``) implement them over HTTP; tests pass an in-process
-koboldcpp typed against them, checked by ``mypy --strict``.
+koboldcpp typed against them, checked by ``mypy --strict``. This module
+imports no implementation.
 
 Seed: "Worked example: koboldcpp's embedded worker".
 """
@@ -13,9 +15,31 @@ Seed: "Worked example: koboldcpp's embedded worker".
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .client import BackendInfo
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the running koboldcpp reports about itself.
+
+    Attributes:
+        model_name: ``/api/v1/model`` ``result``, e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``
+            (``"inactive"`` when no text model is loaded).
+        max_context_length: ``/api/extra/true_max_context_length``, tokens
+            (``--contextsize``).
+        vision: ``/api/extra/version`` ``vision`` (a multimodal projector is loaded).
+        version: ``/api/extra/version`` ``version``, e.g. ``"1.116.1"`` ("" if absent).
+        protected: ``/api/extra/version`` ``protected`` (``--password`` is set).
+        jinja: ``/api/extra/version`` ``jinja`` (``--jinja``).
+    """
+
+    model_name: str
+    max_context_length: int
+    vision: bool
+    version: str
+    protected: bool
+    jinja: bool
 
 
 class KcppStream(Protocol):

@@ -39,7 +39,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -50,6 +49,7 @@ from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from ..httpbody import read_body
 from ..inflight import Call, CallDeadlines, TrackingAdapter, in_generation
 from ..jsonbody import RAW_STRING_MIN_CHARS, encode_json
+from .api import BackendInfo
 from .connection import (
     BackendStream,
     InFlight,
@@ -87,29 +87,6 @@ _READ_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     ValueError,
 )
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What the running koboldcpp reports about itself.
-
-    Attributes:
-        model_name: ``/api/v1/model`` ``result``, e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``
-            (``"inactive"`` when no text model is loaded).
-        max_context_length: ``/api/extra/true_max_context_length``, tokens
-            (``--contextsize``).
-        vision: ``/api/extra/version`` ``vision`` (a multimodal projector is loaded).
-        version: ``/api/extra/version`` ``version``, e.g. ``"1.116.1"`` ("" if absent).
-        protected: ``/api/extra/version`` ``protected`` (``--password`` is set).
-        jinja: ``/api/extra/version`` ``jinja`` (``--jinja``).
-    """
-
-    model_name: str
-    max_context_length: int
-    vision: bool
-    version: str
-    protected: bool
-    jinja: bool
 
 
 class KoboldClient:

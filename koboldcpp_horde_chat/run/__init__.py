@@ -1,2 +1,2 @@
-"""A job's life and its I/O: its owner, the chat and text runs, streaming, the
-fit check, images, downloads and the submit."""
+"""A job's run and its I/O: the chat and text runs, streaming, downloads and
+the submit pipeline."""

@@ -22,17 +22,17 @@ from typing import Any
 from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, validate_messages
-from ..horde.submits import FAULT_PROMPT_OVERFLOW, chat_submit
 from ..jsonbody import encode_json
 from ..kcpp.answers import BackendReply, aborted_short, needs_stop_reason, parse_chat_completion
-from ..kcpp.bodies import chat_request_body
-from ..service.guard import refusal_features
-from ..service.state import WorkerState
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
-from . import fit, images
+from ..state.guard import refusal_features
+from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext, Outcome, payload_keys
+from ..state.life import Move
+from ..state.shared import WorkerState
+from ..translate import fit, images
+from ..translate.bodies import chat_request_body
+from ..translate.submits import FAULT_PROMPT_OVERFLOW, chat_submit
 from .downloads import fetch_image, fetch_messages
-from .job import SUBMIT_MARGIN_S, Edges, JobContext, Outcome, payload_keys
-from .life import Move
 from .streaming import generate_streamed
 from .submit import refused_reply_fault
 

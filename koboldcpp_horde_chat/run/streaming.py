@@ -29,9 +29,9 @@ from ..horde.pop import ChatJob
 from ..horde.progress import ProgressAction, ProgressPoster
 from ..kcpp.answers import BackendReply
 from ..kcpp.api import KcppStream
-from ..kcpp.chat_stream import ChatStreamAccumulator
 from ..kcpp.sse import SSEDecoder
-from .job import SUBMIT_MARGIN_S, Edges, JobContext
+from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext
+from ..translate.chat_stream import ChatStreamAccumulator
 
 log = logging.getLogger("koboldcpp_horde_chat.streamed")
 

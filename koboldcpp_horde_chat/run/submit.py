@@ -36,16 +36,16 @@ from typing import Any
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
 from ..horde.api import HordeAPI
 from ..horde.codes import REFUSAL_RCS, is_key_refusal
-from ..horde.submits import (
+from ..settings import WorkerSettings
+from ..state.job import JobContext
+from ..state.journal_rules import known_not_taken
+from ..state.life import Move, Phase
+from ..state.shared import WorkerState
+from ..translate.submits import (
     FAULT_REPLY_REFUSED,
     fault_submit,
     text_fault_submit,
 )
-from ..service.journal_rules import known_not_taken
-from ..service.state import WorkerState
-from ..settings import WorkerSettings
-from .job import JobContext
-from .life import Move, Phase
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
 

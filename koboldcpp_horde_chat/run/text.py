@@ -16,10 +16,10 @@ import logging
 
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
 from ..horde.pop import TextJob
-from ..horde.submits import text_submit
 from ..kcpp.answers import text_completion_tokens, text_generation
-from ..kcpp.bodies import text_request_body
-from .job import Edges, JobContext, Outcome
+from ..state.job import Edges, JobContext, Outcome
+from ..translate.bodies import text_request_body
+from ..translate.submits import text_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 

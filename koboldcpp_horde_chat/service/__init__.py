@@ -1,2 +1,2 @@
-"""The worker as a service: the pop loop, shared state, the maintenance guard,
-backoff, the journal, status lines and the standalone host."""
+"""The worker as a service: the pop loop, the pop gate, the pop beside the
+submit, backoff and the start-up recovery."""

@@ -20,11 +20,11 @@ from ..kcpp.answers import text_generation
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
-from .journal import GENKEY_PREFIX
-from .lease_fit import tokens_of_text
-from .meter import record_generated
-from .state import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
-from .status import abort_limit_line
+from ..state.journal import GENKEY_PREFIX
+from ..state.lease_fit import tokens_of_text
+from ..state.meter import record_generated
+from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
+from ..state.status import abort_limit_line
 
 #: Seconds between pops while the Horde keeps the worker in maintenance (also
 #: while a chat-only worker's chat is withdrawn).

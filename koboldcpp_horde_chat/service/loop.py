@@ -35,18 +35,18 @@ from ..horde.pop import ChatJob, parse_pop
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.chat import ChatRun
-from ..run.job import Edges, JobContext, Lease, abort_quietly
-from ..run.life import Move, Phase
 from ..run.submit import SubmitPipeline
 from ..run.text import serve_text
 from ..settings import WorkerSettings
+from ..state.guard import FAILED_IN_A_ROW
+from ..state.job import Edges, JobContext, Lease, abort_quietly
+from ..state.life import Move, Phase
+from ..state.meter import JobMeter
+from ..state.shared import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
+from ..state.status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
-from .guard import FAILED_IN_A_ROW
-from .meter import JobMeter
 from .pop_ahead import PopAhead
-from .state import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
-from .status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import HordeError, HordeUnavailable
 from ..horde.api import HordeAPI
-from ..run.job import JobContext
+from ..state.job import JobContext
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
 

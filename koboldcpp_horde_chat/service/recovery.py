@@ -37,11 +37,11 @@ from typing import Any, Final, Protocol
 
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
 from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
-from ..horde.submits import FAULT_REPLY_REFUSED, fault_submit, text_fault_submit
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
-from . import journal as _journal
-from .journal import Journal, JournalEntry
-from .journal_rules import FAULT_MARGIN_S, known_not_taken, plan
+from ..state import journal as _journal
+from ..state.journal import Journal, JournalEntry
+from ..state.journal_rules import FAULT_MARGIN_S, known_not_taken, plan
+from ..translate.submits import FAULT_REPLY_REFUSED, fault_submit, text_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.worker_process import API_KEY, WorkerProcess
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.service.standalone import run_standalone
-
-from .worker_process import API_KEY, WorkerProcess
+from koboldcpp_horde_chat.hosts.standalone import run_standalone
 
 
 @pytest.fixture

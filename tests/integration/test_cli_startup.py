@@ -19,14 +19,14 @@ import pytest
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.service.journal_paths import JOURNAL_DIR_ENV
-from koboldcpp_horde_chat.service.standalone import (
+from koboldcpp_horde_chat.hosts.standalone import (
     build_parser,
     check_flags,
     normalise_url,
     settings_from_args,
 )
+from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 from tests.startup_cases import REFUSED_AT_START
 
 from .conftest import API_KEY

@@ -21,7 +21,7 @@ from koboldcpp_horde_chat.demo import cases, command, main
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.run import chat as chat_run
-from koboldcpp_horde_chat.service.journal_paths import JOURNAL_DIR_ENV
+from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 
 
 def after_opening(out: str) -> list[str]:

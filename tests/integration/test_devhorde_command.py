@@ -24,7 +24,7 @@ import requests
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.service.standalone import run_standalone
+from koboldcpp_horde_chat.hosts.standalone import run_standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_LINE = re.compile(r"Dev Horde at (http://127\.0\.0\.1:\d+) \(API key: (\S+)\)")

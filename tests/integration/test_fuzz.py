@@ -1,7 +1,7 @@
 """Property tests: malformed pops, backend bodies and streams, and Horde answers.
 
 The real ``Worker`` runs on in-process fakes of the Horde and koboldcpp
-(``tests/fakes.py``: no sockets, a fake clock), so each target runs 1000
+(``bench/harness/fakes.py``: no sockets, a fake clock), so each target runs 1000
 examples in seconds. Whatever hypothesis generates, the worker
 
 * never raises out of ``run_once``;
@@ -26,11 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.errors import BackendBusy, BackendError, ReplyError
-from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.settings import WorkerSettings
-from tests import pops
-from tests.fakes import (
+from bench.harness.fakes import (
     BACKEND_ERRORS,
     POP_ERRORS,
     PROGRESS_OUTCOMES,
@@ -43,6 +39,10 @@ from tests.fakes import (
     chat_body,
     sse_chunks,
 )
+from koboldcpp_horde_chat.errors import BackendBusy, BackendError, ReplyError
+from koboldcpp_horde_chat.service.loop import Worker
+from koboldcpp_horde_chat.settings import WorkerSettings
+from tests import pops
 
 MODEL = "koboldcpp/fake"
 EXAMPLES = settings(

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 
+from bench.harness.worker_process import until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import Fault, ScriptedKoboldcpp, ScriptedReply
-
-from .worker_process import until
 
 NAME = "test-worker"
 #: 25 tokens/s: --hordegenlen 512 takes 20 s, past a 20 s lease less the submit's

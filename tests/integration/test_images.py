@@ -37,7 +37,7 @@ from koboldcpp_horde_chat.devkit.horde import (
 )
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
-from koboldcpp_horde_chat.service.hosting import run_worker
+from koboldcpp_horde_chat.hosts.hosting import run_worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 from ..unit.test_images import gif, jpeg, png, webp

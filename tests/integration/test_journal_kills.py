@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
+from bench.harness.worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.service.journal_paths import journal_path
-
-from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
+from koboldcpp_horde_chat.state.journal_paths import journal_path
 
 ASK = {"messages": [{"role": "user", "content": "Name one colour."}]}
 

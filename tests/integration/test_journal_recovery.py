@@ -14,31 +14,20 @@ from typing import Any
 
 import pytest
 
+from bench.harness.worker_process import POP, POP_MODEL
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
-from koboldcpp_horde_chat.service.journal_paths import journal_path
 from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
+from koboldcpp_horde_chat.state.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.state.journal_paths import journal_path
 from tests.integration.conftest import API_KEY
 
-MODEL = "koboldcpp/test-model"
+MODEL = POP_MODEL
 GENKEY = "HORDEREQ_0123456789ab"
 REQUEST = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 64}
-POP = {
-    "name": "journal-worker",
-    "models": [MODEL],
-    "max_length": 512,
-    "max_context_length": 4096,
-    "chat_jobs": True,
-    "chat_features": ["prompt_overflow_refused"],
-    "chat_limits": {"max_context_length": 2048, "max_length": 512},
-    "model_id": MODEL,
-    "image_transports": [],
-    "bridge_agent": BRIDGE_AGENT,  # a validated agent: the dev Horde skips others
-}
 
 
 def client(horde: DevHorde) -> HordeClient:

@@ -28,7 +28,7 @@ import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
+from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 
 from .conftest import API_KEY, RunningWorker
 from .test_kcpp_hook_e2e import WORKER_NAME, stand_in_koboldcpp

@@ -39,9 +39,9 @@ from koboldcpp_horde_chat.demo.cases import DEMO_IMAGE_DATA_URL
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
-from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
+from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
+from koboldcpp_horde_chat.hosts.hosting import run_worker
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.service.hosting import run_worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -406,7 +406,7 @@ def test_json_schema_yields_an_object_satisfying_it(k: ScriptedKoboldcpp) -> Non
 
 
 def test_an_object_rooted_grammar_yields_an_object(k: ScriptedKoboldcpp) -> None:
-    from koboldcpp_horde_chat.kcpp.bodies import OBJECT_JSON_GRAMMAR
+    from koboldcpp_horde_chat.translate.bodies import OBJECT_JSON_GRAMMAR
 
     content = message_of(
         chat(k, messages=[{"role": "user", "content": "A cat"}], grammar=OBJECT_JSON_GRAMMAR)

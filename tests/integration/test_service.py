@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.service.journal_paths import journal_path
-
-from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
+from koboldcpp_horde_chat.state.journal_paths import journal_path
 
 # --- a stop a supervisor can wait for ----------------------------------------------------
 
@@ -299,8 +298,8 @@ def test_faults_before_koboldcpp_came_back_changed_still_count_toward_withdrawin
     import logging
 
     from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
-    from koboldcpp_horde_chat.service import state as state_module
-    from koboldcpp_horde_chat.service.guard import MaintenanceGuard
+    from koboldcpp_horde_chat.state import shared as state_module
+    from koboldcpp_horde_chat.state.guard import MaintenanceGuard
 
     monkeypatch.setattr(
         state_module,
@@ -351,8 +350,8 @@ def test_faults_of_an_earlier_run_still_count_toward_withdrawing_chat(
     import functools
     import logging
 
-    from koboldcpp_horde_chat.service import state as state_module
-    from koboldcpp_horde_chat.service.guard import MaintenanceGuard
+    from koboldcpp_horde_chat.state import shared as state_module
+    from koboldcpp_horde_chat.state.guard import MaintenanceGuard
 
     monkeypatch.setattr(
         state_module,

@@ -21,13 +21,12 @@ from typing import Any
 
 import pytest
 
+from bench.harness.worker_process import WORKER_NAME, WorkerProcess, terminal_actions, until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
-from koboldcpp_horde_chat.service.journal_paths import journal_path
+from koboldcpp_horde_chat.state.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.state.journal_paths import journal_path
 from tests.integration.test_journal_recovery import POP, client
-
-from .worker_process import WORKER_NAME, WorkerProcess, terminal_actions, until
 
 GRACE_S = 1.0
 STOP_BOUND_S = GRACE_S + 2.0

@@ -19,11 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.harness.worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
-from koboldcpp_horde_chat.service.journal_paths import journal_path
-
-from .worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
+from koboldcpp_horde_chat.state.journal_paths import journal_path
 
 GRACE_S = 1.0
 #: The stop's bound: the grace, then at most 2 s for the abort and the fault.

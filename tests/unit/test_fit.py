@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
-from koboldcpp_horde_chat.run.fit import (
+from koboldcpp_horde_chat.translate.fit import (
     BASE_TOKENS,
     PER_IMAGE_TOKENS,
     PER_MESSAGE_TOKENS,

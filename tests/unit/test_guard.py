@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.service import guard
-from koboldcpp_horde_chat.service.guard import (
+from koboldcpp_horde_chat.state import guard
+from koboldcpp_horde_chat.state.guard import (
     COUNT_WINDOW_S,
     HORDE_FAULT_LIMIT_PER_HOUR,
     STOP_POPPING_AT,

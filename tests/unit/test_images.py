@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import FetchError
-from koboldcpp_horde_chat.run.images import (
+from koboldcpp_horde_chat.translate.images import (
     ACCEPTED,
     MAX_IMAGE_BYTES,
     MAX_IMAGES,

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
+from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 from koboldcpp_horde_chat.errors import JobFault
-from koboldcpp_horde_chat.run.job import Edges, JobContext, Lease
-from koboldcpp_horde_chat.run.life import ENDED, LIVE, MOVES, IllegalMove, Move, Phase, next_phase
-from koboldcpp_horde_chat.service.journal import Journal
 from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.service.state import WorkerState
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.job import Edges, JobContext, Lease
+from koboldcpp_horde_chat.state.journal import Journal
+from koboldcpp_horde_chat.state.life import ENDED, LIVE, MOVES, IllegalMove, Move, Phase, next_phase
+from koboldcpp_horde_chat.state.shared import WorkerState
 from tests import pops
-from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 
 MODEL = "koboldcpp/fake"
 
@@ -174,7 +174,7 @@ def test_the_stops_deadline_gives_up_every_job_in_hand_also_one_received_during_
 def test_released_jobs_leave_the_journal_only_when_settled(tmp_path: Any) -> None:
     journal = Journal(tmp_path / "jobs.json")
     state = WorkerState(settings(), journal=journal)
-    from koboldcpp_horde_chat.service.journal import JournalEntry
+    from koboldcpp_horde_chat.state.journal import JournalEntry
 
     for job_id in ("settled", "abandoned"):
         journal.add(JournalEntry(job_id, "chat", MODEL, "", 1e10))

@@ -2,7 +2,7 @@
 
 The real :class:`~worker.Worker` (one or two slots sharing one
 :class:`~state.WorkerState` and a real :class:`~journal.Journal` in a
-temporary folder) runs on the in-process fakes of ``tests/fakes.py``. Rules,
+temporary folder) runs on the in-process fakes of ``bench/harness/fakes.py``. Rules,
 in any order, queue chat and text jobs (streamed, with tools, offloaded to a
 ``messages_url``, malformed, without a usable id), script what the next pop,
 submit or progress post answers and how koboldcpp's next call fails or how
@@ -66,17 +66,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from koboldcpp_horde_chat import inflight as inflight_module
-from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.run import chat as chat_run
-from koboldcpp_horde_chat.run.life import Phase
-from koboldcpp_horde_chat.service import loop as worker_module
-from koboldcpp_horde_chat.service import state as state_module
-from koboldcpp_horde_chat.service.journal import Journal
-from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.service.state import WorkerState
-from koboldcpp_horde_chat.settings import WorkerSettings
-from tests.fakes import (
+from bench.harness.fakes import (
     FakeBackend,
     FakeClock,
     FakeHorde,
@@ -86,6 +76,16 @@ from tests.fakes import (
     backend_error,
     sse_chunks,
 )
+from koboldcpp_horde_chat import inflight as inflight_module
+from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.run import chat as chat_run
+from koboldcpp_horde_chat.service import loop as worker_module
+from koboldcpp_horde_chat.service.loop import Worker
+from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state import shared as state_module
+from koboldcpp_horde_chat.state.journal import Journal
+from koboldcpp_horde_chat.state.life import Phase
+from koboldcpp_horde_chat.state.shared import WorkerState
 
 MODEL = "koboldcpp/fake"
 #: Real seconds the machine waits for a thread of the worker before calling it hung.

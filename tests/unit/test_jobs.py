@@ -11,7 +11,7 @@ import pytest
 
 from koboldcpp_horde_chat.errors import PayloadError
 from koboldcpp_horde_chat.horde.pop import ChatJob, TextJob, parse_pop, validate_messages
-from koboldcpp_horde_chat.kcpp.bodies import (
+from koboldcpp_horde_chat.translate.bodies import (
     OBJECT_JSON_GRAMMAR,
     chat_request_body,
     text_request_body,

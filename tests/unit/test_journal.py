@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.service import hosting
-from koboldcpp_horde_chat.service import journal as journal_mod
-from koboldcpp_horde_chat.service.journal import Journal, JournalEntry
-from koboldcpp_horde_chat.service.journal_paths import APP_DIR_NAME, default_state_dir, journal_path
-from koboldcpp_horde_chat.service.journal_rules import ClockMark
+from koboldcpp_horde_chat.hosts import hosting
 from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state import journal as journal_mod
+from koboldcpp_horde_chat.state.journal import Journal, JournalEntry
+from koboldcpp_horde_chat.state.journal_paths import APP_DIR_NAME, default_state_dir, journal_path
+from koboldcpp_horde_chat.state.journal_rules import ClockMark
 
 NOW = 1_700_000_000.0
 MODEL = "koboldcpp/Qwen3-8B-Q4_K_M"

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.service.journal_rules import (
+from koboldcpp_horde_chat.state.journal_rules import (
     FAULT_MARGIN_S,
     ClockMark,
     elapsed_bounds,

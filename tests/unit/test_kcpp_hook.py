@@ -25,9 +25,9 @@ import pytest
 import koboldcpp_horde_chat
 from koboldcpp_horde_chat.horde import declaration
 from koboldcpp_horde_chat.horde.declaration import pop_body
-from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
+from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
+from koboldcpp_horde_chat.hosts import standalone
 from koboldcpp_horde_chat.service import loop as worker_mod
-from koboldcpp_horde_chat.service import standalone
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.startup_cases import REFUSED_AT_START
 
@@ -980,18 +980,24 @@ def test_a_koboldcpp_patched_for_an_earlier_version_runs_this_worker_after_an_up
     """The upgrade that silently dropped the worker: a koboldcpp patched for 0.1.0
     (or for the development tree after it) with today's package installed runs the
     package's worker, says nothing, and never falls back to koboldcpp's own."""
-    entry = (ROOT / "koboldcpp_horde_chat" / "kcpp_hook.py").read_text(encoding="utf-8")
-    assert "from .kcpp import hook" in entry
-    # The package as installed, its hook replaced by one that says it ran.
+    package = ROOT / "koboldcpp_horde_chat"
+    entry = (package / "kcpp_hook.py").read_text(encoding="utf-8")
+    earlier_entry = (package / "kcpp" / "hook.py").read_text(encoding="utf-8")
+    assert "from .hosts import inside_kcpp" in entry
+    assert "from ..hosts import inside_kcpp" in earlier_entry
+    # The package as installed (both entry paths as they are), its hook replaced
+    # by one that says it ran.
     out = run_patched_koboldcpp(
         release,
         tmp_path,
         "",
         which,
         package_files={
-            "kcpp_hook.py": entry.replace("from .kcpp import hook", "from .kcpp import hook  # noqa"),
+            "kcpp_hook.py": entry,
             "kcpp/__init__.py": "",
-            "kcpp/hook.py": "def run_horde_worker(kcpp, *a):\n    print('this worker: started', a)",
+            "kcpp/hook.py": earlier_entry,
+            "hosts/__init__.py": "",
+            "hosts/inside_kcpp.py": "def run_horde_worker(kcpp, *a):\n    print('this worker: started', a)",
         },
     )
     assert out == "this worker: started (None, 'key', 'my-worker', 1, 1)\n"

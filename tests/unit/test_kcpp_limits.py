@@ -11,9 +11,9 @@ import pytest
 
 from koboldcpp_horde_chat.errors import ConfigError
 from koboldcpp_horde_chat.horde.declaration import pop_body
-from koboldcpp_horde_chat.kcpp import hook as kcpp_hook
-from koboldcpp_horde_chat.kcpp.bodies import chat_request_body
-from koboldcpp_horde_chat.service import standalone
+from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
+from koboldcpp_horde_chat.hosts import standalone
+from koboldcpp_horde_chat.translate.bodies import chat_request_body
 
 from .test_jobs import chat_job
 from .test_kcpp_hook import hook_settings, make_kcpp

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.service import lease_fit
-from koboldcpp_horde_chat.service.lease_fit import (
+from koboldcpp_horde_chat.state import lease_fit
+from koboldcpp_horde_chat.state.lease_fit import (
     MIN_MAX_LENGTH,
     LeaseFit,
     LengthChange,

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde, FakeManners, FakeStopEvent
 from koboldcpp_horde_chat.errors import HordeRefusal
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.service.status import SUMMARY_EVERY_S
 from koboldcpp_horde_chat.settings import WorkerSettings
-from tests.fakes import FakeBackend, FakeClock, FakeHorde, FakeManners, FakeStopEvent
+from koboldcpp_horde_chat.state.status import SUMMARY_EVERY_S
 from tests.unit.test_worker_unit import KEY, MODEL, chat_pop, text_pop
 
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from koboldcpp_horde_chat.errors import HordeUnavailable
 from koboldcpp_horde_chat.inflight import CallDeadlines, stop_call_ends
-from koboldcpp_horde_chat.service.journal import Journal
 from koboldcpp_horde_chat.service.recovery import (
     STOP_LAST_ATTEMPT_LEAD_S,
     Recovery,
     RecoveryResult,
     recover,
 )
+from koboldcpp_horde_chat.state.journal import Journal
 from tests.unit.test_journal import (
     NOW,
     Pauses,

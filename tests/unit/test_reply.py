@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
 from koboldcpp_horde_chat.horde.codes import REFUSAL_RCS
-from koboldcpp_horde_chat.horde.submits import (
+from koboldcpp_horde_chat.kcpp.answers import (
+    BackendReply,
+    aborted_short,
+    needs_stop_reason,
+    parse_chat_completion,
+    text_generation,
+)
+from koboldcpp_horde_chat.settings import kcpp_effective_max_length
+from koboldcpp_horde_chat.translate.submits import (
     FAULT_PROMPT_OVERFLOW,
     FAULT_REPLY_REFUSED,
     FINISH_REASONS,
@@ -29,14 +37,6 @@ from koboldcpp_horde_chat.horde.submits import (
     strip_nul_json,
     text_submit,
 )
-from koboldcpp_horde_chat.kcpp.answers import (
-    BackendReply,
-    aborted_short,
-    needs_stop_reason,
-    parse_chat_completion,
-    text_generation,
-)
-from koboldcpp_horde_chat.settings import kcpp_effective_max_length
 
 CHAT_NONSTREAM = json.loads(
     '{"id": "chatcmpl-A343157", "object": "chat.completion", "created": 1795991068, "model": "koboldcpp/gemma-3-270m-q4_k_m", "usage": {"prompt_tokens": 28, "completion_tokens": 9, "total_tokens": 37}, "choices": [{"index": 0, "message": {"role": "assistant", "content": "Cats are fascinating animals.\\n", "tool_calls": []}, "finish_reason": "length", "logprobs": null}]}'

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.service.standalone import (
+from koboldcpp_horde_chat.hosts.standalone import (
     DEFAULT_STOP_GRACE_S,
     build_parser,
     check_flags,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from koboldcpp_horde_chat.service.status import (
+from koboldcpp_horde_chat.state.status import (
     PAUSE_REPORT_AFTER_S,
     SKIPPED_EVERY_S,
     PauseTracker,

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde
 from koboldcpp_horde_chat.errors import BackendError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.inflight import CallDeadlines
 from koboldcpp_horde_chat.kcpp.client import KoboldClient
-from koboldcpp_horde_chat.run.job import Edges
 from koboldcpp_horde_chat.settings import WorkerSettings
-from tests.fakes import FakeBackend, FakeClock, FakeHorde
+from koboldcpp_horde_chat.state.job import Edges
 
 
 def edges(stop: threading.Event, deadline: list[float | None]) -> Edges:

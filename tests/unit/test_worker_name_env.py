@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.service import standalone
-from koboldcpp_horde_chat.service.hosting import WORKER_NAME_ENV, worker_name_from
+from koboldcpp_horde_chat.hosts import standalone
+from koboldcpp_horde_chat.hosts.hosting import WORKER_NAME_ENV, worker_name_from
 
 
 def test_the_name_comes_from_the_environment_when_the_flag_is_not_given(

@@ -13,14 +13,7 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.kcpp.client import BackendInfo
-from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
-from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
-from koboldcpp_horde_chat.service.loop import Worker
-from koboldcpp_horde_chat.settings import WorkerSettings
-from tests import pops
-from tests.fakes import (
+from bench.harness.fakes import (
     FakeBackend,
     FakeClock,
     FakeHorde,
@@ -28,6 +21,13 @@ from tests.fakes import (
     FakeStream,
     backend_error,
 )
+from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
+from koboldcpp_horde_chat.kcpp.api import BackendInfo
+from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
+from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
+from koboldcpp_horde_chat.service.loop import Worker
+from koboldcpp_horde_chat.settings import WorkerSettings
+from tests import pops
 
 KEY = "unit-key-5f2e9c"
 MODEL = "koboldcpp/fake"
@@ -785,7 +785,7 @@ class InfoPerfBackend(PerfBackend):
 
 
 def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
-    from koboldcpp_horde_chat.kcpp.client import BackendInfo
+    from koboldcpp_horde_chat.kcpp.api import BackendInfo
     from koboldcpp_horde_chat.kcpp.manners import BackendIdentity, StandaloneManners
 
     def info(name: str, ctx: int) -> BackendInfo:
@@ -823,7 +823,7 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
 def test_a_stop_sequence_sent_as_one_string_is_held_back_from_progress_posts_too() -> None:
     """``stop_sequence`` as a bare string (the worker accepts it) ends the content
     posted as progress as it ends the submitted reply."""
-    from tests.fakes import sse_chunks
+    from bench.harness.fakes import sse_chunks
 
     backend = FakeBackend()
     backend.streams.append(sse_chunks("Blue sky.\nuser: and more words after it"))

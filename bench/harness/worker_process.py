@@ -3,7 +3,7 @@
 
 ``python -m koboldcpp_horde_chat`` runs in a subprocess against a dev Horde and a
 scripted koboldcpp of the calling process; its log lines (stderr) are read as
-they come. The ``workers`` fixture (``conftest.py``) starts them and kills what
+they come. The tests' ``workers`` fixture (``tests/integration/conftest.py``) starts them and kills what
 is left at the test's end.
 """
 
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 
@@ -25,6 +26,23 @@ ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-0123456789"
 FINAL = ("submitted", "faulted", "cancelled", "expired")
 WORKER_NAME = "service-worker"
+#: The model the jobs planted before a worker starts are for.
+POP_MODEL = "koboldcpp/test-model"
+#: A pop body that takes a chat job from the dev Horde, to plant a job in a
+#: journal before a worker process starts (its ``name`` is replaced by the
+#: worker's own).
+POP = {
+    "name": "journal-worker",
+    "models": [POP_MODEL],
+    "max_length": 512,
+    "max_context_length": 4096,
+    "chat_jobs": True,
+    "chat_features": ["prompt_overflow_refused"],
+    "chat_limits": {"max_context_length": 2048, "max_length": 512},
+    "model_id": POP_MODEL,
+    "image_transports": [],
+    "bridge_agent": BRIDGE_AGENT,  # a validated agent: the dev Horde skips others
+}
 
 
 class WorkerProcess:

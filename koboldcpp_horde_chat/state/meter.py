@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..horde.pop import ChatJob, TextJob
-from ..run.job import SUBMIT_MARGIN_S, JobContext
+from .job import SUBMIT_MARGIN_S, JobContext
 from .lease_fit import job_max_length, perf_speed, reply_tokens
-from .state import WorkerState
+from .shared import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 

@@ -30,8 +30,8 @@ from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusa
 from ..horde.api import HordeAPI
 from ..horde.pop import ttl_seconds
 from ..kcpp.api import KcppAPI
-from ..service.journal import Journal, JournalEntry
 from ..settings import WorkerSettings
+from .journal import Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
 
 log = logging.getLogger("koboldcpp_horde_chat.runs")

@@ -33,22 +33,33 @@ from ..horde.declaration import BackendCapabilities, pop_body
 from ..inflight import STOP_POP_EXTRA_S as STOP_POP_EXTRA_S  # the stop's deadlines
 from ..inflight import STOP_SUBMIT_EXTRA_S as STOP_SUBMIT_EXTRA_S
 from ..inflight import CallDeadlines, stop_call_ends
-from ..run.job import SUBMIT_MARGIN_S
-from ..run.life import Phase
 from ..settings import WorkerSettings
 from . import guard, status
 from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
+from .job import SUBMIT_MARGIN_S
 from .journal import Journal
 from .lease_fit import LeaseFit
-from .recovery import Recovery
+from .life import Phase
 
 if TYPE_CHECKING:
-    from ..run.job import JobContext
+    from .job import JobContext
 
 log = logging.getLogger("koboldcpp_horde_chat.state")
 
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
+class StartupRecovery(Protocol):
+    """The start-up recovery as the shared state waits for it
+    (``service.recovery.Recovery``; the service floor sets it)."""
+
+    def wait(
+        self, stop_event: threading.Event | None = None, timeout_s: float | None = None
+    ) -> bool:
+        """Block until the recovery ended (True), ``stop_event`` is set or
+        ``timeout_s`` seconds passed (False unless it ended)."""
+        ...
+
+
 class Slot(Protocol):
     """A pop loop as the shared state sees it (for a forced exit)."""
 
@@ -137,7 +148,7 @@ class WorkerState:
         #: Submits being retried on threads of their own (no pop meanwhile).
         self.retrying_submits = 0
         #: The recovery of the jobs an earlier run left in hand (None: none).
-        self.recovery: Recovery | None = None
+        self.recovery: StartupRecovery | None = None
         self._faults_restored = False
         #: A chat job was popped (:meth:`first_chat_job`).
         self.chat_job_seen = False

@@ -36,7 +36,7 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
-from koboldcpp_horde_chat.kcpp.client import BackendInfo
+from koboldcpp_horde_chat.kcpp.api import BackendInfo
 from koboldcpp_horde_chat.kcpp.manners import NoManners
 
 if TYPE_CHECKING:

@@ -28,12 +28,16 @@ from ..horde.declaration import BackendCapabilities, model_id_warnings, standalo
 from ..inflight import CallDeadlines, stop_call_ends
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import BackendIdentity, StandaloneManners
+from ..service.recovery import Recovery
 from ..settings import (
     DEFAULT_HORDE_URL,
     DEFAULT_KCPP_URL,
     MIB,
     WorkerSettings,
 )
+from ..state.journal import Journal
+from ..state.journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
+from ..state.shared import WorkerState
 from .hosting import (
     check_journal_dir,
     check_limits,
@@ -45,10 +49,6 @@ from .hosting import (
     start_recovery,
     worker_name_from,
 )
-from .journal import Journal
-from .journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
-from .recovery import Recovery
-from .state import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat")
 

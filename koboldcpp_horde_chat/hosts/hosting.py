@@ -30,12 +30,12 @@ from ..inflight import CallDeadlines
 from ..kcpp.api import KcppAPI
 from ..kcpp.client import KoboldClient
 from ..kcpp.manners import LocalManners
+from ..service.loop import Worker
+from ..service.recovery import Recovery
 from ..settings import WorkerSettings, worker_name_problem
-from .journal import Journal, check_directory, reason
-from .journal_paths import JOURNAL_DIR_ENV, journal_path
-from .loop import Worker
-from .recovery import Recovery
-from .state import WorkerState
+from ..state.journal import Journal, check_directory, reason
+from ..state.journal_paths import JOURNAL_DIR_ENV, journal_path
+from ..state.shared import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.hosting")
 

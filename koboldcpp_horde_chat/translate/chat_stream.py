@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ReplyError
-from ..horde.submits import strip_nul
-from .answers import BackendReply
-from .reasoning import StreamSplitter
+from ..kcpp.answers import BackendReply
+from ..kcpp.reasoning import StreamSplitter
+from .submits import strip_nul
 
 log = logging.getLogger("koboldcpp_horde_chat.stream")
 
