@@ -1,7 +1,8 @@
 """Every knob of the worker, in one frozen dataclass.
 
-Built by ``cli.py`` (standalone, from flags and the running koboldcpp) or by
-``kcpp/hook.py`` (inside koboldcpp, from its ``args`` and globals). Units are in
+Built by ``hosts.standalone.settings_from_args`` (standalone, from flags and
+the running koboldcpp) or by ``hosts.inside_kcpp.settings_from_kcpp`` (inside
+koboldcpp, from its ``args`` and globals). Units are in
 the field names. The API key and the koboldcpp password are kept out of
 ``repr`` so that a settings object can be logged.
 

@@ -1,7 +1,7 @@
 """Settings both hosts refuse at start-up, each with the same one line.
 
 The standalone worker (``tests/integration/test_cli_startup.py``) exits 2 with
-the line; inside koboldcpp (``tests/unit/test_kcpp_hook.py``) the worker thread
+the line; inside koboldcpp (``tests/unit/test_inside_kcpp.py``) the worker thread
 logs ``worker N: not started: <line>`` and koboldcpp serves on. Both run the
 checks of ``koboldcpp_horde_chat.hosts.hosting``.
 """

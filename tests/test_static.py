@@ -85,7 +85,7 @@ TYPED_TESTS = (
     "bench/harness/fakes.py",
     "tests/pops.py",
     "tests/unit/test_pop_loop.py",
-    "tests/unit/test_worker_unit.py",
+    "tests/unit/test_loop_decisions.py",
     "tests/unit/test_job_life.py",
     "tests/unit/test_job_state_machine.py",
     "tests/integration/test_fuzz.py",

@@ -262,7 +262,7 @@ class HordeClient:
 
         Returns:
             The pop answer: ``{"id": "<job-id>" | None, "payload": {...}, "chat": true,
-            "ttl": 150, "skipped": {...}, ...}``; parsing is ``jobs.parse_pop``'s.
+            "ttl": 150, "skipped": {...}, ...}``; parsing is ``horde.pop.parse_pop``'s.
 
         Raises:
             HordeRefusal: 4xx (e.g. 400 ``ChatDeclarationInvalid``), or a redirect.

@@ -2,7 +2,7 @@
 
 The Horde names each refusal by ``rc`` in its JSON answer (seed "Submit
 refusals", "7. Fault a job"; the rest from the AI Horde's public API). The
-pop's refusals, each with what the owner can do, are ``service.status``'s
+pop's refusals, each with what the owner can do, are ``state.status``'s
 table, since they are said to the owner.
 """
 

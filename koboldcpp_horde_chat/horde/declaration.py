@@ -207,7 +207,7 @@ def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
     """The ``chat_limits`` object, in tokens.
 
     ``{"max_context_length": settings.max_context_length, "max_length":
-    settings.declared_max_length, "tools_max_temperature": 1.0}``: the
+    WorkerSettings.declared_max_length, "tools_max_temperature": 1.0}``: the
     ``max_length`` is ``--hordegenlen`` lowered so that a job leaves room for
     a prompt (:attr:`.settings.WorkerSettings.declared_max_length`).
 
@@ -230,9 +230,9 @@ def chat_declaration(
 
     Returns ``{"chat_jobs": true, "chat_features": [...], "chat_limits": {...},
     "model_id": settings.model_id, "image_transports": [...]}`` plus
-    ``"prompt_jobs": false`` only when ``settings.prompt_jobs`` is False.
+    ``"prompt_jobs": false`` only when ``WorkerSettings.prompt_jobs`` is False.
 
-    ``withhold`` is added to ``settings.chat_withhold``. When ``vision`` is
+    ``withhold`` is added to ``WorkerSettings.chat_withhold``. When ``vision`` is
     withheld, ``base64`` and ``url`` are not declared either, since a worker
     without vision receives no images.
 
@@ -274,11 +274,11 @@ def pop_body(
     :func:`chat_declaration` when ``chat_jobs``. With ``chat_jobs`` False the
     declaration is withdrawn: no chat field and no ``prompt_jobs`` is sent.
     Lengths are tokens: the text limits are koboldcpp's own worker's, with
-    ``max_length`` lowered as the chat one is (``settings.declared_max_length``).
+    ``max_length`` lowered as the chat one is (``WorkerSettings.declared_max_length``).
     ``max_length`` and ``chat_max_length``, when given, replace the text
     ``max_length`` and ``chat_limits.max_length`` (lowered so that a job
-    finishes within its lease: ``service.lease_fit``), never above
-    ``settings.declared_max_length``.
+    finishes within its lease: ``state.lease_fit``), never above
+    ``WorkerSettings.declared_max_length``.
 
     Seed: "1. Declare chat on pop", "Declaration checks and withdrawal".
     """

@@ -198,7 +198,8 @@ class ProgressPoster:
                 sequences already removed), may be ``""``.
             reasoning: new reasoning text, may be ``""``.
 
-        Both as :class:`.stream.ChatStreamAccumulator` releases them: without
+        Both as the chat stream's accumulator
+        (``translate.chat_stream.ChatStreamAccumulator``) releases them: without
         U+0000 and with the reasoning's surrounding whitespace held back, so
         the posts add up to the submitted reply.
 

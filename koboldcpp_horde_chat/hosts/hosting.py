@@ -6,7 +6,7 @@ check their settings with the same functions here, so they refuse the same
 things in the same words: the worker name (:func:`check_worker_name`), the
 URLs (:func:`check_url`), the limits (:func:`check_limits`) and, standalone,
 a journal directory the operator named (:func:`check_journal_dir`). Both
-then give a worker's loops one :class:`~state.WorkerState` holding the
+then give a worker's loops one :class:`~koboldcpp_horde_chat.state.shared.WorkerState` holding the
 worker's job journal, and end the jobs the journal says an earlier run left
 in hand before any loop pops (``recovery.Recovery``, started as soon as the
 Horde and the key are known).

@@ -212,7 +212,7 @@ def max_request_mb(args: object) -> int:
 
 def capabilities(settings: WorkerSettings) -> BackendCapabilities:
     """The capabilities behind the declaration: vision as read, offloaded messages
-    fetched, the ``url`` image transport only when ``settings.image_url_transport``.
+    fetched, the ``url`` image transport only when ``WorkerSettings.image_url_transport``.
 
     Built the same way as the standalone CLI's, so the same settings give the
     same pop body (:func:`declaration.pop_body`).
@@ -287,7 +287,7 @@ def shared_state(
     """The state koboldcpp's worker threads of one worker share in this process.
 
     koboldcpp starts one thread per ``--parallelrequests`` slot, each calling
-    :func:`run_horde_worker`; they share one :class:`~state.WorkerState`
+    :func:`run_horde_worker`; they share one :class:`~koboldcpp_horde_chat.state.shared.WorkerState`
     (statistics, chat withdrawal, stop, the job journal), keyed by worker
     name, Horde URL and model. The first thread opens the job journal
     (``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``, else the platform's state

@@ -4,7 +4,7 @@ A chat completion, whole (:func:`parse_chat_completion`) or streamed (the
 stream accumulator in ``chat_stream`` builds the same :class:`BackendReply`),
 a text generation (:func:`text_generation`), and koboldcpp's raw stop reason
 that tells an abort from a stop sequence. The submit built from them is
-``horde.submits``'s.
+``translate.submits``'s.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""When the pop loop may pop: manners toward local users, a busy or absent koboldcpp.
+"""Local use of koboldcpp: a local user's request, a busy model, a koboldcpp restarted.
 
 koboldcpp's own worker waits 20 s after a local user's last generation and
-does not pop while the model is busy (1.116.1 ``koboldcpp.py`` L10127-10138). The loop asks a
-:class:`PopGate` before each pop; the gate asks a :class:`LocalManners`:
-inside koboldcpp the hook reads koboldcpp's globals (``kcpp_hook.KcppManners``);
-standalone, :class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf``.
-The gate also holds pops while koboldcpp, which failed a job, does not answer,
-and while a chat-only worker's chat declaration is withdrawn.
+does not pop while the model is busy (1.116.1 ``koboldcpp.py`` L10127-10138).
+A :class:`LocalManners` tells the pop gate (``service.gate.PopGate``, which
+decides) what koboldcpp is doing: inside koboldcpp the hook reads koboldcpp's
+globals (``hosts.inside_kcpp.KcppManners``); standalone,
+:class:`StandaloneManners` reads koboldcpp's ``/api/extra/perf`` and notices a
+koboldcpp restarted with another model or context (:class:`BackendIdentity`);
+:class:`NoManners` never holds a pop. The worker's own requests are told apart
+from a local user's by ``OWN_MARGIN_S`` and ``OWN_TAIL_S``.
 
 Seed: "The pop loop" (a worker keeps serving its local users) and "Worked
 example: koboldcpp's embedded worker".

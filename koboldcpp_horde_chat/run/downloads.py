@@ -200,7 +200,7 @@ def fetch_messages(
 
     Returns:
         The decoded JSON array, e.g. ``[{"role": "user", "content": "Hi"}]``.
-        Its elements are not validated here (``jobs.validate_messages`` does).
+        Its elements are not validated here (``horde.pop.validate_messages`` does).
 
     Raises:
         FetchError: a non-http(s) URL or redirect, more than 3 redirects, a

@@ -9,7 +9,7 @@ deliberate no-submit (seed "The pop loop"). This module sends the first two:
   (seed "7. Fault a job"), logged in one line with its reason;
 - :meth:`SubmitPipeline.fault_now`: one quick fault when the process exits.
 
-The job journal follows every step (``service.journal``): a reply is kept in
+The job journal follows every step (``state.journal``): a reply is kept in
 it before it is sent (a restart sends the same reply again, never a fault),
 a fault is marked sent before it goes (a restart never sends a second one),
 and the job is cleared as soon as the Horde answers.
@@ -211,7 +211,7 @@ class SubmitPipeline:
 
     def _timeout(self) -> float:
         """A submit's read timeout, seconds: ``submit_timeout_s``, but when the
-        worker is stopping no later than ``state.STOP_SUBMIT_EXTRA_S`` after the stop's
+        worker is stopping no later than ``state.shared.STOP_SUBMIT_EXTRA_S`` after the stop's
         deadline (a supervisor kills the process soon after it): a stop never
         lengthens a wait. The Horde client itself hangs up a submit still in
         flight then, and sends none after it."""

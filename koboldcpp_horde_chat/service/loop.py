@@ -5,7 +5,7 @@ worker". The loop pops with the declaration when the pop gate lets it
 (``service.gate``), hands each popped job to its run (``run.chat``,
 ``run.text``) and the run's outcome to the submit pipeline (``run.submit``).
 It knows that a job runs and ends, not the steps of a chat job. Each popped
-job ends in one terminal action (``run.life``), logged with ``job=<id>``.
+job ends in one terminal action (``state.life``), logged with ``job=<id>``.
 Every wait is ``stop_event.wait(seconds)``, so a stop is prompt.
 
 Like koboldcpp's own worker, the loop overlaps a job's submit with the next
@@ -50,7 +50,7 @@ from .pop_ahead import PopAhead
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
-#: Seconds past the pops' stop deadline (``state.STOP_POP_EXTRA_S`` after the
+#: Seconds past the pops' stop deadline (``state.shared.STOP_POP_EXTRA_S`` after the
 #: stop's) the loop still waits for the pop sent beside a submit: a backstop, for
 #: the Horde client hangs it up then.
 DRAIN_POP_EXTRA_S = 0.25
@@ -206,7 +206,7 @@ class Worker:
         gets its terminal action, also when the loop is stopping (a job popped
         after the stop's signal is faulted at once, see :meth:`_serve_popped`).
         Under the stop's deadline the pop is waited for until
-        ``state.STOP_POP_EXTRA_S`` after it (the Horde client hangs it up then);
+        ``state.shared.STOP_POP_EXTRA_S`` after it (the Horde client hangs it up then);
         one that did not answer is said and counted (:meth:`_pop_left`)."""
         while self._ahead is not None:
             deadline = self.state.stop_deadline
@@ -342,7 +342,7 @@ class Worker:
         self, body: dict[str, Any], pop: dict[str, Any], popped_at: float
     ) -> JobContext | None:
         """Take the job a pop's answer carries in hand, before anything else happens
-        to it: its owner (``runs.JobContext``) is made, counted in hand for the
+        to it: its owner (``state.job.JobContext``) is made, counted in hand for the
         stop (given up at once past the stop's deadline) and journaled, so a
         SIGKILL from here on leaves it for the next start to fault. None when
         the answer carries no usable job id. Runs on the thread the answer

@@ -1,7 +1,7 @@
 """Crash recovery: the start-up pass over the jobs an earlier process left in hand.
 
 As soon as the Horde answers, before the first pop and without waiting for
-koboldcpp, :func:`recover` ends every job the journal (``service.journal``)
+koboldcpp, :func:`recover` ends every job the journal (``state.journal``)
 holds, by its terminal-action state and its lease
 (``journal_rules.plan``):
 
@@ -55,7 +55,7 @@ STOP_LAST_ATTEMPT_LEAD_S: Final = 0.25
 
 
 class HordeSubmitter(Protocol):
-    """What :func:`recover` needs of ``horde.HordeClient``."""
+    """What :func:`recover` needs of ``horde.client.HordeClient``."""
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST the submit; raises ``HordeRefusal`` or ``HordeUnavailable``."""
@@ -63,7 +63,7 @@ class HordeSubmitter(Protocol):
 
 
 class BackendAborter(Protocol):
-    """What :func:`recover` needs of ``backend.KoboldClient``."""
+    """What :func:`recover` needs of ``kcpp.client.KoboldClient``."""
 
     def abort(self, genkey: str, *, timeout_s: float) -> bool:
         """POST ``/api/extra/abort``; raises ``BackendError``."""
@@ -154,7 +154,7 @@ def recover(
 ) -> RecoveryResult:
     """End the jobs an earlier process left in hand; call at start, before the first pop.
 
-    For each entry of ``journal.load()`` (``journal_rules.plan`` on the clock
+    For each entry of ``Journal.load()`` (``journal_rules.plan`` on the clock
     marks of the earlier run and of now):
 
     - ``reply``: the kept submit body is sent as it is. Accepted: replied

@@ -23,7 +23,7 @@ Two guards, each fed plain numbers by the worker (``service/state.py``) with the
   time between the worker's count and the Horde's (a fault's submit in
   flight, clocks apart).
 
-  What fails for time is narrowed instead (``service.lease_fit``: the
+  What fails for time is narrowed instead (``state.lease_fit``: the
   declared ``max_length``); what fails for size is not. A chat job faulted
   ``prompt_overflow`` did not fit the job's own ``max_context_length``
   (seed step 3), a budget the Horde keeps within the declared

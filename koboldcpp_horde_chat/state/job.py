@@ -77,9 +77,9 @@ class JobContext:
     """One popped job, from the pop's answer to its terminal action: its one owner.
 
     Every change of where the job is goes through :meth:`move`, checked by
-    ``joblife.next_phase`` (seed "The pop loop": one terminal action per
+    ``state.life.next_phase`` (seed "The pop loop": one terminal action per
     job). The loop, the pop sent beside a submit, the submit pipeline, the
-    stop and the journal (``state.WorkerState.receive``/``release``) all
+    stop and the journal (``state.shared.WorkerState.hold``/``release``) all
     read and move the job here, from any thread.
 
     Attributes:
@@ -123,7 +123,7 @@ class JobContext:
     _wakers: list[threading.Event] = field(default_factory=list, repr=False)
 
     def move(self, move: Move) -> None:
-        """Move the job on (``joblife.MOVES``); thread-safe.
+        """Move the job on (``state.life.MOVES``); thread-safe.
 
         Raises:
             IllegalMove: the move may not follow the job's phase.

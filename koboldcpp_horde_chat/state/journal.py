@@ -10,7 +10,7 @@ the truth at every instant of the job's life:
 - the lease the Horde really runs: the pop's ``ttl`` from the pop's answer,
   moved later only after an accepted progress post (seed "Streaming
   progress");
-- the job's terminal-action state (``service.journal_rules``): ``none`` yet,
+- the job's terminal-action state (``state.journal_rules``): ``none`` yet,
   ``reply_kept`` (the generated reply, kept in the entry), ``reply_sent`` or
   ``fault_sent`` (sent, the answer not known). A reply is written before it
   is sent, a fault is marked before it is sent;
@@ -29,7 +29,7 @@ re-opens the request (``wp.n += 1``), also for a job that already ended.
   genkey, lease end in epoch seconds, terminal-action state, kept reply).
   No API key, no password and no conversation: the only text written is the
   generated reply, and only until the Horde answers it.
-- where the file lives, one file per worker name: ``service.journal_paths``.
+- where the file lives, one file per worker name: ``state.journal_paths``.
 - :class:`Journal`: the file, shared by the pop loops of one worker. A write
   is a temporary file (mode 0o600) in the same directory, then
   ``os.replace``-d over the journal: a process killed at any instant leaves

@@ -2,7 +2,7 @@
 state directory (pure given its arguments; nothing is created here).
 
 ``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR`` (or the standalone worker's
-``--journal-dir``) moves it; ``service.journal`` writes the file.
+``--journal-dir``) moves it; ``state.journal`` writes the file.
 """
 
 from __future__ import annotations

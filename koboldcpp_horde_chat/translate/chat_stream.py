@@ -224,7 +224,7 @@ class ChatStreamAccumulator:
         Each is ``{"id", "type", "function": {"name", "arguments"}}``: id, type and
         name from the first fragment that carried them, arguments concatenated
         from every fragment (``""`` when none came). Validation is left to
-        :func:`.reply.normalise_tool_calls`.
+        :func:`koboldcpp_horde_chat.translate.submits.normalise_tool_calls`.
         """
         calls: list[dict[str, Any]] = []
         for index in sorted(self._tool_calls):

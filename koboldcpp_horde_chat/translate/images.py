@@ -341,7 +341,7 @@ def _where(i: int, j: int) -> str:
 def image_urls(messages: Sequence[Any]) -> list[tuple[int, int, str]]:
     """Every ``{"type": "image_url", "image_url": {"url": str}}`` part of the messages'
     ``content`` lists, in order, as ``[(message index, part index, url)]``; other shapes
-    are skipped (they are ``jobs.validate_messages``'s business)."""
+    are skipped (they are ``horde.pop.validate_messages``'s business)."""
     found: list[tuple[int, int, str]] = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None

@@ -896,7 +896,7 @@ def test_a_job_popped_beside_a_submit_is_not_served_once_koboldcpp_is_known_to_h
     serves it, another loop's read of koboldcpp saw it come back with a smaller
     context. The second job, popped under the old declaration, is faulted at
     once: koboldcpp gets no request for it."""
-    from tests.unit.test_worker_unit import chat_pop
+    from tests.unit.test_loop_decisions import chat_pop
 
     clock = FakeClock()
     horde = FakeHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])

@@ -15,8 +15,8 @@ from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from koboldcpp_horde_chat.hosts import standalone
 from koboldcpp_horde_chat.translate.bodies import chat_request_body
 
-from .test_jobs import chat_job
-from .test_kcpp_hook import hook_settings, make_kcpp
+from .test_inside_kcpp import hook_settings, make_kcpp
+from .test_pop_and_bodies import chat_job
 
 
 @pytest.mark.parametrize(("genlimit", "declared"), [(200, 200), (0, 512), (None, 512), (-3, 512)])

@@ -20,7 +20,7 @@ from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state.status import SUMMARY_EVERY_S
-from tests.unit.test_worker_unit import KEY, MODEL, chat_pop, text_pop
+from tests.unit.test_loop_decisions import KEY, MODEL, chat_pop, text_pop
 
 
 class Manners(FakeManners):
