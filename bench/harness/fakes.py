@@ -7,7 +7,7 @@
 Protocols (``tests/test_static.py``), so a fake cannot drift from the seam it
 stands in for. The clients' fakes raise
 the worker's own ``errors`` classes, as the real edges do, and both follow a
-script of outcomes (then behave). No sockets: a :class:`~worker.Worker` built
+script of outcomes (then behave). No sockets: a :class:`~koboldcpp_horde_chat.service.loop.Worker` built
 on them runs thousands of jobs a second. :class:`FakeClock` and
 :class:`FakeStopEvent` make the worker's waits advance a fake clock instead of
 sleeping.

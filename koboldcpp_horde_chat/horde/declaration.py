@@ -105,7 +105,7 @@ FEATURE_TABLE: tuple[FeatureRow, ...] = (
         _always,
         "koboldcpp roots its own json_object grammar at an array, so the worker "
         "replaces response_format json_object with a GBNF grammar rooted at an object "
-        "(kcpp.bodies.OBJECT_JSON_GRAMMAR).",
+        "(translate.bodies.OBJECT_JSON_GRAMMAR).",
     ),
     FeatureRow(
         "json_schema",

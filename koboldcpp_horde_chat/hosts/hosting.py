@@ -1,7 +1,7 @@
 """What a host does before its pop loops start: the start-up checks, the shared
 state and the journal.
 
-Both hosts (``service/standalone.py`` beside koboldcpp, ``kcpp/hook.py`` inside it)
+Both hosts (``hosts/standalone.py`` beside koboldcpp, ``hosts/inside_kcpp.py`` inside it)
 check their settings with the same functions here, so they refuse the same
 things in the same words: the worker name (:func:`check_worker_name`), the
 URLs (:func:`check_url`), the limits (:func:`check_limits`) and, standalone,

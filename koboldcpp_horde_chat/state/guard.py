@@ -1,6 +1,6 @@
 """Sliding-hour counters that keep an unattended worker out of trouble (pure; no I/O).
 
-Two guards, each fed plain numbers by the worker (``service/state.py``) with the clock passed in
+Two guards, each fed plain numbers by the worker (``state/shared.py``) with the clock passed in
 (monotonic seconds), so they can be tested without waiting an hour:
 
 * :class:`MaintenanceGuard` (seed step 7, "7. Fault a job"): the Horde puts a

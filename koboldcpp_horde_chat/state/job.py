@@ -9,7 +9,7 @@ one place that sends terminal actions.
 - :class:`Lease`: a job's lease on the monotonic clock (seed "Streaming
   progress": the pop's ``ttl``, extended by accepted progress posts).
 - :class:`JobContext`: the job's one owner from the pop's answer to its
-  terminal action: id, kind, ``model_id``, lease, genkey, phase (``run/life.py``).
+  terminal action: id, kind, ``model_id``, lease, genkey, phase (``state/life.py``).
 - :class:`Edges`: the I/O edges and clocks a run uses, with the backend
   helpers every run needs (busy retries, a best-effort abort, pauses).
 """
@@ -95,7 +95,7 @@ class JobContext:
         worker_id: the pop loop that holds the job.
         genkey: the ``HORDEREQ_`` key of the job's local generation, made with
             the job and journaled with it (an abort targets it).
-        phase: where the job is (``run/life.py``).
+        phase: where the job is (``state/life.py``).
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
             ends at it (:meth:`Edges.until_given_up`, the generation's abort).

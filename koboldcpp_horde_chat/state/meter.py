@@ -1,5 +1,5 @@
 """What a job's generation tells the guard: koboldcpp's speed, its failures,
-a lease that ran out (thin glue between the loop and ``service/state.py``).
+a lease that ran out (thin glue between the loop and ``state/shared.py``).
 
 Seed "Streaming progress" (the lease; "a slower worker without progress can
 lose the job when the lease expires") and step 7 (an aborted job counts

@@ -7,7 +7,7 @@ restarted mid-job. Every test asserts each job's single terminal action in the
 dev Horde's ledger (seed: "The pop loop", "7. Fault a job", "Streaming
 progress") and that nothing was submitted twice.
 
-The worker is built directly (``worker.Worker`` with the real ``HordeClient``
+The worker is built directly (``service.loop.Worker`` with the real ``HordeClient``
 and ``KoboldClient``) so that its timeouts can be short; a 6.5 s lease
 (``DevHorde(ttl_s=6.5)``) leaves 1.5 s for a generation once the worker keeps
 its 5 s margin for the submit, so the timeout tests are quick.

@@ -295,7 +295,7 @@ def test_a_colon_in_the_model_id_is_warned_about() -> None:
     assert model_id_warnings("inactive")
 
 
-# --- the max_length that fits the lease (service.lease_fit) ---------------------------
+# --- the max_length that fits the lease (state.lease_fit) ---------------------------
 
 
 def test_the_lengths_fitted_to_the_lease_replace_the_text_and_chat_max_length() -> None:

@@ -86,7 +86,7 @@ def room_of(module: str) -> str:
 
 
 def under(dotted: str) -> str:
-    """``koboldcpp_horde_chat.a.b`` -> ``a.b``; the package itself -> ``""``."""
+    """``koboldcpp_horde_chat.state.job`` -> ``state.job``; the package itself -> ``""``."""
     return dotted[len(PACKAGE) + 1 :]
 
 

@@ -1,7 +1,7 @@
 """A popped job's one owner: its phases, its one terminal action, the stop's deadline.
 
-The table (``joblife``) with plain values; ``runs.JobContext`` moving through it
-from several threads; ``state.WorkerState`` holding the jobs in hand for the
+The table (``state.life``) with plain values; ``state.job.JobContext`` moving through it
+from several threads; ``state.shared.WorkerState`` holding the jobs in hand for the
 stop and the journal; and the pop loop's seams with the in-process fakes: the
 pop sent beside a submit, a submit retried on its own, the declaration that
 a submit's answer can change.

@@ -1,7 +1,7 @@
 """A job's life through the real pop loop, as a hypothesis state machine.
 
-The real :class:`~worker.Worker` (one or two slots sharing one
-:class:`~state.WorkerState` and a real :class:`~journal.Journal` in a
+The real :class:`~service.loop.Worker` (one or two slots sharing one
+:class:`~state.shared.WorkerState` and a real :class:`~journal.Journal` in a
 temporary folder) runs on the in-process fakes of ``bench/harness/fakes.py``. Rules,
 in any order, queue chat and text jobs (streamed, with tools, offloaded to a
 ``messages_url``, malformed, without a usable id), script what the next pop,
@@ -31,8 +31,8 @@ side and from the worker's:
   next start); none is lost, and none is in hand after the stop's deadline.
 
 Time is a :class:`FakeClock`: the worker's waits, the stop's deadline
-(``state.time``/``worker.time``/``submit.time``) and its grace timer
-(``state.threading.Timer``) all run on it, so that the stop's deadline comes
+(``state.shared.time``, ``service.loop.time``, ``inflight.time``) and its grace timer
+(``state.shared.threading``, ``inflight.threading``) all run on it, so that the stop's deadline comes
 at a step the machine chose. The threads the worker starts (the pop beside a
 submit, a submit retried on its own) run only while the machine waits for
 them at the end of a step, one at a time, so that a run can be replayed.
@@ -393,7 +393,7 @@ class SeamBackend(FakeBackend):
 
 
 class MessagesHost:
-    """The host of offloaded messages (``chat_run.fetch_messages``), scripted."""
+    """The host of offloaded messages (``run.chat.fetch_messages``), scripted."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock

@@ -23,7 +23,7 @@ from koboldcpp_horde_chat.state.lease_fit import (
     tokens_of_text,
 )
 
-#: The submit's margin the worker passes (``run.job.SUBMIT_MARGIN_S``).
+#: The submit's margin the worker passes (``state.job.SUBMIT_MARGIN_S``).
 MARGIN_S = 5.0
 
 

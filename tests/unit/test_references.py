@@ -1,5 +1,5 @@
 """The map is true: every module, file and logger docs/DESIGN.md names exists, and
-so does every dotted module reference in the package's docstrings.
+so does every dotted module reference and file name in the package's docstrings.
 
 A reference is a dotted name in backquotes (````state.job.JobContext````,
 ``:class:`~koboldcpp_horde_chat.state.shared.WorkerState```) whose first part
@@ -38,8 +38,10 @@ FORMER_MODULE_NAMES = frozenset({
 REFERENCE = re.compile(r"(?::\w+:)?`+[~.]?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`+")
 #: A path in backquotes in DESIGN.md: ``room/module.py``, ``module.py``, ``room/``.
 PATH = re.compile(r"`([\w./-]+(?:\.py|/))`")
-#: Files DESIGN.md names that are not this repository's (koboldcpp's own).
-NOT_OURS = frozenset({"koboldcpp.py"})
+#: A file name in backquotes in a docstring.
+DOC_PATH = re.compile(r"`+([\w./-]+\.py)`+")
+#: Files cited by path that are not this repository's: koboldcpp's and the AI Horde's.
+NOT_OURS = frozenset({"koboldcpp.py", "horde/classes/base/worker.py", "horde/utils.py"})
 
 
 def modules() -> dict[str, Path]:
@@ -161,6 +163,28 @@ def test_every_module_a_docstring_of_the_package_names_exists() -> None:
         for ref in stale_references(text, name)
     ]
     assert stale == []
+
+
+def test_every_module_a_docstring_of_the_tests_or_benchmarks_names_exists() -> None:
+    paths = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
+    stale = [
+        f"{path.relative_to(ROOT)}: {ref}"
+        for path in paths
+        for text in docstrings(path)
+        for ref in stale_references(text)
+    ]
+    assert stale == []
+
+
+def test_every_file_a_docstring_of_the_package_names_exists() -> None:
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted(MODULES.values())
+        for text in docstrings(path)
+        for name in DOC_PATH.findall(text)
+        if name not in NOT_OURS and not any(p.exists() for p in (PACKAGE_DIR / name, ROOT / name))
+    ]
+    assert missing == []
 
 
 def test_every_module_and_logger_the_design_map_names_exists() -> None:
