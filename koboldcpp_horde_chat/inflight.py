@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -26,6 +25,8 @@ import requests
 import requests.adapters
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from .clock import SYSTEM_CLOCK, Clock, Timer
 
 
 class Call:
@@ -196,14 +197,15 @@ class CallDeadlines:
     timeouts cut to what is left (:meth:`left`); one made after it is not
     sent; and one still in flight when the deadline comes is hung up
     (:meth:`running`), whatever its own timeout.
-    Thread-safe; monotonic seconds.
+    Thread-safe; monotonic seconds of ``clock`` (its timers hang the calls up).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._ends: dict[str, float] = {}
         self._calls: dict[Call, str] = {}
-        self._timers: list[threading.Timer] = []
+        self._timers: list[Timer] = []
 
     def set(self, ends: dict[str, float]) -> None:
         """Set each kind's deadline (``{"pop": t, "submit": t + 1.0}``, monotonic
@@ -213,9 +215,9 @@ class CallDeadlines:
                 return
             self._ends = dict(ends)
             for at in sorted(set(ends.values())):
-                timer = threading.Timer(max(0.0, at - time.monotonic()), partial(self._cut, at))
-                timer.daemon = True
-                timer.name = "stop-cut"
+                timer = self._clock.timer(
+                    at - self._clock.monotonic(), partial(self._cut, at), name="stop-cut"
+                )
                 self._timers.append(timer)
         for timer in self._timers:
             timer.start()
@@ -229,12 +231,12 @@ class CallDeadlines:
         """The stop's deadline (:data:`STOP_KIND`) in epoch seconds, or None while
         not stopping."""
         at = self.ends_at(STOP_KIND)
-        return None if at is None else time.time() + (at - time.monotonic())
+        return None if at is None else self._clock.time() + (at - self._clock.monotonic())
 
     def left(self, kind: str) -> float | None:
         """Seconds left for a call of ``kind`` (0.0 or less: past), None: no deadline."""
         at = self.ends_at(kind)
-        return None if at is None else at - time.monotonic()
+        return None if at is None else at - self._clock.monotonic()
 
     def cancel(self) -> None:
         """Stop the timers (tests, a process that exits at once)."""
@@ -250,7 +252,7 @@ class CallDeadlines:
         with self._lock:
             self._calls[call] = kind
             at = self._ends.get(kind)
-        if at is not None and time.monotonic() >= at:
+        if at is not None and self._clock.monotonic() >= at:
             call.hang_up()
         try:
             yield

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +72,9 @@ class Worker:
         stop_event: set it to stop; the loop then ends after the job in hand.
         manners: local-use signals from the host.
         caps: what the backend implements (drives the declaration).
-        clock: monotonic seconds; wall: epoch seconds (tests may pass fakes).
+        clock: monotonic seconds; wall: epoch seconds (default: the shared
+            state's clock; tests may pass fakes). The stop's deadline is on the
+            state's clock, and the drain reads that clock.
         worker_id: the loop's number in log lines (koboldcpp counts from 1).
         state: the state shared with the worker's other loops (a new one when None).
         pop_horde: a second Horde client, used only by the pop that overlaps a
@@ -94,8 +95,8 @@ class Worker:
         stop_event: threading.Event | None = None,
         manners: LocalManners | None = None,
         caps: BackendCapabilities | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] | None = None,
         worker_id: int = 1,
         state: WorkerState | None = None,
         pop_horde: HordeAPI | None = None,
@@ -106,7 +107,13 @@ class Worker:
         self.horde = horde
         self.backend = backend
         if state is None:
-            state = WorkerState(settings, stop_event=stop_event, started_at=wall())
+            state = WorkerState(
+                settings, stop_event=stop_event, started_at=None if wall is None else wall()
+            )
+        if clock is None:
+            clock = state.clock.monotonic
+        if wall is None:
+            wall = state.clock.time
         self.state = state
         self.stop_event = state.stop_event
         self.manners: LocalManners = manners if manners is not None else NoManners()
@@ -211,9 +218,8 @@ class Worker:
         while self._ahead is not None:
             deadline = self.state.stop_deadline
             if deadline is not None:
-                wait_s = max(
-                    0.0, deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S - time.monotonic()
-                )
+                until = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S
+                wait_s = max(0.0, until - self.state.clock.monotonic())
                 if not self._ahead.join(wait_s):
                     self._ahead = None
                     self._pop_left("the pop sent beside the last submit did not answer")
@@ -233,7 +239,7 @@ class Worker:
         (bounded by the stop's deadline, or by the longest lease)."""
         deadline = self.state.stop_deadline
         bound = (
-            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - time.monotonic()
+            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.state.clock.monotonic()
             if deadline is not None
             else self.settings.lease_cap_s
         )

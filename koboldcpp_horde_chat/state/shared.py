@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..clock import SYSTEM_CLOCK, Clock, Timer
 from ..errors import HordeRefusal
 from ..horde.declaration import BackendCapabilities, pop_body
 from ..inflight import STOP_POP_EXTRA_S as STOP_POP_EXTRA_S  # the stop's deadlines
@@ -109,7 +110,10 @@ class WorkerState:
         journal: the worker's job journal, shared by its loops (None: none kept).
         call_deadlines: the stop's deadlines of the worker's calls, when the host
             made them before this state (standalone: the recovery's calls and the
-            wait for koboldcpp end by them too); None: new ones.
+            wait for koboldcpp end by them too), on the same clock; None: new
+            ones on ``clock``.
+        clock: the clock of the stop's deadline, its grace timer, the waits for
+            the jobs in hand, the calls' deadlines and the journal's fault times.
     """
 
     def __init__(
@@ -120,11 +124,13 @@ class WorkerState:
         started_at: float | None = None,
         journal: Journal | None = None,
         call_deadlines: CallDeadlines | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.journal = journal
         self.stop_event = stop_event if stop_event is not None else threading.Event()
-        self.stats = WorkerStats(started_at=time.time() if started_at is None else started_at)
+        self.stats = WorkerStats(started_at=clock.time() if started_at is None else started_at)
         self.exit_code = 0
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.maintenance_guard = MaintenanceGuard()
@@ -138,10 +144,12 @@ class WorkerState:
         self.slots: list[Slot] = []
         self.stop_deadline: float | None = None
         #: When a stopping worker's calls end, by kind (its clients share it).
-        self.call_deadlines = call_deadlines if call_deadlines is not None else CallDeadlines()
+        self.call_deadlines = (
+            call_deadlines if call_deadlines is not None else CallDeadlines(clock)
+        )
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
-        self._watchdog: threading.Timer | None = None
+        self._watchdog: Timer | None = None
         self._grace_s = 0.0
         self._in_hand: dict[str, JobContext] = {}
         self._ended = threading.Condition(self.lock)
@@ -190,7 +198,9 @@ class WorkerState:
                 return True
             self._faults_restored = True
         self.restore_faults(
-            self.journal.recent_faults(time.time()), now=time.monotonic(), wall=time.time()
+            self.journal.recent_faults(self.clock.time()),
+            now=self.clock.monotonic(),
+            wall=self.clock.time(),
         )
         return True
 
@@ -243,12 +253,10 @@ class WorkerState:
         with self.lock:
             if self.stop_deadline is not None:
                 return
-            self.stop_deadline = deadline = time.monotonic() + grace_s
+            self.stop_deadline = deadline = self.clock.monotonic() + grace_s
             self.call_deadlines.set(stop_call_ends(deadline))
             self._grace_s = grace_s
-            timer = threading.Timer(max(0.0, grace_s), self._grace_over)
-            timer.daemon = True
-            timer.name = "stop-grace"
+            timer = self.clock.timer(grace_s, self._grace_over, name="stop-grace")
             self._watchdog = timer
         self.stop_event.set()
         timer.start()
@@ -259,7 +267,7 @@ class WorkerState:
     def stop_overdue(self) -> bool:
         """The worker is stopping and the stop's deadline has passed."""
         deadline = self.stop_deadline
-        return deadline is not None and time.monotonic() >= deadline
+        return deadline is not None and self.clock.monotonic() >= deadline
 
     def _grace_over(self) -> None:
         for ctx in self.jobs_in_hand():
@@ -310,10 +318,10 @@ class WorkerState:
 
     def wait_jobs_ended(self, worker_id: int, timeout_s: float) -> bool:
         """Wait until loop ``worker_id`` holds no job (at most ``timeout_s``); True when none."""
-        end = time.monotonic() + timeout_s
+        end = self.clock.monotonic() + timeout_s
         with self._ended:
             while self.jobs_in_hand(worker_id):
-                left = end - time.monotonic()
+                left = end - self.clock.monotonic()
                 if left <= 0:
                     return False
                 self._ended.wait(left)
@@ -343,7 +351,7 @@ class WorkerState:
     def _count_toward_maintenance(self, now: float, kind: str | None = None) -> None:
         self.maintenance_guard.record_fault(now, kind)
         if self.journal is not None:
-            self.journal.record_fault(time.time())
+            self.journal.record_fault(self.clock.time())
 
     def restore_faults(self, faults: Iterable[float], *, now: float, wall: float) -> None:
         """Count the faults an earlier process made (epoch seconds, from the journal:

@@ -48,6 +48,7 @@ TOP_LEVEL_ROOMS = {
     "httpbody": "foundation",
     "netfail": "foundation",
     "inflight": "foundation",
+    "clock": "foundation",
     "kcpp_hook": "hosts",  # a forwarder (below)
     "cli": "cli",
     "__main__": "cli",

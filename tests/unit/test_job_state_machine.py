@@ -30,10 +30,10 @@ side and from the worker's:
   out, or else it is still in the journal (abandoned at exit, faulted by the
   next start); none is lost, and none is in hand after the stop's deadline.
 
-Time is a :class:`FakeClock`: the worker's waits, the stop's deadline
-(``state.shared.time``, ``service.loop.time``, ``inflight.time``) and its grace timer
-(``state.shared.threading``, ``inflight.threading``) all run on it, so that the stop's deadline comes
-at a step the machine chose. The threads the worker starts (the pop beside a
+Time is a :class:`FakeClock`, passed in as the worker's clock
+(``clock.Clock``): the worker's waits, the stop's deadline, its grace timer and
+the calls' deadlines all run on it, so that the stop's deadline comes at a
+step the machine chose; no module of the worker is patched for it. The threads the worker starts (the pop beside a
 submit, a submit retried on its own) run only while the machine waits for
 them at the end of a step, one at a time, so that a run can be replayed.
 
@@ -76,13 +76,10 @@ from bench.harness.fakes import (
     backend_error,
     sse_chunks,
 )
-from koboldcpp_horde_chat import inflight as inflight_module
 from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeRefusal, HordeUnavailable
 from koboldcpp_horde_chat.run import chat as chat_run
-from koboldcpp_horde_chat.service import loop as worker_module
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state import shared as state_module
 from koboldcpp_horde_chat.state.journal import Journal
 from koboldcpp_horde_chat.state.life import Phase
 from koboldcpp_horde_chat.state.shared import WorkerState
@@ -99,7 +96,9 @@ ENDED_WELL = frozenset({"submitted", "faulted", "ended", "cancelled", "expired"}
 
 class TimerClock(FakeClock):
     """A :class:`FakeClock` that runs the timers due when it passes their time
-    (on the thread that moved it), in the order they are due."""
+    (on the thread that moved it), in the order they are due: the worker's
+    ``clock.Clock`` (the shared state's and the calls' deadlines run on it;
+    wall time stays the real one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,6 +116,15 @@ class TimerClock(FakeClock):
         super().advance(seconds)
         self._fire()
 
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return _real_time.time()
+
+    def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> FakeTimer:
+        return FakeTimer(self, seconds, action)
+
     def _fire(self) -> None:
         with self._timers_lock:
             due = sorted((t for t in self._timers if t.due <= self.now), key=lambda t: t.due)
@@ -129,16 +137,11 @@ class TimerClock(FakeClock):
                 timer.function()
 
 
-class _Clocks:
-    """The clock of the machine running now (one per example)."""
-
-    current: TimerClock = TimerClock()
-
-
 class FakeTimer:
-    """``threading.Timer`` on the machine's fake clock."""
+    """``clock.Timer`` on the machine's fake clock."""
 
-    def __init__(self, interval: float, function: Callable[[], None]) -> None:
+    def __init__(self, clock: TimerClock, interval: float, function: Callable[[], None]) -> None:
+        self.clock = clock
         self.interval = interval
         self.function = function
         self.daemon = True
@@ -147,32 +150,12 @@ class FakeTimer:
         self.due = 0.0
 
     def start(self) -> None:
-        clock = _Clocks.current
+        clock = self.clock
         self.due = clock() + self.interval
         clock.schedule(self)
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-class _FakeTime:
-    """The ``time`` module as the stop's deadline reads it: monotonic is the fake clock."""
-
-    @staticmethod
-    def monotonic() -> float:
-        return _Clocks.current()
-
-    time = staticmethod(_real_time.time)
-    sleep = staticmethod(_real_time.sleep)
-
-
-class _FakeThreading:
-    """The ``threading`` module with :class:`FakeTimer` for its ``Timer``."""
-
-    Timer = FakeTimer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(threading, name)
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -492,7 +475,6 @@ class JobLife(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = TimerClock()
-        _Clocks.current = self.clock
         self.folder = Path(tempfile.mkdtemp(prefix="job-life-"))
         self.journal_path = self.folder / "jobs.json"
         self.horde = SeamHorde(self.clock)
@@ -522,7 +504,9 @@ class JobLife(RuleBasedStateMachine):
             backend_max_context_length=4096, max_length=512, threads=slots,
         )
         stop = FakeStopEvent(self.clock)
-        state = WorkerState(options, stop_event=stop, journal=Journal(self.journal_path))
+        state = WorkerState(
+            options, stop_event=stop, journal=Journal(self.journal_path), clock=self.clock
+        )
         self.state = state
         self.horde.state = state
         for worker_id in range(1, slots + 1):
@@ -859,14 +843,9 @@ class JobLife(RuleBasedStateMachine):
 
 
 @pytest.fixture
-def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The stop's deadline and grace timer on the machine's fake clock; quiet logs
-    (thousands of faults log thousands of warnings)."""
-    monkeypatch.setattr(state_module, "time", _FakeTime)
-    monkeypatch.setattr(state_module, "threading", _FakeThreading())
-    monkeypatch.setattr(worker_module, "time", _FakeTime)
-    monkeypatch.setattr(inflight_module, "time", _FakeTime)
-    monkeypatch.setattr(inflight_module, "threading", _FakeThreading())
+def quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Quiet logs (thousands of faults log thousands of warnings); the messages
+    host the machine scripts put back afterwards."""
     monkeypatch.setattr(chat_run, "fetch_messages", chat_run.fetch_messages)  # type: ignore[attr-defined]
     logging.disable(logging.CRITICAL)
     try:
@@ -875,7 +854,7 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         logging.disable(logging.NOTSET)
 
 
-def test_a_jobs_life_through_the_real_loop_keeps_every_seam(fake_time: None) -> None:
+def test_a_jobs_life_through_the_real_loop_keeps_every_seam(quiet: None) -> None:
     run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
         JobLife,
         settings=settings(
