@@ -248,12 +248,47 @@ def test_the_patch_applies_to_the_koboldcpp_tree(koboldcpp_src: Path, tmp_path: 
     added = [
         line for line in patch.read_text(encoding="utf-8").splitlines() if line.startswith("+ ")
     ]
-    assert len(added) == 18  # the worker's hand-over (12), the recovery before the load (6)
+    assert len(added) == 25  # the worker's hand-over (19), the recovery before the load (6)
     assert len(source.splitlines()) == len(original) + len(added)
     # The recovery starts after koboldcpp read its Horde flags, before it loads the model.
     early = source.index("kcpp_hook.start_recovery(sys.modules[__name__], args)")
     assert source.index("maxhordectx = int(args.hordemaxctx)") < early
     assert early < source.index("loadok = load_model(modelname)")
+
+
+def test_the_patched_trees_worker_without_the_package_never_starts_with_a_local_horde_url(
+    koboldcpp_src: Path, tmp_path: Path
+) -> None:
+    """The patched ``run_horde_worker`` of the real tree, up to koboldcpp's own loop,
+    run where the package is not importable with ``AI_HORDE_URL`` at a local Horde:
+    one line, and koboldcpp's own loop (which would pop from https://aihorde.net)
+    never begins. The loop is a stand-in: nothing here can reach a Horde."""
+    source = (_patched_copy(koboldcpp_src, tmp_path / "kcpp") / "koboldcpp.py").read_text(
+        encoding="utf-8"
+    )
+    start = source.index("\ndef run_horde_worker(")
+    end = source.index("    epurl = get_my_epurl()\n", start)
+    (tmp_path / "head.py").write_text(
+        "import os\nimport sys\n"
+        "def get_my_epurl():\n    raise SystemExit('koboldcpp own worker: started')\n"
+        + source[start:end]
+        + "    raise SystemExit('koboldcpp own worker: started')\n",
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AI_HORDE_URL")}
+    runner = "import head; head.run_horde_worker(None, 'key', 'my-worker', 1, 1)"
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, '.'); {runner}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(env, AI_HORDE_URL="http://127.0.0.1:7001"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("koboldcpp-horde-chat not installed for this Python (")
+    assert result.stdout.count("\n") == 1
+    assert "it is not started with AI_HORDE_URL=http://127.0.0.1:7001;" in result.stdout
 
 
 @pytest.mark.slow

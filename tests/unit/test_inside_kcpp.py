@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -669,7 +670,7 @@ def test_patch_starts_the_recovery_before_the_model_loads_in_a_guarded_block(
 ) -> None:
     """The second hunk: after koboldcpp read the Horde settings (friendlymodelname set),
     before it loads the model; it only adds lines, and its line numbers follow the
-    first hunk's twelve added lines."""
+    first hunk's added lines."""
     _, hunks = parse_patch((PATCH_DIR / f"koboldcpp-{release}.patch").read_text(encoding="utf-8"))
     first, (old_start, old_len, new_start, new_len, body) = hunks
     added = [line[1:] for line in body if line.startswith("+")]
@@ -782,6 +783,7 @@ def patched_function(
     module = types.ModuleType("patched_koboldcpp")
     module.__dict__["get_my_epurl"] = lambda: "http://localhost:5001"
     module.__dict__["sys"] = sys
+    module.__dict__["os"] = os
     exec(compile(source, f"koboldcpp-{release}.patch", "exec"), module.__dict__)  # noqa: S102
     monkeypatch.setitem(sys.modules, "patched_koboldcpp", module)
     return module.run_horde_worker  # type: ignore[no-any-return]
@@ -815,6 +817,7 @@ def test_patched_koboldcpp_runs_its_own_worker_silently_when_the_package_is_miss
     release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
+    monkeypatch.delenv("AI_HORDE_URL", raising=False)  # koboldcpp's own loop runs only then
     # Not installed: no module of the package is loaded, and none can be found.
     for name in [m for m in sys.modules if m.split(".")[0] == "koboldcpp_horde_chat"]:
         monkeypatch.delitem(sys.modules, name)
@@ -832,6 +835,7 @@ def test_patched_koboldcpp_says_why_when_the_installed_package_does_not_import(
     release: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(kcpp_hook, "run_horde_worker", lambda *a: pytest.fail("hook called"))
+    monkeypatch.delenv("AI_HORDE_URL", raising=False)  # koboldcpp's own loop runs only then
     monkeypatch.delattr(koboldcpp_horde_chat, "kcpp_hook", raising=False)
     monkeypatch.setitem(sys.modules, "koboldcpp_horde_chat.kcpp_hook", None)  # import fails
     run = patched_function(release, monkeypatch)
@@ -862,6 +866,7 @@ def run_patched_koboldcpp(
     package_init: str | None,
     which: str = "current",
     package_files: dict[str, str] | None = None,
+    horde_url: str | None = None,
 ) -> str:
     """Run the patched ``run_horde_worker`` in a fresh interpreter; returns its stdout.
 
@@ -869,12 +874,15 @@ def run_patched_koboldcpp(
     no current directory), so ``koboldcpp_horde_chat`` is importable only when
     ``package_init`` gives it a stand-in ``__init__.py`` in ``tmp_path``
     (``package_files``: more of its files, by path inside the package). ``which``
-    is the patch (see :func:`patched_function`).
+    is the patch (see :func:`patched_function`). ``horde_url``: the value of
+    ``AI_HORDE_URL`` in its environment (``None``: unset, whatever the caller's is).
+    "koboldcpp own worker: started" on its stdout means koboldcpp's own loop began.
     """
     body = parse_patch(EVERY_PATCH[(which, release)].read_text(encoding="utf-8"))[1][0][4]
     new_side = [line[1:] for line in body if line[:1] in (" ", "+")]
     end = new_side.index("    epurl = get_my_epurl()")
     (tmp_path / "koboldcpp.py").write_text(
+        "import os\n"
         "import sys\n"
         "def get_my_epurl():\n"
         "    print('koboldcpp own worker: started')\n"
@@ -894,12 +902,16 @@ def run_patched_koboldcpp(
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import koboldcpp; "
         "koboldcpp.run_horde_worker(None, 'key', 'my-worker', 1, 1)"
     )
+    env = {k: v for k, v in os.environ.items() if k != "AI_HORDE_URL"}
+    if horde_url is not None:
+        env["AI_HORDE_URL"] = horde_url
     result = subprocess.run(
         [sys.executable, "-I", "-S", "-c", runner],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=tmp_path,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
@@ -911,6 +923,65 @@ def test_without_the_package_koboldcpp_runs_its_own_worker_and_says_nothing(
     release: str, tmp_path: Path
 ) -> None:
     assert run_patched_koboldcpp(release, tmp_path, None) == "koboldcpp own worker: started\n"
+
+
+#: AI_HORDE_URL values that name a Horde other than the public one koboldcpp's loop serves.
+ANOTHER_HORDE = ("http://127.0.0.1:7001", "  http://127.0.0.1:7001/ ", "https://horde.example.org")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("horde_url", ["", "   ", "https://aihorde.net", "https://aihorde.net/"])
+def test_without_the_package_and_ai_horde_url_unset_or_public_koboldcpp_runs_its_own_worker(
+    release: str, horde_url: str, tmp_path: Path
+) -> None:
+    out = run_patched_koboldcpp(release, tmp_path, None, horde_url=horde_url)
+    assert out == "koboldcpp own worker: started\n"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("horde_url", ANOTHER_HORDE)
+def test_without_the_package_another_horde_url_never_starts_koboldcpps_own_worker(
+    release: str, horde_url: str, tmp_path: Path
+) -> None:
+    """koboldcpp's own loop hard-codes https://aihorde.net: started with a local
+    AI_HORDE_URL it would send the key and worker name to the public Horde."""
+    out = run_patched_koboldcpp(release, tmp_path, None, horde_url=horde_url)
+    assert out == (
+        f"koboldcpp-horde-chat not installed for this Python ({sys.executable}); koboldcpp's own "
+        "worker serves only https://aihorde.net, so it is not started with "
+        f"AI_HORDE_URL={horde_url.strip()}; install the package for this Python or unset "
+        "AI_HORDE_URL.\n"
+    )
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("broken", sorted(BROKEN_PACKAGES))
+def test_a_broken_install_with_another_horde_url_says_so_in_one_line_and_starts_nothing(
+    release: str, broken: str, tmp_path: Path
+) -> None:
+    package_init, error = BROKEN_PACKAGES[broken]
+    out = run_patched_koboldcpp(
+        release, tmp_path, package_init, horde_url="http://127.0.0.1:7001"
+    )
+    assert out.count("\n") == 1 and "koboldcpp own worker: started" not in out, out
+    assert out.startswith("koboldcpp-horde-chat is installed but does not import (")
+    assert error in out
+    assert (
+        "so koboldcpp's own Horde worker serves only https://aihorde.net, so it is not started "
+        "with AI_HORDE_URL=http://127.0.0.1:7001. Fix: reinstall it for this Python ("
+    ) in out
+    assert out.endswith("or uninstall it, or unset AI_HORDE_URL.\n")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_package_without_the_entry_point_and_another_horde_url_starts_nothing(
+    release: str, tmp_path: Path
+) -> None:
+    out = run_patched_koboldcpp(
+        release, tmp_path, "__version__ = '9.0.0'", horde_url="http://127.0.0.1:7001"
+    )
+    assert out.count("\n") == 1 and "koboldcpp own worker: started" not in out, out
+    assert "it is not started with AI_HORDE_URL=http://127.0.0.1:7001. Fix: apply the " in out
 
 
 @pytest.mark.parametrize("release", RELEASES)
