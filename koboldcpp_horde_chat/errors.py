@@ -55,10 +55,20 @@ class HordeError(HordeChatError):
         self.body = body if body is not None else {}
 
     def __str__(self) -> str:
+        return self._describe(with_job=True)
+
+    @property
+    def reason(self) -> str:
+        """The error without its job id, for a log line that names the job already
+        (``"job=<id> submit failed (<reason>)"``): the message, then the status
+        and ``rc`` when there are any, e.g. ``"submit: HTTP 503 (status=503)"``."""
+        return self._describe(with_job=False)
+
+    def _describe(self, *, with_job: bool) -> str:
         parts = [f"status={self.status}"] if self.status else []  # 0: no HTTP answer
         if self.rc:
             parts.append(f"rc={self.rc}")
-        if self.job_id:
+        if self.job_id and with_job:
             parts.append(f"job={self.job_id}")
         return f"{self.message} ({', '.join(parts)})" if parts else self.message
 

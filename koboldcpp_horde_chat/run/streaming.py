@@ -245,7 +245,8 @@ class _StreamedGeneration:
                     )
                 else:
                     log.info(
-                        "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"], exc
+                        "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"],
+                        exc.reason,
                     )
                     action = poster.on_lost(edges.clock())
             if action is ProgressAction.RETRY:

@@ -38,7 +38,7 @@ from ..horde.api import HordeAPI
 from ..horde.codes import REFUSAL_RCS, is_key_refusal
 from ..settings import WorkerSettings
 from ..state.job import JobContext
-from ..state.journal_rules import known_not_taken
+from ..state.journal_rules import known_not_taken, next_start_plan
 from ..state.life import Move, Phase
 from ..state.shared import WorkerState
 from ..translate.submits import (
@@ -183,6 +183,12 @@ class SubmitPipeline:
         if journal is not None:
             journal.mark_not_taken(ctx.id)
 
+    def _next_start_plan(self, ctx: JobContext) -> str:
+        """What the next start does with ``ctx``, from its state in the journal."""
+        journal = self.state.journal
+        entry = journal.entry(ctx.id) if journal is not None else None
+        return next_start_plan(entry.terminal if entry is not None else None)
+
     def fault_now(self, ctx: JobContext) -> None:
         """Fault a job with a single short submit attempt (the process is exiting).
 
@@ -203,7 +209,10 @@ class SubmitPipeline:
         except HordeError as exc:
             if isinstance(exc, HordeUnavailable) and known_not_taken(exc.status, exc.sent):
                 self._mark_not_taken(ctx)  # the next start may fault it
-            log.warning("job=%s left to expire: the worker is exiting now (%s)", ctx.id, exc)
+            log.warning(
+                "job=%s fault failed (%s) and the worker is exiting now: %s",
+                ctx.id, exc.reason, self._next_start_plan(ctx),
+            )
             ctx.end(Move.ABANDON)
         else:
             ctx.end(Move.SETTLED)
@@ -260,11 +269,11 @@ class SubmitPipeline:
                 elif on_refused is not None:
                     # Any other definitive refusal of a reply: the job is still
                     # open on the Horde, so fault it now rather than let it expire.
-                    log.warning("job=%s reply refused: %s", ctx.id, exc)
+                    log.warning("job=%s reply refused: %s", ctx.id, exc.reason)
                     return self._fault(ctx, on_refused(exc))
                 else:
                     self.state.record_dropped()
-                    log.error("job=%s submit refused: %s; dropped", ctx.id, exc)
+                    log.error("job=%s submit refused: %s; dropped", ctx.id, exc.reason)
                 ctx.end(Move.SETTLED)
                 return False
             except HordeUnavailable as exc:
@@ -275,18 +284,18 @@ class SubmitPipeline:
                         # the request again. Nothing more is sent for this job.
                         log.warning(
                             "job=%s the fault's answer was lost (%s); not sent again "
-                            "(the Horde may have taken it)", ctx.id, exc,
+                            "(the Horde may have taken it)", ctx.id, exc.reason,
                         )
                         ctx.end(Move.SETTLED)
                         return False
                     self._mark_not_taken(ctx)
                 if ctx.abandoned.is_set() or self.state.stop_overdue():
                     # Stopping, and the grace period is over: the process exits now.
-                    # The job stays in the journal: the next start faults it.
+                    # The job stays in the journal, for the next start to end.
                     self.state.record_dropped()
                     log.error(
-                        "job=%s submit failed (%s) and the worker is stopping: left to the "
-                        "next start, which faults it", ctx.id, exc
+                        "job=%s submit failed (%s) and the worker is stopping: %s",
+                        ctx.id, exc.reason, self._next_start_plan(ctx),
                     )
                     ctx.end(Move.ABANDON)
                     return False
@@ -294,11 +303,23 @@ class SubmitPipeline:
                     self.state.record_dropped()
                     if not is_fault:  # the job expires on the Horde: an aborted job there
                         self.state.record_expired(self.clock(), ctx.kind)
-                    log.error("job=%s submit failed (%s), the lease is over; dropped", ctx.id, exc)
+                    log.error(
+                        "job=%s submit failed (%s), the lease is over; dropped after %d "
+                        "attempts", ctx.id, exc.reason, attempts,
+                    )
                     ctx.end(Move.SETTLED)
                     return False
                 delay = min(max(1.0, exc.retry_after_s or 0.0) * attempts, 10.0)
-                log.warning("job=%s submit failed (%s); retrying in %.1f s", ctx.id, exc, delay)
+                if attempts == 1:  # one line when the submit starts failing, not one per retry
+                    log.warning(
+                        "job=%s submit failed (%s); retrying while its lease runs (%.0f s left)",
+                        ctx.id, exc.reason, max(remaining, 0.0),
+                    )
+                else:
+                    log.debug(
+                        "job=%s submit attempt %d failed (%s); retrying in %.1f s",
+                        ctx.id, attempts, exc.reason, delay,
+                    )
                 if self.retry_horde is not None:
                     self._retry_elsewhere(ctx, body, detail, on_refused, started, attempts, delay)
                     return True
@@ -307,22 +328,26 @@ class SubmitPipeline:
                     self._mark_fault_sent(ctx)
                 continue
             except HordeError as exc:  # pragma: no cover - the two subclasses above cover all
-                log.error("job=%s submit failed: %s", ctx.id, exc)
+                log.error("job=%s submit failed: %s", ctx.id, exc.reason)
                 ctx.end(Move.SETTLED)
                 return False
             ctx.end(Move.SETTLED)
             seconds = self.clock() - started
+            retried = f", at attempt {attempts}" if attempts > 1 else ""  # the failures' end
             if is_fault:
-                log.info("job=%s kind=%s fault accepted (%.1f s)", ctx.id, ctx.kind, seconds)
+                log.info(
+                    "job=%s kind=%s fault accepted (%.1f s%s)", ctx.id, ctx.kind, seconds, retried
+                )
             else:
                 kudos = reward_kudos(answer.get("reward", 0))
                 self.state.record_reward(kudos)
                 log.info(
-                    "job=%s kind=%s submitted: %s, %.1f s, %.0f kudos | %s",
+                    "job=%s kind=%s submitted: %s, %.1f s%s, %.0f kudos | %s",
                     ctx.id,
                     ctx.kind,
                     detail,
                     seconds,
+                    retried,
                     kudos,
                     self.state.summary(self.wall()),
                 )

@@ -521,8 +521,17 @@ class Worker:
                 log.debug("worker %d: still refused (%s)", self.worker_id, exc.rc or exc.status)
             self.stop_event.wait(MAINTENANCE_POLL_S)
         else:
+            # One line when pops start being refused so (and when the refusal changes),
+            # not one per retry; "popping again" when a pop is answered again.
             delay = self._error_backoff.next_delay()
-            log.warning("worker %d: %s; retrying in %.1f s", self.worker_id, advice.line, delay)
+            line = self._pauses.pausing(
+                "refused", self.clock(), line=f"{advice.line}; trying again, up to a minute apart"
+            )
+            if line is not None:
+                log.warning("worker %d: %s", self.worker_id, line)
+            else:
+                log.debug("worker %d: pop refused again (%s); retrying in %.1f s",
+                          self.worker_id, exc.rc or exc.status, delay)
             self.stop_event.wait(delay)
 
     # ------------------------------------------------------------ bounded stop

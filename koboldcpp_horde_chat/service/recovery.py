@@ -330,7 +330,7 @@ def _attempt(
                 journal.mark_not_taken(entry.job_id)
             log.error(
                 "job=%s kind=%s not ended after a restart: the Horde refused the "
-                "API key (%s); kept in the journal", entry.job_id, entry.kind, exc,
+                "API key (%s); kept in the journal", entry.job_id, entry.kind, exc.reason,
             )
             return True
         if exc.rc in SETTLED_RCS or exc.status == 404:
@@ -343,7 +343,7 @@ def _attempt(
             return True
         if item.action == "reply":
             # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
-            log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, exc)
+            log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, exc.reason)
             item.action, item.body = "fault", _fault_body(entry, model_id_default)
             if entry.kind == "chat" and exc.rc in REFUSAL_RCS:
                 item.body["fault_reason"] = FAULT_REPLY_REFUSED
@@ -352,7 +352,7 @@ def _attempt(
             return False
         counts.failed += 1
         log.error("job=%s kind=%s left to expire: the Horde refused the fault (%s)",
-                  entry.job_id, entry.kind, exc)
+                  entry.job_id, entry.kind, exc.reason)
         journal.remove(entry.job_id)
         return True
     except HordeUnavailable as exc:
@@ -367,7 +367,7 @@ def _attempt(
             counts.kept += 1
             log.warning(
                 "job=%s kind=%s kept in the journal: the worker stopped before the Horde "
-                "answered its %s (%s)%s", entry.job_id, entry.kind, item.action, exc,
+                "answered its %s (%s)%s", entry.job_id, entry.kind, item.action, exc.reason,
                 "" if item.action == "reply" or not_taken
                 else "; the fault may have been taken, so none will be sent again",
             )
@@ -375,7 +375,7 @@ def _attempt(
         if item.action == "fault" and not not_taken:
             # It may have been counted: a second fault would re-open the request again.
             return _give_up(item, journal, wall, counts,
-                            f"the fault's answer was lost ({exc}); not sent twice")
+                            f"the fault's answer was lost ({exc.reason}); not sent twice")
         if item.action == "fault":
             journal.mark_not_taken(entry.job_id)  # not taken: it may go again
         delay = min(
@@ -387,9 +387,9 @@ def _attempt(
             next_at = min(next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         if next_at >= item.ends_at:
             return _give_up(item, journal, wall, counts,
-                            f"the Horde did not answer within the lease ({exc})")
+                            f"the Horde did not answer within the lease ({exc.reason})")
         log.debug("job=%s %s not answered (%s); trying again in %.1f s",
-                  entry.job_id, item.action, exc, next_at - wall())
+                  entry.job_id, item.action, exc.reason, next_at - wall())
         item.next_at = next_at
         return False
     if item.action == "reply":

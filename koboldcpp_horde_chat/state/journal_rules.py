@@ -206,3 +206,29 @@ def known_not_taken(status: int, sent: bool | None) -> bool:
     answer in time, a connection lost after the request went out, another
     5xx) it may have been counted, and is not sent again."""
     return sent is False or status in NOT_TAKEN_STATUSES
+
+
+def next_start_plan(terminal: str | None) -> str:
+    """What the next start does with a job this process leaves, in a log line's words.
+
+    ``terminal`` is the job's terminal-action state in the journal
+    (:data:`TERMINAL_STATES`), None when the journal does not hold the job
+    (crash recovery off). The words follow the restart's rules above:
+
+    - ``"reply_kept"``, ``"reply_sent"``: ``"left to the next start, which sends
+      the reply again"``;
+    - ``"none"``: ``"left to the next start, which faults it while its lease runs"``;
+    - ``"fault_sent"``: ``"a fault may have reached the Horde; none is sent again"``;
+    - None: ``"not in a journal: nothing is sent; its lease runs out on the Horde"``.
+
+    Raises ValueError for any other state.
+    """
+    if terminal is None:
+        return "not in a journal: nothing is sent; its lease runs out on the Horde"
+    if terminal in REPLY_STATES:
+        return "left to the next start, which sends the reply again"
+    if terminal == "none":
+        return "left to the next start, which faults it while its lease runs"
+    if terminal == "fault_sent":
+        return "a fault may have reached the Horde; none is sent again"
+    raise ValueError(f"not a terminal-action state: {terminal!r}")

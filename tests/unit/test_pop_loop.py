@@ -325,6 +325,37 @@ def test_too_many_workers_is_named_by_its_rc_and_retried_a_minute_later(
     assert "worker 1: the Horde takes pops again: popping" in lines
 
 
+def test_a_pop_refusal_retried_with_backoff_is_said_once_then_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refusal without an owner's action (an unknown rc) is retried with the
+    backoff: one WARNING when it starts, the retries at DEBUG, one line when pops
+    are answered again."""
+    caplog.set_level(logging.DEBUG)
+    refusal = HordeRefusal("I am a teapot.", status=418, rc="Teapot")
+    worker, horde, _, _ = build([refusal] * 5 + [chat_pop("j1")])
+    for _ in range(6):
+        worker.run_once()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "418 Teapot" in warnings[0], warnings
+    assert warnings[0].endswith("trying again, up to a minute apart")
+    assert "worker 1: the Horde takes pops again: popping" in messages_logged(caplog)
+    assert horde.verdicts() == {"j1": "submitted"}
+
+
+def test_a_horde_outage_at_the_pop_is_said_once_then_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    worker, horde, _, _ = build(["lost", "unavailable", "lost", "rate_limited", chat_pop("j1")])
+    for _ in range(5):
+        worker.run_once()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "does not answer" in warnings[0], warnings
+    assert "worker 1: the Horde answers again: popping" in messages_logged(caplog)
+    assert horde.verdicts() == {"j1": "submitted"}
+
+
 def test_empty_pops_say_what_was_skipped_once_while_it_stays_the_same(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
