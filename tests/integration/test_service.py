@@ -77,7 +77,8 @@ def test_a_submit_the_horde_does_not_answer_at_a_stop_is_left_to_the_next_start(
     (job_id,) = horde.status(rid)["job_ids"]
     journaled = json.loads(journal_path(WORKER_NAME, tmp_path / "state").read_text())["jobs"]
     assert [e["job_id"] for e in journaled] == [job_id]
-    assert worker.said("left to the next start") == 1
+    assert journaled[0]["terminal"] == "reply_sent"  # the reply is kept, not to be faulted
+    assert worker.said("left to the next start, which sends the reply again") == 1
 
 
 # --- jobs that survive a crash -----------------------------------------------------------
