@@ -74,6 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def stop_on_signal() -> threading.Event:
+    """An event that Ctrl-C (SIGINT) or SIGTERM sets, from now on. The handlers are
+    set only on the main thread (elsewhere the event is set by no signal)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
+def until_set(stop: threading.Event) -> None:
+    """Block until ``stop`` is set, waking twice a second (so a signal is taken soon)."""
+    while not stop.wait(0.5):
+        pass
+
+
 def main(argv: Sequence[str] = ()) -> int:
     """Run the dev Horde until Ctrl-C or SIGTERM; returns the exit code (0, or 2)."""
     args = build_parser().parse_args(list(argv))
@@ -99,14 +119,7 @@ def main(argv: Sequence[str] = ()) -> int:
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_on_signal()
     url = horde.url
     print(
         f"Dev Horde at {url} (API key: {args.key})\n"
@@ -117,6 +130,9 @@ def main(argv: Sequence[str] = ()) -> int:
         "The standalone worker, beside a running koboldcpp:\n"
         f"  koboldcpp-horde-chat --horde-url {url} --hordekey {args.key} "
         "--hordeworkername my-worker\n"
+        "No koboldcpp at hand? A scripted one (canned replies, not a model) on port 5001, "
+        "in another terminal:\n"
+        "  koboldcpp-horde-chat devkcpp\n"
         "A patched koboldcpp:\n"
         f"  AI_HORDE_URL={url} python koboldcpp.py --model MODEL.gguf "
         f"--hordekey {args.key} --hordeworkername my-worker\n"
@@ -133,8 +149,7 @@ def main(argv: Sequence[str] = ()) -> int:
         flush=True,
     )
     try:
-        while not stop.wait(0.5):
-            pass
+        until_set(stop)
     finally:
         horde.stop()
     print("Dev Horde stopped.", flush=True)

@@ -98,12 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="koboldcpp-horde-chat",
         description=(
             "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"
-            "Two subcommands, named first, try it on this machine (see below)."
+            "Three subcommands, named first, try it on this machine (see below)."
         ),
         epilog=(
             "subcommands (each takes --help):\n"
             "  koboldcpp-horde-chat demo      watch the whole path against a local dev Horde\n"
-            "  koboldcpp-horde-chat devhorde  start a local dev Horde to point a worker at"
+            "  koboldcpp-horde-chat devhorde  start a local dev Horde to point a worker at\n"
+            "  koboldcpp-horde-chat devkcpp   start a scripted koboldcpp (no model) on 5001"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -285,7 +285,7 @@ def test_every_flag_of_the_worker_has_help_text() -> None:
             assert action.help and len(action.help) > 10, action.option_strings
 
 
-def test_help_names_the_two_subcommands_and_what_hordegenlen_0_means() -> None:
+def test_help_names_the_three_subcommands_and_what_hordegenlen_0_means() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "koboldcpp_horde_chat", "--help"],
         cwd=ROOT,
@@ -298,6 +298,7 @@ def test_help_names_the_two_subcommands_and_what_hordegenlen_0_means() -> None:
     lines = result.stdout.splitlines()
     assert "  koboldcpp-horde-chat demo      watch the whole path against a local dev Horde" in lines
     assert "  koboldcpp-horde-chat devhorde  start a local dev Horde to point a worker at" in lines
+    assert "  koboldcpp-horde-chat devkcpp   start a scripted koboldcpp (no model) on 5001" in lines
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     assert "--hordekey HORDEKEY" in result.stdout  # the worker's own flags are still listed
     genlen = " ".join(build_parser().format_help().split()).split("--hordegenlen HORDEGENLEN ", 1)[1]

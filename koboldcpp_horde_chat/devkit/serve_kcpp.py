@@ -1,0 +1,120 @@
+"""``koboldcpp-horde-chat devkcpp``: the scripted koboldcpp by itself, for trying a worker by hand.
+
+Starts :class:`~koboldcpp_horde_chat.devkit.kcpp.ScriptedKoboldcpp` on ``--host``
+and ``--port`` (127.0.0.1:5001 by default, where the standalone worker looks for
+koboldcpp; ``--port 0`` takes a free port), says in its first line that it is
+scripted (canned replies, not a model), prints how to point the standalone worker
+at it and the dev Horde, and serves until Ctrl-C or SIGTERM. Its log lines go to
+stderr.
+
+The first line printed is always ``Scripted koboldcpp at <url> (model <name>,
+context <n> tokens, vision on|off): canned replies, not a model``, so a script can
+read the URL from it. Exit codes: 0 after Ctrl-C or SIGTERM, 2 when the port
+cannot be bound or ``--contextsize`` is below 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.devkit.serve import DEFAULT_KEY, DEFAULT_PORT, stop_on_signal, until_set
+
+DEFAULT_KCPP_PORT = 5001
+DEFAULT_MODEL = "koboldcpp/scripted-model"
+#: The smallest context it accepts, tokens (the worker needs room for a prompt and a reply).
+MIN_CONTEXT = 256
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``koboldcpp-horde-chat devkcpp``."""
+    p = argparse.ArgumentParser(
+        prog="koboldcpp-horde-chat devkcpp",
+        description="Start a scripted koboldcpp (koboldcpp 1.116.1's HTTP API with canned "
+        "replies, not a model) and keep it running until Ctrl-C, to try the standalone "
+        "worker with the dev Horde without koboldcpp or a model.",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_KCPP_PORT,
+        help=f"the port to listen on (default {DEFAULT_KCPP_PORT}, koboldcpp's; 0 takes a "
+        "free one)",
+    )
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="report a vision projector, so the worker declares and serves image jobs",
+    )
+    p.add_argument(
+        "--model-name",
+        default=DEFAULT_MODEL,
+        help=f"the model name it reports (default {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--contextsize",
+        type=int,
+        default=4096,
+        help="the context size it reports, tokens (default 4096)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log level of its lines on stderr (default INFO)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Run the scripted koboldcpp until Ctrl-C or SIGTERM; returns the exit code (0, or 2)."""
+    args = build_parser().parse_args(list(argv))
+    if args.contextsize < MIN_CONTEXT:
+        print(f"--contextsize must be at least {MIN_CONTEXT} tokens", flush=True)
+        return 2
+    kcpp = ScriptedKoboldcpp(
+        model_name=args.model_name,
+        max_context_length=args.contextsize,
+        vision=args.vision,
+        host=args.host,
+        port=args.port,
+    )
+    try:
+        kcpp.start()
+    except OSError as exc:
+        print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
+        return 2
+    # Logging starts after the port is bound: what it is comes first.
+    logging.basicConfig(
+        level=args.log_level,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    stop = stop_on_signal()
+    url = kcpp.url
+    horde = f"http://127.0.0.1:{DEFAULT_PORT}"
+    print(
+        f"Scripted koboldcpp at {url} (model {args.model_name}, context {args.contextsize} "
+        f"tokens, vision {'on' if args.vision else 'off'}): canned replies, not a model\n"
+        "It answers koboldcpp 1.116.1's routes the way koboldcpp does; its log lines go to "
+        "stderr.\n"
+        "\n"
+        "The standalone worker, with the dev Horde (koboldcpp-horde-chat devhorde) running:\n"
+        f"  koboldcpp-horde-chat --horde-url {horde} --kcpp-url {url} --hordekey {DEFAULT_KEY} "
+        "--hordeworkername my-worker\n"
+        "\n"
+        "Ctrl-C stops it.",
+        flush=True,
+    )
+    try:
+        until_set(stop)
+    finally:
+        kcpp.stop()
+    print("Scripted koboldcpp stopped.", flush=True)
+    return 0
