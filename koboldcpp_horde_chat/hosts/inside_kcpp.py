@@ -6,10 +6,10 @@ daemon thread per worker (``--parallelrequests`` of them when above 1) once the
 model is loaded, when ``--hordekey`` and ``--hordeworkername`` are both set. The
 patches in ``patches/`` add a guarded import at the top of that function: when
 this package imports, koboldcpp calls :func:`run_horde_worker` below with its own
-module object and returns. When the package is not installed, koboldcpp's own
-worker runs as before, silently; when it is installed but its import fails
-(any error), koboldcpp prints one line saying what failed and how to fix it,
-then runs its own worker.
+module object and returns. Not installed: koboldcpp's own worker runs as before,
+silently; installed but failing to import: one line says what failed and how to
+fix it, then the same. Either way, with AI_HORDE_URL naming a Horde other than
+https://aihorde.net, one line says so and koboldcpp's own worker is not started.
 
 This is the only module that knows koboldcpp's module globals and ``args``
 (koboldcpp 1.116.1 ``koboldcpp.py`` L88-186, L11452-11472). It reads, once at start:
