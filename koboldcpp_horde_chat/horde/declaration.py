@@ -265,6 +265,7 @@ def pop_body(
     chat_jobs: bool = True,
     max_length: int | None = None,
     chat_max_length: int | None = None,
+    prompt_jobs: bool = True,
 ) -> dict[str, Any]:
     """The whole body of ``POST /api/v2/generate/text/pop``.
 
@@ -278,7 +279,9 @@ def pop_body(
     ``max_length`` and ``chat_max_length``, when given, replace the text
     ``max_length`` and ``chat_limits.max_length`` (lowered so that a job
     finishes within its lease: ``state.lease_fit``), never above
-    ``WorkerSettings.declared_max_length``.
+    ``WorkerSettings.declared_max_length``. ``prompt_jobs`` False (text generations
+    fail) with ``chat_jobs`` sends ``"prompt_jobs": false``: chat jobs only (seed:
+    "Send prompt_jobs: false with chat_jobs: true to serve chat jobs only").
 
     Seed: "1. Declare chat on pop", "Declaration checks and withdrawal".
     """
@@ -299,6 +302,8 @@ def pop_body(
             limits = dict(body["chat_limits"])
             limits["max_length"] = _at_most(chat_max_length, settings.declared_max_length)
             body["chat_limits"] = limits
+        if not prompt_jobs:
+            body["prompt_jobs"] = False
     return body
 
 

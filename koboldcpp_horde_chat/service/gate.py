@@ -5,18 +5,22 @@ a local user and to a busy koboldcpp as koboldcpp's own worker does (the
 local-use signals are ``kcpp.manners``'), waits while koboldcpp does not
 answer, while a submit is being retried, while koboldcpp fails every
 generation (probing it with a short one), while the Horde's hour is nearly
-full of this worker's aborted jobs (``guard.MaintenanceGuard``), and while a
-chat-only worker's chat declaration is withdrawn.
+full of this worker's aborted jobs (``guard.MaintenanceGuard``), while a
+chat-only worker's chat declaration is withdrawn, and while every kind it may
+pop for failed its generations in a row (each probed until it generates). Before
+a pop it re-measures koboldcpp's speed for a ``max_length`` lowered and left
+idle (the rule in ``lease_fit``'s docstring).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from collections.abc import Callable
 
 from ..errors import BackendError, ReplyError
-from ..kcpp.answers import text_generation
+from ..kcpp.answers import parse_chat_completion, text_generation
 from ..kcpp.api import KcppAPI
 from ..kcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
@@ -25,6 +29,8 @@ from ..state.lease_fit import tokens_of_text
 from ..state.meter import record_generated
 from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
 from ..state.status import abort_limit_line
+
+log = logging.getLogger("koboldcpp_horde_chat.worker")
 
 #: Seconds between pops while the Horde keeps the worker in maintenance (also
 #: while a chat-only worker's chat is withdrawn).
@@ -47,6 +53,11 @@ PROBE_TIMEOUT_S = 60.0
 #: worker's own, so koboldcpp does not take it for a local user's request).
 PROBE_MAX_LENGTH = 16
 PROBE_PROMPT = "Once upon a time"
+#: The re-measure of a lowered ``max_length`` (``lease_fit``): a text generation
+#: of this many tokens, timed; one that answers fewer than
+#: :data:`REMEASURE_MIN_TOKENS` (an early stop) measures nothing.
+REMEASURE_MAX_LENGTH = 32
+REMEASURE_MIN_TOKENS = 8
 
 
 class PopGate:
@@ -79,6 +90,7 @@ class PopGate:
         self.backend_suspect = False
         self._own_done_at: float | None = None
         self._next_probe = 0.0
+        self._next_kind_probe: dict[str, float] = {}
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
@@ -95,7 +107,10 @@ class PopGate:
         worker whose chat declaration is withdrawn. While koboldcpp has failed
         generations in a row it probes it; while the aborted jobs of the Horde's
         hour are too many it waits until the window allows one more
-        (:attr:`line` then says until when).
+        (:attr:`line` then says until when). A kind whose generations failed in
+        a row is probed (:meth:`_kinds_generate`); with no kind left to pop for
+        it pauses. Before it lets the loop pop it re-measures koboldcpp's speed
+        for a lowered ``max_length`` that is due it (:meth:`remeasure`).
         """
         self.line = None
         last_local = self.manners.last_local_request_time()
@@ -134,6 +149,9 @@ class PopGate:
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
+        if not self._kinds_generate():
+            return "kind_failing", self._next_kind_probe_in()
+        self.remeasure()
         return None
 
     def _others_queued(self) -> bool:
@@ -193,29 +211,117 @@ class PopGate:
         now = self.clock()
         if now < self._next_probe:
             return False
+        if self._probe("text") is None:
+            self._next_probe = self.clock() + PROBE_EVERY_S
+            return False
+        return True
+
+    def _kinds_generate(self) -> bool:
+        """Probe each kind whose generations failed in a row (``guard.FailureStreak``),
+        at most every :data:`PROBE_EVERY_S` each; False while no kind is left to
+        pop for (the pause waits for the next probe).
+
+        A kind that fails alone (koboldcpp fails its chat completions, say, and
+        its text generations succeed) is withdrawn from the pops
+        (``WorkerState.pop_body``) until its probe generates: a text probe is a
+        short text generation, a chat probe a one-message chat completion of
+        :data:`PROBE_MAX_LENGTH` tokens, each with a genkey of the worker's own.
+        """
+        streak = self.state.failure_streak
+        for kind in ("text", "chat"):
+            if not streak.kind_failing(kind):
+                continue
+            if self.clock() < self._next_kind_probe.get(kind, 0.0):
+                continue
+            if self._probe(kind) is None:
+                self._next_kind_probe[kind] = self.clock() + PROBE_EVERY_S
+        return bool(self.state.kinds_to_pop())
+
+    def _next_kind_probe_in(self) -> float:
+        """Seconds to the next probe of a failing kind (at least 0.1)."""
+        times = [
+            at for kind, at in self._next_kind_probe.items()
+            if self.state.failure_streak.kind_failing(kind)
+        ]
+        return max(0.1, min(times, default=self.clock() + PROBE_EVERY_S) - self.clock())
+
+    def remeasure(self) -> None:
+        """Re-measure koboldcpp's speed for the kinds whose lowered ``max_length``
+        is due it (``lease_fit.LeaseFit.recheck_due``: no measured job for the
+        kind's cool-off), with one short text generation of the worker's own
+        (a genkey of its own, :data:`REMEASURE_MAX_LENGTH` tokens), and refit them
+        from its speed: a koboldcpp that is fast again gets its ``max_length``
+        back although no request short enough to measure it arrives (one line
+        per change). A probe that fails refits nothing."""
+        with self.state.lock:
+            due = self.state.lease_fit.recheck_due(self.clock())
+        if not due:
+            return
+        measured = self._generate("text", REMEASURE_MAX_LENGTH)
+        speed = None
+        if measured is not None:
+            tokens, seconds = measured
+            if tokens >= REMEASURE_MIN_TOKENS and seconds > 0:
+                speed = tokens / seconds
+        now = self.clock()
+        with self.state.lock:
+            changes = [self.state.lease_fit.remeasured(kind, speed, now) for kind in due]
+        for change in changes:
+            if change is not None:
+                log.warning("%s", change.line())
+
+    def _probe(self, kind: str) -> tuple[int, float] | None:
+        """One probe of ``kind`` (:meth:`_generate`); its answer is measured like a
+        job's (``meter.record_generated``, which ends the kind's streak)."""
+        measured = self._generate(kind, PROBE_MAX_LENGTH)
+        if measured is None:
+            return None
+        tokens, seconds = measured
+        record_generated(
+            self.state,
+            kind,
+            tokens,
+            seconds,
+            max_length=PROBE_MAX_LENGTH,
+            ttl_s=self.state.lease_fit.lease_s,
+            now=self.clock(),
+        )
+        return measured
+
+    def _generate(self, kind: str, max_length: int) -> tuple[int, float] | None:
+        """A short generation of ``kind`` sent to koboldcpp as the worker's own
+        (a ``HORDEREQ_`` genkey, so koboldcpp does not take it for a local
+        user's): ``(tokens, seconds)`` of its answer, or None when it failed."""
         genkey = f"{GENKEY_PREFIX}probe{secrets.token_hex(8)}"
-        body = {
-            "prompt": PROBE_PROMPT,
-            "max_length": PROBE_MAX_LENGTH,
-            "max_context_length": 512,
-            "genkey": genkey,
-        }
         started = self.clock()
         self.note_own_request()
         try:
-            text = text_generation(self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S))
+            if kind == "chat":
+                answer = parse_chat_completion(
+                    self.backend.chat_completion(
+                        {
+                            "messages": [{"role": "user", "content": PROBE_PROMPT}],
+                            "max_tokens": max_length,
+                            "genkey": genkey,
+                        },
+                        timeout_s=PROBE_TIMEOUT_S,
+                    )
+                )
+                text = (answer.content or "") + (answer.reasoning_content or "")
+                counted = answer.completion_tokens
+                tokens = counted if counted is not None else tokens_of_text(text)
+            else:
+                body = {
+                    "prompt": PROBE_PROMPT,
+                    "max_length": max_length,
+                    "max_context_length": 512,
+                    "genkey": genkey,
+                }
+                text = text_generation(self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S))
+                tokens = tokens_of_text(text)
         except (BackendError, ReplyError):
-            self._next_probe = self.clock() + PROBE_EVERY_S
-            return False
+            return None
         finally:
             self.note_own_request_done()
             self.own_generation_ended()
-        record_generated(
-            self.state,
-            "text",
-            tokens_of_text(text),
-            self.clock() - started,
-            max_length=PROBE_MAX_LENGTH,
-            ttl_s=self.state.lease_fit.lease_s,
-        )
-        return True
+        return tokens, self.clock() - started

@@ -328,9 +328,9 @@ class Worker:
         if ctx is None:
             ctx = self.receive(body, pop, popped_at)
         if ctx is None:
-            return self._serve_popped(pop, None)
+            return self._serve_popped(pop, None, body)
         try:
-            return self._serve_popped(pop, ctx)
+            return self._serve_popped(pop, ctx, body)
         except Exception:
             if ctx.settled:
                 raise
@@ -373,10 +373,13 @@ class Worker:
         ctx.move(Move.JOURNAL)
         return ctx
 
-    def _serve_popped(self, pop: dict[str, Any], ctx: JobContext | None) -> bool:
+    def _serve_popped(
+        self, pop: dict[str, Any], ctx: JobContext | None, body: dict[str, Any] | None = None
+    ) -> bool:
         """Parse a pop answer and serve its job, if any. True when a job was served.
 
-        ``ctx`` is the job in hand, or None when the pop carried no usable id.
+        ``ctx`` is the job in hand, or None when the pop carried no usable id;
+        ``body`` the pop's own (what an empty pop's ``skipped`` line words).
         """
         try:
             job = parse_pop(pop, default_ttl_s=self.settings.lease_s)
@@ -393,7 +396,11 @@ class Worker:
             return True
         if job is None or ctx is None:
             self.state.flush_journal()  # idle: write what the last jobs' ends left
-            line = self._skipped.line(pop.get("skipped"), self.clock())
+            line = self._skipped.line(
+                pop.get("skipped"),
+                self.clock(),
+                None if body is None else self.state.skip_context(body),
+            )
             if line is not None:
                 log.info("worker %d: no job for this worker: %s", self.worker_id, line)
             if not self._stopping():

@@ -37,6 +37,12 @@ Two guards, each fed plain numbers by the worker (``state/shared.py``) with the 
 * :class:`FailureStreak`: generations koboldcpp failed in a row; at
   :data:`FAILED_IN_A_ROW` the worker stops popping and probes koboldcpp with a
   small generation until one succeeds, instead of faulting every job it pops.
+  It counts per kind too: at :data:`FAILED_IN_A_ROW` failed generations of one
+  kind in a row (a koboldcpp that fails only chat completions, its text
+  generations interleaved and succeeding) the worker withdraws that kind
+  (chat: pops without the chat declaration; text: pops with
+  ``prompt_jobs: false`` when chat is still declared, else not at all) and
+  probes that kind until it generates again (``service.gate``).
 * :class:`RefusalGuard` (seed "Submit refusals"): "withdraw a guarantee that
   the backend repeatedly fails to satisfy". It counts the Horde's
   ``ChatSubmitNonconformant`` refusals per declared guarantee or feature over
@@ -212,13 +218,19 @@ class MaintenanceGuard:
 
 
 class FailureStreak:
-    """Generations koboldcpp failed in a row (an error, a crash, a hang).
+    """Generations koboldcpp failed in a row (an error, a crash, a hang), all
+    kinds together and per kind (``"text"``, ``"chat"``).
 
     Call :meth:`failed` for each job whose generation koboldcpp failed and
-    :meth:`succeeded` for each it answered (or a probe it answered).
+    :meth:`succeeded` for each it answered (or a probe it answered), with the
+    job's kind. A success ends the streak of all kinds together and the one of
+    its own kind, not the other kind's: a koboldcpp that fails every chat
+    completion while its text generations succeed reaches :meth:`kind_failing`
+    for chat though the streak of all kinds keeps being ended by text jobs.
 
     Args:
-        limit: failures in a row after which :attr:`failing` is True (3).
+        limit: failures in a row after which :attr:`failing` (all kinds) or
+            :meth:`kind_failing` (one kind) is True (3).
     """
 
     def __init__(self, limit: int = FAILED_IN_A_ROW) -> None:
@@ -226,21 +238,37 @@ class FailureStreak:
             raise ValueError("limit must be at least 1")
         self.limit = limit
         self.count = 0
+        self._by_kind: dict[str, int] = {"text": 0, "chat": 0}
 
     @property
     def failing(self) -> bool:
         """``limit`` generations failed in a row: stop popping, probe koboldcpp."""
         return self.count >= self.limit
 
-    def failed(self) -> bool:
-        """Count a failed generation; True when this one makes the streak :attr:`failing`."""
+    def kind_failing(self, kind: str) -> bool:
+        """``limit`` generations of ``kind`` failed in a row: withdraw that kind,
+        probe it."""
+        return self._by_kind.get(kind, 0) >= self.limit
+
+    def failed(self, kind: str | None = None) -> bool:
+        """Count a failed generation (of ``kind``, when known); True when this one
+        makes the streak of its kind :meth:`kind_failing` (with no kind: the
+        streak of all kinds :attr:`failing`)."""
         self.count += 1
+        if kind in self._by_kind:
+            self._by_kind[kind] += 1
+            return self._by_kind[kind] == self.limit
         return self.count == self.limit
 
-    def succeeded(self) -> bool:
-        """A generation succeeded; True when this ends a :attr:`failing` streak."""
+    def succeeded(self, kind: str | None = None) -> bool:
+        """A generation (of ``kind``, when known) succeeded; True when this ends a
+        :meth:`kind_failing` streak of that kind (with no kind: a
+        :attr:`failing` streak of all kinds)."""
         was = self.failing
         self.count = 0
+        if kind in self._by_kind:
+            was = self.kind_failing(kind)
+            self._by_kind[kind] = 0
         return was
 
 

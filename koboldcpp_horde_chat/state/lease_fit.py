@@ -21,6 +21,21 @@ kind's ``max_length`` to half the job's own (and to what the speed it
 cannot have beaten allows), so the next job is smaller whatever was measured
 before.
 
+A lowered ``max_length`` comes back when koboldcpp is faster again, also when
+no job of that kind arrives to show it (the requests that wait ask for more
+than is declared, so the Horde skips them). The rule: a kind declared below
+the cap that has had no measured job for its *cool-off* (:data:`RECHECK_AFTER_S`,
+60 s, at first) is due a re-measure (:meth:`LeaseFit.recheck_due`): the worker
+times a short generation of its own (``service.gate``) and
+:meth:`LeaseFit.remeasured` refits the kind from that speed alone (the kind's
+older measurements are forgotten: they were taken while it was slower). The
+cool-off doubles, up to :data:`RECHECK_MAX_S` (30 min), after each re-measure
+that raises nothing (koboldcpp really is that slow) and after each run-out
+that comes within :data:`HOUR_S` of a raise (the speed a raise trusted did
+not hold), so a koboldcpp that stays slow is neither probed every minute nor
+lets a raise cost an aborted job every few minutes (each counts toward the
+Horde's maintenance). It is back to 60 s once the kind is declared at the cap.
+
 Every change of a declared ``max_length`` is returned as one
 :class:`LengthChange`, which the caller logs.
 """
@@ -46,6 +61,13 @@ MIN_SAMPLE_TOKENS: Final = 16
 """A reply shorter than this, tokens, says too little about the speed to be measured."""
 SAMPLES_KEPT: Final = 8
 """The most recent measured jobs the speed is averaged over, per kind."""
+RECHECK_AFTER_S: Final = 60.0
+"""A kind declared below the cap is re-measured after this many seconds without
+a measured job, at first (its cool-off; see the module docstring)."""
+RECHECK_MAX_S: Final = 1800.0
+"""The longest cool-off, seconds."""
+HOUR_S: Final = 3600.0
+"""A run-out this soon after a raise doubles the kind's cool-off, seconds."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +87,23 @@ class LengthChange:
     tokens_per_s: float | None
     budget_s: float
 
+    remeasured: bool = False
+    """True when the speed is a re-measure of an idle kind (:meth:`LeaseFit.remeasured`)."""
+
     def line(self) -> str:
         """The one log line for the change, e.g. ``"max_length for text jobs lowered
         from 512 to 112: koboldcpp generates 1.0 tokens/s here, and a job's generation
-        must end within 120 s of its lease"``."""
+        must end within 120 s of its lease"``; a re-measure says ``"koboldcpp
+        generates 40.0 tokens/s here again (measured with a short generation of its
+        own), ..."``."""
         verb = "lowered" if self.new < self.old else "raised"
-        if self.tokens_per_s is None:
+        if self.tokens_per_s is not None and self.remeasured:
+            why = (
+                f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s here again (measured "
+                f"with a short generation of the worker's own), and a job's generation "
+                f"must end within {self.budget_s:.0f} s of its lease"
+            )
+        elif self.tokens_per_s is None:
             why = "a job's generation ran out of its lease"
         else:
             why = (
@@ -171,6 +204,67 @@ class LeaseFit:
             kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS
         }
         self._seed_speed: float | None = None
+        #: Per kind: when it is due a re-measure (None: declared at the cap, or
+        #: no clock given yet), its cool-off, and when it was last raised.
+        self._recheck_at: dict[str, float | None] = {kind: None for kind in KINDS}
+        self._cooloff = {kind: RECHECK_AFTER_S for kind in KINDS}
+        self._raised_at: dict[str, float | None] = {kind: None for kind in KINDS}
+        #: Why each kind is declared below the cap: ``"ran_out"``, ``"slow"`` or None.
+        self._why: dict[str, str | None] = {kind: None for kind in KINDS}
+
+    def lowered_because(self, kind: str) -> str | None:
+        """Why ``kind``'s ``max_length`` is below the cap, in an operator's words
+        (``"koboldcpp ran out of a lease"``, ``"koboldcpp's measured speed"``),
+        or None while it is declared at the cap."""
+        if self._declared[kind] >= self.cap:
+            return None
+        if self._why[kind] == "ran_out":
+            return "koboldcpp ran out of a lease"
+        return "koboldcpp's measured speed"
+
+    def cooloff_s(self, kind: str) -> float:
+        """``kind``'s cool-off: seconds without a measured job before a re-measure."""
+        return self._cooloff[kind]
+
+    def recheck_due(self, now: float) -> list[str]:
+        """The kinds declared below the cap that are due a re-measure at ``now``
+        (no measured job for their cool-off), in :data:`KINDS` order. A kind
+        named here is not named again until :meth:`remeasured` or another
+        measurement schedules it anew (at most one probe at a time)."""
+        due = []
+        for kind in KINDS:
+            at = self._recheck_at[kind]
+            if self._declared[kind] < self.cap and at is not None and at <= now:
+                self._recheck_at[kind] = None
+                due.append(kind)
+        return due
+
+    def remeasured(
+        self, kind: str, tokens_per_s: float | None, now: float
+    ) -> LengthChange | None:
+        """A re-measure of ``kind`` (:meth:`recheck_due`) found ``tokens_per_s``
+        (None: it failed): refit from that speed alone. No raise doubles the
+        cool-off (up to :data:`RECHECK_MAX_S`). Returns the change it makes, or None."""
+        change = None
+        if tokens_per_s is not None and tokens_per_s > 0:
+            self._samples[kind].clear()
+            # One sample of a minute at that speed, so a job's own measure soon weighs in.
+            self._samples[kind].append((max(1, round(tokens_per_s * 60.0)), 60.0))
+            change = self._refit(kind, now=now, remeasured=True)
+        if change is None or change.new <= change.old:
+            self._cooloff[kind] = min(RECHECK_MAX_S, self._cooloff[kind] * 2)
+        self._schedule(kind, now)
+        return change
+
+    def _schedule(self, kind: str, now: float | None) -> None:
+        """The next re-measure of ``kind``: its cool-off after ``now`` while it is
+        below the cap; none at the cap (and the cool-off back to its first)."""
+        if self._declared[kind] >= self.cap:
+            self._recheck_at[kind] = None
+            self._cooloff[kind] = RECHECK_AFTER_S
+            self._why[kind] = None
+        elif now is not None:
+            self._recheck_at[kind] = now + self._cooloff[kind]
 
     def declared(self, kind: str) -> int:
         """The ``max_length`` the next pop declares for ``kind``, tokens."""
@@ -190,17 +284,29 @@ class LeaseFit:
             return sum(t for t, _ in samples) / seconds
         return self._seed_speed
 
-    def seed(self, tokens_per_s: float | None) -> list[LengthChange]:
-        """koboldcpp's own speed figure (:func:`perf_speed`) for kinds not measured yet."""
+    def seed(self, tokens_per_s: float | None, now: float | None = None) -> list[LengthChange]:
+        """koboldcpp's own speed figure (:func:`perf_speed`) for kinds not measured
+        yet (at monotonic ``now``, which schedules the re-measure of a kind it lowers)."""
         if tokens_per_s is None or not tokens_per_s > 0:
             return []
         self._seed_speed = tokens_per_s
-        return [c for c in (self._refit(kind) for kind in KINDS) if c is not None]
+        changes = [c for c in (self._refit(kind) for kind in KINDS) if c is not None]
+        for kind in KINDS:
+            self._schedule(kind, now)
+        return changes
 
     def record(
-        self, kind: str, tokens: int, seconds: float, *, max_length: int
+        self,
+        kind: str,
+        tokens: int,
+        seconds: float,
+        *,
+        max_length: int,
+        now: float | None = None,
     ) -> LengthChange | None:
-        """A ``kind`` job's reply came back: ``tokens`` generated in ``seconds``.
+        """A ``kind`` job's reply came back: ``tokens`` generated in ``seconds``
+        (at monotonic ``now``, which schedules the kind's next re-measure; None:
+        none scheduled).
 
         A reply shorter than :data:`MIN_SAMPLE_TOKENS` that stopped before the
         job's ``max_length`` says little about the speed and is not measured.
@@ -211,13 +317,30 @@ class LeaseFit:
         if tokens < MIN_SAMPLE_TOKENS and tokens < max_length:
             return None
         self._samples[kind].append((tokens, seconds))
-        return self._refit(kind)
+        change = self._refit(kind, now=now)
+        self._schedule(kind, now)
+        return change
 
-    def ran_out(self, kind: str, *, max_length: int, seconds: float) -> LengthChange | None:
+    def ran_out(
+        self, kind: str, *, max_length: int, seconds: float, now: float | None = None
+    ) -> LengthChange | None:
         """A ``kind`` job of ``max_length`` tokens did not finish in ``seconds``
         (its lease): narrow the declaration to half of ``max_length`` at most, and
         to what fewer than ``max_length / seconds`` tokens/s fit. Forgets the
-        measured speed of the kind, which it proved too high."""
+        measured speed of the kind, which it proved too high. At monotonic ``now``
+        it schedules the kind's re-measure (a run-out within :data:`HOUR_S` of a
+        raise doubles the cool-off first)."""
+        raised = self._raised_at[kind]
+        if now is not None and raised is not None and now - raised < HOUR_S:
+            self._cooloff[kind] = min(RECHECK_MAX_S, self._cooloff[kind] * 2)
+            self._raised_at[kind] = None
+        self._why[kind] = "ran_out"
+        try:
+            return self._ran_out(kind, max_length=max_length, seconds=seconds)
+        finally:
+            self._schedule(kind, now)
+
+    def _ran_out(self, kind: str, *, max_length: int, seconds: float) -> LengthChange | None:
         old = self._declared[kind]
         bound = (
             fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
@@ -231,7 +354,9 @@ class LeaseFit:
         self._declared[kind] = new
         return LengthChange(kind, old, new, None, budget_s(self.lease_s, self.margin_s))
 
-    def _refit(self, kind: str) -> LengthChange | None:
+    def _refit(
+        self, kind: str, *, now: float | None = None, remeasured: bool = False
+    ) -> LengthChange | None:
         speed = self.speed(kind)
         if speed is None:
             return None
@@ -239,5 +364,11 @@ class LeaseFit:
         fit = fitted_length(speed, self.lease_s, self.cap, self.margin_s)
         if fit < old or (fit > old and (fit >= self.cap or fit >= old * RAISE_FACTOR)):
             self._declared[kind] = fit
-            return LengthChange(kind, old, fit, speed, budget_s(self.lease_s, self.margin_s))
+            if fit < old:
+                self._why[kind] = "slow"
+            elif now is not None:
+                self._raised_at[kind] = now
+            return LengthChange(
+                kind, old, fit, speed, budget_s(self.lease_s, self.margin_s), remeasured
+            )
         return None

@@ -54,7 +54,7 @@ class JobMeter:
         except Exception:  # noqa: BLE001 - only a hint; the jobs measure it anyway
             log.debug("koboldcpp's perf figures could not be read")
             return
-        seed_speed(self.state, perf)
+        seed_speed(self.state, perf, now=self.clock())
 
     def generated(self, ctx: JobContext, job: TextJob | ChatJob, body: dict[str, Any]) -> None:
         """koboldcpp answered the job with the reply ``body`` (its submit body):
@@ -66,6 +66,7 @@ class JobMeter:
             self.clock() - ctx.started,
             max_length=job_max_length(job.payload),
             ttl_s=job.ttl_s,
+            now=self.clock(),
         )
 
     def failed(self, ctx: JobContext, job: TextJob | ChatJob) -> None:
@@ -91,37 +92,56 @@ class JobMeter:
             max_length=job_max_length(job.payload),
             seconds=now - ctx.started,
             ttl_s=job.ttl_s,
+            now=now,
         )
 
 
 # --- the rules' numbers, under the state's lock --------------------------------------
 
 
-def seed_speed(state: WorkerState, perf: dict[str, Any]) -> None:
-    """koboldcpp's own speed figure (``/api/extra/perf``) before any job is measured."""
+def seed_speed(state: WorkerState, perf: dict[str, Any], now: float | None = None) -> None:
+    """koboldcpp's own speed figure (``/api/extra/perf``) before any job is measured
+    (at monotonic ``now``: a kind it lowers is re-measured after its cool-off)."""
     with state.lock:
-        changes = state.lease_fit.seed(perf_speed(perf))
+        changes = state.lease_fit.seed(perf_speed(perf), now)
     for change in changes:
         log.warning("%s (koboldcpp's own figure)", change.line())
 
 
 def record_generated(
-    state: WorkerState, kind: str, tokens: int, seconds: float, *, max_length: int, ttl_s: float
+    state: WorkerState,
+    kind: str,
+    tokens: int,
+    seconds: float,
+    *,
+    max_length: int,
+    ttl_s: float,
+    now: float | None = None,
 ) -> None:
     """koboldcpp answered a ``kind`` job of ``max_length`` tokens (base lease
-    ``ttl_s``) with ``tokens`` in ``seconds`` (a probe too, as a text job):
-    measure the speed, refit the declared ``max_length`` (one line when it
-    changes) and end a streak of failed generations."""
+    ``ttl_s``) with ``tokens`` in ``seconds`` at monotonic ``now`` (a probe too,
+    of its kind): measure the speed, refit the declared ``max_length`` (one line
+    when it changes) and end a streak of failed generations (one line when it
+    gives the kind back, ``guard.FailureStreak``)."""
     with state.lock:
         state.lease_fit.note_lease(ttl_s)
-        change = state.lease_fit.record(kind, tokens, seconds, max_length=max_length)
-        state.failure_streak.succeeded()
+        change = state.lease_fit.record(kind, tokens, seconds, max_length=max_length, now=now)
+        restored = state.failure_streak.succeeded(kind)
     if change is not None:
         log.warning("%s", change.line())
+    if restored:
+        log.info("%s", kind_restored_line(kind))
 
 
 def record_generation_failed(
-    state: WorkerState, kind: str, *, ran_out: bool, max_length: int, seconds: float, ttl_s: float
+    state: WorkerState,
+    kind: str,
+    *,
+    ran_out: bool,
+    max_length: int,
+    seconds: float,
+    ttl_s: float,
+    now: float | None = None,
 ) -> None:
     """koboldcpp failed a ``kind`` job's generation (``ran_out``: it did not
     answer within the lease). A job that ran out narrows that kind's declared
@@ -130,10 +150,43 @@ def record_generation_failed(
     with state.lock:
         state.lease_fit.note_lease(ttl_s)
         change = (
-            state.lease_fit.ran_out(kind, max_length=max_length, seconds=seconds)
+            state.lease_fit.ran_out(kind, max_length=max_length, seconds=seconds, now=now)
             if ran_out
             else None
         )
-        state.failure_streak.failed()
+        withdrawn = state.failure_streak.failed(kind)
+        others = [k for k in state.kinds_to_pop() if k != kind]
     if change is not None:
         log.warning("%s", change.line())
+    if withdrawn:
+        log.warning("%s", kind_withdrawn_line(kind, state.failure_streak.limit, others))
+
+
+def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
+    """The line said when ``kind``'s generations failed ``limit`` times in a row and
+    ``others`` are the kinds the worker still pops for, e.g. ``"chat generations
+    failed 3 times in a row: popping without the chat declaration (text jobs
+    continue); probing koboldcpp with a short chat completion until one succeeds"``."""
+    if kind == "chat":
+        action = (
+            "popping without the chat declaration (text jobs continue)"
+            if others else "not popping (no other kind to serve)"
+        )
+        probe = "a short chat completion"
+    else:
+        action = (
+            "popping for chat jobs only (prompt_jobs false)"
+            if others else "not popping (no other kind to serve)"
+        )
+        probe = "a short text generation"
+    return (
+        f"{kind} generations failed {limit} times in a row: {action}; probing "
+        f"koboldcpp with {probe} until one succeeds"
+    )
+
+
+def kind_restored_line(kind: str) -> str:
+    """The line said when ``kind`` generates again after it was withdrawn."""
+    if kind == "chat":
+        return "koboldcpp generates chat completions again: declaring chat again"
+    return "koboldcpp generates text again: popping for text jobs again"

@@ -502,13 +502,40 @@ class WorkerState:
     def pop_body(self, caps: BackendCapabilities) -> dict[str, Any]:
         """The next pop's body (``declaration.pop_body``) with the declaration as
         it stands now: chat on or withdrawn, the features withheld, and the
-        ``max_length`` per kind that fits the lease (``lease_fit.LeaseFit``)."""
+        ``max_length`` per kind that fits the lease (``lease_fit.LeaseFit``), and
+        without a kind whose generations failed in a row (``guard.FailureStreak``:
+        chat without the chat declaration, text with ``prompt_jobs: false``)."""
         with self.lock:
             return pop_body(
                 self.settings,
                 caps,
                 withhold=self.withheld,
-                chat_jobs=self.chat_enabled,
+                chat_jobs=self.chat_enabled and not self.failure_streak.kind_failing("chat"),
                 max_length=self.lease_fit.declared("text"),
                 chat_max_length=self.lease_fit.declared("chat"),
+                prompt_jobs=not self.failure_streak.kind_failing("text"),
             )
+
+    def skip_context(self, body: dict[str, Any]) -> status.SkipContext:
+        """What the pop ``body`` declared, and why a kind's ``max_length`` is
+        lowered, for the line about an empty pop's ``skipped`` requests."""
+        with self.lock:
+            lowered = {
+                kind: why
+                for kind in ("text", "chat")
+                if (why := self.lease_fit.lowered_because(kind)) is not None
+            }
+        return status.SkipContext.of_pop(body, lowered)
+
+    def kinds_to_pop(self) -> tuple[str, ...]:
+        """The kinds the next pop may ask for: text unless a chat-only worker's or
+        its generations failed in a row, chat unless withdrawn (by the aborted
+        jobs or by its generations failing in a row). Empty: do not pop."""
+        with self.lock:
+            streak = self.failure_streak
+            kinds = []
+            if self.settings.prompt_jobs and not streak.kind_failing("text"):
+                kinds.append("text")
+            if self.chat_enabled and not streak.kind_failing("chat"):
+                kinds.append("chat")
+            return tuple(kinds)

@@ -232,3 +232,47 @@ def test_a_mix_of_failing_chat_and_text_jobs_withdraws_chat_then_stops_before_ma
     assert done and any(
         set(horde.status(r)["job_ids"]) & popped_after for r in done
     ), caplog.text[-3000:]
+
+
+def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps_earning(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp fails every chat completion while its text generations succeed,
+    the jobs interleaved: the third chat failure in a row withdraws chat (its
+    probe, a one-message chat completion, fails too), so at most 3 chat jobs are
+    faulted, and text jobs go on earning. Before, each text job ended the streak
+    and chat jobs were faulted until the Horde's count withdrew chat at 15."""
+    caplog.set_level(logging.INFO)
+
+    def fail(route: str, body: Any) -> Fault | None:
+        if route == "chat":
+            return 500, {"detail": {"msg": "chat template error"}}
+        return None
+
+    kcpp.fail_when(fail)
+    chats, texts = [], []
+    for i in range(12):
+        chats.append(horde.send_chat(
+            {"messages": [{"role": "user", "content": f"Sky {i}?"}], "max_tokens": 32},
+            best_effort=True, max_attempts=1,
+        ))
+        texts.append(horde.send_text(f"Once {i}", max_length=32, max_attempts=1))
+    start_worker()
+    until(lambda: all(horde.status(r)["state"] == "done" for r in texts), 90,
+          lambda: caplog.text[-3000:])
+    aborted, maintenance = _counted(horde)
+    assert not maintenance
+    assert aborted <= 3, caplog.text[-3000:]
+    assert (
+        "chat generations failed 3 times in a row: popping without the chat declaration "
+        "(text jobs continue)" in caplog.text
+    )
+    # koboldcpp generates chat again: the chat probe gives chat back.
+    kcpp.fail_when(None)
+    until(lambda: "koboldcpp generates chat completions again: declaring chat again"
+          in caplog.text, 30, lambda: caplog.text[-3000:])
+    until(lambda: sum(horde.status(r)["state"] == "done" for r in chats) >= 1, 60,
+          lambda: caplog.text[-3000:])

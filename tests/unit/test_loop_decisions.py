@@ -27,6 +27,7 @@ from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.guard import FailureStreak
 from tests import pops
 
 KEY = "unit-key-5f2e9c"
@@ -320,6 +321,9 @@ def test_chat_is_withdrawn_before_the_hordes_twenty_faults_and_restored_after_a_
 ) -> None:
     pops = [chat_pop(f"j{i}") for i in range(15)]
     worker, horde, _, clock = make(pops, backend=failing_backend(15))
+    # The Horde's count alone: three chat failures in a row would withdraw chat
+    # first (guard.FailureStreak; test_guard_recovery.py).
+    worker.state.failure_streak = FailureStreak(limit=100)
     caplog.set_level(logging.INFO)
     run(worker, 15)
     assert [horde.verdict(j) for j in horde.jobs.values()] == ["faulted"] * 15
@@ -371,6 +375,7 @@ def test_nineteen_aborted_text_jobs_stop_the_popping_until_the_hordes_hour_allow
 def test_a_chat_only_worker_pauses_pops_while_chat_is_withdrawn() -> None:
     pops = [chat_pop(f"j{i}") for i in range(15)]
     worker, horde, _, clock = make(pops, backend=failing_backend(15), prompt_jobs=False)
+    worker.state.failure_streak = FailureStreak(limit=100)  # the Horde's count alone
     run(worker, 15)
     calls = horde.pop_calls
     before = clock()
