@@ -42,7 +42,8 @@ from ..state.job import Edges, JobContext, Lease, abort_quietly
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.shared import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
-from ..state.status import PauseTracker, SkippedReporter, describe_pop_refusal, first_chat_job_line
+from ..state.skipped import SkippedReporter
+from ..state.status import PauseTracker, describe_pop_refusal, first_chat_job_line
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .pop_ahead import PopAhead

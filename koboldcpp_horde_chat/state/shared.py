@@ -41,6 +41,7 @@ from .job import SUBMIT_MARGIN_S
 from .journal import Journal
 from .lease_fit import LeaseFit
 from .life import Phase
+from .skipped import SkipContext
 
 if TYPE_CHECKING:
     from .job import JobContext
@@ -516,7 +517,7 @@ class WorkerState:
                 prompt_jobs=not self.failure_streak.kind_failing("text"),
             )
 
-    def skip_context(self, body: dict[str, Any]) -> status.SkipContext:
+    def skip_context(self, body: dict[str, Any]) -> SkipContext:
         """What the pop ``body`` declared, and why a kind's ``max_length`` is
         lowered, for the line about an empty pop's ``skipped`` requests."""
         with self.lock:
@@ -525,7 +526,7 @@ class WorkerState:
                 for kind in ("text", "chat")
                 if (why := self.lease_fit.lowered_because(kind)) is not None
             }
-        return status.SkipContext.of_pop(body, lowered)
+        return SkipContext.of_pop(body, lowered)
 
     def kinds_to_pop(self) -> tuple[str, ...]:
         """The kinds the next pop may ask for: text unless a chat-only worker's or

@@ -20,7 +20,7 @@ from koboldcpp_horde_chat.state.lease_fit import (
     RECHECK_MAX_S,
     LeaseFit,
 )
-from koboldcpp_horde_chat.state.status import SkipContext, SkippedReporter, describe_skipped
+from koboldcpp_horde_chat.state.skipped import SkipContext, SkippedReporter, describe_skipped
 
 from .test_loop_decisions import chat_pop, log_text, make, run, text_pop
 

@@ -24,6 +24,7 @@ PURE_CORE = (
     "service/backoff",
     "state/guard",
     "state/status",
+    "state/skipped",
     "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}

@@ -6,15 +6,13 @@ import time
 
 import pytest
 
+from koboldcpp_horde_chat.state.skipped import SKIPPED_EVERY_S, SkippedReporter, describe_skipped
 from koboldcpp_horde_chat.state.status import (
     PAUSE_REPORT_AFTER_S,
-    SKIPPED_EVERY_S,
     PauseTracker,
-    SkippedReporter,
     abort_limit_line,
     aborted_count,
     describe_pop_refusal,
-    describe_skipped,
     earnings_line,
     moderator_lines,
     summary_line,
