@@ -276,3 +276,38 @@ def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps
           in caplog.text, 30, lambda: caplog.text[-3000:])
     until(lambda: sum(horde.status(r)["state"] == "done" for r in chats) >= 1, 60,
           lambda: caplog.text[-3000:])
+
+
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+def test_a_lowered_max_length_comes_back_once_koboldcpp_is_fast_again_with_no_short_job(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A text job runs out of its lease and the text max_length is cut; koboldcpp
+    is then fast again, and only requests longer than the cut wait (the Horde
+    skips them). The worker re-measures koboldcpp with a short generation of its
+    own once the cool-off has passed (2 s here instead of 60), declares
+    --hordegenlen again and serves them. Before, it declared the cut until a
+    short job happened to come."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr("koboldcpp_horde_chat.state.lease_fit.RECHECK_AFTER_S", 2.0)
+    _long_replies(kcpp)
+    first = horde.send_text("Once", max_length=LONG, max_context_length=2048, max_attempts=1)
+    start_worker()
+    until(lambda: "max_length for text jobs lowered from 512" in caplog.text, 60,
+          lambda: caplog.text[-3000:])
+    kcpp.token_delay_s = 0.0  # koboldcpp is fast again
+    waiting = [
+        horde.send_text("Once", max_length=400, max_context_length=2048) for _ in range(2)
+    ]
+    until(lambda: all(horde.status(r)["state"] == "done" for r in waiting), 60,
+          lambda: caplog.text[-3000:])
+    assert "max_length for text jobs raised from" in caplog.text
+    assert "to 512: koboldcpp generates" in caplog.text
+    assert "(measured with a short generation of the worker's own)" in caplog.text
+    assert horde.status(first)["state"] != "done"
+    aborted, maintenance = _counted(horde)
+    assert aborted <= 1 and not maintenance
