@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def console_logging(level: str) -> None:
+    """Log to the console at ``level`` (a logging level name such as ``"INFO"``),
+    one line per event, in the worker's own timestamped format."""
+    logging.basicConfig(
+        level=level,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+
+
 def stop_on_signal() -> threading.Event:
     """An event that Ctrl-C (SIGINT) or SIGTERM sets, from now on. The handlers are
     set only on the main thread (elsewhere the event is set by no signal)."""
@@ -114,11 +124,7 @@ def main(argv: Sequence[str] = ()) -> int:
         return 2
     # Logging starts after the ports are bound: the URL and key are the first thing
     # printed, and the image store's port is named in plain words below them.
-    logging.basicConfig(
-        level=args.log_level,
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
+    console_logging(args.log_level)
     stop = stop_on_signal()
     url = horde.url
     print(

@@ -16,11 +16,16 @@ cannot be bound or ``--contextsize`` is below 256.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.devkit.serve import DEFAULT_KEY, DEFAULT_PORT, stop_on_signal, until_set
+from koboldcpp_horde_chat.devkit.serve import (
+    DEFAULT_KEY,
+    DEFAULT_PORT,
+    console_logging,
+    stop_on_signal,
+    until_set,
+)
 
 DEFAULT_KCPP_PORT = 5001
 DEFAULT_MODEL = "koboldcpp/scripted-model"
@@ -91,11 +96,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
         return 2
     # Logging starts after the port is bound: what it is comes first.
-    logging.basicConfig(
-        level=args.log_level,
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
+    console_logging(args.log_level)
     stop = stop_on_signal()
     url = kcpp.url
     horde = f"http://127.0.0.1:{DEFAULT_PORT}"
