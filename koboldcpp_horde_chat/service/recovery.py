@@ -32,7 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
@@ -70,7 +70,7 @@ class BackendAborter(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class RecoveryResult:
     """What :func:`recover` did with the jobs an earlier process left.
 
@@ -124,19 +124,6 @@ class _Pending:
     attempts: int = 0
     next_at: float = 0.0
     retry_after_s: float = 0.0
-
-
-@dataclass
-class _Counts:
-    faulted: int = 0
-    settled: int = 0
-    expired: int = 0
-    failed: int = 0
-    kept: int = 0
-    replied: int = 0
-    kudos: float = 0.0
-    key_refused: bool = False
-    aborts: list[tuple[str, str]] = field(default_factory=list)
 
 
 def recover(
@@ -215,7 +202,8 @@ def recover(
     entries = journal.load()
     earlier, _ = journal.clocks()
     now_mark = _journal.clock_mark(wall())
-    counts = _Counts()
+    counts = RecoveryResult()  # counted as the jobs are answered
+    aborts: list[tuple[str, str]] = []  # (job id, genkey) of each faulted generation
     pending: list[_Pending] = []
     for entry in entries:
         step = plan(entry.to_json(), earlier, now_mark)
@@ -268,13 +256,10 @@ def recover(
             if counts.key_refused or (last is not None and wall() > last):
                 break
             if _attempt(item, journal, horde, wall, model_id_default, submit_timeout_s, counts,
-                        lambda: _last_attempt_at(stopped, stop_deadline)):
+                        aborts, lambda: _last_attempt_at(stopped, stop_deadline)):
                 pending.remove(item)
-    _abort_generations(counts.aborts, backend, abort_timeout_s)
-    result = RecoveryResult(
-        counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
-        counts.key_refused, counts.replied, counts.kudos,
-    )
+    _abort_generations(aborts, backend, abort_timeout_s)
+    result = counts
     if result.total:
         log.info(
             "jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
@@ -304,7 +289,8 @@ def _attempt(
     wall: Callable[[], float],
     model_id_default: str,
     timeout_s: float,
-    counts: _Counts,
+    counts: RecoveryResult,
+    aborts: list[tuple[str, str]],
     last_attempt_at: Callable[[], float | None],
 ) -> bool:
     """One attempt at a recovered job's submit; True when the job is done with
@@ -404,13 +390,13 @@ def _attempt(
         log.warning("job=%s kind=%s faulted after a restart: the worker stopped with it in hand",
                     entry.job_id, entry.kind)
         if entry.genkey:
-            counts.aborts.append((entry.job_id, entry.genkey))
+            aborts.append((entry.job_id, entry.genkey))
     journal.remove(entry.job_id)
     return True
 
 
 def _give_up(
-    item: _Pending, journal: Journal, wall: Callable[[], float], counts: _Counts, why: str
+    item: _Pending, journal: Journal, wall: Callable[[], float], counts: RecoveryResult, why: str
 ) -> bool:
     counts.failed += 1
     journal.record_fault(wall())  # expired, or its fault taken: an aborted job on the Horde
