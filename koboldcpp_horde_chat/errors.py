@@ -1,7 +1,7 @@
 """One exception tree for the worker.
 
 Every error the worker raises derives from :class:`HordeChatError`. The I/O
-edges (``horde/client.py``, ``kcpp/client.py``, ``run/downloads.py``) translate ``requests``
+edges (``horde/client.py``, ``koboldcpp/client.py``, ``run/downloads.py``) translate ``requests``
 exceptions and HTTP statuses into these classes, so no ``requests`` exception
 escapes them. Each class says whether trying the same call again may help
 (``retryable``). Messages never contain the Horde API key or a password.

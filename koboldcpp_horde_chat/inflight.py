@@ -1,5 +1,5 @@
 """A call in flight that another thread can end, and the deadlines a stop puts on calls
-(I/O edge, for ``kcpp.connection`` and ``horde.client``).
+(I/O edge, for ``koboldcpp.connection`` and ``horde.client``).
 
 A ``requests`` read timeout bounds each socket read, not the call, and it is
 fixed when the call starts: a call already waiting when the worker is told to

@@ -44,7 +44,7 @@ def run_horde_worker(
 ) -> None:
     """Serve Horde chat and text jobs in this koboldcpp worker thread until koboldcpp stops.
 
-    The patched ``koboldcpp.run_horde_worker`` calls it with koboldcpp's module
+    The patched ``run_horde_worker`` of ``koboldcpp.py`` calls it with koboldcpp's module
     and its own arguments; it runs :func:`koboldcpp_horde_chat.hosts.inside_kcpp.run_horde_worker`,
     which blocks until koboldcpp shuts down and never raises (errors are logged).
     """

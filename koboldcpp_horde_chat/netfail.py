@@ -1,6 +1,6 @@
 """Network failures in a few words, for the I/O edges' error messages.
 
-``horde/client.py``, ``kcpp/client.py`` and ``run/downloads.py`` describe a ``requests`` or
+``horde/client.py``, ``koboldcpp/client.py`` and ``run/downloads.py`` describe a ``requests`` or
 ``urllib3`` exception with these helpers instead of its own text, which names
 connection pools, retry counts and object addresses (and may quote a URL).
 Only the exception's *type* and the exceptions it wraps are looked at, never

@@ -80,7 +80,7 @@ def test_mypy_strict_passes() -> None:
 
 #: The fakes of the worker's seams and the tests that build the worker on them:
 #: ``mypy --strict`` checks each fake against the Protocol it stands in for
-#: (``horde.api.HordeAPI``, ``kcpp.api.KcppAPI``, ``kcpp.manners.LocalManners``).
+#: (``horde.api.HordeAPI``, ``koboldcpp.api.KcppAPI``, ``koboldcpp.manners.LocalManners``).
 TYPED_TESTS = (
     "bench/harness/fakes.py",
     "tests/pops.py",

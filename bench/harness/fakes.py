@@ -2,8 +2,8 @@
 
 :class:`FakeHorde` implements ``horde.api.HordeAPI`` (the Horde client's
 ``pop``, ``submit``, ``progress``, ``close``), :class:`FakeBackend`
-``kcpp.api.KcppAPI`` (koboldcpp's client) and :class:`FakeManners`
-``kcpp.manners.LocalManners``; ``mypy --strict`` checks them against those
+``koboldcpp.api.KcppAPI`` (koboldcpp's client) and :class:`FakeManners`
+``koboldcpp.manners.LocalManners``; ``mypy --strict`` checks them against those
 Protocols (``tests/test_static.py``), so a fake cannot drift from the seam it
 stands in for. The clients' fakes raise
 the worker's own ``errors`` classes, as the real edges do, and both follow a
@@ -36,13 +36,13 @@ from koboldcpp_horde_chat.errors import (
     HordeRefusal,
     HordeUnavailable,
 )
-from koboldcpp_horde_chat.kcpp.api import BackendInfo
-from koboldcpp_horde_chat.kcpp.manners import NoManners
+from koboldcpp_horde_chat.koboldcpp.api import BackendInfo
+from koboldcpp_horde_chat.koboldcpp.manners import NoManners
 
 if TYPE_CHECKING:
     from koboldcpp_horde_chat.horde.api import HordeAPI
-    from koboldcpp_horde_chat.kcpp.api import KcppAPI, KcppStream
-    from koboldcpp_horde_chat.kcpp.manners import LocalManners
+    from koboldcpp_horde_chat.koboldcpp.api import KcppAPI, KcppStream
+    from koboldcpp_horde_chat.koboldcpp.manners import LocalManners
 
 
 class FakeClock:

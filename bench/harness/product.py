@@ -10,9 +10,9 @@ from koboldcpp_horde_chat.errors import BackendBusy
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities, pop_body
 from koboldcpp_horde_chat.hosts.standalone import LOG_DATEFMT, LOG_FORMAT, run_standalone
-from koboldcpp_horde_chat.kcpp.client import BackendStream, KoboldClient
-from koboldcpp_horde_chat.kcpp.manners import NoManners, StandaloneManners
-from koboldcpp_horde_chat.kcpp.sse import SSEDecoder
+from koboldcpp_horde_chat.koboldcpp.client import BackendStream, KoboldClient
+from koboldcpp_horde_chat.koboldcpp.manners import NoManners, StandaloneManners
+from koboldcpp_horde_chat.koboldcpp.sse import SSEDecoder
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state.journal import Journal, JournalEntry

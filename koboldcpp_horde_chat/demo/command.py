@@ -27,7 +27,7 @@ from ..hosts.standalone import (
     resolve_url,
     run_standalone,
 )
-from ..kcpp.client import KoboldClient
+from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, _done, demo_cases
 from .verdict import Verdict, _clip, judge

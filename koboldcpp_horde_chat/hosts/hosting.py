@@ -27,9 +27,9 @@ from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities
 from ..inflight import CallDeadlines
-from ..kcpp.api import KcppAPI
-from ..kcpp.client import KoboldClient
-from ..kcpp.manners import LocalManners
+from ..koboldcpp.api import KcppAPI
+from ..koboldcpp.client import KoboldClient
+from ..koboldcpp.manners import LocalManners
 from ..service.loop import Worker
 from ..service.recovery import Recovery
 from ..settings import WorkerSettings, worker_name_problem

@@ -455,7 +455,7 @@ def run_horde_worker(
 ) -> None:
     """Serve Horde chat and text jobs in this koboldcpp worker thread until koboldcpp stops.
 
-    Called by the patched ``koboldcpp.run_horde_worker`` as
+    Called by the patched ``run_horde_worker`` of ``koboldcpp.py`` as
     ``run_horde_worker(sys.modules[__name__], args, api_key, worker_name,
     worker_id, parallel_batching_threads)``: ``kcpp`` is koboldcpp's module,
     ``worker_id`` counts from 1, ``parallel_batching_threads`` is how many worker

@@ -26,8 +26,8 @@ from .. import __version__
 from ..errors import BackendError, BackendUnauthorized, ConfigError
 from ..horde.declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from ..inflight import CallDeadlines, stop_call_ends
-from ..kcpp.client import KoboldClient
-from ..kcpp.manners import BackendIdentity, StandaloneManners
+from ..koboldcpp.client import KoboldClient
+from ..koboldcpp.manners import BackendIdentity, StandaloneManners
 from ..service.recovery import Recovery
 from ..settings import (
     DEFAULT_HORDE_URL,

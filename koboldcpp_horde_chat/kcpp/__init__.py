@@ -1,2 +1,5 @@
-"""koboldcpp's side: its client, the seam it implements, its answers, SSE,
-reasoning and local use. It knows nothing of the Horde."""
+"""An import path earlier koboldcpp patches used (see :mod:`koboldcpp_horde_chat.kcpp.hook`).
+
+Only the forwarding entry point lives here; koboldcpp's side of the worker is
+:mod:`koboldcpp_horde_chat.koboldcpp`.
+"""

@@ -23,7 +23,12 @@ from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadEr
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, validate_messages
 from ..jsonbody import encode_json
-from ..kcpp.answers import BackendReply, aborted_short, needs_stop_reason, parse_chat_completion
+from ..koboldcpp.answers import (
+    BackendReply,
+    aborted_short,
+    needs_stop_reason,
+    parse_chat_completion,
+)
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
 from ..state.guard import refusal_features
 from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext, Outcome, payload_keys

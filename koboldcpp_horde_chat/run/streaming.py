@@ -27,9 +27,9 @@ from ..errors import (
 )
 from ..horde.pop import ChatJob
 from ..horde.progress import ProgressAction, ProgressPoster
-from ..kcpp.answers import BackendReply
-from ..kcpp.api import KcppStream
-from ..kcpp.sse import SSEDecoder
+from ..koboldcpp.answers import BackendReply
+from ..koboldcpp.api import KcppStream
+from ..koboldcpp.sse import SSEDecoder
 from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext
 from ..translate.chat_stream import ChatStreamAccumulator
 

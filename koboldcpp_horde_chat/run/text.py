@@ -16,7 +16,7 @@ import logging
 
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
 from ..horde.pop import TextJob
-from ..kcpp.answers import text_completion_tokens, text_generation
+from ..koboldcpp.answers import text_completion_tokens, text_generation
 from ..state.job import Edges, JobContext, Outcome
 from ..translate.bodies import text_request_body
 from ..translate.submits import text_submit

@@ -2,7 +2,7 @@
 
 Seed "The pop loop": pop only when the job can be served. The gate yields to
 a local user and to a busy koboldcpp as koboldcpp's own worker does (the
-local-use signals are ``kcpp.manners``'), waits while koboldcpp does not
+local-use signals are ``koboldcpp.manners``'), waits while koboldcpp does not
 answer, while a submit is being retried, while koboldcpp fails every
 generation (probing it with a short one), while the Horde's hour is nearly
 full of this worker's aborted jobs (``guard.MaintenanceGuard``), while a
@@ -20,9 +20,9 @@ import secrets
 from collections.abc import Callable
 
 from ..errors import BackendError, ReplyError
-from ..kcpp.answers import parse_chat_completion, text_generation
-from ..kcpp.api import KcppAPI
-from ..kcpp.manners import OWN_TAIL_S, LocalManners
+from ..koboldcpp.answers import parse_chat_completion, text_generation
+from ..koboldcpp.api import KcppAPI
+from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from ..state.journal import GENKEY_PREFIX
 from ..state.lease_fit import tokens_of_text

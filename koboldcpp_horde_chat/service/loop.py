@@ -31,8 +31,8 @@ from ..errors import (
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, parse_pop
-from ..kcpp.api import KcppAPI
-from ..kcpp.manners import OWN_TAIL_S, LocalManners, NoManners
+from ..koboldcpp.api import KcppAPI
+from ..koboldcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.chat import ChatRun
 from ..run.submit import SubmitPipeline
 from ..run.text import serve_text

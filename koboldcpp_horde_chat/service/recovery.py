@@ -63,7 +63,7 @@ class HordeSubmitter(Protocol):
 
 
 class BackendAborter(Protocol):
-    """What :func:`recover` needs of ``kcpp.client.KoboldClient``."""
+    """What :func:`recover` needs of ``koboldcpp.client.KoboldClient``."""
 
     def abort(self, genkey: str, *, timeout_s: float) -> bool:
         """POST ``/api/extra/abort``; raises ``BackendError``."""

@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
 from ..horde.api import HordeAPI
 from ..horde.pop import ttl_seconds
-from ..kcpp.api import KcppAPI
+from ..koboldcpp.api import KcppAPI
 from ..settings import WorkerSettings
 from .journal import Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase

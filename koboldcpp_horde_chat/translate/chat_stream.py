@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ReplyError
-from ..kcpp.answers import BackendReply
-from ..kcpp.reasoning import StreamSplitter
+from ..koboldcpp.answers import BackendReply
+from ..koboldcpp.reasoning import StreamSplitter
 from .submits import strip_nul
 
 log = logging.getLogger("koboldcpp_horde_chat.stream")

@@ -17,8 +17,8 @@ import re
 from typing import Any
 
 from ..errors import ReplyError
-from ..kcpp.answers import BackendReply
-from ..kcpp.reasoning import split_reasoning
+from ..koboldcpp.answers import BackendReply
+from ..koboldcpp.reasoning import split_reasoning
 
 log = logging.getLogger("koboldcpp_horde_chat.reply")
 

@@ -25,7 +25,7 @@ from koboldcpp_horde_chat.hosts.standalone import (
     normalise_url,
     settings_from_args,
 )
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 from tests.startup_cases import REFUSED_AT_START
 

@@ -25,7 +25,7 @@ import requests
 
 from koboldcpp_horde_chat.errors import BackendError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 
 KEY = "env-test-key-0123456789"
 AGENT = "koboldcpp-horde-chat:test"

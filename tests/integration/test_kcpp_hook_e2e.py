@@ -41,7 +41,7 @@ from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from koboldcpp_horde_chat.hosts.hosting import run_worker
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

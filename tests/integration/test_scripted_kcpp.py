@@ -35,7 +35,7 @@ from koboldcpp_horde_chat.devkit.kcpp import (
     split_reasoning,
 )
 from koboldcpp_horde_chat.errors import BackendError, BackendUnauthorized
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 
 
 def _samples_dir() -> Path | None:

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
 from koboldcpp_horde_chat.horde.progress import ProgressAction, ProgressPoster
-from koboldcpp_horde_chat.kcpp.answers import BackendReply
-from koboldcpp_horde_chat.kcpp.reasoning import START_TAGS
-from koboldcpp_horde_chat.kcpp.sse import SSEDecoder
+from koboldcpp_horde_chat.koboldcpp.answers import BackendReply
+from koboldcpp_horde_chat.koboldcpp.reasoning import START_TAGS
+from koboldcpp_horde_chat.koboldcpp.sse import SSEDecoder
 from koboldcpp_horde_chat.translate.chat_stream import ChatStreamAccumulator, StreamDelta
 from koboldcpp_horde_chat.translate.submits import chat_submit
 from tests.samples import SAMPLES

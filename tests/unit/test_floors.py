@@ -8,9 +8,9 @@ package-level import graph:
   that room; a loop hidden behind annotations is still a loop);
 - an import goes from a room to a room on a lower floor, never to a room on
   its own floor or above it; a room's own modules import each other freely;
-- a module exists only to keep an import path a released koboldcpp patch uses
-  (``FORWARDERS``) belongs to the room it forwards to, and holds nothing but
-  the forwarding;
+- the entry points koboldcpp's patches import (``FORWARDERS``: ``kcpp_hook``,
+  and ``kcpp.hook`` of earlier patches) are rooms of their own on the
+  floor above the hosts they forward to (beside the demo), and hold nothing but the forwarding;
 - a seam's Protocol module (``api.py``) imports no implementation;
 - the benchmarks import nothing from ``tests/`` (what both use lives in
   ``bench/harness/``).
@@ -30,13 +30,13 @@ PACKAGE = "koboldcpp_horde_chat"
 #: The floors, lowest first; each holds rooms that know nothing of each other.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("foundation", "devkit"),
-    ("horde", "kcpp"),
+    ("horde", "koboldcpp"),
     ("translate",),
     ("state",),
     ("run",),
     ("service",),
     ("hosts",),
-    ("demo",),
+    ("demo", "kcpp", "kcpp_hook"),
     ("cli",),
 )
 #: The package's top-level modules, by room (a subpackage is a room of its own).
@@ -49,16 +49,17 @@ TOP_LEVEL_ROOMS = {
     "netfail": "foundation",
     "inflight": "foundation",
     "clock": "foundation",
-    "kcpp_hook": "hosts",  # a forwarder (below)
+    "kcpp_hook": "kcpp_hook",  # an entry point (below)
     "cli": "cli",
     "__main__": "cli",
 }
-#: Modules that only keep an import path the koboldcpp patches use, by the room
-#: they forward to: ``kcpp_hook`` for every shipped patch, ``kcpp.hook`` for the
-#: patches of the development tree between 0.1.0 and 0.2.0.dev0.
-FORWARDERS = {"kcpp_hook": "hosts", "kcpp.hook": "hosts"}
+#: Modules that only keep an import path the koboldcpp patches use: ``kcpp_hook``
+#: for every shipped patch, ``kcpp.hook`` for the patches of the development tree
+#: between 0.1.0 and 0.2.0.dev0. Each is a room of its own (``kcpp`` holds
+#: nothing else).
+FORWARDERS = ("kcpp_hook", "kcpp.hook")
 #: The seams' Protocol modules: they import no implementation.
-PROTOCOL_MODULES = ("horde.api", "kcpp.api")
+PROTOCOL_MODULES = ("horde.api", "koboldcpp.api")
 
 FLOOR_OF = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
 
@@ -76,8 +77,6 @@ def module_names(package_dir: Path) -> dict[str, Path]:
 
 def room_of(module: str) -> str:
     """The room a module (dotted, under the package) belongs to."""
-    if module in FORWARDERS:
-        return FORWARDERS[module]
     if not module:
         return TOP_LEVEL_ROOMS["__init__"]
     head, _, rest = module.partition(".")
@@ -167,11 +166,12 @@ def test_the_floors_name_every_room_of_the_package_once() -> None:
 
 def test_the_two_sides_know_nothing_of_each_other_and_the_hosts_sit_on_top() -> None:
     graph = package_graph(ROOT / PACKAGE)
-    assert "kcpp" not in graph["horde"] and "horde" not in graph["kcpp"]
-    assert {"horde", "kcpp"} <= graph["translate"]
+    assert "koboldcpp" not in graph["horde"] and "horde" not in graph["koboldcpp"]
+    assert {"horde", "koboldcpp"} <= graph["translate"]
     assert {"service", "state"} <= graph["hosts"]
-    below_hosts = [room for room, imported in graph.items() if "hosts" in imported]
-    assert sorted(below_hosts) == ["cli", "demo"]
+    above_hosts = [room for room, imported in graph.items() if "hosts" in imported]
+    assert sorted(above_hosts) == ["cli", "demo", "kcpp", "kcpp_hook"]
+    assert graph["kcpp"] == {"hosts"} and graph["kcpp_hook"] == {"hosts"}
 
 
 def test_a_forwarder_holds_only_the_forwarding() -> None:
@@ -234,8 +234,8 @@ def write(root: Path, files: dict[str, str]) -> Path:
     ("files", "expected"),
     [
         # a side importing the other side: both on floor 1
-        ({"horde/pop.py": "from ..kcpp.answers import x\n", "kcpp/answers.py": ""},
-         ["horde/pop.py:1: horde imports kcpp.answers (kcpp, on its own floor)"]),
+        ({"horde/pop.py": "from ..koboldcpp.answers import x\n", "koboldcpp/answers.py": ""},
+         ["horde/pop.py:1: horde imports koboldcpp.answers (koboldcpp, on its own floor)"]),
         # a function-level import to a higher floor
         ({"state/job.py": "def f():\n    from ..service import loop\n", "service/loop.py": ""},
          ["state/job.py:2: state imports service.loop (service, on a higher floor)"]),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from responses import matchers
 
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, BackendUnauthorized
-from koboldcpp_horde_chat.kcpp.client import (
+from koboldcpp_horde_chat.koboldcpp.client import (
     PROTECTED_MODEL_NAME,
     RAW_STRING_MIN_CHARS,
     BackendInfo,

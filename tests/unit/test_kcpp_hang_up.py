@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 
 CHAT = {"choices": [{"message": {"role": "assistant", "content": "Blue."}}]}
 

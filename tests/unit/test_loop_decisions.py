@@ -22,8 +22,8 @@ from bench.harness.fakes import (
     backend_error,
 )
 from koboldcpp_horde_chat.errors import BackendError, HordeRefusal, HordeUnavailable
-from koboldcpp_horde_chat.kcpp.api import BackendInfo
-from koboldcpp_horde_chat.kcpp.manners import StandaloneManners
+from koboldcpp_horde_chat.koboldcpp.api import BackendInfo
+from koboldcpp_horde_chat.koboldcpp.manners import StandaloneManners
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
@@ -790,8 +790,8 @@ class InfoPerfBackend(PerfBackend):
 
 
 def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
-    from koboldcpp_horde_chat.kcpp.api import BackendInfo
-    from koboldcpp_horde_chat.kcpp.manners import BackendIdentity, StandaloneManners
+    from koboldcpp_horde_chat.koboldcpp.api import BackendInfo
+    from koboldcpp_horde_chat.koboldcpp.manners import BackendIdentity, StandaloneManners
 
     def info(name: str, ctx: int) -> BackendInfo:
         return BackendInfo(model_name=name, max_context_length=ctx, vision=False,

@@ -20,7 +20,7 @@ import urllib3.exceptions
 from koboldcpp_horde_chat import netfail
 from koboldcpp_horde_chat.errors import BackendError, FetchError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.run.downloads import fetch_messages
 
 KEY = "0123456789abcdefKEY"

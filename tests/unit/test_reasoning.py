@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from koboldcpp_horde_chat.kcpp.reasoning import (
+from koboldcpp_horde_chat.koboldcpp.reasoning import (
     THINK_TAGS,
     ReasoningSplit,
     StreamSplitter,

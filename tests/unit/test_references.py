@@ -218,7 +218,7 @@ def test_the_design_maps_logger_table_says_which_module_uses_each_logger() -> No
         ("its owner (``runs.JobContext``)", ["runs.JobContext"]),
         ("checked by ``joblife.next_phase``", ["joblife.next_phase"]),
         (":class:`~service.state.WorkerState`", ["service.state.WorkerState"]),
-        ("``koboldcpp_horde_chat.kcpp.bodies``", ["koboldcpp_horde_chat.kcpp.bodies"]),
+        ("``koboldcpp_horde_chat.koboldcpp.bodies``", ["koboldcpp_horde_chat.koboldcpp.bodies"]),
         ("``state.job.Nope``", ["state.job.Nope"]),
         ("``koboldcpp_horde_chat.nope``", ["koboldcpp_horde_chat.nope"]),
         # resolved: a module, a name in it, an attribute instances set, a leaf, a logger

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import BackendError
-from koboldcpp_horde_chat.kcpp.sse import SSEDecoder, SSEEvent
+from koboldcpp_horde_chat.koboldcpp.sse import SSEDecoder, SSEEvent
 from tests.samples import SAMPLES
 
 RECORDED = (

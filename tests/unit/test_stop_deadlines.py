@@ -15,7 +15,7 @@ from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde
 from koboldcpp_horde_chat.errors import BackendError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.inflight import CallDeadlines
-from koboldcpp_horde_chat.kcpp.client import KoboldClient
+from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state.job import Edges
 

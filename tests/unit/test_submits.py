@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
 from koboldcpp_horde_chat.horde.codes import REFUSAL_RCS
-from koboldcpp_horde_chat.kcpp.answers import (
+from koboldcpp_horde_chat.koboldcpp.answers import (
     BackendReply,
     aborted_short,
     needs_stop_reason,

@@ -23,7 +23,7 @@ answer reads ``"POST /v1/chat/completions connection failed (reset)"``,
 
 One :class:`requests.Session` per client, one client per thread (a
 :class:`BackendStream` may be closed, and :meth:`KoboldClient.hang_up` called,
-from another thread: ``kcpp.connection``). A session the client makes itself
+from another thread: ``koboldcpp.connection``). A session the client makes itself
 does not read the environment on each call: no proxy (koboldcpp is local), no
 ``.netrc``; ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE`` is read once.
 Request bodies are encoded by :func:`jsonbody.encode_json`.

@@ -1,5 +1,5 @@
 """koboldcpp's connections: a streamed answer read from the socket, and a
-generation request that another thread can hang up (I/O edge, for ``kcpp.client``).
+generation request that another thread can hang up (I/O edge, for ``koboldcpp.client``).
 
 :class:`BackendStream` reads a Server-Sent Events answer raw and may be closed
 from another thread. The tracked connection classes (``inflight``) tell the
