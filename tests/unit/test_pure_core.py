@@ -115,12 +115,12 @@ def test_a_pure_core_module_does_no_io(name: str) -> None:
         ("import time as t\nt.sleep(1)", ["time.sleep()"]),
         ("from time import sleep as nap\nnap(1)", ["from time import sleep", "sleep()"]),
         ("from .client import HordeClient", ["from horde.client import ..."]),
-        ("from ..kcpp import client", ["from kcpp import ..."]),
+        ("from ..koboldcpp import client", ["from koboldcpp import ..."]),
         ("from .. import netfail", ["from netfail import ..."]),
         ("from ..service.loop import Worker", ["from service.loop import ..."]),
         ("import time\nx = time.monotonic()", []),
         ("from ..errors import ReplyError\nimport json", []),
-        ("from .pop import ChatJob\nfrom ..kcpp.sse import SSEDecoder", []),
+        ("from .pop import ChatJob\nfrom ..koboldcpp.sse import SSEDecoder", []),
     ],
 )
 def test_the_checker_itself_catches_each_kind_of_violation(
