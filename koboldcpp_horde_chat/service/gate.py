@@ -7,9 +7,12 @@ answer, while a submit is being retried, while koboldcpp fails every
 generation (probing it with a short one), while the Horde's hour is nearly
 full of this worker's aborted jobs (``guard.MaintenanceGuard``), while a
 chat-only worker's chat declaration is withdrawn, and while every kind it may
-pop for failed its generations in a row (each probed until it generates). Before
-a pop it re-measures koboldcpp's speed for a ``max_length`` lowered and left
-idle (the rule in ``lease_fit``'s docstring).
+pop for failed its generations in a row (each probed until it generates). Both
+probes are one rule (``PopGate._probe_until_generates``): a failing subject,
+koboldcpp as a whole or one kind, gets a short generation at most every
+:data:`PROBE_EVERY_S` until one succeeds. Before a pop it re-measures
+koboldcpp's speed for a ``max_length`` lowered and left idle (the rule in
+``lease_fit``'s docstring).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ PROBE_PROMPT = "Once upon a time"
 #: :data:`REMEASURE_MIN_TOKENS` (an early stop) measures nothing.
 REMEASURE_MAX_LENGTH = 32
 REMEASURE_MIN_TOKENS = 8
+#: The probe subject of a koboldcpp failing generations of every kind together
+#: (``guard.FailureStreak.failing``); each kind is a subject of its own.
+ALL_KINDS = "all"
 
 
 class PopGate:
@@ -89,8 +95,9 @@ class PopGate:
         self.wall = wall
         self.backend_suspect = False
         self._own_done_at: float | None = None
-        self._next_probe = 0.0
-        self._next_kind_probe: dict[str, float] = {}
+        #: When each failing subject may be probed next (monotonic seconds): all
+        #: kinds together (:data:`ALL_KINDS`) and each kind.
+        self._next_probe: dict[str, float] = {}
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
@@ -130,7 +137,9 @@ class PopGate:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
         if not self._backend_generates():
-            return "backend_failing", max(0.1, self._next_probe - self.clock())
+            return "backend_failing", max(
+                0.1, self._next_probe.get(ALL_KINDS, 0.0) - self.clock()
+            )
         limit = self.state.abort_limit(self.clock())
         if limit is not None:
             count, in_hand, resume_at = limit
@@ -203,23 +212,17 @@ class PopGate:
         (``guard.FailureStreak``), fails the probe too.
 
         An answering koboldcpp that fails every generation would fault every job
-        popped meanwhile. The probe, at most every :data:`PROBE_EVERY_S`, is a
-        short text generation; its answer is measured like a job's.
+        popped meanwhile. Its probe (:meth:`_probe_until_generates` of all kinds
+        together) is a short text generation; its answer is measured like a job's.
         """
         if not self.state.failure_streak.failing:
             return True
-        now = self.clock()
-        if now < self._next_probe:
-            return False
-        if self._probe("text") is None:
-            self._next_probe = self.clock() + PROBE_EVERY_S
-            return False
-        return True
+        return self._probe_until_generates(ALL_KINDS, "text")
 
     def _kinds_generate(self) -> bool:
-        """Probe each kind whose generations failed in a row (``guard.FailureStreak``),
-        at most every :data:`PROBE_EVERY_S` each; False while no kind is left to
-        pop for (the pause waits for the next probe).
+        """Probe each kind whose generations failed in a row (``guard.FailureStreak``,
+        :meth:`_probe_until_generates`); False while no kind is left to pop for
+        (the pause waits for the next probe).
 
         A kind that fails alone (koboldcpp fails its chat completions, say, and
         its text generations succeed) is withdrawn from the pops
@@ -229,19 +232,29 @@ class PopGate:
         """
         streak = self.state.failure_streak
         for kind in ("text", "chat"):
-            if not streak.kind_failing(kind):
-                continue
-            if self.clock() < self._next_kind_probe.get(kind, 0.0):
-                continue
-            if self._probe(kind) is None:
-                self._next_kind_probe[kind] = self.clock() + PROBE_EVERY_S
+            if streak.kind_failing(kind):
+                self._probe_until_generates(kind, kind)
         return bool(self.state.kinds_to_pop())
+
+    def _probe_until_generates(self, subject: str, kind: str) -> bool:
+        """The one rule of a failing subject (all kinds together, :data:`ALL_KINDS`,
+        or one kind): probe it with a short generation of ``kind``
+        (:meth:`_probe`) at most every :data:`PROBE_EVERY_S`, until one
+        generates. True when this probe generated (the streak is then ended);
+        False when it failed (the next one comes :data:`PROBE_EVERY_S` later)
+        or is not due yet."""
+        if self.clock() < self._next_probe.get(subject, 0.0):
+            return False
+        if self._probe(kind) is None:
+            self._next_probe[subject] = self.clock() + PROBE_EVERY_S
+            return False
+        return True
 
     def _next_kind_probe_in(self) -> float:
         """Seconds to the next probe of a failing kind (at least 0.1)."""
         times = [
-            at for kind, at in self._next_kind_probe.items()
-            if self.state.failure_streak.kind_failing(kind)
+            at for kind, at in self._next_probe.items()
+            if kind != ALL_KINDS and self.state.failure_streak.kind_failing(kind)
         ]
         return max(0.1, min(times, default=self.clock() + PROBE_EVERY_S) - self.clock())
 
