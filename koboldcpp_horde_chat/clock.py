@@ -2,7 +2,8 @@
 
 What reads time through a :class:`Clock` (the shared state's stop deadline,
 its grace timer and its waits for the jobs in hand; the stop's deadlines of
-the calls in flight) is given one at construction; :data:`SYSTEM_CLOCK` is the
+the calls in flight; the start-up recovery's pauses and waits) is given one at
+construction; :data:`SYSTEM_CLOCK` is the
 real one. A test passes a clock of its own that moves when told and runs its
 timers when their time comes, instead of patching ``time`` or ``threading``
 inside the worker's modules.

@@ -30,11 +30,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, Protocol
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
 from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
@@ -52,6 +53,9 @@ RECOVERY_PAUSE_MAX_S: Final = 30.0
 #: While stopping, the last attempt of a job still pending starts this many
 #: seconds before the stop's deadline (none starts after the deadline).
 STOP_LAST_ATTEMPT_LEAD_S: Final = 0.25
+#: How often a pause reads its clock again, seconds (a clock a test moves ends
+#: it then; on the real clock a pause lasts its seconds either way).
+PAUSE_SLICE_S: Final = 0.1
 
 
 class HordeSubmitter(Protocol):
@@ -131,11 +135,11 @@ def recover(
     *,
     horde: HordeSubmitter,
     backend: BackendAborter | None,
-    wall: Callable[[], float] = time.time,
+    clock: Clock = SYSTEM_CLOCK,
     model_id_default: str,
     submit_timeout_s: float = 10.0,
     abort_timeout_s: float = 2.0,
-    pause: Callable[[float], None] = time.sleep,
+    pause: Callable[[float], None] | None = None,
     stopped: Callable[[], bool] = lambda: False,
     stop_deadline: Callable[[], float | None] = lambda: None,
 ) -> RecoveryResult:
@@ -188,10 +192,11 @@ def recover(
         backend: the koboldcpp client (``abort(genkey, *, timeout_s) -> bool``,
             raising ``BackendError``), never given the API key; None inside
             koboldcpp, whose restart ended every earlier generation.
-        wall: epoch seconds.
+        clock: the clock (``clock.Clock``): its epoch seconds date the
+            journal's marks, the leases and the pauses' ends.
         model_id_default: the worker's ``model_id`` for a chat entry without one.
         submit_timeout_s, abort_timeout_s: read timeouts, seconds.
-        pause: waits between attempts, seconds.
+        pause: waits between attempts, seconds (None: a wait on ``clock``).
         stopped: True once the worker is asked to stop.
         stop_deadline: the stop's deadline, epoch seconds (None: none; the
             pending jobs are then kept at once).
@@ -199,6 +204,8 @@ def recover(
     Returns:
         The counts (:class:`RecoveryResult`).
     """
+    wall = clock.time
+    wait: Callable[[float], object] = pause if pause is not None else partial(wait_on, clock)
     entries = journal.load()
     earlier, _ = journal.clocks()
     now_mark = _journal.clock_mark(wall())
@@ -249,7 +256,7 @@ def recover(
                 item.next_at = min(item.next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         due = [item for item in pending if item.next_at <= now]
         if not due:
-            pause(max(0.0, min(item.next_at for item in pending) - now))
+            wait(max(0.0, min(item.next_at for item in pending) - now))
             continue
         for item in due:
             last = _last_attempt_at(stopped, stop_deadline)
@@ -419,6 +426,21 @@ def _abort_generations(
             log.debug("job=%s abort of %s failed: %s", job_id, genkey, exc)
 
 
+def wait_on(clock: Clock, seconds: float, interrupt: threading.Event | None = None) -> bool:
+    """Wait ``seconds`` on ``clock`` (its monotonic seconds), or until ``interrupt``
+    is set (at once when it is); True when ``interrupt`` ended the wait.
+
+    The clock is read again every :data:`PAUSE_SLICE_S`, so a clock that a test
+    moves ends the wait as the real one does.
+    """
+    end = clock.monotonic() + seconds
+    event = interrupt if interrupt is not None else threading.Event()
+    while (left := end - clock.monotonic()) > 0:
+        if event.wait(min(left, PAUSE_SLICE_S)):
+            return True
+    return False
+
+
 def _kudos(reward: object) -> float:
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         return 0.0
@@ -444,6 +466,8 @@ class Recovery:
             with the clients the factories make: the last attempts start by
             its ``"stop"`` deadline and its calls are cut to theirs. None:
             a stop keeps the pending jobs at once.
+        clock: the clock of its pauses, its waits and the stop's deadline that
+            :meth:`finish` sets (``clock.Clock``; the one ``deadlines`` runs on).
     """
 
     def __init__(
@@ -455,8 +479,10 @@ class Recovery:
         model_id_default: str,
         stop_event: threading.Event,
         deadlines: CallDeadlines | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.journal = journal
+        self.clock = clock
         self.deadlines = deadlines
         self.result: RecoveryResult | None = None
         self._done = threading.Event()
@@ -474,9 +500,9 @@ class Recovery:
 
     def _pause(self, seconds: float) -> None:
         if self._stop.is_set():  # stopping: the pause already ends by the deadline
-            time.sleep(seconds)
+            wait_on(self.clock, seconds)
         else:
-            self._stop.wait(seconds)  # a stop ends it: the pauses are cut then
+            wait_on(self.clock, seconds, self._stop)  # a stop ends it: the pauses are cut then
 
     def _run(self) -> None:
         horde = backend = None
@@ -487,6 +513,7 @@ class Recovery:
                 self.journal,
                 horde=horde,
                 backend=backend,
+                clock=self.clock,
                 model_id_default=self._model_id_default,
                 pause=self._pause,
                 stopped=self._stop.is_set,
@@ -520,7 +547,7 @@ class Recovery:
         if self._done.is_set():
             return True
         if self.deadlines is not None:
-            self.deadlines.set(stop_call_ends(time.monotonic() + grace_s))  # kept if set
+            self.deadlines.set(stop_call_ends(self.clock.monotonic() + grace_s))  # kept if set
         self._stop.set()
         left = None if self.deadlines is None else self.deadlines.left("submit")
         timeout_s = (grace_s + STOP_SUBMIT_EXTRA_S if left is None else max(0.0, left)) + 0.5
@@ -530,11 +557,11 @@ class Recovery:
         self, stop_event: threading.Event | None = None, timeout_s: float | None = None
     ) -> bool:
         """Wait until the recovery ended (or ``stop_event`` is set, or
-        ``timeout_s`` passed); True when it ended."""
-        end = None if timeout_s is None else time.monotonic() + timeout_s
+        ``timeout_s`` passed on its clock); True when it ended."""
+        end = None if timeout_s is None else self.clock.monotonic() + timeout_s
         while not self._done.wait(0.1):
             if stop_event is not None and stop_event.is_set():
                 return self._done.is_set()
-            if end is not None and time.monotonic() >= end:
+            if end is not None and self.clock.monotonic() >= end:
                 return False
         return True

@@ -58,7 +58,7 @@ def restart(path: Path, horde: DevHorde, kcpp_url: str) -> RecoveryResult:
     try:
         with client(horde) as h:
             return recover(
-                Journal(path), horde=h, backend=backend, wall=time.time, model_id_default="unused"
+                Journal(path), horde=h, backend=backend, model_id_default="unused"
             )
     finally:
         backend.close()

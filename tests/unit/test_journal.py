@@ -510,11 +510,20 @@ def test_a_state_dir_that_is_a_file_is_a_write_failure_not_a_crash(
 
 
 class Wall:
+    """The recovery's clock (``clock.Clock``), still until a pause or a test moves it:
+    epoch and monotonic seconds are both ``now``."""
+
     def __init__(self, now: float = NOW) -> None:
         self.now = now
 
-    def __call__(self) -> float:
+    def time(self) -> float:
         return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def timer(self, seconds: float, action: Any, *, name: str) -> Any:
+        raise AssertionError("the recovery sets no timer")
 
 
 class ScriptedHorde:
@@ -571,7 +580,7 @@ def run_recover(
     wall = wall or Wall()
     pauses = Pauses(wall)
     result = recover(
-        Journal(path), horde=horde, backend=backend or RecordingBackend(), wall=wall,
+        Journal(path), horde=horde, backend=backend or RecordingBackend(), clock=wall,
         model_id_default="koboldcpp/default", submit_timeout_s=7.0, abort_timeout_s=1.5,
         pause=pauses,
     )

@@ -24,6 +24,7 @@ from koboldcpp_horde_chat.service.recovery import (
     recover,
 )
 from koboldcpp_horde_chat.state.journal import Journal
+from tests.unit.test_clock import StepClock
 from tests.unit.test_journal import (
     NOW,
     Pauses,
@@ -72,7 +73,7 @@ class StoppingHorde(ScriptedHorde):
 def run(path: Path, horde: StoppingHorde) -> tuple[RecoveryResult, Pauses]:
     pauses = Pauses(horde.stop.wall)
     result = recover(
-        Journal(path), horde=horde, backend=RecordingBackend(), wall=horde.stop.wall,
+        Journal(path), horde=horde, backend=RecordingBackend(), clock=horde.stop.wall,
         model_id_default="koboldcpp/default", pause=pauses,
         stopped=horde.stop.stopped, stop_deadline=horde.stop.stop_deadline,
     )
@@ -191,3 +192,75 @@ def test_finish_makes_the_stop_and_waits_at_most_to_the_submits_deadline(tmp_pat
 def test_stop_call_ends_gives_every_kind_its_deadline() -> None:
     ends = stop_call_ends(100.0)
     assert ends == {"stop": 100.0, "progress": 100.0, "pop": 101.0, "kcpp": 101.0, "submit": 101.5}
+
+
+def wait_until(check: Any, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_recoverys_pauses_and_waits_run_on_the_clock_it_is_given(tmp_path: Path) -> None:
+    """A 503 with Retry-After 20 s: the thread's retry comes when the given clock
+    has moved 20 s, not before (whatever the real time), and ``wait`` times out
+    on that clock too."""
+    journal = Journal(journal_with(tmp_path, kept_reply_entry()))
+    journal.lock()
+    clock = StepClock()
+    clock.wall = NOW
+    horde = ScriptedHorde(UNAVAILABLE, {"reward": 12})
+    recovery = Recovery(
+        journal, horde_factory=lambda: horde, backend_factory=None,
+        model_id_default="koboldcpp/default", stop_event=threading.Event(), clock=clock,
+    )
+    try:
+        assert wait_until(lambda: len(horde.bodies) == 1)
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(recovery.wait(timeout_s=5.0)))
+        waiter.start()
+        time.sleep(0.5)  # more than the pause's slices: the clock has not moved
+        assert len(horde.bodies) == 1 and not recovery.done
+        clock.advance(5.0)  # the wait's 5 s have passed on the recovery's clock
+        waiter.join(2.0)
+        assert outcome == [False] and len(horde.bodies) == 1
+        clock.advance(15.0)  # the Retry-After's 20 s
+        assert recovery.wait(timeout_s=5.0)
+    finally:
+        journal.unlock()
+    assert horde.bodies == [REPLY, REPLY]
+    assert recovery.result == RecoveryResult(replied=1, kudos=12.0)
+
+
+def test_finish_sets_the_stops_deadline_on_the_recoverys_clock(tmp_path: Path) -> None:
+    """A stop during a pause ends it at once (the clock need not move): the
+    reply's last attempt comes by the deadline ``finish`` set on the given clock."""
+    journal = Journal(journal_with(tmp_path, kept_reply_entry()))
+    journal.lock()
+    clock = StepClock()
+    clock.wall = NOW
+    deadlines = CallDeadlines(clock)
+    horde = ScriptedHorde(UNAVAILABLE, {"reward": 12})
+    recovery = Recovery(
+        journal, horde_factory=lambda: horde, backend_factory=None,
+        model_id_default="koboldcpp/default", stop_event=threading.Event(),
+        deadlines=deadlines, clock=clock,
+    )
+    try:
+        assert wait_until(lambda: len(horde.bodies) == 1)
+        finishing = threading.Thread(target=recovery.finish, args=(3.0,))
+        finishing.start()
+        assert wait_until(lambda: deadlines.ends_at("stop") is not None)
+        assert deadlines.ends_at("stop") == clock.now + 3.0
+        time.sleep(0.3)
+        assert len(horde.bodies) == 1  # the last attempt waits for its time on the clock
+        clock.advance(3.0 - STOP_LAST_ATTEMPT_LEAD_S)
+        finishing.join(5.0)
+        assert not finishing.is_alive()
+    finally:
+        deadlines.cancel()
+        journal.unlock()
+    assert horde.bodies == [REPLY, REPLY]
+    assert recovery.result == RecoveryResult(replied=1, kudos=12.0)
