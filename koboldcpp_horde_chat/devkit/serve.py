@@ -16,13 +16,14 @@ the port cannot be bound or ``--latency-ms`` is not a number of milliseconds.
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
-import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.serve_common import (
+    add_log_level,
+    listen_parser,
+    serve_until_stopped,
+)
 
 DEFAULT_PORT = 7001
 DEFAULT_KEY = "devkey"
@@ -33,19 +34,11 @@ TEXT_EXAMPLE = '{"prompt": "Once upon a time", "params": {"max_length": 64}}'
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``koboldcpp-horde-chat devhorde``."""
-    p = argparse.ArgumentParser(
-        prog="koboldcpp-horde-chat devhorde",
-        description="Start a local development AI Horde (chat and text jobs) and keep it "
+    p = listen_parser(
+        "koboldcpp-horde-chat devhorde",
+        "Start a local development AI Horde (chat and text jobs) and keep it "
         "running until Ctrl-C, to point the worker or a patched koboldcpp at.",
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
-    )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help=f"the port to listen on (default {DEFAULT_PORT}; 0 takes a free one)",
+        default_port=DEFAULT_PORT,
     )
     p.add_argument(
         "--key",
@@ -64,44 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a network round trip to add to each pop, submit and progress answer "
         "(half before, half after), as a Horde far away would (default 0)",
     )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
-        help="log level of the dev Horde's lines on stderr (default INFO)",
-    )
+    add_log_level(p, "log level of the dev Horde's lines on stderr (default INFO)")
     return p
-
-
-def console_logging(level: str) -> None:
-    """Log to the console at ``level`` (a logging level name such as ``"INFO"``),
-    one line per event, in the worker's own timestamped format."""
-    logging.basicConfig(
-        level=level,
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
-
-
-def stop_on_signal() -> threading.Event:
-    """An event that Ctrl-C (SIGINT) or SIGTERM sets, from now on. The handlers are
-    set only on the main thread (elsewhere the event is set by no signal)."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-    return stop
-
-
-def until_set(stop: threading.Event) -> None:
-    """Block until ``stop`` is set, waking twice a second (so a signal is taken soon)."""
-    while not stop.wait(0.5):
-        pass
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -117,46 +74,36 @@ def main(argv: Sequence[str] = ()) -> int:
         trusted=args.trusted,
         latency_s=args.latency_ms / 1000.0,
     )
-    try:
-        horde.start()
-    except OSError as exc:
-        print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
-        return 2
     # Logging starts after the ports are bound: the URL and key are the first thing
     # printed, and the image store's port is named in plain words below them.
-    console_logging(args.log_level)
-    stop = stop_on_signal()
-    url = horde.url
-    print(
-        f"Dev Horde at {url} (API key: {args.key})\n"
-        f"Its object store at {horde.storage_url} serves chat images and large requests' "
-        "messages by signed URL, as the real Horde's does.\n"
-        "Its log lines (requests queued, pops, submits, faults) go to stderr.\n"
-        "\n"
-        "The standalone worker, beside a running koboldcpp:\n"
-        f"  koboldcpp-horde-chat --horde-url {url} --hordekey {args.key} "
-        "--hordeworkername my-worker\n"
-        "No koboldcpp at hand? A scripted one (canned replies, not a model) on port 5001, "
-        "in another terminal:\n"
-        "  koboldcpp-horde-chat devkcpp\n"
-        "A patched koboldcpp:\n"
-        f"  AI_HORDE_URL={url} python koboldcpp.py --model MODEL.gguf "
-        f"--hordekey {args.key} --hordeworkername my-worker\n"
-        "Send a chat request, then read its status (the dev Horde needs no client key):\n"
-        f"  curl -s -X POST {url}/api/v2/generate/chat/async -H 'Content-Type: "
-        f"application/json' -d '{CHAT_EXAMPLE}'\n"
-        f"  curl -s {url}/api/v2/generate/chat/status/REQUEST_ID\n"
-        "Send a text request, then read its status:\n"
-        f"  curl -s -X POST {url}/api/v2/generate/text/async -H 'Content-Type: "
-        f"application/json' -d '{TEXT_EXAMPLE}'\n"
-        f"  curl -s {url}/api/v2/generate/text/status/REQUEST_ID\n"
-        "\n"
-        "Ctrl-C stops it.",
-        flush=True,
-    )
-    try:
-        until_set(stop)
-    finally:
-        horde.stop()
-    print("Dev Horde stopped.", flush=True)
-    return 0
+
+    def banner() -> str:
+        url = horde.url
+        return (
+            f"Dev Horde at {url} (API key: {args.key})\n"
+            f"Its object store at {horde.storage_url} serves chat images and large requests' "
+            "messages by signed URL, as the real Horde's does.\n"
+            "Its log lines (requests queued, pops, submits, faults) go to stderr.\n"
+            "\n"
+            "The standalone worker, beside a running koboldcpp:\n"
+            f"  koboldcpp-horde-chat --horde-url {url} --hordekey {args.key} "
+            "--hordeworkername my-worker\n"
+            "No koboldcpp at hand? A scripted one (canned replies, not a model) on port 5001, "
+            "in another terminal:\n"
+            "  koboldcpp-horde-chat devkcpp\n"
+            "A patched koboldcpp:\n"
+            f"  AI_HORDE_URL={url} python koboldcpp.py --model MODEL.gguf "
+            f"--hordekey {args.key} --hordeworkername my-worker\n"
+            "Send a chat request, then read its status (the dev Horde needs no client key):\n"
+            f"  curl -s -X POST {url}/api/v2/generate/chat/async -H 'Content-Type: "
+            f"application/json' -d '{CHAT_EXAMPLE}'\n"
+            f"  curl -s {url}/api/v2/generate/chat/status/REQUEST_ID\n"
+            "Send a text request, then read its status:\n"
+            f"  curl -s -X POST {url}/api/v2/generate/text/async -H 'Content-Type: "
+            f"application/json' -d '{TEXT_EXAMPLE}'\n"
+            f"  curl -s {url}/api/v2/generate/text/status/REQUEST_ID\n"
+            "\n"
+            "Ctrl-C stops it."
+        )
+
+    return serve_until_stopped(horde, args, banner=banner, name="Dev Horde")

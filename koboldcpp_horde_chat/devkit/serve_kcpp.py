@@ -19,12 +19,11 @@ import argparse
 from collections.abc import Sequence
 
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
-from koboldcpp_horde_chat.devkit.serve import (
-    DEFAULT_KEY,
-    DEFAULT_PORT,
-    console_logging,
-    stop_on_signal,
-    until_set,
+from koboldcpp_horde_chat.devkit.serve import DEFAULT_KEY, DEFAULT_PORT
+from koboldcpp_horde_chat.devkit.serve_common import (
+    add_log_level,
+    listen_parser,
+    serve_until_stopped,
 )
 
 DEFAULT_KCPP_PORT = 5001
@@ -35,21 +34,13 @@ MIN_CONTEXT = 256
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``koboldcpp-horde-chat devkcpp``."""
-    p = argparse.ArgumentParser(
-        prog="koboldcpp-horde-chat devkcpp",
-        description="Start a scripted koboldcpp (koboldcpp 1.116.1's HTTP API with canned "
+    p = listen_parser(
+        "koboldcpp-horde-chat devkcpp",
+        "Start a scripted koboldcpp (koboldcpp 1.116.1's HTTP API with canned "
         "replies, not a model) and keep it running until Ctrl-C, to try the standalone "
         "worker with the dev Horde without koboldcpp or a model.",
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
-    )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_KCPP_PORT,
-        help=f"the port to listen on (default {DEFAULT_KCPP_PORT}, koboldcpp's; 0 takes a "
-        "free one)",
+        default_port=DEFAULT_KCPP_PORT,
+        port_note=", koboldcpp's",
     )
     p.add_argument(
         "--vision",
@@ -67,13 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="the context size it reports, tokens (default 4096)",
     )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
-        help="log level of its lines on stderr (default INFO)",
-    )
+    add_log_level(p, "log level of its lines on stderr (default INFO)")
     return p
 
 
@@ -90,32 +75,22 @@ def main(argv: Sequence[str] = ()) -> int:
         host=args.host,
         port=args.port,
     )
-    try:
-        kcpp.start()
-    except OSError as exc:
-        print(f"Cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", flush=True)
-        return 2
     # Logging starts after the port is bound: what it is comes first.
-    console_logging(args.log_level)
-    stop = stop_on_signal()
-    url = kcpp.url
-    horde = f"http://127.0.0.1:{DEFAULT_PORT}"
-    print(
-        f"Scripted koboldcpp at {url} (model {args.model_name}, context {args.contextsize} "
-        f"tokens, vision {'on' if args.vision else 'off'}): canned replies, not a model\n"
-        "It answers koboldcpp 1.116.1's routes the way koboldcpp does; its log lines go to "
-        "stderr.\n"
-        "\n"
-        "The standalone worker, with the dev Horde (koboldcpp-horde-chat devhorde) running:\n"
-        f"  koboldcpp-horde-chat --horde-url {horde} --kcpp-url {url} --hordekey {DEFAULT_KEY} "
-        "--hordeworkername my-worker\n"
-        "\n"
-        "Ctrl-C stops it.",
-        flush=True,
-    )
-    try:
-        until_set(stop)
-    finally:
-        kcpp.stop()
-    print("Scripted koboldcpp stopped.", flush=True)
-    return 0
+
+    def banner() -> str:
+        url = kcpp.url
+        horde = f"http://127.0.0.1:{DEFAULT_PORT}"
+        return (
+            f"Scripted koboldcpp at {url} (model {args.model_name}, context {args.contextsize} "
+            f"tokens, vision {'on' if args.vision else 'off'}): canned replies, not a model\n"
+            "It answers koboldcpp 1.116.1's routes the way koboldcpp does; its log lines go to "
+            "stderr.\n"
+            "\n"
+            "The standalone worker, with the dev Horde (koboldcpp-horde-chat devhorde) running:\n"
+            f"  koboldcpp-horde-chat --horde-url {horde} --kcpp-url {url} "
+            f"--hordekey {DEFAULT_KEY} --hordeworkername my-worker\n"
+            "\n"
+            "Ctrl-C stops it."
+        )
+
+    return serve_until_stopped(kcpp, args, banner=banner, name="Scripted koboldcpp")
