@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import ssl
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,14 +18,22 @@ class LocalServer:
 
     ``script(handler, body)`` answers each request (``body``: the request body,
     ``b""`` for a GET); a peer that hangs up while it writes is ignored.
-    ``seen`` records (path, lower-cased headers) of each request;
-    ``connections`` counts TCP connections accepted; ``sent`` is free for a
-    script to count the body bytes it wrote.
+    ``seen`` records (path, lower-cased headers) of each request (a proxy's
+    request names the whole URL); ``bodies`` each request's body, in the same
+    order; ``connections`` counts TCP connections accepted; ``sent`` is free
+    for a script to count the body bytes it wrote. With ``tls`` it serves
+    https (its ``url`` then says so).
     """
 
-    def __init__(self, script: Callable[[BaseHTTPRequestHandler, bytes], None]) -> None:
+    def __init__(
+        self,
+        script: Callable[[BaseHTTPRequestHandler, bytes], None],
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         outer = self
         self.seen: list[tuple[str, dict[str, str]]] = []
+        self.bodies: list[bytes] = []
         self.connections = 0
         self.sent = 0
 
@@ -36,6 +46,7 @@ class LocalServer:
 
             def _answer(self, body: bytes) -> None:
                 outer.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                outer.bodies.append(body)
                 try:
                     script(self, body)
                 except (BrokenPipeError, ConnectionResetError):
@@ -52,7 +63,10 @@ class LocalServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": POLL_S}, daemon=True
         )
@@ -64,3 +78,13 @@ class LocalServer:
     def __exit__(self, *exc: object) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, obj: Any) -> None:
+    """Answer with ``obj`` as JSON (``Content-Type: application/json``, its length)."""
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

@@ -9,16 +9,12 @@ ever sends ``.netrc`` credentials. Nothing here reaches a public host: the
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -26,54 +22,22 @@ import requests
 from koboldcpp_horde_chat.errors import BackendError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
+from tests.http_server import LocalServer, send_json
 
 KEY = "env-test-key-0123456789"
 AGENT = "koboldcpp-horde-chat:test"
 POP_BODY = {"name": "w", "models": ["koboldcpp/m"]}
+IDLE = {"id": None, "idle": 1}
 PROXY_VARIABLES = (
     "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY",
     "no_proxy", "NO_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NETRC",
 )  # fmt: skip
 
 
-class Recorder:
+def recorder(tls: ssl.SSLContext | None = None) -> LocalServer:
     """An HTTP server on 127.0.0.1 that answers every request with a JSON object
     and keeps each request line's target and headers (a proxy sees the whole URL)."""
-
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self.seen: list[tuple[str, dict[str, str]]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                self.rfile.read(length)
-                outer.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
-                data = json.dumps({"id": None, "idle": 1}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _answer  # noqa: N815
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        if tls is not None:
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        scheme = "https" if tls is not None else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    return LocalServer(lambda handler, _body: send_json(handler, 200, IDLE), tls=tls)
 
 
 @pytest.fixture
@@ -86,12 +50,9 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
 
 
 @pytest.fixture
-def server() -> Iterator[Recorder]:
-    recorder = Recorder()
-    try:
-        yield recorder
-    finally:
-        recorder.close()
+def server() -> Iterator[LocalServer]:
+    with recorder() as local:
+        yield local
 
 
 def dead_proxy() -> str:
@@ -113,7 +74,7 @@ def netrc_for_localhost(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_the_horde_is_reached_through_the_proxy_set_when_the_client_is_made(
-    env: pytest.MonkeyPatch, server: Recorder
+    env: pytest.MonkeyPatch, server: LocalServer
 ) -> None:
     env.setenv("http_proxy", server.url)
     client = HordeClient("http://horde.invalid", KEY, bridge_agent=AGENT)
@@ -125,7 +86,7 @@ def test_the_horde_is_reached_through_the_proxy_set_when_the_client_is_made(
 
 
 def test_no_proxy_set_when_the_client_is_made_keeps_the_horde_direct(
-    env: pytest.MonkeyPatch, server: Recorder
+    env: pytest.MonkeyPatch, server: LocalServer
 ) -> None:
     env.setenv("http_proxy", dead_proxy())
     env.setenv("no_proxy", "127.0.0.1")
@@ -135,7 +96,7 @@ def test_no_proxy_set_when_the_client_is_made_keeps_the_horde_direct(
 
 
 def test_a_proxy_set_after_the_client_was_made_is_not_used(
-    env: pytest.MonkeyPatch, server: Recorder
+    env: pytest.MonkeyPatch, server: LocalServer
 ) -> None:
     client = HordeClient(server.url, KEY, bridge_agent=AGENT)
     env.setenv("http_proxy", dead_proxy())
@@ -144,7 +105,7 @@ def test_a_proxy_set_after_the_client_was_made_is_not_used(
 
 
 def test_netrc_credentials_never_reach_the_horde(
-    env: pytest.MonkeyPatch, server: Recorder, tmp_path: Path
+    env: pytest.MonkeyPatch, server: LocalServer, tmp_path: Path
 ) -> None:
     netrc_for_localhost(env, tmp_path)
     client = HordeClient(server.url, KEY, bridge_agent=AGENT)
@@ -177,19 +138,16 @@ def test_a_private_ca_bundle_still_verifies_the_horde(
     cert, key = _self_signed(tmp_path)
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
-    horde = Recorder(tls)
-    try:
+    with recorder(tls) as horde:
         with pytest.raises(HordeUnavailable, match="TLS failure"):
             HordeClient(horde.url, KEY, bridge_agent=AGENT).pop(POP_BODY, timeout_s=5)
         env.setenv(variable, str(cert))
         assert HordeClient(horde.url, KEY, bridge_agent=AGENT).pop(POP_BODY, timeout_s=5) == {
             "id": None, "idle": 1,
         }
-    finally:
-        horde.close()
 
 
-def test_a_session_passed_in_keeps_its_own_settings(env: pytest.MonkeyPatch, server: Recorder) -> None:
+def test_a_session_passed_in_keeps_its_own_settings(env: pytest.MonkeyPatch, server: LocalServer) -> None:
     session = requests.Session()
     session.headers["X-Mine"] = "1"
     HordeClient(server.url, KEY, bridge_agent=AGENT, session=session).pop(POP_BODY, timeout_s=5)
@@ -201,7 +159,7 @@ def test_a_session_passed_in_keeps_its_own_settings(env: pytest.MonkeyPatch, ser
 
 
 def test_koboldcpp_is_reached_without_the_proxy_variables(
-    env: pytest.MonkeyPatch, server: Recorder
+    env: pytest.MonkeyPatch, server: LocalServer
 ) -> None:
     env.setenv("http_proxy", dead_proxy())
     env.setenv("all_proxy", dead_proxy())
@@ -213,7 +171,7 @@ def test_koboldcpp_is_reached_without_the_proxy_variables(
 
 
 def test_netrc_credentials_never_reach_koboldcpp(
-    env: pytest.MonkeyPatch, server: Recorder, tmp_path: Path
+    env: pytest.MonkeyPatch, server: LocalServer, tmp_path: Path
 ) -> None:
     netrc_for_localhost(env, tmp_path)
     KoboldClient(server.url).perf(timeout_s=5)
@@ -223,7 +181,7 @@ def test_netrc_credentials_never_reach_koboldcpp(
 
 
 def test_a_session_passed_to_the_kobold_client_is_used_as_it_is(
-    env: pytest.MonkeyPatch, server: Recorder
+    env: pytest.MonkeyPatch, server: LocalServer
 ) -> None:
     env.setenv("http_proxy", dead_proxy())
     with pytest.raises(BackendError, match="connection failed"):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -25,6 +23,7 @@ from koboldcpp_horde_chat.koboldcpp.client import (
     KoboldClient,
     encode_json,
 )
+from tests.http_server import LocalServer, send_json
 
 BASE = "http://127.0.0.1:5001"
 PASSWORD = "s3cret-pass"
@@ -578,54 +577,16 @@ def test_encode_json_refuses_what_json_refuses() -> None:
         KoboldClient(BASE).chat_completion({"messages": looped}, timeout_s=5)
 
 
-class RawServer:
-    """A local HTTP server keeping each request's headers and raw body; answers
-    every POST with a chat completion."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[dict[str, str], bytes]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:  # noqa: N802
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length)
-                outer.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                data = json.dumps(CHAT_BODY).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
-def raw_server() -> Iterator[RawServer]:
-    server = RawServer()
-    try:
+def raw_server() -> Iterator[LocalServer]:
+    """A local HTTP server keeping each request's headers and raw body; answers
+    every request with a chat completion."""
+    with LocalServer(lambda handler, _body: send_json(handler, 200, CHAT_BODY)) as server:
         yield server
-    finally:
-        server.close()
 
 
 def test_a_large_chat_body_reaches_koboldcpp_whole_with_its_content_length(
-    raw_server: RawServer,
+    raw_server: LocalServer,
 ) -> None:
     images = ["data:image/png;base64," + "iVBORw0KGgo" * (9_000 + i) for i in range(3)]
     body = {
@@ -642,11 +603,12 @@ def test_a_large_chat_body_reaches_koboldcpp_whole_with_its_content_length(
     client = KoboldClient(raw_server.url)
     assert client.chat_completion(body, timeout_s=10) == CHAT_BODY
     assert client.chat_completion(encode_json(body), timeout_s=10) == CHAT_BODY
-    for headers, raw in raw_server.received:
+    assert len(raw_server.bodies) == 2
+    for (_, headers), raw in zip(raw_server.seen, raw_server.bodies, strict=True):
         assert json.loads(raw) == body
         assert headers["content-length"] == str(len(raw))
         assert "transfer-encoding" not in headers
-    assert raw_server.received[0][1] == raw_server.received[1][1]
+    assert raw_server.bodies[0] == raw_server.bodies[1]
 
 
 def test_an_encoded_stream_body_is_sent_unchanged(mocked: Any) -> None:
