@@ -25,10 +25,11 @@ without a terminal action whose lease surely runs (seed "7. Fault a job"),
 and never sends a second fault: on the real Horde every faulted submit
 re-opens the request (``wp.n += 1``), also for a job that already ended.
 
-- :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
-  genkey, lease end in epoch seconds, terminal-action state, kept reply).
-  No API key, no password and no conversation: the only text written is the
-  generated reply, and only until the Horde answers it.
+- :class:`JournalEntry` (``state.journal_format``): one job in hand (id,
+  kind, assigned ``model_id``, genkey, lease end in epoch seconds,
+  terminal-action state, kept reply). No API key, no password and no
+  conversation: the only text written is the generated reply, and only until
+  the Horde answers it.
 - where the file lives, one file per worker name: ``state.journal_paths``.
 - :class:`Journal`: the file, shared by the pop loops of one worker. A write
   is a temporary file (mode 0o600) in the same directory, then
@@ -45,19 +46,7 @@ a koboldcpp that crashes on a kind of job, with the worker inside it, would
 otherwise start each time from an empty window. Each write carries the
 clocks' mark (wall, boot id, time since boot: ``journal_rules.ClockMark``),
 so a restart reads the earlier run's times on its own clock, whatever the
-wall clock did meanwhile. The file (version 1; an earlier version of the
-program reads it, ignoring the keys it does not know)::
-
-    {"version": 1,
-     "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
-               "genkey": "HORDEREQ_...", "lease_end": 1700000150.0,
-               "terminal": "reply_sent", "reply": {"id": "<id>", "message": ...}}],
-     "faults": [1700000100.0],
-     "clock": {"wall": 1700000042.5, "boot_id": "<uuid>", "boottime": 5321.25}}
-
-(``terminal`` absent means ``none``; ``reply`` is written only with a kept
-reply; ``faults`` only when there are some; a file without ``clock`` is read
-on the wall clock alone.)
+wall clock did meanwhile. The file's format: ``state.journal_format``.
 
 Seed sections: "7. Fault a job" (the faulted submit, the request back to the
 queue), "Streaming progress" (the lease), "Check the completed reply"
@@ -68,181 +57,41 @@ by genkey).
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import os
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
-from .journal_rules import REPLY_STATES, TERMINAL_STATES, ClockMark, fault_ages_shift
+from .journal_format import (
+    FILE_VERSION,
+    GENKEY_PREFIX,
+    MAX_FAULTS,
+    MAX_FILE_BYTES,
+    JournalEntry,
+    NotAJournal,
+    clock_mark,
+    document_text,
+    read_document,
+)
+from .journal_rules import ClockMark, fault_ages_shift
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
 __all__ = [
     "FILE_VERSION",
+    "GENKEY_PREFIX",
     "clock_mark",
     "Journal",
     "JournalEntry",
 ]
 
-#: The ``version`` written in the file; a file of another version is set aside.
-FILE_VERSION: Final = 1
-#: A journal file larger than this (bytes) is not one this program wrote (a kept
-#: reply may hold up to 1 MiB of reasoning beside its content, per job in hand).
-MAX_FILE_BYTES: Final = 64 * 1024 * 1024
-
 #: How long a fault is kept (seconds): the Horde's window for aborted jobs.
 FAULT_WINDOW_S: Final = 3600.0
-#: The most faults kept (more than the Horde's maintenance threshold ever needs).
-MAX_FAULTS: Final = 100
-
-KINDS: Final = frozenset({"chat", "text"})
-GENKEY_PREFIX: Final = "HORDEREQ_"
-
-
-# --------------------------------------------------------------------- entries
-
-
-@dataclass(frozen=True)
-class JournalEntry:
-    """One job in hand, as the journal records it.
-
-    Attributes:
-        job_id: the Horde's job id (non-empty).
-        kind: ``"chat"`` or ``"text"``.
-        model_id: the job's assigned model (the ``model_id`` declared at its
-            pop), for a chat fault body; None when unknown (the worker's
-            configured model is used) and for a text job.
-        genkey: the ``HORDEREQ_`` genkey of the local generation, or ``""``
-            before one was made. Only ``HORDEREQ_`` keys are accepted, so a
-            recovery never aborts a local user's generation.
-        lease_end: epoch seconds when the job's lease ends on the Horde: the
-            pop's ``ttl`` from the pop's answer, later only after an accepted
-            progress post (seed "Streaming progress").
-        terminal: the terminal-action state, one of
-            ``journal_rules.TERMINAL_STATES`` (``"none"``, ``"reply_kept"``,
-            ``"reply_sent"``, ``"fault_sent"``).
-        reply: the submit body of the generated reply (``reply_kept`` and
-            ``reply_sent`` only), sent again by a restart as it is.
-
-    Raises:
-        ValueError: a field of the wrong type or value.
-    """
-
-    job_id: str
-    kind: str
-    model_id: str | None
-    genkey: str
-    lease_end: float
-    terminal: str = "none"
-    reply: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.job_id, str) or not self.job_id:
-            raise ValueError("job_id is not a non-empty string")
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise ValueError("kind is not 'chat' or 'text'")
-        if self.model_id is not None and not isinstance(self.model_id, str):
-            raise ValueError("model_id is not a string or null")
-        if not isinstance(self.genkey, str) or (
-            self.genkey and not self.genkey.startswith(GENKEY_PREFIX)
-        ):
-            raise ValueError(f"genkey is not '' or a {GENKEY_PREFIX} key")
-        lease_end = self.lease_end
-        if isinstance(lease_end, bool) or not isinstance(lease_end, int | float):
-            raise ValueError("lease_end is not a number")
-        try:
-            finite = math.isfinite(lease_end)
-        except OverflowError:  # an integer too large for a float
-            finite = False
-        if not finite:
-            raise ValueError("lease_end is not a finite number")
-        if not isinstance(self.terminal, str) or self.terminal not in TERMINAL_STATES:
-            raise ValueError("terminal is not a terminal-action state")
-        if self.reply is not None and not isinstance(self.reply, dict):
-            raise ValueError("reply is not an object or null")
-        if self.terminal in REPLY_STATES and (
-            self.reply is None or self.reply.get("id") != self.job_id
-        ):
-            raise ValueError("reply is not this job's submit body")
-
-    def to_json(self) -> dict[str, Any]:
-        """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey",
-        "lease_end"}``, with ``"terminal"`` when not ``"none"`` and ``"reply"``
-        when one is kept."""
-        obj: dict[str, Any] = {
-            "job_id": self.job_id,
-            "kind": self.kind,
-            "model_id": self.model_id,
-            "genkey": self.genkey,
-            "lease_end": float(self.lease_end),
-        }
-        if self.terminal != "none":
-            obj["terminal"] = self.terminal
-        if self.reply is not None:
-            obj["reply"] = self.reply
-        return obj
-
-    @classmethod
-    def from_json(cls, obj: object) -> JournalEntry:
-        """The entry a JSON object describes (extra keys are ignored; an entry of
-        an earlier version, without ``terminal``, has none).
-
-        Raises:
-            ValueError: not an object, a key missing, or a field of the wrong
-                type or value (the message names the field, never its value).
-        """
-        if not isinstance(obj, dict):
-            raise ValueError("not a JSON object")
-        for key in ("job_id", "kind", "genkey", "lease_end"):
-            if key not in obj:
-                raise ValueError(f"{key} is missing")
-        return cls(
-            job_id=obj["job_id"],
-            kind=obj["kind"],
-            model_id=obj.get("model_id"),
-            genkey=obj["genkey"],
-            lease_end=obj["lease_end"],
-            terminal=obj.get("terminal", "none"),
-            reply=obj.get("reply"),
-        )
-
-
-def _boot_id() -> str:
-    """The kernel's boot id (Linux), ``""`` elsewhere or when unreadable."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read(64).strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
-_BOOT_ID: str | None = None
-
-
-def clock_mark(wall: float | None = None) -> ClockMark:
-    """This instant on the wall clock, with the boot id and the time since boot
-    (``CLOCK_BOOTTIME`` where the platform has it): see ``journal_rules``."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        _BOOT_ID = _boot_id()
-    boottime: float | None = None
-    clock_id = getattr(time, "CLOCK_BOOTTIME", None)
-    if clock_id is not None:
-        try:
-            boottime = time.clock_gettime(clock_id)
-        except OSError:
-            boottime = None
-    return ClockMark(time.time() if wall is None else wall, _BOOT_ID, boottime)
-
-
-# --------------------------------------------------------------------- journal
 
 
 def _reason(exc: OSError) -> str:
@@ -397,38 +246,20 @@ class Journal:
         except OSError as exc:
             self._set_aside(f"cannot be read ({_reason(exc)})")
             return
-        if len(raw) > MAX_FILE_BYTES:
-            self._set_aside(f"is over {MAX_FILE_BYTES} bytes")
-            return
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            self._set_aside("is not valid JSON")
+            doc = read_document(raw)
+        except NotAJournal as exc:
+            self._set_aside(str(exc))
             return
-        if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
-            self._set_aside("is not a job journal")
-            return
-        if doc.get("version") != FILE_VERSION:
-            self._set_aside(f"is not a version {FILE_VERSION} job journal")
-            return
-        for index, item in enumerate(doc["jobs"]):
-            try:
-                entry = JournalEntry.from_json(item)
-            except (TypeError, ValueError) as exc:
-                log.warning("job journal %s: entry %d skipped: %s", self.path, index, exc)
-                continue
+        for index, why in doc.skipped:
+            log.warning("job journal %s: entry %d skipped: %s", self.path, index, why)
+        for entry in doc.entries:
             self._entries[entry.job_id] = entry
-        self._earlier_clock = ClockMark.from_json(doc.get("clock"))
+        self._earlier_clock = doc.clock
         # The earlier run's faults on this run's wall clock, each as recent as it
         # can be (the worst for what the Horde counts: journal_rules).
         shift = fault_ages_shift(self._earlier_clock, self._loaded_clock)
-        faults = doc.get("faults")
-        if isinstance(faults, list):
-            self._faults = [
-                float(t) + shift
-                for t in faults[-MAX_FAULTS:]
-                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-            ]
+        self._faults = [t + shift for t in doc.faults]
 
     def _set_aside(self, problem: str) -> None:
         target = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
@@ -566,14 +397,7 @@ class Journal:
 
     def _write_locked(self, *, durable: bool = True) -> None:
         self._dirty = False
-        doc: dict[str, Any] = {
-            "version": FILE_VERSION,
-            "jobs": [e.to_json() for e in self._entries.values()],
-        }
-        if self._faults:
-            doc["faults"] = [round(t, 3) for t in self._faults]
-        doc["clock"] = clock_mark().to_json()
-        data = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        data = document_text(self._entries.values(), self._faults, clock_mark())
         directory = self.path.parent
         tmp: str | None = None
         try:
