@@ -20,13 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendError, ConfigError
-from ..hosts.standalone import (
-    KCPP_URL_ENV,
-    KCPP_URL_FLAG,
-    configure_logging,
-    resolve_url,
-    run_standalone,
-)
+from ..hosts.standalone import configure_logging, run_standalone
+from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, resolve_url
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, _done, demo_cases

@@ -1,15 +1,16 @@
-"""The standalone worker beside a running koboldcpp: its flags, start-up and run.
+"""The standalone worker beside a running koboldcpp: its start-up and run.
 
 ``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` (see
 :mod:`.cli`) serves chat and text jobs for the model loaded in the koboldcpp at
-``--kcpp-url``; :func:`run_standalone` is that command. The demo runs the same
-function against a local dev Horde.
+``--kcpp-url``; :func:`run_standalone` is that command: its flags
+(``hosts.standalone_flags``), koboldcpp read into the worker's settings
+(:func:`settings_from_args`), the recovery, the pop loops and the signals. The
+demo runs the same function against a local dev Horde.
 
 Flag names and meanings follow koboldcpp's own (``--hordegenlen``,
 ``--hordemaxctx``, ``--hordemodelname``...). Seed: "Worked example:
 koboldcpp's embedded worker".
 """
-
 from __future__ import annotations
 
 import argparse
@@ -18,67 +19,34 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from .. import __version__
 from ..errors import BackendError, BackendUnauthorized, ConfigError
 from ..horde.declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from ..inflight import CallDeadlines, stop_call_ends
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import BackendIdentity, StandaloneManners
 from ..service.recovery import Recovery
-from ..settings import (
-    DEFAULT_HORDE_URL,
-    DEFAULT_KCPP_URL,
-    MIB,
-    WorkerSettings,
-)
+from ..settings import MIB, WorkerSettings
 from ..state.journal import Journal
-from ..state.journal_paths import JOURNAL_DIR_ENV, default_state_dir, journal_dir
+from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
     check_journal_dir,
-    check_limits,
-    check_url,
     open_journal,
     open_state,
     run_worker,
     serving_line,
     start_recovery,
-    worker_name_from,
 )
+from .standalone_flags import LOG_LEVELS, build_parser, check_flags, parse_withhold
 
 log = logging.getLogger("koboldcpp_horde_chat")
 
-HORDE_URL_FLAG = "--horde-url"
-HORDE_URL_ENV = "AI_HORDE_URL"
-KCPP_URL_FLAG = "--kcpp-url"
-KCPP_URL_ENV = "KCPP_URL"
-
-#: Seconds a job in hand may take to finish after a stop signal (docker stop
-#: sends SIGKILL 10 s after SIGTERM; Kubernetes 30 s; systemd 90 s).
-DEFAULT_STOP_GRACE_S = 6.0
-#: The most pop loops ``--parallelrequests`` runs (the Horde takes 1 to 50 ``threads``).
-MAX_PARALLEL_REQUESTS = 50
-
-#: Log levels --log-level (or the variable) takes.
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LOG_LEVEL_ENV = "KCPP_HORDE_LOG_LEVEL"
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-#: Features and guarantees an operator may withhold with --chat-withhold.
-WITHHOLDABLE = (
-    "seed",
-    "presence_penalty",
-    "tools",
-    "json_object",
-    "json_schema",
-    "reasoning_effort",
-    "vision",
-    "prompt_overflow_refused",
-)
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -90,219 +58,6 @@ def configure_logging(level: str = "INFO") -> None:
         root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("urllib3").setLevel(logging.WARNING)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The standalone worker's flags."""
-    p = argparse.ArgumentParser(
-        prog="koboldcpp-horde-chat",
-        description=(
-            "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"
-            "Three subcommands, named first, try it on this machine (see below)."
-        ),
-        epilog=(
-            "subcommands (each takes --help):\n"
-            "  koboldcpp-horde-chat demo      watch the whole path against a local dev Horde\n"
-            "  koboldcpp-horde-chat devhorde  start a local dev Horde to point a worker at\n"
-            "  koboldcpp-horde-chat devkcpp   start a scripted koboldcpp (no model) on 5001"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument(
-        "--hordekey",
-        default=os.environ.get("AI_HORDE_API_KEY", ""),
-        help="your AI Horde API key (or the AI_HORDE_API_KEY environment variable)",
-    )
-    p.add_argument(
-        "--hordeworkername",
-        default=None,
-        help="your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)",
-    )
-    p.add_argument(
-        "--kcpp-url",
-        default=None,
-        help=f"koboldcpp's URL (default: the KCPP_URL environment variable, else "
-        f"{DEFAULT_KCPP_URL})",
-    )
-    p.add_argument(
-        "--kcpp-wait",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="how long to wait at start-up for koboldcpp to answer, then exit with code 2 "
-        "(default: wait as long as it takes, logging every 30 s)",
-    )
-    p.add_argument(
-        "--kcpp-password",
-        default=os.environ.get("KCPP_PASSWORD", ""),
-        help="koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
-    )
-    p.add_argument(
-        "--horde-url",
-        default=None,
-        help=f"the Horde's URL (default: the AI_HORDE_URL environment variable, else "
-        f"{DEFAULT_HORDE_URL})",
-    )
-    p.add_argument(
-        "--hordemodelname",
-        default="",
-        help="your AI Horde display model name (default: the name koboldcpp reports)",
-    )
-    p.add_argument(
-        "--hordegenlen",
-        type=int,
-        default=0,
-        help="the most tokens your worker will generate for one job (0 or unset: 1024)",
-    )
-    p.add_argument(
-        "--hordemaxctx",
-        type=int,
-        default=0,
-        help="the largest context your worker accepts; 0 matches koboldcpp's context",
-    )
-    p.add_argument(
-        "--kcpp-max-request-mb",
-        type=int,
-        default=32,
-        metavar="MB",
-        help="koboldcpp's --maxrequestsize (default 32): a chat job whose request to "
-        "koboldcpp would be larger is faulted without sending it",
-    )
-    p.add_argument(
-        "--kcpp-genlimit",
-        type=int,
-        default=0,
-        metavar="TOKENS",
-        help="koboldcpp's --genlimit, when it was started with one (koboldcpp does not "
-        "report it): the worker then declares and generates at most that many tokens "
-        "(default 0: none)",
-    )
-    p.add_argument(
-        "--chat-only", action="store_true", help="serve chat jobs only (pop with prompt_jobs false)"
-    )
-    p.add_argument(
-        "--chat-withhold",
-        default="",
-        metavar="NAMES",
-        help="comma-separated chat features or guarantees not to declare, from: "
-        + ", ".join(WITHHOLDABLE),
-    )
-    p.add_argument(
-        "--trusted",
-        action="store_true",
-        help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)",
-    )
-    p.add_argument(
-        "--parallelrequests",
-        type=int,
-        default=1,
-        metavar="N",
-        help="serve N jobs at once, as koboldcpp's flag of that name does (start koboldcpp "
-        "with the same --parallelrequests so it batches them; default 1)",
-    )
-    p.add_argument(
-        "--stop-grace",
-        type=float,
-        default=DEFAULT_STOP_GRACE_S,
-        metavar="SECONDS",
-        help="after Ctrl-C or SIGTERM, how long a job in hand may take to finish before it "
-        f"is aborted and faulted (default {DEFAULT_STOP_GRACE_S:g}, under docker stop's 10 s)",
-    )
-    p.add_argument(
-        "--journal-dir",
-        default=None,
-        metavar="DIR",
-        help="where the journal of jobs in hand is kept, so a restart after a crash faults "
-        f"them at once (default: ${JOURNAL_DIR_ENV}, else {default_state_dir()})",
-    )
-    p.add_argument(
-        "--log-level",
-        default=os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper() or "INFO",
-        choices=LOG_LEVELS,
-        type=str.upper,
-        help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)",
-    )
-    return p
-
-
-def parse_withhold(text: str) -> frozenset[str]:
-    """``"json_schema, tools"`` -> ``frozenset({"json_schema", "tools"})``.
-
-    Raises ConfigError for a name that is not a known feature or guarantee.
-    """
-    names = frozenset(n.strip() for n in text.split(",") if n.strip())
-    unknown = sorted(names - set(WITHHOLDABLE))
-    if unknown:
-        raise ConfigError(
-            f"--chat-withhold: unknown name(s) {', '.join(unknown)}; "
-            f"known: {', '.join(WITHHOLDABLE)}"
-        )
-    return names
-
-
-def normalise_url(value: str, flag: str) -> str:
-    """``value`` as a base URL without a trailing slash (:func:`hosting.check_url`).
-
-    ``flag`` names where the value came from (``--horde-url``, ``AI_HORDE_URL``,
-    ``--kcpp-url`` or ``KCPP_URL``). A Horde URL given with the API path
-    (``https://aihorde.net/api/v2``) is cut back to its base. Raises
-    ConfigError, naming ``flag``, for anything but an http(s) URL.
-    """
-    return check_url(value, flag, horde=flag in (HORDE_URL_FLAG, HORDE_URL_ENV))
-
-
-def resolve_url(
-    given: str | None,
-    flag: str,
-    env_name: str,
-    default: str,
-    environ: Mapping[str, str] | None = None,
-) -> str:
-    """The URL to use, normalised by :func:`normalise_url`.
-
-    The flag's value when it was given (``given`` is not None); else the
-    environment variable ``env_name`` when it is set and not blank; else
-    ``default``. Raises ConfigError naming the flag or the variable the bad
-    value came from, e.g. ``AI_HORDE_URL needs an http:// or https:// URL``.
-    """
-    if given is not None:
-        return normalise_url(given, flag)
-    env = os.environ if environ is None else environ
-    value = env.get(env_name, "")
-    if not value.strip():
-        return default
-    return normalise_url(value, env_name)
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Check the flags that need no koboldcpp.
-
-    Resolves and normalises the URLs in ``args`` (:func:`resolve_url`) and
-    strips the worker name. Raises ConfigError with a message naming the flag
-    (or the environment variable a bad URL came from).
-    """
-    if args.log_level not in LOG_LEVELS:  # argparse checks the flag, not its default
-        raise ConfigError(
-            f"{LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}"
-        )
-    if not args.hordekey:
-        raise ConfigError("--hordekey is required (or set AI_HORDE_API_KEY)")
-    args.hordeworkername = worker_name_from(args.hordeworkername)
-    check_limits(args.hordegenlen, args.hordemaxctx)
-    if args.kcpp_max_request_mb < 1:
-        raise ConfigError("--kcpp-max-request-mb must be at least 1")
-    if args.kcpp_genlimit < 0:
-        raise ConfigError("--kcpp-genlimit must not be negative (0: none)")
-    if args.kcpp_wait is not None and not args.kcpp_wait >= 0:
-        raise ConfigError("--kcpp-wait must be a number of seconds, 0 or more")
-    if not 1 <= args.parallelrequests <= MAX_PARALLEL_REQUESTS:
-        raise ConfigError(f"--parallelrequests must be 1 to {MAX_PARALLEL_REQUESTS}")
-    if not args.stop_grace >= 0:
-        raise ConfigError("--stop-grace must be a number of seconds, 0 or more")
-    parse_withhold(args.chat_withhold)
-    args.horde_url = resolve_url(args.horde_url, HORDE_URL_FLAG, HORDE_URL_ENV, DEFAULT_HORDE_URL)
-    args.kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
 
 
 def settings_from_args(

@@ -19,12 +19,8 @@ import pytest
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.hosts.standalone import (
-    build_parser,
-    check_flags,
-    normalise_url,
-    settings_from_args,
-)
+from koboldcpp_horde_chat.hosts.standalone import settings_from_args
+from koboldcpp_horde_chat.hosts.standalone_flags import build_parser, check_flags, normalise_url
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 from tests.startup_cases import REFUSED_AT_START

@@ -27,7 +27,7 @@ import koboldcpp_horde_chat
 from koboldcpp_horde_chat.horde import declaration
 from koboldcpp_horde_chat.horde.declaration import pop_body
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
-from koboldcpp_horde_chat.hosts import standalone
+from koboldcpp_horde_chat.hosts import standalone, standalone_flags
 from koboldcpp_horde_chat.service import loop as worker_mod
 from koboldcpp_horde_chat.settings import WorkerSettings
 from tests.startup_cases import REFUSED_AT_START
@@ -289,7 +289,7 @@ def _cli_pop_body(flags: list[str], info: Any) -> dict[str, Any]:
         def info(self) -> Any:
             return info
 
-    args = standalone.build_parser().parse_args(flags)
+    args = standalone_flags.build_parser().parse_args(flags)
     settings, caps = standalone.settings_from_args(args, Backend())  # type: ignore[arg-type]
     return pop_body(settings, caps)
 

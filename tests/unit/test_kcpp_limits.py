@@ -12,7 +12,7 @@ import pytest
 from koboldcpp_horde_chat.errors import ConfigError
 from koboldcpp_horde_chat.horde.declaration import pop_body
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
-from koboldcpp_horde_chat.hosts import standalone
+from koboldcpp_horde_chat.hosts import standalone_flags
 from koboldcpp_horde_chat.translate.bodies import chat_request_body
 
 from .test_inside_kcpp import hook_settings, make_kcpp
@@ -36,16 +36,16 @@ def test_a_koboldcpp_without_genlimit_declares_its_hordegenlen() -> None:
 
 
 def test_the_standalone_worker_takes_koboldcpps_genlimit_from_a_flag() -> None:
-    args = standalone.build_parser().parse_args(
+    args = standalone_flags.build_parser().parse_args(
         ["--hordekey", "k", "--hordeworkername", "w", "--kcpp-genlimit", "200"]
     )
-    standalone.check_flags(args)
+    standalone_flags.check_flags(args)
     assert args.kcpp_genlimit == 200
-    bad = standalone.build_parser().parse_args(
+    bad = standalone_flags.build_parser().parse_args(
         ["--hordekey", "k", "--hordeworkername", "w", "--kcpp-genlimit", "-1"]
     )
     with pytest.raises(ConfigError, match="--kcpp-genlimit must not be negative"):
-        standalone.check_flags(bad)
+        standalone_flags.check_flags(bad)
 
 
 def test_a_chat_request_carries_the_context_it_is_given_else_the_jobs() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from koboldcpp_horde_chat.hosts.standalone import (
+from koboldcpp_horde_chat.hosts.standalone_flags import (
     DEFAULT_STOP_GRACE_S,
     build_parser,
     check_flags,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.hosts import standalone
+from koboldcpp_horde_chat.hosts import standalone_flags
 from koboldcpp_horde_chat.hosts.hosting import WORKER_NAME_ENV, worker_name_from
 
 
@@ -15,8 +15,8 @@ def test_the_name_comes_from_the_environment_when_the_flag_is_not_given(
 ) -> None:
     monkeypatch.setenv("HORDE_WORKER_NAME", "  My Worker  ")
     monkeypatch.setenv("AI_HORDE_API_KEY", "k" * 22)
-    args = standalone.build_parser().parse_args([])
-    standalone.check_flags(args)
+    args = standalone_flags.build_parser().parse_args([])
+    standalone_flags.check_flags(args)
     assert args.hordeworkername == "My Worker"
     assert WORKER_NAME_ENV == "HORDE_WORKER_NAME"
 
@@ -46,5 +46,5 @@ def test_without_flag_or_environment_the_name_is_required_saying_both_ways() -> 
 
 
 def test_the_help_names_the_environment_variable() -> None:
-    text = " ".join(standalone.build_parser().format_help().split())
+    text = " ".join(standalone_flags.build_parser().format_help().split())
     assert "your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)" in text
