@@ -2,11 +2,11 @@
 
 What reads time through a :class:`Clock` (the shared state's stop deadline,
 its grace timer and its waits for the jobs in hand; the stop's deadlines of
-the calls in flight; the start-up recovery's pauses and waits) is given one at
-construction; :data:`SYSTEM_CLOCK` is the
-real one. A test passes a clock of its own that moves when told and runs its
-timers when their time comes, instead of patching ``time`` or ``threading``
-inside the worker's modules.
+the calls in flight; the start-up recovery's pauses and waits; a job's lease,
+its journaled lease end and its pauses) is given one at construction;
+:data:`SYSTEM_CLOCK` is the real one. A test passes a clock of its own that
+moves when told and runs its timers when their time comes, instead of
+patching ``time`` or ``threading`` inside the worker's modules.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class Clock(Protocol):
         (0 or less: at once), on a daemon thread named ``name``."""
         ...
 
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on this clock (0 or less: not at all)."""
+        ...
+
 
 class SystemClock:
     """The real clock: ``time.monotonic``, ``time.time`` and ``threading.Timer``."""
@@ -60,6 +64,35 @@ class SystemClock:
         timer.daemon = True
         timer.name = name
         return timer
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class ClockOf:
+    """A :class:`Clock` that reads two functions, ``monotonic`` and ``wall``
+    (seconds), and leaves its timers and sleeps to ``base``: for a caller given
+    clock functions rather than a clock."""
+
+    def __init__(
+        self, monotonic: Callable[[], float], wall: Callable[[], float], base: Clock
+    ) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+        self._base = base
+
+    def monotonic(self) -> float:
+        return self._monotonic()
+
+    def time(self) -> float:
+        return self._wall()
+
+    def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> Timer:
+        return self._base.timer(seconds, action, name=name)
+
+    def sleep(self, seconds: float) -> None:
+        self._base.sleep(seconds)
 
 
 #: The real clock, the default of everything that takes one.

@@ -5,6 +5,8 @@ output" and "8. Keep serving text jobs".
 
 A pop response with ``"chat": true`` at the top level is a chat job; any
 other job is a text job, whose payload is forwarded to koboldcpp unchanged.
+The job's :class:`Lease` starts from the pop's ``ttl`` (seed "Streaming
+progress").
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PayloadError
@@ -109,6 +112,57 @@ def ttl_seconds(pop: dict[str, Any], default_s: float) -> float:
     except OverflowError:
         seconds = math.inf
     return seconds if seconds > 0 else default_s
+
+
+@dataclass
+class Lease:
+    """A job's lease on the monotonic clock: the Horde's, from the pop's ``ttl``,
+    extended by accepted progress posts (seed "Streaming progress", lease).
+
+    One per job: the job's owner holds it and the progress poster
+    (``horde.progress.ProgressPoster``) extends it; any thread reads it.
+
+    Attributes:
+        popped_at: when the pop answered, monotonic seconds.
+        deadline: when the Horde stops taking the job's submit, monotonic
+            seconds; only :meth:`extend_to` moves it (later, never earlier).
+        lock: held while the deadline moves (the job's owner gives a
+            ``threading.Lock``; none by default).
+    """
+
+    popped_at: float
+    deadline: float
+    lock: AbstractContextManager[Any] = field(
+        default_factory=nullcontext, repr=False, compare=False
+    )
+
+    def remaining(self, now: float) -> float:
+        """Seconds left at monotonic time ``now`` (negative once it ended)."""
+        return self.deadline - now
+
+    def extend_to(self, deadline: float) -> bool:
+        """Move the deadline to ``deadline`` (monotonic seconds) when that is later;
+        True when it moved."""
+        with self.lock:
+            if deadline <= self.deadline:
+                return False
+            self.deadline = deadline
+            return True
+
+    @classmethod
+    def from_pop(
+        cls,
+        pop: dict[str, Any],
+        popped_at: float,
+        default_s: float,
+        cap_s: float,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> Lease:
+        """The lease of a popped job before its payload is parsed: the pop's ``ttl``
+        (:func:`ttl_seconds`, ``default_s`` without a usable one), never past
+        ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
+        seconds = ttl_seconds(pop, default_s)
+        return cls(popped_at, popped_at + min(seconds, cap_s), lock or nullcontext())
 
 
 #: Sampler fields that must be numbers when present (seed step 2: always present).

@@ -47,7 +47,8 @@ Rules implemented, with the seed's values:
   other 5xx and 429: retry the same body; the ``max_unavailable``-th in a row
   (3) stops posting. A lost response (timeout, reset): retry the same body; the
   ``max_lost``-th in a row (3) stops posting.
-* The lease: the pop's ttl (``base_lease_s``, 150 s) from ``popped_at``. A post
+* The lease: the job's own (``horde.pop.Lease``), the pop's ttl (``base_lease_s``,
+  150 s) from ``popped_at``. A post
   with new text accepted on its first send extends it to 150 s after the post
   was sent (the time passed to ``due``/``pending_final``; the response time when
   none was given), never past ``popped_at + lease_cap_s`` (200 s untrusted, 600 s
@@ -63,6 +64,8 @@ from __future__ import annotations
 import enum
 import logging
 from typing import Any
+
+from .pop import Lease
 
 log = logging.getLogger("koboldcpp_horde_chat.progress")
 
@@ -122,14 +125,20 @@ class ProgressPoster:
         max_posts: the post cap (1000).
         max_unavailable: 503/5xx/429 answers in a row after which posting stops.
         max_lost: lost responses in a row after which posting stops.
+        lease: the job's lease, extended here (``Lease.extend_to``) as posts are
+            accepted; None: one of the poster's own, ``base_lease_s`` from
+            ``popped_at``.
         popped_at: when the job was popped, seconds on the caller's clock (the
-            same clock as every ``now`` argument, e.g. ``time.monotonic()``).
-        base_lease_s: the pop's ``ttl``, seconds (150).
+            same clock as every ``now`` argument, e.g. ``time.monotonic()``);
+            ignored when ``lease`` is given (its ``popped_at``).
+        base_lease_s: the pop's ``ttl``, seconds (150): how long after a post
+            the lease it extends runs.
         lease_cap_s: the longest lease from pop, seconds (200 untrusted, 600 trusted).
 
     Attributes:
         posting: False once posting stopped for good (any STOP action, or the cap).
         seq: the seq of the post in flight, or of the next post.
+        lease: the job's lease.
         lease_deadline: when the job's lease ends, absolute seconds on the caller's clock.
         bytes_accepted: UTF-8 bytes of content plus reasoning accepted so far.
         posts_accepted: posts accepted so far.
@@ -147,24 +156,27 @@ class ProgressPoster:
         max_posts: int = MAX_POSTS,
         max_unavailable: int = 3,
         max_lost: int = 3,
-        popped_at: float,
+        lease: Lease | None = None,
+        popped_at: float = 0.0,
         base_lease_s: float = BASE_LEASE_S,
         lease_cap_s: float = UNTRUSTED_LEASE_CAP_S,
     ) -> None:
+        if lease is None:
+            lease = Lease(popped_at, popped_at + base_lease_s)
         self.job_id = job_id
         self.max_length = max_length
         self.interval_s = interval_s
         self.max_posts = max_posts
         self.max_unavailable = max(1, max_unavailable)
         self.max_lost = max(1, max_lost)
-        self.popped_at = popped_at
+        self.lease = lease
+        self.popped_at = lease.popped_at
         self.base_lease_s = base_lease_s
         self.lease_cap_s = lease_cap_s
         self.cap_bytes = CAP_BYTES_PER_TOKEN * max(0, max_length)
 
         self.posting = True
         self.seq = 1
-        self.lease_deadline = popped_at + base_lease_s
         self.bytes_accepted = 0
         self.posts_accepted = 0
         self.stopped_generating: str | None = None
@@ -187,6 +199,11 @@ class ProgressPoster:
         self._unavailable_in_row = 0
         self._lost_in_row = 0
         self._conflicts_in_row = 0
+
+    @property
+    def lease_deadline(self) -> float:
+        """When the job's lease ends, seconds on the caller's clock."""
+        return self.lease.deadline
 
     # --- text in -----------------------------------------------------------------
 
@@ -404,7 +421,7 @@ class ProgressPoster:
         if extend:
             sent = self._in_flight_sent_at if self._in_flight_sent_at is not None else now
             new_deadline = min(sent + self.base_lease_s, self.popped_at + self.lease_cap_s)
-            self.lease_deadline = max(self.lease_deadline, new_deadline)
+            self.lease.extend_to(new_deadline)
         self.seq = self._in_flight["seq"] + 1
         last = self._in_flight_last
         self._in_flight = None

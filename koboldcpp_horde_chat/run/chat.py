@@ -8,9 +8,12 @@
    streamed as progress posts when the client streams (``run/streaming.py``);
 5. the structured reply to submit (step 6).
 
-A step that cannot serve the job raises :class:`~errors.JobFault` with the
-fault reason (or none) and a one-line why; the loop hands it to the submit
-pipeline. A cancel raises :class:`~errors.JobEnded`.
+:meth:`ChatRun.prepare` takes steps 1 to 3 and :meth:`ChatRun.generate` steps
+4 and 5; the job driver (``run/driver.py``) moves the job between them (to
+``preparing`` before, to ``generating`` between). A step that cannot serve the
+job raises :class:`~errors.JobFault` with the fault reason (or none) and a
+one-line why; the driver hands it to the submit pipeline. A cancel raises
+:class:`~errors.JobEnded`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from ..koboldcpp.answers import (
 )
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
 from ..state.guard import refusal_features
-from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext, Outcome, payload_keys
-from ..state.life import Move
+from ..state.job import SUBMIT_MARGIN_S, JobContext, Outcome, payload_keys
+from ..state.ports import Ports
 from ..state.shared import WorkerState
 from ..translate import fit, images
 from ..translate.bodies import chat_request_body
@@ -54,10 +57,11 @@ ABORT_CHECK_TIMEOUT_S = 2.0
 
 
 class ChatRun:
-    """Serve one chat job (see the module docstring).
+    """Serve one chat job (see the module docstring): :meth:`prepare`, then
+    :meth:`generate`; the job's moves are the driver's.
 
     Args:
-        edges: the I/O edges and clocks.
+        ports: the loop's ports (``state.ports.Ports``).
         caps: what the backend implements (``vision``).
         state: the worker's shared state (a nonconformant refusal is counted there).
         job: the popped chat job.
@@ -66,27 +70,22 @@ class ChatRun:
 
     def __init__(
         self,
-        edges: Edges,
+        ports: Ports,
         caps: BackendCapabilities,
         state: WorkerState,
         job: ChatJob,
         ctx: JobContext,
     ) -> None:
-        self.edges = edges
+        self.ports = ports
         self.caps = caps
         self.state = state
         self.job = job
         self.ctx = ctx
-        self.settings = edges.settings
+        self.settings = ports.settings
         self.model_id = ctx.model_id
 
-    def serve(self) -> Outcome:
-        """Seed steps 2 to 6. Returns the reply to submit.
-
-        Raises:
-            JobFault: the job cannot be served (the why says which step).
-            JobEnded: the client cancelled it or the Horde ended it.
-        """
+    def received(self) -> None:
+        """Say in one line that the job is served, with its budget and whether it streams."""
         job = self.job
         log.info(
             "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s",
@@ -96,17 +95,25 @@ class ChatRun:
             job.stream_progress,
         )
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
-        self.ctx.move(Move.PREPARE)
+
+    def prepare(self) -> list[dict[str, Any]]:
+        """Steps 1 to 3 (see the module docstring; the job is ``preparing``): the
+        conversation, its images, the budget and the fit check. Returns the
+        messages to generate from.
+
+        Raises:
+            JobFault: the job cannot be served (the why says which step).
+        """
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
         self._check_budget()
         self._check_fit(messages)
-        return self._generate(messages)
+        return messages
 
     def _prepare_timeout(self, cap_s: float) -> float:
         """A step's timeout: at most ``cap_s``, and leaving the submit margin to the fault."""
-        room = self.ctx.lease.remaining(self.edges.clock()) - SUBMIT_MARGIN_S
+        room = self.ctx.lease.remaining(self.ports.clock.monotonic()) - SUBMIT_MARGIN_S
         return max(1.0, min(cap_s, room))
 
     def _messages(self) -> list[dict[str, Any]]:
@@ -117,8 +124,7 @@ class ChatRun:
         assert job.messages_url is not None
         url, timeout = job.messages_url, self._prepare_timeout(MESSAGES_FETCH_MAX_S)
         try:
-            raw = self.edges.until_given_up(
-                self.ctx,
+            raw = self.ctx.until_given_up(
                 lambda: fetch_messages(
                     url, timeout_s=timeout, max_bytes=self.settings.messages_max_bytes
                 ),
@@ -145,7 +151,7 @@ class ChatRun:
         plan = images.plan_images(messages)
         try:
             fetched = (
-                self.edges.until_given_up(self.ctx, lambda: _fetch_images(plan, timeout))
+                self.ctx.until_given_up(lambda: _fetch_images(plan, timeout))
                 if plan.to_fetch
                 else {}
             )
@@ -171,10 +177,10 @@ class ChatRun:
         )
         # The fault that follows a failure must still land within the lease.
         timeout = self._prepare_timeout(PREPARE_MAX_S)
-        backend = self.edges.backend
+        backend = self.ports.koboldcpp.backend
         try:
-            counted = self.edges.until_given_up(
-                self.ctx, lambda: backend.tokencount(prompt, timeout_s=timeout)
+            counted = self.ctx.until_given_up(
+                lambda: backend.tokencount(prompt, timeout_s=timeout)
             )
         except BackendError as exc:
             raise JobFault(f"tokencount failed: {exc}", backend_failed=True) from None
@@ -189,17 +195,23 @@ class ChatRun:
                 fault_reason=FAULT_PROMPT_OVERFLOW,
             )
 
-    def _generate(self, messages: list[dict[str, Any]]) -> Outcome:
-        """Generate through ``/v1/chat/completions`` and build the structured submit.
+    def generate(self, messages: list[dict[str, Any]], genkey: str) -> Outcome:
+        """Steps 4 and 5 (the job is ``generating``): generate through
+        ``/v1/chat/completions`` under ``genkey`` and build the structured submit.
 
         The fit check has passed, so koboldcpp is sent a context that cuts none
         of the job's ``max_length`` (``settings.kcpp_context_keeping_budget``):
         the job's own, or a little more when koboldcpp's 20 % rule would cut
         the budget within it. The budget a reply was generated under is then
         ``max_length``, capped by koboldcpp's ``--genlimit``.
+
+        Raises:
+            JobFault: the generation failed or was given up (``backend_failed``
+                when koboldcpp failed).
+            JobEnded: the client cancelled it or the Horde ended it.
         """
-        job, ctx, edges = self.job, self.ctx, self.edges
-        genkey = edges.generating(ctx)
+        job, ctx, ports = self.job, self.ctx, self.ports
+        kcpp = ports.koboldcpp
         stream = job.stream_progress and not job.has_tools
         kcpp_context = self.settings.backend_max_context_length
         sent_context = kcpp_context_keeping_budget(
@@ -220,11 +232,11 @@ class ChatRun:
             )
         try:
             if stream:
-                with edges.own_request():
-                    backend_reply = generate_streamed(edges, job, ctx, backend_body)
+                with kcpp.own_request():
+                    backend_reply = generate_streamed(ports, job, ctx, backend_body)
             else:
-                body = edges.with_busy_retry(
-                    lambda timeout: edges.backend.chat_completion(
+                body = kcpp.with_busy_retry(
+                    lambda timeout: kcpp.backend.chat_completion(
                         backend_body, timeout_s=timeout, cancel=ctx.abandoned
                     ),
                     ctx,
@@ -270,7 +282,7 @@ class ChatRun:
         ):
             return
         try:
-            perf = self.edges.backend.perf(timeout_s=ABORT_CHECK_TIMEOUT_S)
+            perf = self.ports.koboldcpp.backend.perf(timeout_s=ABORT_CHECK_TIMEOUT_S)
         except BackendError:
             return
         if aborted_short(perf.get("stop_reason")):
@@ -296,7 +308,7 @@ class ChatRun:
                     self.job.id,
                     payload_keys(self.job.payload),
                 )
-            self.state.record_nonconformant(names, self.edges.clock())
+            self.state.record_nonconformant(names, self.ports.clock.monotonic())
         return refused_reply_fault(exc)
 
 

@@ -5,7 +5,8 @@ tools) the worker reads koboldcpp's ``/v1/chat/completions`` stream and posts
 the text produced since the previous post about once a second. The decisions
 are the pure core's (``sse`` decodes, ``stream`` accumulates, ``progress``
 says what each answer means); this module does the reading, posting and
-waiting, and keeps the job's lease.
+waiting. The poster extends the job's own lease (``horde.pop.Lease``) as
+posts are accepted; this module journals it when it moved.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..horde.progress import ProgressAction, ProgressPoster
 from ..koboldcpp.answers import BackendReply
 from ..koboldcpp.api import KcppStream
 from ..koboldcpp.sse import SSEDecoder
-from ..state.job import SUBMIT_MARGIN_S, Edges, JobContext
+from ..state.job import SUBMIT_MARGIN_S, JobContext
+from ..state.ports import Ports
 from ..translate.chat_stream import ChatStreamAccumulator
 
 log = logging.getLogger("koboldcpp_horde_chat.streamed")
@@ -40,7 +42,7 @@ POLL_S = 0.1
 
 
 def generate_streamed(
-    edges: Edges, job: ChatJob, ctx: JobContext, backend_body: bytes | bytearray
+    ports: Ports, job: ChatJob, ctx: JobContext, backend_body: bytes | bytearray
 ) -> BackendReply:
     """Seed "Streaming progress": relay koboldcpp's SSE stream as progress posts.
 
@@ -56,7 +58,7 @@ def generate_streamed(
     job faulted rather than submitted late.
 
     Args:
-        edges: the I/O edges; job: the chat job; ctx: the job in hand (its
+        ports: the loop's ports; job: the chat job; ctx: the job in hand (its
             ``genkey`` set); backend_body: the encoded chat request, ``stream: true``.
 
     Returns:
@@ -71,16 +73,16 @@ def generate_streamed(
             (without waiting for the stream's end), or a stream that ended
             without a finish reason.
     """
-    return _StreamedGeneration(edges, job, ctx, backend_body).run()
+    return _StreamedGeneration(ports, job, ctx, backend_body).run()
 
 
 class _StreamedGeneration:
     """One streamed job: the reader thread, the accumulator and the poster."""
 
     def __init__(
-        self, edges: Edges, job: ChatJob, ctx: JobContext, body: bytes | bytearray
+        self, ports: Ports, job: ChatJob, ctx: JobContext, body: bytes | bytearray
     ) -> None:
-        self.edges = edges
+        self.ports = ports
         self.job = job
         self.ctx = ctx
         self.body = body
@@ -88,15 +90,17 @@ class _StreamedGeneration:
         self.poster = ProgressPoster(
             job.id,
             max_length=job.max_length,
-            popped_at=lease.popped_at,
+            lease=lease,
             base_lease_s=lease.deadline - lease.popped_at,
-            lease_cap_s=edges.settings.lease_cap_s,
+            lease_cap_s=ports.settings.lease_cap_s,
         )
+        #: The lease end last journaled (monotonic seconds).
+        self.journaled_deadline = lease.deadline
         self.accumulator = ChatStreamAccumulator(stop_sequences=job.stop_sequences)
         self.slot = _StreamSlot()
 
     def run(self) -> BackendReply:
-        edges, ctx, accumulator, poster = self.edges, self.ctx, self.accumulator, self.poster
+        clock, ctx, accumulator, poster = self.ports.clock, self.ctx, self.accumulator, self.poster
         lease = ctx.lease
         decoder = SSEDecoder()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
@@ -110,8 +114,8 @@ class _StreamedGeneration:
         try:
             ended = False
             while not ended:
-                now = edges.clock()
-                self._extend_lease()
+                now = clock.monotonic()
+                self._journal_lease()
                 if ctx.abandoned.is_set():
                     self._close_and_abort()
                     ctx.check_abandoned()
@@ -143,7 +147,7 @@ class _StreamedGeneration:
                 )
             tail = accumulator.flush()
             poster.add(tail.content, tail.reasoning)
-            final = poster.pending_final(edges.clock())
+            final = poster.pending_final(clock.monotonic())
             if final is not None:
                 self._post(final)
             return accumulator.result()
@@ -185,24 +189,24 @@ class _StreamedGeneration:
         BackendError when the job ended (the slot was closed) while koboldcpp
         was busy, and whatever ``open_chat_stream`` raises otherwise.
         """
-        edges, lease = self.edges, self.ctx.lease
+        ports, lease = self.ports, self.ctx.lease
         while True:
-            now = edges.clock()
-            latest_end = max(lease.deadline, lease.popped_at + edges.settings.lease_cap_s)
+            now = ports.clock.monotonic()
+            latest_end = max(lease.deadline, lease.popped_at + ports.settings.lease_cap_s)
             try:
-                return edges.backend.open_chat_stream(
+                return ports.koboldcpp.backend.open_chat_stream(
                     self.body, read_timeout_s=max(1.0, latest_end - now)
                 )
             except BackendBusy:
                 if self.slot.closed.wait(2.0):
                     raise BackendError("the job ended while koboldcpp was busy") from None
 
-    def _extend_lease(self) -> None:
-        """Take the lease the accepted posts extended; journal it when it moved."""
-        lease = self.ctx.lease
-        if self.poster.lease_deadline > lease.deadline:
-            lease.deadline = self.poster.lease_deadline
-            self.edges.record_lease(self.ctx)
+    def _journal_lease(self) -> None:
+        """Journal the job's lease end when accepted posts moved it later."""
+        deadline = self.ctx.lease.deadline
+        if deadline > self.journaled_deadline:
+            self.journaled_deadline = deadline
+            self.ctx.record_lease()
 
     def _feed(self, data: str) -> None:
         delta = self.accumulator.feed_event(data)
@@ -211,7 +215,7 @@ class _StreamedGeneration:
 
     def _post_due(self) -> None:
         """Send the post that is due, if any (raises JobEnded when generation must stop)."""
-        body = self.poster.due(self.edges.clock())
+        body = self.poster.due(self.ports.clock.monotonic())
         if body is not None:
             self._post(body)
 
@@ -227,34 +231,37 @@ class _StreamedGeneration:
         Raises JobEnded when the job ended (cancelled or ChatJobAborted): the
         local generation is then aborted and nothing is submitted.
         """
-        edges, poster, lease = self.edges, self.poster, self.ctx.lease
+        ports, poster, lease = self.ports, self.poster, self.ctx.lease
+        clock = ports.clock
         while True:
             if self.ctx.abandoned.is_set():
                 return  # given up (the stop's deadline): no more posts, no retries
-            room = lease.remaining(edges.clock()) - SUBMIT_MARGIN_S
-            timeout = max(1.0, min(edges.settings.progress_timeout_s, room))
+            room = lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S
+            timeout = max(1.0, min(ports.settings.progress_timeout_s, room))
             try:
-                answer = edges.horde.progress(body, timeout_s=timeout)
-                action = poster.on_response(200, answer, edges.clock())
+                answer = ports.horde.progress(body, timeout_s=timeout)
+                action = poster.on_response(200, answer, clock.monotonic())
             except HordeRefusal as exc:
-                action = poster.on_response(exc.status, exc.body or {"rc": exc.rc}, edges.clock())
+                action = poster.on_response(
+                    exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
+                )
             except HordeUnavailable as exc:
                 if exc.status == 429 or exc.status >= 500:
                     action = poster.on_response(
-                        exc.status, exc.body or {"rc": exc.rc}, edges.clock()
+                        exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
                     )
                 else:
                     log.info(
                         "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"],
                         exc.reason,
                     )
-                    action = poster.on_lost(edges.clock())
+                    action = poster.on_lost(clock.monotonic())
             if action is ProgressAction.RETRY:
                 body = poster.retry_body()
-                self._extend_lease()
-                if lease.remaining(edges.clock()) - SUBMIT_MARGIN_S <= 0.5:
+                self._journal_lease()
+                if lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S <= 0.5:
                     return  # the caller's lease check aborts and faults the job
-                edges.pause(0.5)
+                ports.stop.pause(0.5)
                 continue
             if action is ProgressAction.STOP_GENERATING:
                 log.info("job=%s cancelled or ended by the Horde: not submitted", self.ctx.id)
@@ -278,7 +285,7 @@ class _StreamedGeneration:
         (koboldcpp keeps one pending abort key, 1.116.1 ``koboldcpp.py`` L6537-6539).
         """
         self.slot.close()
-        self.edges.abort_quietly(self.ctx.genkey)
+        self.ports.koboldcpp.abort_quietly(self.ctx.genkey)
 
 
 class _StreamSlot:

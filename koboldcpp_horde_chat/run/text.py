@@ -2,7 +2,9 @@
 
 The payload goes to koboldcpp's ``/api/v1/generate`` as koboldcpp's own
 worker sends it (with a ``HORDEREQ_`` genkey), and the reply is submitted as
-``generation``. A failure raises :class:`~errors.JobFault`.
+``generation``. A failure raises :class:`~errors.JobFault`. There is nothing
+to prepare: the job driver (``run/driver.py``) moves the job to
+``generating`` right after :meth:`TextRun.received`.
 
 Its ``max_context_length`` is sent as the job has it, even where koboldcpp's
 20 % rule then cuts ``max_length`` (unlike a chat job's): a text prompt is one
@@ -17,42 +19,63 @@ import logging
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..koboldcpp.answers import text_completion_tokens, text_generation
-from ..state.job import Edges, JobContext, Outcome
+from ..state.job import JobContext, Outcome
+from ..state.ports import Ports
 from ..translate.bodies import text_request_body
 from ..translate.submits import text_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
-def serve_text(edges: Edges, job: TextJob, ctx: JobContext) -> Outcome:
-    """Generate a text job and return its submit (``{"id", "generation", "state": "ok"}``).
+class TextRun:
+    """Serve one text job: :meth:`received`, then :meth:`generate` (the job's
+    moves are the driver's, ``run/driver.py``).
 
-    Raises:
-        JobFault: koboldcpp failed or its answer has no text (``backend_failed``).
+    Args:
+        ports: the loop's ports (``state.ports.Ports``).
+        job: the popped text job.
+        ctx: the job in hand.
     """
-    log.info(
-        "job=%s kind=text received: %s tokens, %s context",
-        job.id,
-        job.payload.get("max_length", "?"),
-        job.payload.get("max_context_length", "?"),
-    )
-    genkey = edges.generating(ctx)
-    try:
-        body = edges.with_busy_retry(
-            lambda timeout: edges.backend.generate(
-                text_request_body(job, genkey=genkey),
-                timeout_s=timeout,
-                cancel=ctx.abandoned,
-            ),
-            ctx,
+
+    def __init__(self, ports: Ports, job: TextJob, ctx: JobContext) -> None:
+        self.ports = ports
+        self.job = job
+        self.ctx = ctx
+
+    def received(self) -> None:
+        """Say in one line that the job is served, with its budget."""
+        job = self.job
+        log.info(
+            "job=%s kind=text received: %s tokens, %s context",
+            job.id,
+            job.payload.get("max_length", "?"),
+            job.payload.get("max_context_length", "?"),
         )
-        generation = text_generation(body)
-    except (BackendError, ReplyError) as exc:
-        raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
-    # The reply's length in tokens as koboldcpp counted them, as a chat job's.
-    tokens = text_completion_tokens(body)
-    detail = f"tokens={'?' if tokens is None else tokens}"
-    return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
+
+    def generate(self, genkey: str) -> Outcome:
+        """Generate the job under ``genkey`` (it is ``generating``) and return its
+        submit (``{"id", "generation", "state": "ok"}``).
+
+        Raises:
+            JobFault: koboldcpp failed or its answer has no text (``backend_failed``).
+        """
+        job, ctx, kcpp = self.job, self.ctx, self.ports.koboldcpp
+        try:
+            body = kcpp.with_busy_retry(
+                lambda timeout: kcpp.backend.generate(
+                    text_request_body(job, genkey=genkey),
+                    timeout_s=timeout,
+                    cancel=ctx.abandoned,
+                ),
+                ctx,
+            )
+            generation = text_generation(body)
+        except (BackendError, ReplyError) as exc:
+            raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
+        # The reply's length in tokens as koboldcpp counted them, as a chat job's.
+        tokens = text_completion_tokens(body)
+        detail = f"tokens={'?' if tokens is None else tokens}"
+        return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
 
 
 def _refusal_fault(exc: HordeRefusal) -> JobFault:

@@ -2,10 +2,11 @@
 
 Seed: "The pop loop" (flowchart) and "Worked example: koboldcpp's embedded
 worker". The loop pops with the declaration when the pop gate lets it
-(``service.gate``), hands each popped job to its run (``run.chat``,
-``run.text``) and the run's outcome to the submit pipeline (``run.submit``).
-It knows that a job runs and ends, not the steps of a chat job. Each popped
-job ends in one terminal action (``state.life``), logged with ``job=<id>``.
+(``service.gate``) and hands each popped job to its driver (``run.driver``),
+which takes it in hand, serves it and settles it through the submit pipeline
+(``run.submit``). The loop knows that a job runs and ends, not its steps or
+its phases. Each popped job ends in one terminal action (``state.life``),
+logged with ``job=<id>``.
 Every wait is ``stop_event.wait(seconds)``, so a stop is prompt.
 
 Like koboldcpp's own worker, the loop overlaps a job's submit with the next
@@ -20,30 +21,23 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import (
-    HordeError,
-    HordeRefusal,
-    HordeUnavailable,
-    JobEnded,
-    JobFault,
-    PayloadError,
-)
+from ..clock import ClockOf
+from ..errors import HordeError, HordeRefusal, HordeUnavailable, PayloadError
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
-from ..horde.pop import ChatJob, parse_pop
+from ..horde.pop import parse_pop
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import OWN_TAIL_S, LocalManners, NoManners
-from ..run.chat import ChatRun
+from ..run.driver import JobDriver
 from ..run.submit import SubmitPipeline
-from ..run.text import serve_text
 from ..settings import WorkerSettings
 from ..state.guard import FAILED_IN_A_ROW
-from ..state.job import Edges, JobContext, Lease, abort_quietly
-from ..state.life import Move, Phase
+from ..state.job import JobContext
 from ..state.meter import JobMeter
+from ..state.ports import KoboldcppPort, Ports, StopSignal
 from ..state.shared import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
 from ..state.skipped import SkippedReporter
-from ..state.status import PauseTracker, describe_pop_refusal, first_chat_job_line
+from ..state.status import PauseTracker, describe_pop_refusal
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
 from .pop_ahead import PopAhead
@@ -111,6 +105,7 @@ class Worker:
             state = WorkerState(
                 settings, stop_event=stop_event, started_at=None if wall is None else wall()
             )
+        own_clock = clock is not None or wall is not None
         if clock is None:
             clock = state.clock.monotonic
         if wall is None:
@@ -125,20 +120,25 @@ class Worker:
         self.pop_horde = pop_horde
         self.abort_backend = abort_backend if abort_backend is not None else backend
         self.gate = PopGate(self.manners, backend, state, settings, clock=clock, wall=wall)
-        self.edges = Edges(
+        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, state.clock)
+        ports_clock = ClockOf(clock, wall, state.clock) if own_clock else state.clock
+        self.ports = Ports(
             settings=settings,
             horde=horde,
-            backend=backend,
-            clock=clock,
-            stop_event=self.stop_event,
-            note_own_request=self.gate.note_own_request,
-            note_own_request_done=self.gate.note_own_request_done,
-            wall=wall,
+            koboldcpp=KoboldcppPort(
+                backend=backend,
+                abort_backend=self.abort_backend,
+                clock=ports_clock,
+                stop=stop,
+                note_own_request=self.gate.note_own_request,
+                note_own_request_done=self.gate.note_own_request_done,
+            ),
+            clock=ports_clock,
+            stop=stop,
             journal=state.journal,
-            stop_deadline=lambda: state.stop_deadline,
         )
         self.pipeline = SubmitPipeline(
-            settings, horde, state, clock=clock, wall=wall, pause=self.edges.pause,
+            settings, horde, state, clock=clock, wall=wall, pause=stop.pause,
             retry_horde=retry_horde,
         )
         self._ahead: PopAhead | None = None
@@ -152,6 +152,9 @@ class Worker:
         )
         self._skipped = SkippedReporter()
         self.meter = JobMeter(state, backend, clock)
+        self.driver = JobDriver(
+            self.ports, self.caps, state, self.pipeline, self.meter, self, worker_id
+        )
 
     # ------------------------------------------------------------------ loop
 
@@ -212,7 +215,7 @@ class Worker:
     def drain(self) -> None:
         """Take the answer of a pop still in flight, if any: a popped job always
         gets its terminal action, also when the loop is stopping (a job popped
-        after the stop's signal is faulted at once, see :meth:`_serve_popped`).
+        after the stop's signal is faulted at once, see ``run.driver.JobDriver``).
         Under the stop's deadline the pop is waited for until
         ``state.shared.STOP_POP_EXTRA_S`` after it (the Horde client hangs it up then);
         one that did not answer is said and counted (:meth:`_pop_left`)."""
@@ -327,152 +330,63 @@ class Worker:
         for message in self.state.new_moderator_lines(pop.get("messages")):
             log.warning("worker %d: %s", self.worker_id, message)
         if ctx is None:
-            ctx = self.receive(body, pop, popped_at)
+            ctx = self.driver.take_in_hand(body, pop, popped_at)
         if ctx is None:
-            return self._serve_popped(pop, None, body)
-        try:
-            return self._serve_popped(pop, ctx, body)
-        except Exception:
-            if ctx.settled:
-                raise
-            # Whatever went wrong, a popped job is answered: never left to expire.
-            log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
-            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
-            return True
-        except BaseException:
-            # A forced exit (a second SIGINT or SIGTERM): stop koboldcpp's generation,
-            # one quick fault, then go.
-            self.fault_job_now()
-            raise
-
-    def receive(
-        self, body: dict[str, Any], pop: dict[str, Any], popped_at: float
-    ) -> JobContext | None:
-        """Take the job a pop's answer carries in hand, before anything else happens
-        to it: its owner (``state.job.JobContext``) is made, counted in hand for the
-        stop (given up at once past the stop's deadline) and journaled, so a
-        SIGKILL from here on leaves it for the next start to fault. None when
-        the answer carries no usable job id. Runs on the thread the answer
-        arrived on."""
-        raw_id = pop.get("id")
-        if not (isinstance(raw_id, str) and raw_id):
-            return None
-        declared = body.get("chat_features")
-        ctx = JobContext(
-            id=raw_id,
-            kind="chat" if pop.get("chat") is True else "text",
-            lease=Lease.from_pop(pop, popped_at, self.settings.lease_s, self.settings.lease_cap_s),
-            started=popped_at,
-            model_id=str(body.get("model_id") or self.settings.model_id),
-            declared_features=tuple(map(str, declared)) if isinstance(declared, list) else (),
-            worker_id=self.worker_id,
-        )
-        ctx.stop_generation = lambda: self._stop_generation(ctx)
-        ctx.popped_in_stop = self.state.stop_deadline is not None
-        self.state.hold(ctx)
-        self.edges.record(ctx)
-        ctx.move(Move.JOURNAL)
-        return ctx
-
-    def _serve_popped(
-        self, pop: dict[str, Any], ctx: JobContext | None, body: dict[str, Any] | None = None
-    ) -> bool:
-        """Parse a pop answer and serve its job, if any. True when a job was served.
-
-        ``ctx`` is the job in hand, or None when the pop carried no usable id;
-        ``body`` the pop's own (what an empty pop's ``skipped`` line words).
-        """
-        try:
-            job = parse_pop(pop, default_ttl_s=self.settings.lease_s)
-        except PayloadError as exc:
-            self._empty_backoff.reset()
-            if ctx is not None:
-                log.warning("job=%s malformed payload at %s: %s", ctx.id, exc.path, exc.problem)
-                self._send_fault(ctx, JobFault("malformed payload"))
-            else:
-                log.warning("pop returned a job without a usable id (%s); skipped", exc.path)
-            return True
-        if job is None and ctx is not None:  # an id, yet no job the payload describes
-            self._send_fault(ctx, JobFault("malformed payload"))
-            return True
-        if job is None or ctx is None:
-            self.state.flush_journal()  # idle: write what the last jobs' ends left
-            line = self._skipped.line(
-                pop.get("skipped"),
-                self.clock(),
-                None if body is None else self.state.skip_context(body),
-            )
-            if line is not None:
-                log.info("worker %d: no job for this worker: %s", self.worker_id, line)
-            if not self._stopping():
-                self.stop_event.wait(self._empty_backoff.next_delay())
-            return False
-        self._empty_backoff.reset()
-        ctx.started = self.clock()
-        if isinstance(job, ChatJob) and self.state.first_chat_job():
-            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
-        try:
-            ctx.check_abandoned()  # given up already: popped after the stop's deadline
-            if ctx.popped_in_stop:
-                # The stop has a deadline the job's generation cannot be known to
-                # meet. Faulted now, the request goes to another worker at once;
-                # left to expire, it would wait out the lease first, and the Horde
-                # counts either as an aborted job (abort(), then wp.n += 1).
-                raise JobFault("popped after the stop's signal: not generated")
-            self._check_backend_unchanged(ctx)
-            if isinstance(job, ChatJob):
-                outcome = ChatRun(self.edges, self.caps, self.state, job, ctx).serve()
-            else:
-                outcome = serve_text(self.edges, job, ctx)
-        except JobFault as fault:
-            if fault.backend_failed:
-                # A killed koboldcpp shows as no answer, a reset or a stream cut
-                # short; check it is up before the next pop.
-                self.gate.backend_suspect = True
-                self.meter.failed(ctx, job)
-            self._send_fault(ctx, fault)
-            return True
-        except JobEnded as ended:
-            # Cancelled or ended by the Horde: nothing to send.
-            if ended.counted:  # its lease ran out: an aborted job on the Horde
-                self.meter.ended_by_horde(ctx, job)
-            ctx.end(Move.NO_SUBMIT)
-            self.state.release(ctx)
-            self.gate.own_generation_ended()
-            return True
-        ctx.move(Move.OUTCOME)
-        self.gate.own_generation_ended()
-        self.meter.generated(ctx, job, outcome.body)
-        self._pop_ahead(ctx, is_fault=False)
-        self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
+            return self._no_job(pop, body)
+        self.driver.drive(ctx, pop)
         return True
 
-    def _check_backend_unchanged(self, ctx: JobContext) -> None:
+    def _no_job(self, pop: dict[str, Any], body: dict[str, Any]) -> bool:
+        """A pop's answer without a job in hand (no usable job id): say why, and
+        wait the empty-pop backoff when it carried no job at all. False: no job
+        was served."""
+        try:
+            parse_pop(pop, default_ttl_s=self.settings.lease_s)
+        except PayloadError as exc:
+            self._empty_backoff.reset()
+            log.warning("pop returned a job without a usable id (%s); skipped", exc.path)
+            return True
+        self.state.flush_journal()  # idle: write what the last jobs' ends left
+        line = self._skipped.line(pop.get("skipped"), self.clock(), self.state.skip_context(body))
+        if line is not None:
+            log.info("worker %d: no job for this worker: %s", self.worker_id, line)
+        if not self._stopping():
+            self.stop_event.wait(self._empty_backoff.next_delay())
+        return False
+
+    # ------------------------------------------- the driver's hooks (run.driver)
+
+    def payload_read(self) -> None:
+        """A job came: the empty-pop backoff starts over (``run.driver.LoopHooks``)."""
+        self._empty_backoff.reset()
+
+    def backend_changed(self, ctx: JobContext) -> str | None:
         """Before serving a job that waited since its pop (behind a slow submit, say),
         after koboldcpp failed, or once the host says stop (another loop may have
         seen koboldcpp come back changed): has koboldcpp restarted serving
-        another model or context than the job's pop declared? Then the job is
-        not served under limits koboldcpp no longer has.
-
-        Raises:
-            JobFault: koboldcpp serves something else now.
-        """
+        another model or context than the job's pop declared? What changed, or
+        None (then the job is served under the limits it was popped under)."""
         waited = self.clock() - ctx.lease.popped_at
         if (
             waited < RECHECK_AFTER_WAIT_S
             and not self.gate.backend_suspect
             and not self.manners.should_stop()
         ):
-            return
-        changed = self.gate.backend_changed()
-        if changed is not None:
-            raise JobFault(f"{changed}: the job was popped under the old declaration")
+            return None
+        return self.gate.backend_changed()
 
-    def _send_fault(self, ctx: JobContext, fault: JobFault) -> None:
-        if ctx.phase is Phase.GENERATING:
-            self.gate.own_generation_ended()
-        self._pop_ahead(ctx, is_fault=True)
-        self.pipeline.fault(ctx, fault)
+    def generation_ended(self) -> None:
+        """The job's own request to koboldcpp ended (``PopGate.own_generation_ended``)."""
+        self.gate.own_generation_ended()
+
+    def backend_failed(self) -> None:
+        """koboldcpp failed a job: checked before the next pop."""
+        self.gate.backend_suspect = True
+
+    def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
+        """The job's terminal action goes out next: the next pop goes beside it
+        when it may (:meth:`_pop_ahead`)."""
+        self._pop_ahead(ctx, is_fault=is_fault)
 
     def _pop_ahead(self, ctx: JobContext, *, is_fault: bool) -> None:
         """Send the next pop on its own thread, so that it overlaps this job's submit.
@@ -496,7 +410,7 @@ class Worker:
         self._ahead = PopAhead(
             self.pop_horde,
             self._prepare_pop_ahead,
-            self.receive,
+            self.driver.take_in_hand,
             self.settings.pop_timeout_s,
             self.clock,
         )
@@ -544,21 +458,7 @@ class Worker:
 
     # ------------------------------------------------------------ bounded stop
 
-    def _stop_generation(self, ctx: JobContext) -> None:
-        """End the job's local generation from another thread (the job was given
-        up): close the connection of its request (with koboldcpp batching an
-        abort by genkey stops nothing), then abort it by its genkey."""
-        self.backend.hang_up()
-        if ctx.genkey:
-            abort_quietly(self.abort_backend, ctx.genkey)
-
     def fault_job_now(self) -> None:
         """Fault the jobs this loop holds with one quick submit each (the process
-        exits now). Each job's terminal action is taken first, so that the loop,
-        whose generation the abort ends, sends nothing more for it."""
-        for ctx in self.state.jobs_in_hand(self.worker_id):
-            if ctx.phase is Phase.SETTLING:
-                continue  # its submit is on the wire: the journal keeps it if that fails
-            ctx.give_up("the worker is exiting")
-            self.pipeline.fault_now(ctx)
-
+        exits now; ``run.driver.JobDriver.fault_jobs_now``)."""
+        self.driver.fault_jobs_now()

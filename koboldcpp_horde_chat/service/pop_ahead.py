@@ -2,8 +2,8 @@
 
 koboldcpp's own worker overlaps its submit with the next pop; so does this
 worker's loop (``service.loop``), and a job the early pop brings is taken in
-hand on this thread as soon as the answer arrives (journaled before the loop
-is free to serve it).
+hand (``run.driver.JobDriver.take_in_hand``) on this thread as soon as the
+answer arrives (journaled before the loop is free to serve it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class PopAhead:
     terminal action goes out on the loop's thread and the pop beside it. The
     thread first asks ``prepare`` for the pop body (the loop's checks of
     whether to pop now, which may read koboldcpp: the submit does not wait for
-    them); None means no pop (``skipped``). When the pop answers, ``receive``
+    them); None means no pop (``skipped``). When the pop answers, ``take_in_hand``
     takes the job it carries in hand on this thread at once (journaled before
     the loop is free to serve it). ``join()`` waits for the thread: then
     ``answer`` (the pop's JSON) or ``error`` (a ``HordeError``) is set,
@@ -39,7 +39,8 @@ class PopAhead:
     Args:
         horde: a Horde client used by no other thread meanwhile.
         prepare: returns the pop body, or None not to pop now.
-        receive: takes ``(body, answer, popped_at)`` and returns the job in hand, or None.
+        take_in_hand: takes ``(body, answer, popped_at)`` and returns the job in
+            hand, or None (the loop's driver's).
         timeout_s: the pop's read timeout, seconds.
         clock: monotonic seconds.
     """
@@ -48,7 +49,7 @@ class PopAhead:
         self,
         horde: HordeAPI,
         prepare: Callable[[], dict[str, Any] | None],
-        receive: Callable[[dict[str, Any], dict[str, Any], float], JobContext | None],
+        take_in_hand: Callable[[dict[str, Any], dict[str, Any], float], JobContext | None],
         timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
@@ -60,7 +61,7 @@ class PopAhead:
         self.ctx: JobContext | None = None
         self._horde = horde
         self._prepare = prepare
-        self._receive = receive
+        self._take_in_hand = take_in_hand
         self._timeout_s = timeout_s
         self._clock = clock
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
@@ -89,7 +90,7 @@ class PopAhead:
         else:
             self.popped_at = self._clock()
             try:
-                self.ctx = self._receive(body, answer, self.popped_at)
+                self.ctx = self._take_in_hand(body, answer, self.popped_at)
             except Exception:  # the loop takes the job in hand itself
                 log.debug("the job popped beside the submit was not received", exc_info=True)
             self.answer = answer

@@ -1,17 +1,18 @@
-"""What every job run shares: the job's one owner, its lease, and the I/O edges.
+"""A job's one owner, from the pop's answer to its terminal action, and what a run returns.
 
 A job run (``run/chat.py``, ``run/text.py``) takes one popped job through the
 seed's steps and either returns the outcome to submit or raises
 :class:`~errors.JobFault` (fault it) or :class:`~errors.JobEnded` (nothing to
-send). The loop hands the outcome to the submit pipeline (``run/submit.py``), the
-one place that sends terminal actions.
+send). The job driver (``run/driver.py``) makes the job's moves around the
+run's steps and hands the outcome to the submit pipeline (``run/submit.py``),
+the one place that sends terminal actions.
 
-- :class:`Lease`: a job's lease on the monotonic clock (seed "Streaming
-  progress": the pop's ``ttl``, extended by accepted progress posts).
-- :class:`JobContext`: the job's one owner from the pop's answer to its
-  terminal action: id, kind, ``model_id``, lease, genkey, phase (``state/life.py``).
-- :class:`Edges`: the I/O edges and clocks a run uses, with the backend
-  helpers every run needs (busy retries, a best-effort abort, pauses).
+- :class:`JobContext`: the job's one owner: id, kind, ``model_id``, lease
+  (``horde.pop.Lease``), genkey, phase (``state/life.py``), and the job-life
+  operations: its journal entry, the start of its generation, its blocking
+  steps given up at the stop's deadline.
+- :class:`Steps`: the loop's step thread, where a job's blocking steps run.
+- :class:`Outcome`: what a run returns.
 """
 
 from __future__ import annotations
@@ -20,17 +21,13 @@ import logging
 import queue
 import secrets
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from ..errors import BackendBusy, BackendError, BackendUnauthorized, HordeRefusal, JobFault
-from ..horde.api import HordeAPI
-from ..horde.pop import ttl_seconds
-from ..koboldcpp.api import KcppAPI
-from ..settings import WorkerSettings
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import HordeRefusal, JobFault
+from ..horde.pop import Lease
 from .journal import Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
 
@@ -40,53 +37,32 @@ T = TypeVar("T")
 
 #: Seconds kept free at the end of a lease for the submit.
 SUBMIT_MARGIN_S = 5.0
-#: Read timeout of an abort, seconds: best effort, and the fault must still fit the lease.
-ABORT_TIMEOUT_S = 2.0
 
-
-@dataclass
-class Lease:
-    """A job's lease on the monotonic clock (seed: "Streaming progress", lease).
-
-    Attributes:
-        popped_at: when the pop answered, monotonic seconds.
-        deadline: when the Horde stops taking the job's submit, monotonic
-            seconds; accepted progress posts move it later.
-    """
-
-    popped_at: float
-    deadline: float
-
-    def remaining(self, now: float) -> float:
-        """Seconds left at monotonic time ``now`` (negative once it ended)."""
-        return self.deadline - now
-
-    @classmethod
-    def from_pop(
-        cls, pop: dict[str, Any], popped_at: float, default_s: float, cap_s: float
-    ) -> Lease:
-        """The lease of a popped job before its payload is parsed: the pop's ``ttl``
-        (``horde.pop.ttl_seconds``), never past
-        ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
-        seconds = ttl_seconds(pop, default_s)
-        return cls(popped_at, popped_at + min(seconds, cap_s))
+__all__ = ["SUBMIT_MARGIN_S", "JobContext", "Lease", "Outcome", "Steps", "new_genkey",
+           "payload_keys"]
 
 
 @dataclass
 class JobContext:
     """One popped job, from the pop's answer to its terminal action: its one owner.
 
-    Every change of where the job is goes through :meth:`move`, checked by
-    ``state.life.next_phase`` (seed "The pop loop": one terminal action per
-    job). The loop, the pop sent beside a submit, the submit pipeline, the
-    stop and the journal (``state.shared.WorkerState.hold``/``release``) all
-    read and move the job here, from any thread.
+    Every change of where the job is goes through :meth:`move` (or
+    :meth:`settle`, :meth:`end`), checked by ``state.life.next_phase`` (seed
+    "The pop loop": one terminal action per job); the job driver
+    (``run/driver.py``) and the submit pipeline (``run/submit.py``) make them.
+    Nothing outside this class writes its fields: what the job is given at
+    the pop's answer comes in at construction, and what changes later
+    (:meth:`begin`, :meth:`give_up`, the phase) changes under its lock. The
+    shared state (``state.shared.WorkerState.hold``/``release``), the stop and
+    the pop sent beside a submit read it from any thread.
 
     Attributes:
         id: the Horde's job id.
         kind: ``"chat"`` or ``"text"`` (the pop's ``chat: true`` or not).
-        lease: the job's lease.
-        started: monotonic seconds when serving began (for the submit's log line).
+        lease: the job's one lease (``horde.pop.Lease``), extended by its
+            progress posts (``horde.progress.ProgressPoster``).
+        started: monotonic seconds when serving began (the pop's answer until
+            :meth:`begin`; for the submit's log line).
         model_id: the ``model_id`` declared at the pop that returned the job:
             the job's assigned model (seed step 6: "model_id is the job's
             assigned model, taken from the worker's declaration at pop").
@@ -95,15 +71,19 @@ class JobContext:
         worker_id: the pop loop that holds the job.
         genkey: the ``HORDEREQ_`` key of the job's local generation, made with
             the job and journaled with it (an abort targets it).
+        popped_in_stop: the pop's answer came after a stop with a deadline
+            began: the job is faulted at once, not generated.
+        stop_generation: ends the job's generation on koboldcpp, given its
+            genkey (connection closed, abort by genkey); called by
+            :meth:`give_up` from any thread while the job is generating.
+        journal: the worker's job journal (None: no journal).
+        clock: the clock of the lease and of ``started`` (its wall time is the
+            journal's).
+        steps: the loop's step thread (:meth:`until_given_up`).
         phase: where the job is (``state/life.py``).
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
-            ends at it (:meth:`Edges.until_given_up`, the generation's abort).
-        popped_in_stop: the pop's answer came after a stop with a deadline
-            began: the job is faulted at once, not generated.
-        stop_generation: set by the loop while the job's generation runs:
-            ends it on koboldcpp (abort by genkey, connection closed); called
-            by :meth:`give_up` from any thread.
+            ends at it (:meth:`until_given_up`, the generation's abort).
     """
 
     id: str
@@ -114,11 +94,14 @@ class JobContext:
     declared_features: tuple[str, ...] = ()
     worker_id: int = 1
     genkey: str = field(default_factory=lambda: new_genkey())
+    popped_in_stop: bool = False
+    stop_generation: Callable[[str], None] | None = field(default=None, repr=False)
+    journal: Journal | None = field(default=None, repr=False)
+    clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+    steps: Steps = field(default_factory=lambda: Steps(), repr=False)
     phase: Phase = Phase.POPPED
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
-    stop_generation: Callable[[], None] | None = field(default=None, repr=False)
-    popped_in_stop: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _wakers: list[threading.Event] = field(default_factory=list, repr=False)
 
@@ -160,6 +143,71 @@ class JobContext:
         """True until the job's life ended."""
         return self.phase not in ENDED
 
+    @property
+    def chat(self) -> bool:
+        """True for a chat job."""
+        return self.kind == "chat"
+
+    # ------------------------------------------------------------- its life
+
+    def begin(self) -> None:
+        """Serving begins (its payload was read): ``started`` is now, monotonic seconds."""
+        with self._lock:
+            self.started = self.clock.monotonic()
+
+    def record(self) -> None:
+        """Write the job to the journal as it is now (a plain write: a killed
+        process's writes are kept by the kernel), so that a restart after a
+        crash ends it (``service.recovery.recover``). Its lease end is the one the
+        Horde runs: the pop's ``ttl`` from the pop's answer."""
+        if self.journal is None:
+            return
+        self.journal.add(
+            JournalEntry(
+                job_id=self.id,
+                kind=self.kind,
+                model_id=self.model_id if self.chat else None,
+                genkey=self.genkey,
+                lease_end=self._lease_end(),
+            )
+        )
+
+    def record_lease(self) -> None:
+        """Write the job's lease end again after an accepted progress post moved
+        it later (seed "Streaming progress"), so a restart does not take a
+        lease that runs for one that ended."""
+        if self.journal is not None:
+            self.journal.set_lease_end(self.id, self._lease_end())
+
+    def _lease_end(self) -> float:
+        """The job's lease end in epoch seconds (its monotonic deadline on the wall clock)."""
+        return self.clock.time() + self.lease.deadline - self.clock.monotonic()
+
+    def start_generation(self) -> str:
+        """The job's generation starts (the move to ``generating``): returns its
+        genkey (made with the job at the pop's answer and journaled with it, so
+        a restart aborts it on koboldcpp).
+
+        Raises:
+            JobFault: the job was given up meanwhile.
+        """
+        self.check_abandoned()
+        self.move(Move.GENERATE)
+        return self.genkey
+
+    def until_given_up(self, call: Callable[[], T]) -> T:
+        """``call()``'s result, or JobFault as soon as the job is given up.
+
+        For a blocking step before the generation (a fetch, the token count):
+        its own timeout keeps it within the lease, and this keeps it within the
+        stop's deadline. The call runs on the loop's step thread (:class:`Steps`).
+
+        Raises:
+            JobFault: the job was given up (before or during the call).
+            Exception: whatever ``call`` raises.
+        """
+        return self.steps.run(self, call)
+
     def give_up(self, why: str) -> None:
         """Give the job up (the stop's deadline came), from any thread: its blocking
         step ends, its generation is stopped, and its run faults it."""
@@ -175,7 +223,7 @@ class JobContext:
         for waker in wakers:
             waker.set()
         if stop is not None and self.genkey:
-            stop()
+            stop(self.genkey)
 
     def check_abandoned(self) -> None:
         """Raise JobFault when the job was given up (see :meth:`give_up`)."""
@@ -196,11 +244,6 @@ class JobContext:
             if waker in self._wakers:
                 self._wakers.remove(waker)
 
-    @property
-    def chat(self) -> bool:
-        """True for a chat job."""
-        return self.kind == "chat"
-
 
 @dataclass(frozen=True)
 class Outcome:
@@ -218,103 +261,27 @@ class Outcome:
     on_refused: Callable[[HordeRefusal], JobFault]
 
 
-@dataclass
-class Edges:
-    """The I/O edges, clocks and stop signal a job run uses.
+class Steps:
+    """The loop's step thread: a job's blocking steps before its generation run
+    there one at a time, so that the job's own thread can give them up at the
+    stop's deadline (:meth:`JobContext.until_given_up`). A step given up
+    finishes there by its own timeout, its result unused, and later steps get
+    a new thread."""
 
-    Attributes:
-        settings: the worker's configuration.
-        horde: the Horde client (progress posts; the only holder of the API key).
-        backend: the koboldcpp client.
-        clock: monotonic seconds.
-        stop_event: set when the worker is asked to stop.
-        note_own_request, note_own_request_done: called before and after each
-            generation request the worker sends (:meth:`own_request`), so a
-            standalone worker does not take it for a local user's.
-        wall: epoch seconds.
-        journal: the worker's job journal (None: no journal).
-        stop_deadline: the stop's deadline (``time.monotonic()`` seconds), or
-            None while the worker is not stopping under one.
-    """
+    def __init__(self) -> None:
+        self._runner: _StepRunner | None = None
 
-    settings: WorkerSettings
-    horde: HordeAPI
-    backend: KcppAPI
-    clock: Callable[[], float]
-    stop_event: threading.Event
-    note_own_request: Callable[[], None]
-    wall: Callable[[], float] = time.time
-    journal: Journal | None = None
-    note_own_request_done: Callable[[], None] = lambda: None
-    stop_deadline: Callable[[], float | None] = lambda: None
-    _step_runner: _StepRunner | None = field(default=None, init=False, repr=False)
-
-    @contextmanager
-    def own_request(self) -> Iterator[None]:
-        """Around one generation request of the worker's to koboldcpp, so that a
-        standalone worker does not take it for a local user's."""
-        self.note_own_request()
-        try:
-            yield
-        finally:
-            self.note_own_request_done()
-
-    def record(self, ctx: JobContext) -> None:
-        """Write the job to the journal as it is now (a plain write: a killed
-        process's writes are kept by the kernel), so that a restart after a
-        crash ends it (``recovery.recover``). Its lease end is the one the
-        Horde runs: the pop's ``ttl`` from the pop's answer."""
-        if self.journal is None:
-            return
-        self.journal.add(
-            JournalEntry(
-                job_id=ctx.id,
-                kind=ctx.kind,
-                model_id=ctx.model_id if ctx.chat else None,
-                genkey=ctx.genkey,
-                lease_end=self._lease_end(ctx),
-            )
-        )
-
-    def _lease_end(self, ctx: JobContext) -> float:
-        """The job's lease end in epoch seconds (its monotonic deadline on the wall clock)."""
-        return self.wall() + ctx.lease.deadline - self.clock()
-
-    def record_lease(self, ctx: JobContext) -> None:
-        """Write the job's lease end again after an accepted progress post moved
-        it later (seed "Streaming progress"), so a restart does not take a
-        lease that runs for one that ended."""
-        if self.journal is not None:
-            self.journal.set_lease_end(ctx.id, self._lease_end(ctx))
-
-    def generating(self, ctx: JobContext) -> str:
-        """The job's generation starts: returns its genkey (made with the job at the
-        pop's answer and journaled with it, so a restart aborts it on koboldcpp).
-
-        Raises:
-            JobFault: the job was given up meanwhile.
-        """
-        ctx.check_abandoned()
-        ctx.move(Move.GENERATE)
-        return ctx.genkey
-
-    def until_given_up(self, ctx: JobContext, call: Callable[[], T]) -> T:
-        """``call()``'s result, or JobFault as soon as the job is given up.
-
-        For a blocking step before the generation (a fetch, the token count):
-        its own timeout keeps it within the lease, and this keeps it within the
-        stop's deadline. The call runs on a step thread (one kept for the
-        loop's steps); one given up finishes there by its own timeout, its
-        result unused, and later steps get a new thread.
+    def run(self, ctx: JobContext, call: Callable[[], T]) -> T:
+        """``call()``'s result, or JobFault as soon as ``ctx`` is given up.
 
         Raises:
             JobFault: the job was given up (before or during the call).
             Exception: whatever ``call`` raises.
         """
         ctx.check_abandoned()
-        runner = self._step_runner
+        runner = self._runner
         if runner is None or runner.busy:  # busy: a step given up still runs there
-            runner = self._step_runner = _StepRunner()
+            runner = self._runner = _StepRunner()
         done = threading.Event()
         ctx.add_waker(done)
         try:
@@ -328,61 +295,6 @@ class Edges:
         if not ok:
             raise value
         return cast(T, value)
-
-    def pause(self, seconds: float) -> None:
-        """Wait ``seconds`` (a job's own retry pause), never longer: a stop does not
-        shorten it, but its deadline (``stop_deadline``) does, so that the retry
-        after it makes its last attempt by the deadline."""
-        if self.stop_deadline() is None and not self.stop_event.is_set():
-            start = time.monotonic()
-            if not self.stop_event.wait(seconds):
-                return
-            seconds -= time.monotonic() - start  # the stop came: the rest of the wait
-        deadline = self.stop_deadline()
-        if deadline is not None:
-            seconds = min(seconds, deadline - time.monotonic())
-        if seconds > 0:
-            threading.Event().wait(seconds)
-
-    def abort_quietly(self, genkey: str) -> None:
-        """Best-effort abort of the local generation (see :func:`abort_quietly`)."""
-        abort_quietly(self.backend, genkey)
-
-    def with_busy_retry(
-        self, call: Callable[[float], dict[str, Any]], ctx: JobContext
-    ) -> dict[str, Any]:
-        """Call the backend for the job in hand, waiting out 503 busy answers
-        while the lease allows.
-
-        ``call`` gets the read timeout in seconds (what is left of the lease
-        before the submit margin). A timeout aborts the local generation (by
-        ``ctx.genkey``) before raising.
-
-        Raises:
-            BackendError: the lease ran out or the backend failed.
-            JobFault: the job was abandoned meanwhile (its generation aborted).
-        """
-        while True:
-            ctx.check_abandoned()
-            remaining = ctx.lease.remaining(self.clock()) - SUBMIT_MARGIN_S
-            if remaining <= 1.0:
-                raise BackendError("the lease ran out before koboldcpp answered")
-            try:
-                with self.own_request():  # the worker's own, not a local user's
-                    answer = call(remaining)
-            except BackendUnauthorized:
-                raise
-            except BackendBusy:
-                # Waited out until the lease or the stop's grace period ends.
-                self.pause(min(2.0, max(0.0, remaining - 1.0)))
-                continue
-            except BackendError as exc:
-                ctx.check_abandoned()
-                if exc.status == 0:
-                    self.abort_quietly(ctx.genkey)
-                raise
-            ctx.check_abandoned()
-            return answer
 
 
 class _StepRunner:
@@ -416,15 +328,6 @@ class _StepRunner:
                 self.busy = False
                 done.set()
 
-
-def abort_quietly(backend: KcppAPI, genkey: str) -> None:
-    """Best-effort abort of the local generation ``genkey``, quick enough to leave
-    the lease's margin to the fault that usually follows (koboldcpp answers in
-    about 0.1 s); a failure is logged at debug level only."""
-    try:
-        backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
-    except BackendError as exc:
-        log.debug("abort of %s failed: %s", genkey, exc)
 
 
 def new_genkey() -> str:

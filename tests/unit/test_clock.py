@@ -1,6 +1,7 @@
 """The worker's clock is one object passed in: the shared state's stop deadline,
-its grace timer and the calls' deadlines run on the clock they are given, and
-no test patches ``time`` or ``threading`` inside a module of the worker."""
+its grace timer, the calls' deadlines and a job's pauses run on the clock they
+are given, and no test patches ``time`` or ``threading`` inside a module of
+the worker."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from koboldcpp_horde_chat.clock import SYSTEM_CLOCK, Clock
+from koboldcpp_horde_chat.horde.pop import Lease
 from koboldcpp_horde_chat.inflight import CallDeadlines
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state.job import JobContext, Lease
+from koboldcpp_horde_chat.state.job import JobContext
+from koboldcpp_horde_chat.state.ports import StopSignal
 from koboldcpp_horde_chat.state.shared import WorkerState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +39,9 @@ class StepClock:
         timer = StepTimer(self, seconds, action, name)
         self.timers.append(timer)
         return timer
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(max(0.0, seconds))
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -86,6 +92,23 @@ def test_a_stop_gives_up_the_job_in_hand_when_the_given_clock_reaches_its_grace(
     clock.advance(0.1)
     assert state.stop_overdue()
     assert ctx.abandoned.is_set()  # given up at the grace's end, on the given clock
+
+
+def test_a_jobs_pause_waits_on_the_given_clock_and_ends_at_the_stops_deadline() -> None:
+    """A job's retry pause reads the clock it is given: without a stop it waits its
+    seconds on it; under the stop's deadline it ends at the deadline."""
+    clock = StepClock()
+    stop = threading.Event()
+    deadline: list[float | None] = [None]
+    signal = StopSignal(stop, lambda: deadline[0], clock)
+    stop.set()  # the stop came without a deadline: the pause is not shortened
+    signal.pause(2.0)
+    assert clock.now == 502.0
+    deadline[0] = clock.now + 0.5
+    signal.pause(2.0)
+    assert clock.now == 502.5
+    signal.pause(2.0)  # past the deadline: no wait at all
+    assert clock.now == 502.5
 
 
 def test_the_calls_deadlines_hang_up_a_call_when_the_given_clock_reaches_them() -> None:

@@ -17,9 +17,10 @@ import pytest
 
 from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 from koboldcpp_horde_chat.errors import JobFault
+from koboldcpp_horde_chat.horde.pop import Lease
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state.job import Edges, JobContext, Lease
+from koboldcpp_horde_chat.state.job import JobContext
 from koboldcpp_horde_chat.state.journal import Journal
 from koboldcpp_horde_chat.state.life import ENDED, LIVE, MOVES, IllegalMove, Move, Phase, next_phase
 from koboldcpp_horde_chat.state.shared import WorkerState
@@ -108,44 +109,36 @@ def test_one_terminal_action_however_many_threads_ask_at_once() -> None:
 
 def test_a_given_up_job_ends_its_blocking_step_at_once_and_stops_its_generation() -> None:
     stopped: list[str] = []
-    job = ctx(stop_generation=lambda: stopped.append("stop"))
-    edges = Edges(
-        settings=settings(), horde=FakeHorde(FakeClock()), backend=FakeBackend(), clock=time.monotonic,
-        stop_event=threading.Event(), note_own_request=lambda: None,
-    )
+    job = ctx(stop_generation=stopped.append)
     release = threading.Event()
     threading.Timer(0.2, job.give_up, args=("the stop's deadline",)).start()
     started = time.monotonic()
     with pytest.raises(JobFault, match="the stop's deadline"):
-        edges.until_given_up(job, lambda: release.wait(30))
+        job.until_given_up(lambda: release.wait(30))
     assert time.monotonic() - started < 5.0
     release.set()
     assert stopped == []  # no genkey yet: nothing to stop on koboldcpp
-    job2 = ctx("j2", stop_generation=lambda: stopped.append("stop"), genkey="HORDEREQ_ab12",
+    job2 = ctx("j2", stop_generation=stopped.append, genkey="HORDEREQ_ab12",
                phase=Phase.GENERATING)
     job2.give_up("bye")
     job2.give_up("bye again")
-    assert stopped == ["stop"] and job2.abandon_why == "bye"
+    assert stopped == ["HORDEREQ_ab12"] and job2.abandon_why == "bye"
     # a job whose generation ended is not stopped: the client may be serving the next one
-    job3 = ctx("j3", stop_generation=lambda: stopped.append("late"), genkey="HORDEREQ_cd34",
+    job3 = ctx("j3", stop_generation=stopped.append, genkey="HORDEREQ_cd34",
                phase=Phase.SETTLING)
     job3.give_up("bye")
-    assert stopped == ["stop"]
+    assert stopped == ["HORDEREQ_ab12"]
 
 
 def test_a_step_that_ends_first_returns_its_value_and_raises_its_own_error() -> None:
     job = ctx()
-    edges = Edges(
-        settings=settings(), horde=FakeHorde(FakeClock()), backend=FakeBackend(), clock=time.monotonic,
-        stop_event=threading.Event(), note_own_request=lambda: None,
-    )
-    assert edges.until_given_up(job, lambda: 42) == 42
+    assert job.until_given_up(lambda: 42) == 42
 
     def boom() -> int:
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        edges.until_given_up(job, boom)
+        job.until_given_up(boom)
 
 
 def test_a_job_received_after_the_stops_deadline_is_given_up_at_once(tmp_path: Any) -> None:
@@ -229,10 +222,11 @@ def tools_pop(job_id: str) -> dict[str, Any]:
 
 
 def overlapping_worker(
-    horde: FakeHorde, clock: FakeClock, **options: Any
+    horde: FakeHorde, clock: FakeClock, journal: Journal | None = None, **options: Any
 ) -> Worker:
     return Worker(
         settings(**options),
+        state=WorkerState(settings(**options), stop_event=FakeStopEvent(clock), journal=journal),
         horde=horde,
         backend=FakeBackend(),
         stop_event=FakeStopEvent(clock),
@@ -280,11 +274,9 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     clock = FakeClock()
     horde = FakeHorde(clock)
     journal = Journal(tmp_path / "jobs.json")
-    worker = overlapping_worker(horde, clock)
-    worker.state.journal = journal
-    worker.edges.journal = journal
+    worker = overlapping_worker(horde, clock, journal)
     body = worker.state.pop_body(worker.caps)
-    job = worker.receive(body, tools_pop("j9"), clock())
+    job = worker.driver.take_in_hand(body, tools_pop("j9"), clock())
     assert job is not None and job.phase is Phase.JOURNALED
     (entry,) = journal.entries()
     assert entry.job_id == "j9" and entry.genkey == job.genkey

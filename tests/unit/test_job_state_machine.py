@@ -125,6 +125,9 @@ class TimerClock(FakeClock):
     def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> FakeTimer:
         return FakeTimer(self, seconds, action)
 
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
     def _fire(self) -> None:
         with self._timers_lock:
             due = sorted((t for t in self._timers if t.due <= self.now), key=lambda t: t.due)
@@ -523,9 +526,6 @@ class JobLife(RuleBasedStateMachine):
                 pop_horde=ahead,
                 retry_horde=self.desk.make,
             )
-            # A job's own waits (busy retries, submit retries) pass on the fake clock too.
-            worker.edges.pause = self.clock.advance  # type: ignore[method-assign]
-            worker.pipeline.pause = self.clock.advance
             state.slots.append(worker)
             self.workers.append(worker)
             self.ahead.append(ahead)

@@ -412,9 +412,6 @@ MODULES_ALLOWED_LONGER: dict[str, str] = {
     "service/recovery.py": "the start-up pass over the journal: each job's plan, its "
     "attempts and their pauses until the Horde answers, the lease ends or the stop's "
     "deadline comes, and the thread that runs it before koboldcpp answers",
-    "service/loop.py": "one pop loop's life: pop, serve, pause, and its bounded stop "
-    "(the drain of the pop in flight, the jobs given up), which reads the loop's own "
-    "fields throughout",
 }
 
 

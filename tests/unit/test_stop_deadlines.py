@@ -11,42 +11,30 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde
+from koboldcpp_horde_chat.clock import SYSTEM_CLOCK
 from koboldcpp_horde_chat.errors import BackendError, HordeUnavailable
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.inflight import CallDeadlines
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
-from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state.job import Edges
+from koboldcpp_horde_chat.state.ports import StopSignal
 
 
-def edges(stop: threading.Event, deadline: list[float | None]) -> Edges:
-    clock = FakeClock()
-    return Edges(
-        settings=WorkerSettings(
-            api_key="unit-key-5f2e9c", worker_name="w", model_id="m",
-            backend_max_context_length=4096, max_length=512,
-        ),
-        horde=FakeHorde(clock),
-        backend=FakeBackend(),
-        clock=clock,
-        stop_event=stop,
-        note_own_request=lambda: None,
-        stop_deadline=lambda: deadline[0],
-    )
+def signal(stop: threading.Event, deadline: list[float | None]) -> StopSignal:
+    """The stop as a job's run sees it, on the real clock."""
+    return StopSignal(stop, lambda: deadline[0], SYSTEM_CLOCK)
 
 
-def timed_pause(e: Edges, seconds: float, meanwhile: Callable[[], None]) -> float:
+def timed_pause(s: StopSignal, seconds: float, meanwhile: Callable[[], None]) -> float:
     threading.Timer(0.3, meanwhile).start()
     start = time.monotonic()
-    e.pause(seconds)
+    s.pause(seconds)
     return time.monotonic() - start
 
 
 def test_a_stop_without_a_deadline_does_not_lengthen_a_retrys_pause() -> None:
     """A 1 s pause is 1 s, not 1.3 s, when the stop comes 0.3 s into it."""
     stop = threading.Event()
-    took = timed_pause(edges(stop, [None]), 1.0, stop.set)
+    took = timed_pause(signal(stop, [None]), 1.0, stop.set)
     assert 0.95 <= took < 1.15
 
 
@@ -59,7 +47,7 @@ def test_the_stops_deadline_cuts_a_retrys_pause_to_it() -> None:
         deadline[0] = time.monotonic() + 0.5
         stop.set()
 
-    took = timed_pause(edges(stop, deadline), 2.0, request_stop)
+    took = timed_pause(signal(stop, deadline), 2.0, request_stop)
     assert 0.75 <= took < 0.95
 
 

@@ -16,9 +16,10 @@ import pytest
 
 from bench.harness.fakes import FakeClock
 from koboldcpp_horde_chat.errors import HordeUnavailable, JobFault
+from koboldcpp_horde_chat.horde.pop import Lease
 from koboldcpp_horde_chat.run.submit import SubmitPipeline
 from koboldcpp_horde_chat.settings import WorkerSettings
-from koboldcpp_horde_chat.state.job import JobContext, Lease
+from koboldcpp_horde_chat.state.job import JobContext
 from koboldcpp_horde_chat.state.journal import Journal, JournalEntry
 from koboldcpp_horde_chat.state.journal_rules import (
     REPLY_STATES,
