@@ -4,10 +4,11 @@ Seed: "The pop loop" (every popped job ends in one terminal action: an
 accepted submit, a fault, or a deliberate no-submit after a cancel or
 ``ChatJobAborted``) and "7. Fault a job". One table says which move may
 follow which phase; :class:`koboldcpp_horde_chat.state.job.JobContext`, the
-one owner of a job from the pop's answer to its terminal action, makes every
-move through
-:func:`next_phase`, so the loop, the slots, the pop sent beside a submit, the
-stop and the journal cannot disagree about where a job is.
+one owner of a job from the pop's answer to its terminal action, checks every
+move through :func:`next_phase`, so the loop, the slots, the pop sent beside
+a submit, the stop and the journal cannot disagree about where a job is. The
+job driver (``run.driver.JobDriver``) makes the moves, and the submit
+pipeline (``run.submit.SubmitPipeline``) the terminal action's.
 
 The phases, in order of a job served in full::
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from koboldcpp_horde_chat.horde.pop import Lease
 from koboldcpp_horde_chat.horde.progress import ProgressAction, ProgressPoster
 
 A = ProgressAction
@@ -452,6 +453,19 @@ def test_the_lease_starts_at_the_ttl_and_is_extended_by_an_accepted_post() -> No
     p.due(T0 + 30)
     p.on_response(200, ok(1), T0 + 30.5)
     assert p.lease_deadline == T0 + 180  # 150 s after the post was sent
+
+
+def test_an_accepted_post_extends_the_jobs_own_lease_not_a_copy() -> None:
+    """One lease per job: the poster extends the lease it is given, the one the
+    job's owner holds and every other reader sees."""
+    lease = Lease(T0, T0 + 150)
+    p = ProgressPoster("job-1", max_length=100, lease=lease, base_lease_s=150, lease_cap_s=200)
+    p.add("a", "")
+    p.due(T0 + 30)
+    p.on_response(200, ok(1), T0 + 30.5)
+    assert lease.deadline == T0 + 180 and p.lease_deadline == T0 + 180
+    assert not lease.extend_to(T0 + 170)  # never earlier
+    assert lease.deadline == T0 + 180
 
 
 def test_the_lease_never_passes_the_cap_from_pop() -> None:
