@@ -525,13 +525,13 @@ def test_a_job_given_up_as_its_stream_ends_is_faulted_for_the_stop_not_for_an_ab
     real = chat_run.generate_streamed
     why = "the job did not end within the 6 s stop grace period"
 
-    def given_up_as_it_ends(edges: Any, job: Any, ctx: Any, body: bytes) -> Any:
+    def given_up_as_it_ends(ports: Any, job: Any, ctx: Any, body: bytes) -> Any:
         def grace_over() -> None:
             time.sleep(0.5)
             requests.post(f"{kcpp.url}/api/extra/abort", json={"genkey": ctx.genkey}, timeout=5)
 
         threading.Thread(target=grace_over, daemon=True).start()
-        result = real(edges, job, ctx, body)
+        result = real(ports, job, ctx, body)
         ctx.give_up(why)  # landed just after the stream's last look at the job
         return result
 
@@ -572,7 +572,7 @@ def test_a_streamed_job_whose_stream_is_cut_by_the_stop_is_faulted_for_the_stop(
 
     why = "the job did not end within the 6 s stop grace period"
 
-    def cut_by_the_stop(edges: Any, job: Any, ctx: Any, body: bytes) -> Any:
+    def cut_by_the_stop(ports: Any, job: Any, ctx: Any, body: bytes) -> Any:
         ctx.give_up(why)
         raise BackendError("the stream ended without a finish reason (and without [DONE]: cut off)")
 
