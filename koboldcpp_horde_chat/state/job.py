@@ -17,7 +17,6 @@ the one place that sends terminal actions.
 
 from __future__ import annotations
 
-import logging
 import queue
 import secrets
 import threading
@@ -30,8 +29,6 @@ from ..errors import HordeRefusal, JobFault
 from ..horde.pop import Lease
 from .journal import Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
-
-log = logging.getLogger("koboldcpp_horde_chat.runs")
 
 T = TypeVar("T")
 
