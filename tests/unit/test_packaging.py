@@ -412,6 +412,11 @@ MODULES_ALLOWED_LONGER: dict[str, str] = {
     "service/recovery.py": "the start-up pass over the journal: each job's plan, its "
     "attempts and their pauses until the Horde answers, the lease ends or the stop's "
     "deadline comes, and the thread that runs it before koboldcpp answers",
+    "horde/progress.py": "streaming progress as one pure state machine (seq, the cap, "
+    "each answer's meaning, the job's lease): its moves read in one place",
+    "state/shared.py": "what a worker's loops share under one lock (jobs in hand, the "
+    "stop and its deadline, the guards, the totals, the next pop's body): each method "
+    "a short read or update of that one state",
 }
 
 
