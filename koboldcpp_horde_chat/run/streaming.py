@@ -150,6 +150,7 @@ class _StreamedGeneration:
             final = poster.pending_final(clock.monotonic())
             if final is not None:
                 self._post(final)
+                self._journal_lease()  # the lease the last post extended
             return accumulator.result()
         finally:
             self.slot.close()

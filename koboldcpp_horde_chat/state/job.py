@@ -47,9 +47,11 @@ class JobContext:
     :meth:`settle`, :meth:`end`), checked by ``state.life.next_phase`` (seed
     "The pop loop": one terminal action per job); the job driver
     (``run/driver.py``) and the submit pipeline (``run/submit.py``) make them.
-    Nothing outside this class writes its fields: what the job is given at
+    No code outside this class assigns its fields: what the job is given at
     the pop's answer comes in at construction, and what changes later
-    (:meth:`begin`, :meth:`give_up`, the phase) changes under its lock. The
+    changes through its methods, under its lock (:meth:`begin`, the phase;
+    :meth:`give_up`, which the stop calls from any thread) or its lease's
+    (``horde.pop.Lease.extend_to``, which the job's progress posts call). The
     shared state (``state.shared.WorkerState.hold``/``release``), the stop and
     the pop sent beside a submit read it from any thread.
 

@@ -526,3 +526,32 @@ def test_a_stream_whose_posts_stopped_is_faulted_before_its_unextended_lease_end
     assert kcpp.generations[-1]["aborted"]
     assert [p["seq"] for p in progress_posts(horde)] == [1, 1, 1]
     fault_only(horde, rid)
+
+
+def test_the_lease_the_last_progress_post_extended_is_journaled(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short reply's last post goes after the stream ended: the lease it extends
+    is the job's from then on, and the journal is told (a restart must not take
+    a lease that runs for one that ended)."""
+    from koboldcpp_horde_chat.state.job import JobContext
+
+    journaled: list[tuple[JobContext, float]] = []
+    real = JobContext.record_lease
+
+    def spy(self: JobContext) -> None:
+        journaled.append((self, self.lease.deadline))
+        real(self)
+
+    monkeypatch.setattr(JobContext, "record_lease", spy)
+    kcpp.token_delay_s = 0.01
+    kcpp.script(lambda body: ScriptedReply(text="Blue."))
+    rid = stream_request(horde)
+    serve(horde, start_worker, rid)
+
+    job_id = only_job_id(horde, rid)
+    assert terminal(horde) == [(job_id, "submitted")]
+    assert len(progress_posts(horde)) == 2  # the first text at once, the rest after the end
+    assert journaled, "the extended lease was never journaled"
+    ctx, deadline = journaled[-1]
+    assert deadline == ctx.lease.deadline > ctx.lease.popped_at + horde.ttl_s

@@ -22,8 +22,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "koboldcpp_horde_chat"
 
 #: The modules that may move a job: its owner, its driver and its terminal action.
 MOVERS = {"state/job.py", "run/driver.py", "run/submit.py"}
-#: The owner's methods that move a job through its phases (``state.life.MOVES``).
-MOVES = {"move", "settle", "end", "start_generation"}
+#: The owner's methods that move a job through its phases (``state.life.MOVES``),
+#: and ``begin`` (when serving starts: the driver's to say).
+MOVES = {"move", "settle", "end", "start_generation", "begin"}
 #: The modules whose classes own the fields (their own methods assign them on ``self``).
 OWNERS = {"state/job.py", "horde/pop.py"}
 #: The fields of a job's owner and of its lease, but for names other objects
@@ -65,14 +66,57 @@ def moves_outside_the_movers(modules: list[tuple[str, ast.Module]]) -> list[str]
             attr = node.func.attr
             if attr not in MOVES:
                 continue
-            moves_by_name = attr in {"settle", "start_generation"} and not node.args
-            moves_by_move = bool(node.args) and (
-                isinstance(node.args[0], ast.Attribute)
-                and isinstance(node.args[0].value, ast.Name)
-                and node.args[0].value.id == "Move"
+            moves_by_name = attr in {"settle", "start_generation", "begin"} and not node.args
+            # A move named anywhere in the arguments (``Move.X``, ``life.Move.X``,
+            # ``Move.A if c else Move.B``), or any argument on a job-named receiver
+            # (``ctx.end(move)``).
+            names_a_move = any(
+                (isinstance(n, ast.Name) and n.id == "Move")
+                or (isinstance(n, ast.Attribute) and n.attr == "Move")
+                for arg in node.args
+                for n in ast.walk(arg)
             )
-            if moves_by_name or moves_by_move:
+            on_a_job = bool(node.args) and attr in {"move", "end"} and _job_named(
+                _receiver(node.func.value)
+            )
+            if moves_by_name or names_a_move or on_a_job:
                 found.append(f"{name}:{node.lineno}: .{attr}(")
+    return found
+
+
+def _job_named(receiver: str) -> bool:
+    return receiver in {"ctx", "lease"} or receiver.endswith("_ctx")
+
+
+def writes_by_other_means(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """Outside the owners' modules: ``setattr``/``__setattr__``/``delattr`` on a
+    job-named object, ``del ctx.x``, and ``.abandoned.set()`` (a give-up that
+    skips ``JobContext.give_up``'s stop of the generation)."""
+    found = []
+    for name, tree in modules:
+        if name in OWNERS:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                fname = func.id if isinstance(func, ast.Name) else (
+                    func.attr if isinstance(func, ast.Attribute) else ""
+                )
+                if fname in {"setattr", "delattr", "__setattr__", "__delattr__"} and any(
+                    _job_named(_receiver(arg)) for arg in node.args[:1]
+                ):
+                    found.append(f"{name}:{node.lineno}: {fname}(")
+                if (
+                    fname == "set"
+                    and isinstance(func, ast.Attribute)
+                    and isinstance(func.value, ast.Attribute)
+                    and func.value.attr == "abandoned"
+                ):
+                    found.append(f"{name}:{node.lineno}: .abandoned.set()")
+            elif isinstance(node, ast.Delete):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and _job_named(_receiver(target.value)):
+                        found.append(f"{name}:{node.lineno}: del {target.attr}")
     return found
 
 
@@ -108,6 +152,7 @@ def test_only_the_driver_the_owner_and_the_submit_pipeline_move_a_job() -> None:
 
 def test_no_module_writes_a_jobs_or_its_leases_fields_from_outside() -> None:
     assert fields_assigned_from_outside(_modules()) == []
+    assert writes_by_other_means(_modules()) == []
 
 
 def test_the_checks_catch_each_kind_of_violation() -> None:
@@ -121,6 +166,16 @@ def test_the_checks_catch_each_kind_of_violation() -> None:
         "ctx.lease.deadline = 2.0\n"
         "self.ctx.popped_in_stop = True\n"
         "other.stop_generation = None\n"
+        "ctx.end(move)\n"
+        "ctx.move(life.Move.OUTCOME)\n"
+        "job.end(Move.A if c else Move.B)\n"
+        "ctx.begin()\n"
+    )
+    sideways = ast.parse(
+        "setattr(ctx, 'started', 1.0)\n"
+        "object.__setattr__(self.ctx, 'phase', None)\n"
+        "del ctx.genkey\n"
+        "ctx.abandoned.set()\n"
     )
     fine = ast.parse(
         "ctx.check_abandoned()\n"
@@ -130,7 +185,9 @@ def test_the_checks_catch_each_kind_of_violation() -> None:
         "match.end(0)\n"
         "x = ctx.lease.deadline\n"
     )
-    assert len(moves_outside_the_movers([("run/chat.py", bad)])) == 4
+    assert len(moves_outside_the_movers([("run/chat.py", bad)])) == 8
+    assert len(writes_by_other_means([("service/loop.py", sideways)])) == 4
+    assert writes_by_other_means([("service/loop.py", fine)]) == []
     assert len(fields_assigned_from_outside([("service/loop.py", bad)])) == 4
     assert moves_outside_the_movers([("run/chat.py", fine)]) == []
     assert fields_assigned_from_outside([("service/loop.py", fine)]) == []
