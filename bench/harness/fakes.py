@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,25 +40,87 @@ from koboldcpp_horde_chat.koboldcpp.api import BackendInfo
 from koboldcpp_horde_chat.koboldcpp.manners import NoManners
 
 if TYPE_CHECKING:
+    from koboldcpp_horde_chat.clock import Clock
     from koboldcpp_horde_chat.horde.api import HordeAPI
     from koboldcpp_horde_chat.koboldcpp.api import KcppAPI, KcppStream
     from koboldcpp_horde_chat.koboldcpp.manners import LocalManners
 
 
 class FakeClock:
-    """Seconds on a clock that moves only when told (monotonic and wall alike)."""
+    """Seconds on a clock that moves only when told (monotonic and wall alike).
+
+    A ``koboldcpp_horde_chat.clock.Clock``: give it to the shared state
+    (``WorkerState(settings, ..., clock=FakeClock())``) and the pop loop built
+    on that state reads it for everything. Its sleeps move it; its timers
+    (:class:`FakeTimer`) run on the thread that moves it past their time, in the
+    order they are due. Called, it says ``monotonic()``.
+    """
 
     def __init__(self, start: float = 1_000_000.0) -> None:
         self.now = start
         self._lock = threading.Lock()
+        self._timers: list[FakeTimer] = []
 
     def __call__(self) -> float:
         return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> FakeTimer:
+        return FakeTimer(self, seconds, action, name)
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
 
     def advance(self, seconds: float | None) -> None:
         if seconds is not None and seconds > 0:
             with self._lock:
                 self.now += float(seconds)
+        self._fire()
+
+    def schedule(self, timer: FakeTimer) -> None:
+        """Keep a started timer (run at once when its time has come)."""
+        with self._lock:
+            self._timers.append(timer)
+        self._fire()
+
+    def run_timer(self, timer: FakeTimer) -> None:
+        """Run a due timer's action (a subclass may hook in before it)."""
+        timer.action()
+
+    def _fire(self) -> None:
+        with self._lock:
+            due = sorted((t for t in self._timers if t.due <= self.now), key=lambda t: t.due)
+            for timer in due:
+                self._timers.remove(timer)
+        for timer in due:
+            if not timer.cancelled:
+                self.run_timer(timer)
+
+
+class FakeTimer:
+    """A ``koboldcpp_horde_chat.clock.Timer`` on a :class:`FakeClock`."""
+
+    def __init__(
+        self, clock: FakeClock, seconds: float, action: Callable[[], None], name: str
+    ) -> None:
+        self.clock = clock
+        self.seconds = seconds
+        self.action = action
+        self.name = name
+        self.cancelled = False
+        self.due = 0.0
+
+    def start(self) -> None:
+        self.due = self.clock.now + self.seconds
+        self.clock.schedule(self)
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class FakeStopEvent(threading.Event):
@@ -544,6 +606,7 @@ class FakeManners(NoManners):
 
 if TYPE_CHECKING:
     # The fakes implement the seams they stand in for (checked by mypy --strict).
+    _clock: Clock = FakeClock()
     _horde: HordeAPI = FakeHorde(FakeClock())
     _backend: KcppAPI = FakeBackend()
     _stream: KcppStream = FakeStream(())

@@ -73,6 +73,7 @@ from bench.harness.fakes import (
     FakeManners,
     FakeStopEvent,
     FakeStream,
+    FakeTimer,
     backend_error,
     sse_chunks,
 )
@@ -95,70 +96,23 @@ ENDED_WELL = frozenset({"submitted", "faulted", "ended", "cancelled", "expired"}
 
 
 class TimerClock(FakeClock):
-    """A :class:`FakeClock` that runs the timers due when it passes their time
-    (on the thread that moved it), in the order they are due: the worker's
-    ``clock.Clock`` (the shared state's and the calls' deadlines run on it;
-    wall time stays the real one)."""
+    """A :class:`FakeClock` (it runs the timers due when it passes their time)
+    whose wall time stays the real one, as the journal's own marks are: the
+    worker's ``clock.Clock``, given to the shared state, so the loops, the
+    leases, the stop's deadline and the calls' deadlines all run on it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._timers: list[FakeTimer] = []
-        self._timers_lock = threading.Lock()
-        #: Called just before a timer's function (the stop's deadline came).
+        #: Called just before a timer's action (the stop's deadline came).
         self.on_fire: list[Callable[[], None]] = []
-
-    def schedule(self, timer: FakeTimer) -> None:
-        with self._timers_lock:
-            self._timers.append(timer)
-        self._fire()
-
-    def advance(self, seconds: float | None) -> None:
-        super().advance(seconds)
-        self._fire()
-
-    def monotonic(self) -> float:
-        return self.now
 
     def time(self) -> float:
         return _real_time.time()
 
-    def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> FakeTimer:
-        return FakeTimer(self, seconds, action)
-
-    def sleep(self, seconds: float) -> None:
-        self.advance(seconds)
-
-    def _fire(self) -> None:
-        with self._timers_lock:
-            due = sorted((t for t in self._timers if t.due <= self.now), key=lambda t: t.due)
-            for timer in due:
-                self._timers.remove(timer)
-        for timer in due:
-            if not timer.cancelled:
-                for hook in self.on_fire:
-                    hook()
-                timer.function()
-
-
-class FakeTimer:
-    """``clock.Timer`` on the machine's fake clock."""
-
-    def __init__(self, clock: TimerClock, interval: float, function: Callable[[], None]) -> None:
-        self.clock = clock
-        self.interval = interval
-        self.function = function
-        self.daemon = True
-        self.name = "fake-timer"
-        self.cancelled = False
-        self.due = 0.0
-
-    def start(self) -> None:
-        clock = self.clock
-        self.due = clock() + self.interval
-        clock.schedule(self)
-
-    def cancel(self) -> None:
-        self.cancelled = True
+    def run_timer(self, timer: FakeTimer) -> None:
+        for hook in self.on_fire:
+            hook()
+        super().run_timer(timer)
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
