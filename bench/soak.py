@@ -23,7 +23,7 @@ from harness.fakes import (
     backend_error,
     sse_chunks,
 )
-from harness.product import BackendBusy, Worker, WorkerSettings
+from harness.product import BackendBusy, Worker, WorkerSettings, WorkerState
 from harness.report import parser, reproduce, rss_bytes
 
 MODEL = "koboldcpp/soak"
@@ -120,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     clock = FakeClock()
     horde = SoakHorde(clock)
     backend = SoakBackend(clock, rng)
+    settings = WorkerSettings(
+        api_key="soak-key", worker_name="soak", model_id=MODEL,
+        backend_max_context_length=4096, max_length=512,
+    )
     worker = Worker(
-        WorkerSettings(
-            api_key="soak-key", worker_name="soak", model_id=MODEL,
-            backend_max_context_length=4096, max_length=512,
-        ),
+        settings,
         horde=cast(Any, horde), backend=cast(Any, backend),
-        stop_event=FakeStopEvent(clock), clock=clock, wall=clock,
+        state=WorkerState(settings, stop_event=FakeStopEvent(clock), clock=clock),
     )
 
     verdicts: Counter[str] = Counter()

@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 from koboldcpp_horde_chat.service.loop import Worker  # noqa: E402
 from koboldcpp_horde_chat.settings import WorkerSettings  # noqa: E402
+from koboldcpp_horde_chat.state.shared import WorkerState  # noqa: E402
 
 PACKAGE = ROOT / "koboldcpp_horde_chat"
 KEY = "trace-key-0123456789"
@@ -72,13 +73,13 @@ def trace_over_fakes() -> list[Entry]:
 
     clock = FakeClock()
     horde = FakeHorde(clock, pops=[chat_pop("route-1")])
+    settings = WorkerSettings(
+        api_key=KEY, worker_name="trace", model_id="koboldcpp/fake",
+        backend_max_context_length=4096, max_length=512,
+    )
     worker = Worker(
-        WorkerSettings(
-            api_key=KEY, worker_name="trace", model_id="koboldcpp/fake",
-            backend_max_context_length=4096, max_length=512,
-        ),
-        horde=horde, backend=FakeBackend(), stop_event=FakeStopEvent(clock),
-        clock=clock, wall=clock,
+        settings, horde=horde, backend=FakeBackend(),
+        state=WorkerState(settings, stop_event=FakeStopEvent(clock), clock=clock),
     )
     entries = traced(worker.run_once)
     assert horde.jobs["route-1"].state == "submitted", "the traced job was not submitted"

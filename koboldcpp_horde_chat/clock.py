@@ -4,7 +4,9 @@ What reads time through a :class:`Clock` (the shared state's stop deadline,
 its grace timer and its waits for the jobs in hand; the stop's deadlines of
 the calls in flight; the start-up recovery's pauses and waits; a job's lease,
 its journaled lease end and its pauses) is given one at construction;
-:data:`SYSTEM_CLOCK` is the real one. A test passes a clock of its own that
+:data:`SYSTEM_CLOCK` is the real one. A pop loop has no clock of its own: it
+reads its shared state's (``state.shared.WorkerState``), so the loop, its
+jobs and the stop all run on one clock. A test passes a clock of its own that
 moves when told and runs its timers when their time comes, instead of
 patching ``time`` or ``threading`` inside the worker's modules.
 """

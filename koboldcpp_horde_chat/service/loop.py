@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..clock import ClockOf
+from ..clock import Clock
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, PayloadError
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
@@ -67,11 +67,12 @@ class Worker:
         stop_event: set it to stop; the loop then ends after the job in hand.
         manners: local-use signals from the host.
         caps: what the backend implements (drives the declaration).
-        clock: monotonic seconds; wall: epoch seconds (default: the shared
-            state's clock; tests may pass fakes). The stop's deadline is on the
-            state's clock, and the drain reads that clock.
         worker_id: the loop's number in log lines (koboldcpp counts from 1).
-        state: the state shared with the worker's other loops (a new one when None).
+        state: the state shared with the worker's other loops (a new one on the
+            real clock when None). Its clock (``state.shared.WorkerState.clock``)
+            is the loop's only clock: the pops, leases, submits, pauses, the
+            stop's deadline and the drain all read it; a test gives the state
+            a fake clock.
         pop_horde: a second Horde client, used only by the pop that overlaps a
             submit (a ``requests.Session`` is not shared between threads);
             None: no overlap, each submit ends before the next pop.
@@ -90,8 +91,6 @@ class Worker:
         stop_event: threading.Event | None = None,
         manners: LocalManners | None = None,
         caps: BackendCapabilities | None = None,
-        clock: Callable[[], float] | None = None,
-        wall: Callable[[], float] | None = None,
         worker_id: int = 1,
         state: WorkerState | None = None,
         pop_horde: HordeAPI | None = None,
@@ -102,43 +101,37 @@ class Worker:
         self.horde = horde
         self.backend = backend
         if state is None:
-            state = WorkerState(
-                settings, stop_event=stop_event, started_at=None if wall is None else wall()
-            )
-        own_clock = clock is not None or wall is not None
-        if clock is None:
-            clock = state.clock.monotonic
-        if wall is None:
-            wall = state.clock.time
+            state = WorkerState(settings, stop_event=stop_event)
+        clock = state.clock
         self.state = state
         self.stop_event = state.stop_event
         self.manners: LocalManners = manners if manners is not None else NoManners()
         self.caps = caps if caps is not None else BackendCapabilities(vision=settings.vision)
-        self.clock = clock
-        self.wall = wall
+        self.clock: Clock = clock
         self.worker_id = worker_id
         self.pop_horde = pop_horde
         self.abort_backend = abort_backend if abort_backend is not None else backend
-        self.gate = PopGate(self.manners, backend, state, settings, clock=clock, wall=wall)
-        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, state.clock)
-        ports_clock = ClockOf(clock, wall, state.clock) if own_clock else state.clock
+        self.gate = PopGate(
+            self.manners, backend, state, settings, clock=clock.monotonic, wall=clock.time
+        )
+        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
         self.ports = Ports(
             settings=settings,
             horde=horde,
             koboldcpp=KoboldcppPort(
                 backend=backend,
                 abort_backend=self.abort_backend,
-                clock=ports_clock,
+                clock=clock,
                 stop=stop,
                 note_own_request=self.gate.note_own_request,
                 note_own_request_done=self.gate.note_own_request_done,
             ),
-            clock=ports_clock,
+            clock=clock,
             stop=stop,
             journal=state.journal,
         )
         self.pipeline = SubmitPipeline(
-            settings, horde, state, clock=clock, wall=wall, pause=stop.pause,
+            settings, horde, state, clock=clock.monotonic, wall=clock.time, pause=stop.pause,
             retry_horde=retry_horde,
         )
         self._ahead: PopAhead | None = None
@@ -151,7 +144,7 @@ class Worker:
             failed_in_a_row=FAILED_IN_A_ROW,
         )
         self._skipped = SkippedReporter()
-        self.meter = JobMeter(state, backend, clock)
+        self.meter = JobMeter(state, backend, clock.monotonic)
         self.driver = JobDriver(
             self.ports, self.caps, state, self.pipeline, self.meter, self, worker_id
         )
@@ -202,7 +195,9 @@ class Worker:
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
-        log.info("worker %d: stopped (%s)", self.worker_id, self.state.stop_summary(self.wall()))
+        log.info(
+            "worker %d: stopped (%s)", self.worker_id, self.state.stop_summary(self.clock.time())
+        )
         return self.state.exit_code
 
     def _pass(self) -> None:
@@ -223,7 +218,7 @@ class Worker:
             deadline = self.state.stop_deadline
             if deadline is not None:
                 until = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S
-                wait_s = max(0.0, until - self.state.clock.monotonic())
+                wait_s = max(0.0, until - self.clock.monotonic())
                 if not self._ahead.join(wait_s):
                     self._ahead = None
                     self._pop_left("the pop sent beside the last submit did not answer")
@@ -236,14 +231,14 @@ class Worker:
         worker's count. Say so in one line and count it toward maintenance."""
         log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
                     POP_LEFT_LINE)
-        self.state.record_expired(self.clock())
+        self.state.record_expired(self.clock.monotonic())
 
     def _wait_jobs_ended(self) -> None:
         """Wait for submits of this loop still retried on threads of their own
         (bounded by the stop's deadline, or by the longest lease)."""
         deadline = self.state.stop_deadline
         bound = (
-            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.state.clock.monotonic()
+            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
             if deadline is not None
             else self.settings.lease_cap_s
         )
@@ -258,7 +253,7 @@ class Worker:
         The pop's answer is the one the previous pass sent while it submitted,
         when there is one; otherwise the loop checks its manners and pops now.
         """
-        summary = self.state.periodic_summary(self.clock(), self.wall())
+        summary = self.state.periodic_summary(self.clock.monotonic(), self.clock.time())
         if summary is not None:
             log.info("worker %d: %s", self.worker_id, summary)
         ahead, self._ahead = self._ahead, None
@@ -273,7 +268,7 @@ class Worker:
         pause = self.gate.pause()
         if pause is not None:
             reason, wait_s = pause
-            line = self._pauses.pausing(reason, self.clock(), line=self.gate.line)
+            line = self._pauses.pausing(reason, self.clock.monotonic(), line=self.gate.line)
             if line is not None:
                 log.info("worker %d: %s", self.worker_id, line)
             self.stop_event.wait(wait_s)
@@ -284,8 +279,8 @@ class Worker:
         try:
             pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
         except HordeError as exc:
-            return self._after_pop(body, None, exc, self.clock())
-        return self._after_pop(body, pop, None, self.clock())
+            return self._after_pop(body, None, exc, self.clock.monotonic())
+        return self._after_pop(body, pop, None, self.clock.monotonic())
 
     def _after_pop(
         self,
@@ -316,7 +311,7 @@ class Worker:
                 delay = self._error_backoff.next_delay(
                     error.retry_after_s if isinstance(error, HordeUnavailable) else None
                 )
-                line = self._pauses.pausing("horde_down", self.clock())
+                line = self._pauses.pausing("horde_down", self.clock.monotonic())
                 if line is not None:
                     log.warning("worker %d: %s (%s)", self.worker_id, line, error)
                 else:
@@ -347,7 +342,9 @@ class Worker:
             log.warning("pop returned a job without a usable id (%s); skipped", exc.path)
             return True
         self.state.flush_journal()  # idle: write what the last jobs' ends left
-        line = self._skipped.line(pop.get("skipped"), self.clock(), self.state.skip_context(body))
+        line = self._skipped.line(
+            pop.get("skipped"), self.clock.monotonic(), self.state.skip_context(body)
+        )
         if line is not None:
             log.info("worker %d: no job for this worker: %s", self.worker_id, line)
         if not self._stopping():
@@ -366,7 +363,7 @@ class Worker:
         seen koboldcpp come back changed): has koboldcpp restarted serving
         another model or context than the job's pop declared? What changed, or
         None (then the job is served under the limits it was popped under)."""
-        waited = self.clock() - ctx.lease.popped_at
+        waited = self.clock.monotonic() - ctx.lease.popped_at
         if (
             waited < RECHECK_AFTER_WAIT_S
             and not self.gate.backend_suspect
@@ -404,7 +401,7 @@ class Worker:
             or self.gate.backend_suspect
             or self.state.failure_streak.failing
             or self._stopping()
-            or self.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=self.clock())
+            or self.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=self.clock.monotonic())
         ):
             return
         self._ahead = PopAhead(
@@ -412,17 +409,17 @@ class Worker:
             self._prepare_pop_ahead,
             self.driver.take_in_hand,
             self.settings.pop_timeout_s,
-            self.clock,
+            self.clock.monotonic,
         )
 
     def _prepare_pop_ahead(self) -> dict[str, Any] | None:
         """The next pop's body when the loop may pop now, else None (see ``_pop_ahead``)."""
-        deadline = self.clock() + OWN_TAIL_S
+        deadline = self.clock.monotonic() + OWN_TAIL_S
         while True:
             pause = self.gate.pause()
             if pause is None:
                 return None if self._stopping() else self.state.pop_body(self.caps)
-            if pause[0] != "busy" or self.clock() >= deadline or self._stopping():
+            if pause[0] != "busy" or self.clock.monotonic() >= deadline or self._stopping():
                 return None
             self.stop_event.wait(OWN_TAIL_POLL_S)
 
@@ -436,7 +433,7 @@ class Worker:
             self.state.stop_for_config(advice.line)
         elif advice.action == "owner":
             reason = "maintenance" if exc.rc == "WorkerMaintenance" else "refused"
-            line = self._pauses.pausing(reason, self.clock(), line=advice.line)
+            line = self._pauses.pausing(reason, self.clock.monotonic(), line=advice.line)
             if line is not None:
                 log.warning("worker %d: %s", self.worker_id, line)
             else:
@@ -447,7 +444,9 @@ class Worker:
             # not one per retry; "popping again" when a pop is answered again.
             delay = self._error_backoff.next_delay()
             line = self._pauses.pausing(
-                "refused", self.clock(), line=f"{advice.line}; trying again, up to a minute apart"
+                "refused",
+                self.clock.monotonic(),
+                line=f"{advice.line}; trying again, up to a minute apart",
             )
             if line is not None:
                 log.warning("worker %d: %s", self.worker_id, line)

@@ -42,6 +42,7 @@ from bench.harness.fakes import (
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, ReplyError
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 from tests import pops
 
 MODEL = "koboldcpp/fake"
@@ -193,16 +194,15 @@ backend_result = st.one_of(
 
 
 def build(horde: FakeHorde, backend: FakeBackend, clock: FakeClock) -> Worker:
+    options = WorkerSettings(
+        api_key="fuzz-key", worker_name="fuzz", model_id=MODEL, backend_max_context_length=4096,
+        max_length=512,
+    )
     return Worker(
-        WorkerSettings(
-            api_key="fuzz-key", worker_name="fuzz", model_id=MODEL, backend_max_context_length=4096,
-            max_length=512,
-        ),
+        options,
         horde=horde,
         backend=backend,
-        stop_event=FakeStopEvent(clock),
-        clock=clock,
-        wall=clock,
+        state=WorkerState(options, stop_event=FakeStopEvent(clock), clock=clock),
         pop_horde=horde,  # each submit overlaps the next pop, as in production
     )
 

@@ -226,12 +226,11 @@ def overlapping_worker(
 ) -> Worker:
     return Worker(
         settings(**options),
-        state=WorkerState(settings(**options), stop_event=FakeStopEvent(clock), journal=journal),
+        state=WorkerState(
+            settings(**options), stop_event=FakeStopEvent(clock), journal=journal, clock=clock
+        ),
         horde=horde,
         backend=FakeBackend(),
-        stop_event=FakeStopEvent(clock),
-        clock=clock,
-        wall=clock,
         pop_horde=horde,
     )
 

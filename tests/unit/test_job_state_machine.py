@@ -30,8 +30,8 @@ side and from the worker's:
   out, or else it is still in the journal (abandoned at exit, faulted by the
   next start); none is lost, and none is in hand after the stop's deadline.
 
-Time is a :class:`FakeClock`, passed in as the worker's clock
-(``clock.Clock``): the worker's waits, the stop's deadline, its grace timer and
+Time is a :class:`FakeClock`, the worker's one clock (``clock.Clock``, given
+to its shared state): the worker's waits, the stop's deadline, its grace timer and
 the calls' deadlines all run on it, so that the stop's deadline comes at a
 step the machine chose; no module of the worker is patched for it. The threads the worker starts (the pop beside a
 submit, a submit retried on its own) run only while the machine waits for
@@ -473,8 +473,6 @@ class JobLife(RuleBasedStateMachine):
                 horde=self.horde,
                 backend=self.backend,
                 manners=self.manners,
-                clock=self.clock,
-                wall=self.clock,
                 worker_id=worker_id,
                 state=state,
                 pop_horde=ahead,
@@ -835,15 +833,14 @@ def test_a_job_popped_beside_a_submit_is_not_served_once_koboldcpp_is_known_to_h
     horde = FakeHorde(clock, pops=[chat_pop("j1"), chat_pop("j2")])
     backend = FakeBackend()
     manners = Manners()
+    options = WorkerSettings(api_key="machine-key-5f2e9c", worker_name="machine", model_id=MODEL,
+                             backend_max_context_length=4096, max_length=512)
     worker = Worker(
-        WorkerSettings(api_key="machine-key-5f2e9c", worker_name="machine", model_id=MODEL,
-                       backend_max_context_length=4096, max_length=512),
+        options,
         horde=horde,
         backend=backend,
-        stop_event=FakeStopEvent(clock),
         manners=manners,
-        clock=clock,
-        wall=clock,
+        state=WorkerState(options, stop_event=FakeStopEvent(clock), clock=clock),
         pop_horde=horde,
     )
     worker.run_once()  # j1 served; j2 popped beside its submit

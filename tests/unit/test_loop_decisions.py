@@ -28,6 +28,7 @@ from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state.guard import FailureStreak
+from koboldcpp_horde_chat.state.shared import WorkerState
 from tests import pops
 
 KEY = "unit-key-5f2e9c"
@@ -46,19 +47,18 @@ def make(
     backend = backend or FakeBackend()
     options: dict[str, Any] = {"max_length": 512}
     options.update(settings)
+    worker_settings = WorkerSettings(
+        api_key=KEY,
+        worker_name="unit-worker",
+        model_id=MODEL,
+        backend_max_context_length=4096,
+        **options,
+    )
     worker = Worker(
-        WorkerSettings(
-            api_key=KEY,
-            worker_name="unit-worker",
-            model_id=MODEL,
-            backend_max_context_length=4096,
-            **options,
-        ),
+        worker_settings,
         horde=horde,
         backend=backend,
-        stop_event=FakeStopEvent(clock),
-        clock=clock,
-        wall=clock,
+        state=WorkerState(worker_settings, stop_event=FakeStopEvent(clock), clock=clock),
     )
     return worker, horde, backend, clock
 

@@ -19,6 +19,7 @@ from koboldcpp_horde_chat.errors import HordeRefusal
 from koboldcpp_horde_chat.service.gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 from koboldcpp_horde_chat.state.status import SUMMARY_EVERY_S
 from tests.unit.test_loop_decisions import KEY, MODEL, chat_pop, text_pop
 
@@ -46,16 +47,15 @@ def build(
     clock = clock or FakeClock()
     horde = horde or FakeHorde(clock, pops=pops)
     stop = FakeStopEvent(clock)
+    settings = WorkerSettings(
+        api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
+    )
     worker = Worker(
-        WorkerSettings(
-            api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
-        ),
+        settings,
         horde=horde,
         backend=FakeBackend(),
-        stop_event=stop,
         manners=manners or Manners(),
-        clock=clock,
-        wall=clock,
+        state=WorkerState(settings, stop_event=stop, clock=clock),
         pop_horde=horde if overlap else None,
     )
     return worker, horde, clock, stop
@@ -422,9 +422,7 @@ def test_a_koboldcpp_that_failed_a_job_and_does_not_answer_is_probed_every_3_s(
         settings,
         horde=FakeHorde(clock, pops=[chat_pop("j1")]),
         backend=DownBackend(),
-        stop_event=FakeStopEvent(clock),
-        clock=clock,
-        wall=clock,
+        state=WorkerState(settings, stop_event=FakeStopEvent(clock), clock=clock),
     )
     worker.gate.backend_suspect = True
     assert worker.gate.pause() == ("backend_down", wait_s)
@@ -449,16 +447,15 @@ def test_a_koboldcpp_that_answers_again_with_another_context_is_not_popped_for()
     something else, it is not popped for under the old declaration."""
     clock = FakeClock()
     horde = FakeHorde(clock, pops=[chat_pop("j1")])
+    settings = WorkerSettings(
+        api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
+    )
     worker = Worker(
-        WorkerSettings(
-            api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
-        ),
+        settings,
         horde=horde,
         backend=FakeBackend(),
         manners=ChangedManners(),
-        stop_event=FakeStopEvent(clock),
-        clock=clock,
-        wall=clock,
+        state=WorkerState(settings, stop_event=FakeStopEvent(clock), clock=clock),
     )
     worker.gate.backend_suspect = True
     worker.run_once()
