@@ -72,30 +72,5 @@ class SystemClock:
             time.sleep(seconds)
 
 
-class ClockOf:
-    """A :class:`Clock` that reads two functions, ``monotonic`` and ``wall``
-    (seconds), and leaves its timers and sleeps to ``base``: for a caller given
-    clock functions rather than a clock."""
-
-    def __init__(
-        self, monotonic: Callable[[], float], wall: Callable[[], float], base: Clock
-    ) -> None:
-        self._monotonic = monotonic
-        self._wall = wall
-        self._base = base
-
-    def monotonic(self) -> float:
-        return self._monotonic()
-
-    def time(self) -> float:
-        return self._wall()
-
-    def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> Timer:
-        return self._base.timer(seconds, action, name=name)
-
-    def sleep(self, seconds: float) -> None:
-        self._base.sleep(seconds)
-
-
 #: The real clock, the default of everything that takes one.
 SYSTEM_CLOCK: Clock = SystemClock()
