@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PayloadError
@@ -120,21 +119,18 @@ class Lease:
     extended by accepted progress posts (seed "Streaming progress", lease).
 
     One per job: the job's owner holds it and the progress poster
-    (``horde.progress.ProgressPoster``) extends it; any thread reads it.
+    (``horde.progress.ProgressPoster``) extends it, on the job's own thread
+    only; other threads (the stop, a submit retried on a thread of its own)
+    read it. One writer and a deadline that only grows: no lock is needed.
 
     Attributes:
         popped_at: when the pop answered, monotonic seconds.
         deadline: when the Horde stops taking the job's submit, monotonic
             seconds; only :meth:`extend_to` moves it (later, never earlier).
-        lock: held while the deadline moves (the job's owner gives a
-            ``threading.Lock``; none by default).
     """
 
     popped_at: float
     deadline: float
-    lock: AbstractContextManager[Any] = field(
-        default_factory=nullcontext, repr=False, compare=False
-    )
 
     def remaining(self, now: float) -> float:
         """Seconds left at monotonic time ``now`` (negative once it ended)."""
@@ -143,11 +139,10 @@ class Lease:
     def extend_to(self, deadline: float) -> bool:
         """Move the deadline to ``deadline`` (monotonic seconds) when that is later;
         True when it moved."""
-        with self.lock:
-            if deadline <= self.deadline:
-                return False
-            self.deadline = deadline
-            return True
+        if deadline <= self.deadline:
+            return False
+        self.deadline = deadline
+        return True
 
     @classmethod
     def from_pop(
@@ -156,13 +151,12 @@ class Lease:
         popped_at: float,
         default_s: float,
         cap_s: float,
-        lock: AbstractContextManager[Any] | None = None,
     ) -> Lease:
         """The lease of a popped job before its payload is parsed: the pop's ``ttl``
         (:func:`ttl_seconds`, ``default_s`` without a usable one), never past
         ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
         seconds = ttl_seconds(pop, default_s)
-        return cls(popped_at, popped_at + min(seconds, cap_s), lock or nullcontext())
+        return cls(popped_at, popped_at + min(seconds, cap_s))
 
 
 #: Sampler fields that must be numbers when present (seed step 2: always present).

@@ -26,7 +26,6 @@ needs it.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Protocol
 
 from ..errors import JobEnded, JobFault, PayloadError
@@ -132,7 +131,7 @@ class JobDriver:
             id=raw_id,
             kind="chat" if pop.get("chat") is True else "text",
             lease=Lease.from_pop(
-                pop, popped_at, settings.lease_s, settings.lease_cap_s, threading.Lock()
+                pop, popped_at, settings.lease_s, settings.lease_cap_s
             ),
             started=popped_at,
             model_id=str(body.get("model_id") or settings.model_id),

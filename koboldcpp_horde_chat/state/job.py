@@ -51,7 +51,8 @@ class JobContext:
     the pop's answer comes in at construction, and what changes later
     changes through its methods, under its lock (:meth:`begin`, the phase;
     :meth:`give_up`, which the stop calls from any thread) or its lease's
-    (``horde.pop.Lease.extend_to``, which the job's progress posts call). The
+    (``horde.pop.Lease.extend_to``, which only the job's progress posts call,
+    on the job's thread). The
     shared state (``state.shared.WorkerState.hold``/``release``), the stop and
     the pop sent beside a submit read it from any thread.
 
