@@ -159,8 +159,9 @@ class Lease:
         return cls(popped_at, popped_at + min(seconds, cap_s))
 
 
-#: Sampler fields that must be numbers when present (seed step 2: always present).
-NUMERIC_SAMPLERS = (
+#: The sampler fields of a chat payload (seed step 2: always present): each must be
+#: a number when present, and goes to koboldcpp exactly as sent (``translate.bodies``).
+SAMPLER_KEYS = (
     "temperature",
     "top_p",
     "frequency_penalty",
@@ -172,7 +173,7 @@ NUMERIC_SAMPLERS = (
 
 
 def _check_samplers(payload: dict[str, Any], job_id: str) -> None:
-    for key in NUMERIC_SAMPLERS:
+    for key in SAMPLER_KEYS:
         value = payload.get(key)
         if value is None:
             continue

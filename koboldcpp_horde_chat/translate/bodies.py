@@ -10,18 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..horde.pop import ChatJob, TextJob
-
-SAMPLER_KEYS = (
-    "temperature",
-    "top_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "rep_pen",
-    "top_k",
-    "min_p",
-)
-"""Sampler fields always present in a chat payload; forwarded exactly as sent."""
+from ..horde.pop import SAMPLER_KEYS, ChatJob, TextJob
 
 PASSTHROUGH_KEYS = (
     "seed",
