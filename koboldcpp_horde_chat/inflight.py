@@ -127,16 +127,9 @@ class TrackedHTTPConnection(HTTPConnection):
         super().request(*args, **kwargs)
 
 
-class TrackedHTTPSConnection(HTTPSConnection):
-    """The HTTPS twin of :class:`TrackedHTTPConnection`."""
-
-    def connect(self) -> None:
-        super().connect()
-        track(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        track(self)
-        super().request(*args, **kwargs)
+class TrackedHTTPSConnection(TrackedHTTPConnection, HTTPSConnection):
+    """The HTTPS twin of :class:`TrackedHTTPConnection` (its ``connect`` and
+    ``request`` come first, and reach HTTPSConnection's through ``super()``)."""
 
 
 class TrackedHTTPPool(HTTPConnectionPool):
