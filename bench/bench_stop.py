@@ -24,7 +24,7 @@ from harness.devkit import DevHorde, ScriptedKoboldcpp, ScriptedReply
 from harness.product import HordeClient, Journal, JournalEntry, journal_path
 from harness.report import add_json, bench_result, figure, finish, parser, reproduce
 from harness.servers import API_KEY
-from harness.worker_process import POP, WorkerProcess
+from harness.worker_process import POP, WorkerProcess, job_ids
 
 WORKER_NAME = "bench-stop-worker"
 #: Seconds past the grace the process may take to exit (the abort and one fault).
@@ -45,10 +45,6 @@ def until(condition: Callable[[], bool], why: str, timeout_s: float = READY_TIME
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {why}")
         time.sleep(0.02)
-
-
-def job_ids(horde: DevHorde, rid: str) -> list[str]:
-    return list(horde.status(rid)["job_ids"])
 
 
 def long_reply(kcpp: ScriptedKoboldcpp, grace: float) -> None:

@@ -116,6 +116,17 @@ class WorkerProcess:
         self._reader.join(5)
         return took
 
+    def sigterm_to_clean_exit(self, timeout_s: float) -> float:
+        """:meth:`sigterm_to_exit` for a stop that must end well: the seconds it took.
+
+        Raises:
+            AssertionError: the process did not exit within ``timeout_s``, or
+                exited with another code than 0 (the message is its log).
+        """
+        took = self.sigterm_to_exit(timeout_s)
+        assert took is not None and self.proc.returncode == 0, self.log()
+        return took
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -135,6 +146,11 @@ def until(
         if time.monotonic() >= deadline:
             raise AssertionError(why() if callable(why) else why)
         time.sleep(0.02)
+
+
+def job_ids(horde: DevHorde, rid: str) -> list[str]:
+    """The ids of the jobs the dev Horde gave out for request ``rid``."""
+    return list(horde.status(rid)["job_ids"])
 
 
 def terminal_actions(horde: DevHorde) -> dict[str, list[str]]:

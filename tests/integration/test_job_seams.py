@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
+from bench.harness.worker_process import (
+    WORKER_NAME,
+    WorkerProcess,
+    job_ids,
+    slow,
+    terminal_actions,
+    until,
+)
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.state.journal_paths import journal_path
@@ -30,15 +37,8 @@ STOP_BOUND_S = GRACE_S + 2.0
 ASK = {"messages": [{"role": "user", "content": "Tell me about the sky."}]}
 
 
-def job_ids(horde: DevHorde, rid: str) -> list[str]:
-    return list(horde.status(rid)["job_ids"])
-
-
 def stop_and_time(worker: WorkerProcess) -> float:
-    worker.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    assert worker.wait(STOP_BOUND_S + 10) == 0, worker.log()
-    return time.monotonic() - signalled
+    return worker.sigterm_to_clean_exit(STOP_BOUND_S + 10)
 
 
 def one_each(horde: DevHorde) -> dict[str, str]:

@@ -13,13 +13,19 @@ take is sent before the exit when the deadline allows.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness.worker_process import WORKER_NAME, WorkerProcess, slow, terminal_actions, until
+from bench.harness.worker_process import (
+    WORKER_NAME,
+    WorkerProcess,
+    job_ids,
+    slow,
+    terminal_actions,
+    until,
+)
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.state.journal_paths import journal_path
@@ -34,15 +40,8 @@ POP_LEFT = "may be assigned to this stopped worker"
 ASK = {"messages": [{"role": "user", "content": "Tell me about the sky."}]}
 
 
-def job_ids(horde: DevHorde, rid: str) -> list[str]:
-    return list(horde.status(rid)["job_ids"])
-
-
 def stop_and_time(worker: WorkerProcess) -> float:
-    worker.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    assert worker.wait(LATE_S + 15) == 0, worker.log()
-    return time.monotonic() - signalled
+    return worker.sigterm_to_clean_exit(LATE_S + 15)
 
 
 def journal(directory: Path) -> dict[str, Any]:
