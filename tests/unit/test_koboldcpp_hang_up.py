@@ -14,84 +14,62 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from koboldcpp_horde_chat.errors import BackendError
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
+from tests.http_server import LocalServer, send_json
 
 CHAT = {"choices": [{"message": {"role": "assistant", "content": "Blue."}}]}
 
 
-class HoldingServer(ThreadingHTTPServer):
-    """Answers GETs at once (HTTP/1.1 keep-alive); holds every POST until its client
-    hangs up (``gone`` then records the path) or ``release`` is set."""
-
-    daemon_threads = True
+class HoldingServer:
+    """A ``tests.http_server.LocalServer`` that answers GETs at once (HTTP/1.1
+    keep-alive) and holds every POST until its client hangs up (``gone`` then
+    records the path) or ``release`` is set."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
         self.received: list[str] = []
         self.gone: list[tuple[str, float]] = []
         self.release = threading.Event()
         self.holding = threading.Event()
+        self.local = LocalServer(self._answer)
+        self.url = self.local.url
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: HoldingServer
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
-
-    def _json(self, obj: Any, content_type: str = "application/json") -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._json({"result": "1.2.5"})
-
-    def do_POST(self) -> None:  # noqa: N802
-        length = int(self.headers.get("content-length") or 0)
-        body = json.loads(self.rfile.read(length) or b"{}")
-        self.server.received.append(self.path)
+    def _answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        if handler.command == "GET":
+            send_json(handler, 200, {"result": "1.2.5"})
+            return
+        body = json.loads(raw or b"{}")
+        self.received.append(handler.path)
         if body.get("stream"):
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(b'data: {"choices": []}\n\n')
-            self.wfile.flush()
-            self.close_connection = True
-        self.server.holding.set()
-        while not self.server.release.is_set():
-            readable, _, _ = select.select([self.connection], [], [], 0.05)
-            if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
-                self.server.gone.append((self.path, time.monotonic()))
-                self.close_connection = True
+            handler.send_response(200)
+            handler.send_header("content-type", "text/event-stream")
+            handler.end_headers()
+            handler.wfile.write(b'data: {"choices": []}\n\n')
+            handler.wfile.flush()
+            handler.close_connection = True
+        self.holding.set()
+        while not self.release.is_set():
+            readable, _, _ = select.select([handler.connection], [], [], 0.05)
+            if readable and handler.connection.recv(1, socket.MSG_PEEK) == b"":
+                self.gone.append((handler.path, time.monotonic()))
+                handler.close_connection = True
                 return
         if not body.get("stream"):
-            self._json(CHAT if self.path.startswith("/v1") else {"results": [{"text": "x"}]})
+            reply = CHAT if handler.path.startswith("/v1") else {"results": [{"text": "x"}]}
+            send_json(handler, 200, reply)
 
 
 @pytest.fixture
 def server() -> Iterator[HoldingServer]:
     srv = HoldingServer()
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield srv
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
+    with srv.local:
+        yield srv
+        srv.release.set()
 
 
 def hang_up_later(
