@@ -39,6 +39,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
 from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
+from ..run.submit import reward_kudos
 from ..state import journal as _journal
 from ..state.journal import Journal, JournalEntry
 from ..state.journal_rules import FAULT_MARGIN_S, known_not_taken, plan
@@ -387,7 +388,7 @@ def _attempt(
         return False
     if item.action == "reply":
         counts.replied += 1
-        kudos = _kudos(answer.get("reward"))
+        kudos = reward_kudos(answer.get("reward"))
         counts.kudos += kudos
         log.warning("job=%s kind=%s reply kept at the last stop submitted after a restart "
                     "(%.0f kudos)", entry.job_id, entry.kind, kudos)
@@ -439,12 +440,6 @@ def wait_on(clock: Clock, seconds: float, interrupt: threading.Event | None = No
         if event.wait(min(left, PAUSE_SLICE_S)):
             return True
     return False
-
-
-def _kudos(reward: object) -> float:
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        return 0.0
-    return float(reward) if reward == reward and abs(reward) != float("inf") else 0.0
 
 
 class Recovery:

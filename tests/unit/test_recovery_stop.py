@@ -264,3 +264,15 @@ def test_finish_sets_the_stops_deadline_on_the_recoverys_clock(tmp_path: Path) -
         journal.unlock()
     assert horde.bodies == [REPLY, REPLY]
     assert recovery.result == RecoveryResult(replied=1, kudos=12.0)
+
+
+def test_a_kept_reply_accepted_with_a_reward_too_large_for_a_float_counts_no_kudos(
+    tmp_path: Path,
+) -> None:
+    """JSON carries integers of any size; a reward beyond a float's range is not a
+    number of kudos, and the recovery goes on (as the submit pipeline does)."""
+    path = journal_with(tmp_path, kept_reply_entry())
+    horde = StoppingHorde(StopAfter(Wall(), 99, 3.0), {"reward": 10**400})
+    result, _ = run(path, horde)
+    assert result == RecoveryResult(replied=1, kudos=0.0)
+    assert Journal(path).load() == []
