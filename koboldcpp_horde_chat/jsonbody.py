@@ -5,11 +5,16 @@ conversation: ``json.dumps(body).encode()`` would hold the text twice more.
 :func:`encode_json` writes the same bytes with each long string copied once.
 Used for koboldcpp's ``/v1/chat/completions`` body, whose size is checked
 against koboldcpp's ``--maxrequestsize`` before it is sent.
+
+:func:`finite_number` is the one reading of a number from JSON the worker
+did not write itself or may find damaged (the Horde's ``reward``,
+koboldcpp's perf figures, the journal's times).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from typing import Any
 
@@ -131,3 +136,16 @@ def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
                     items[index] = swapped
         return value if items is None else items
     return value
+
+
+def finite_number(value: object) -> float | None:
+    """``value`` as a float when it is a finite JSON number, else None: a boolean,
+    a string, NaN, an infinity (Python's ``json`` reads ``Infinity``) and an
+    integer too large for a float (JSON's integers have no bound) are not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import BackendError
+from ..jsonbody import finite_number
 from .api import KcppProbes
 
 #: A request koboldcpp noted within this many seconds of the worker's own last
@@ -227,7 +228,7 @@ class StandaloneManners:
         self.unreachable = False
         self._queued = bool(perf.get("queue"))
         self._busy = perf.get("idle") == 0 or self._queued
-        uptime = _number(perf.get("uptime"))
+        uptime = finite_number(perf.get("uptime"))
         if uptime is not None and self._uptime is not None and uptime < self._uptime:
             self._baseline = None  # koboldcpp restarted between two reads
             self._maybe_restarted = True
@@ -235,7 +236,7 @@ class StandaloneManners:
         if self._maybe_restarted:
             self._maybe_restarted = False
             self._check_identity()
-        idletime = _number(perf.get("idletime"))
+        idletime = finite_number(perf.get("idletime"))
         last_request: float | None = None
         if idletime is not None:
             last_request = self._clock() - idletime
@@ -321,8 +322,3 @@ class StandaloneManners:
         return self.changed is not None
 
 
-def _number(value: object) -> float | None:
-    """A JSON number as a float; None for anything else (booleans included)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None

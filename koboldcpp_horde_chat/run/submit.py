@@ -28,7 +28,6 @@ job is faulted instead (``reply_refused`` for the chat refusals).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
 from ..horde.api import HordeAPI
 from ..horde.codes import REFUSAL_RCS, is_key_refusal
+from ..jsonbody import finite_number
 from ..settings import WorkerSettings
 from ..state.job import JobContext
 from ..state.journal_rules import known_not_taken, next_start_plan
@@ -398,10 +398,5 @@ class SubmitPipeline:
 
 def reward_kudos(reward: object) -> float:
     """The submit answer's ``reward`` as kudos; 0.0 when it is not a finite number."""
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        return 0.0
-    try:
-        kudos = float(reward)
-    except OverflowError:
-        return 0.0
-    return kudos if math.isfinite(kudos) else 0.0
+    kudos = finite_number(reward)
+    return 0.0 if kudos is None else kudos

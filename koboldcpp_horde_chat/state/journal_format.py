@@ -33,12 +33,12 @@ Seed sections: "7. Fault a job" (the faulted submit), "Streaming progress"
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..jsonbody import finite_number
 from .journal_rules import REPLY_STATES, TERMINAL_STATES, ClockMark
 
 __all__ = [
@@ -115,11 +115,7 @@ class JournalEntry:
         lease_end = self.lease_end
         if isinstance(lease_end, bool) or not isinstance(lease_end, int | float):
             raise ValueError("lease_end is not a number")
-        try:
-            finite = math.isfinite(lease_end)
-        except OverflowError:  # an integer too large for a float
-            finite = False
-        if not finite:
+        if finite_number(lease_end) is None:  # NaN, infinite, or too large for a float
             raise ValueError("lease_end is not a finite number")
         if not isinstance(self.terminal, str) or self.terminal not in TERMINAL_STATES:
             raise ValueError("terminal is not a terminal-action state")
@@ -259,9 +255,7 @@ def read_document(raw: bytes) -> JournalDocument:
         skipped=skipped,
         clock=ClockMark.from_json(doc.get("clock")),
         faults=[
-            float(t)
-            for t in faults[-MAX_FAULTS:]
-            if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+            t for t in map(finite_number, faults[-MAX_FAULTS:]) if t is not None
         ]
         if isinstance(faults, list)
         else [],

@@ -40,6 +40,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..jsonbody import finite_number
+
 #: The terminal-action states a journal entry may hold (see the module docstring).
 TERMINAL_STATES: Final = frozenset({"none", "reply_kept", "reply_sent", "fault_sent"})
 #: The states in which the journal keeps a reply to send.
@@ -83,22 +85,17 @@ class ClockMark:
         if not isinstance(obj, dict):
             return None
         wall, boot_id, boottime = obj.get("wall"), obj.get("boot_id", ""), obj.get("boottime")
-        if not isinstance(wall, int | float) or not _finite(wall) or not isinstance(boot_id, str):
+        wall_s = finite_number(wall)
+        if wall_s is None or not isinstance(boot_id, str):
             return None
         if boottime is None:
-            return cls(float(wall), boot_id, None)
-        if not isinstance(boottime, int | float) or not _finite(boottime):
+            return cls(wall_s, boot_id, None)
+        boottime_s = finite_number(boottime)
+        if boottime_s is None:
             return None
-        return cls(float(wall), boot_id, float(boottime))
+        return cls(wall_s, boot_id, boottime_s)
 
 
-def _finite(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def elapsed_bounds(then: ClockMark | None, now: ClockMark) -> tuple[float, float]:

@@ -59,6 +59,11 @@ def test_entries_of_the_wrong_shape_are_skipped_by_index_and_the_faults_kept_are
     assert doc.clock is None
 
 
+def test_a_fault_time_too_large_for_a_float_is_not_kept_and_the_journal_still_reads() -> None:
+    raw = json.dumps({"version": 1, "jobs": [], "faults": [1_700_000_100.0, 10**400]}).encode()
+    assert read_document(raw).faults == [1_700_000_100.0]
+
+
 @pytest.mark.parametrize(
     ("raw", "why"),
     [

@@ -620,6 +620,15 @@ def test_a_failed_perf_read_is_not_kept() -> None:
     assert backend.reads == 2
 
 
+def test_perf_figures_that_are_no_finite_number_are_read_as_missing() -> None:
+    """JSON carries integers of any size and Python's json writes Infinity: such an
+    ``uptime`` or ``idletime`` is no figure to act on, and no crash."""
+    backend = PerfBackend({"idle": 1, "queue": 0, "idletime": 10**400, "uptime": float("inf")})
+    manners, _clock = standalone(backend)
+    assert manners.last_local_request_time() is None
+    assert manners.model_busy() is False
+
+
 def test_a_local_user_is_noticed_at_most_a_second_late() -> None:
     """koboldcpp reports idletime 100 s at first; then a local user sends a request."""
     backend = PerfBackend(IDLE)
