@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import HordeRefusal, JobFault
 from ..horde.pop import Lease
-from .journal import Journal, JournalEntry
+from .journal import GENKEY_PREFIX, Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
 
 T = TypeVar("T")
@@ -332,7 +332,7 @@ class _StepRunner:
 
 def new_genkey() -> str:
     """A ``HORDEREQ_`` genkey: koboldcpp does not pause the worker for these requests."""
-    return "HORDEREQ_" + secrets.token_hex(6)
+    return GENKEY_PREFIX + secrets.token_hex(6)
 
 
 def payload_keys(obj: dict[str, Any], limit: int = 32) -> str:
