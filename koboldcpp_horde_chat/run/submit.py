@@ -41,11 +41,7 @@ from ..state.job import JobContext
 from ..state.journal_rules import known_not_taken, next_start_plan
 from ..state.life import Move, Phase
 from ..state.shared import WorkerState
-from ..translate.submits import (
-    FAULT_REPLY_REFUSED,
-    fault_submit,
-    text_fault_submit,
-)
+from ..translate.submits import FAULT_REPLY_REFUSED, job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
 
@@ -161,12 +157,7 @@ class SubmitPipeline:
             f" ({fault.fault_reason})" if fault.fault_reason else "",
             fault.why,
         )
-        if ctx.chat:
-            body = fault_submit(
-                ctx.id, ctx.model_id, fault.fault_reason
-            )
-        else:
-            body = text_fault_submit(ctx.id)
+        body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id, fault.fault_reason)
         self._mark_fault_sent(ctx)
         return self._send(ctx, body, detail="fault", on_refused=None, started=self.clock())
 
@@ -196,11 +187,7 @@ class SubmitPipeline:
         """
         if not ctx.settle():
             return
-        body = (
-            fault_submit(ctx.id, ctx.model_id)
-            if ctx.chat
-            else text_fault_submit(ctx.id)
-        )
+        body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id)
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self._timeout())
         self._mark_fault_sent(ctx)
         try:

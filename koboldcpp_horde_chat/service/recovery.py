@@ -37,13 +37,13 @@ from typing import Any, Final, Protocol
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import BackendError, HordeRefusal, HordeUnavailable
-from ..horde.codes import REFUSAL_RCS, SETTLED_RCS, is_key_refusal
+from ..horde.codes import SETTLED_RCS, is_key_refusal
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
-from ..run.submit import reward_kudos
+from ..run.submit import refused_reply_fault, reward_kudos
 from ..state import journal as _journal
 from ..state.journal import Journal, JournalEntry
 from ..state.journal_rules import FAULT_MARGIN_S, known_not_taken, plan
-from ..translate.submits import FAULT_REPLY_REFUSED, fault_submit, text_fault_submit
+from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
@@ -111,10 +111,12 @@ class RecoveryResult:
         )
 
 
-def _fault_body(entry: JournalEntry, model_id_default: str) -> dict[str, Any]:
-    if entry.kind == "chat":
-        return fault_submit(entry.job_id, entry.model_id or model_id_default)
-    return text_fault_submit(entry.job_id)
+def _fault_body(
+    entry: JournalEntry, model_id_default: str, fault_reason: str | None = None
+) -> dict[str, Any]:
+    return job_fault_submit(
+        entry.job_id, entry.kind, entry.model_id or model_id_default, fault_reason
+    )
 
 
 @dataclass
@@ -338,9 +340,10 @@ def _attempt(
         if item.action == "reply":
             # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
             log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, exc.reason)
-            item.action, item.body = "fault", _fault_body(entry, model_id_default)
-            if entry.kind == "chat" and exc.rc in REFUSAL_RCS:
-                item.body["fault_reason"] = FAULT_REPLY_REFUSED
+            item.action = "fault"
+            item.body = _fault_body(
+                entry, model_id_default, refused_reply_fault(exc).fault_reason
+            )
             item.ends_at = item.fault_ends_at
             item.attempts, item.next_at = 0, 0.0
             return False

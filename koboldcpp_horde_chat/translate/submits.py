@@ -295,3 +295,16 @@ def text_fault_submit(job_id: str) -> dict[str, Any]:
     """A text job's faulted submit body: ``{"id", "generation": "", "state": "faulted"}``
     (seed step 8: a text job is submitted in its own kind's shape)."""
     return {"id": job_id, "generation": "", "state": "faulted"}
+
+
+def job_fault_submit(
+    job_id: str, kind: str, model_id: str, fault_reason: str | None = None
+) -> dict[str, Any]:
+    """The faulted submit body of a job of either kind: :func:`fault_submit` for a
+    ``"chat"`` job (with its ``model_id`` and ``fault_reason``), else
+    :func:`text_fault_submit` (a text fault carries no reason).
+
+    Seed: "7. Fault a job", step 8."""
+    if kind == "chat":
+        return fault_submit(job_id, model_id, fault_reason)
+    return text_fault_submit(job_id)
