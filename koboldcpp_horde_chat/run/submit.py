@@ -319,6 +319,9 @@ class SubmitPipeline:
                 ctx.end(Move.SETTLED)
                 return False
             ctx.end(Move.SETTLED)
+            # Out of hand and out of the journal before the line says it was
+            # answered: a kill after the line leaves nothing for the next start.
+            self.state.release(ctx)
             seconds = self.clock() - started
             retried = f", at attempt {attempts}" if attempts > 1 else ""  # the failures' end
             if is_fault:
