@@ -19,11 +19,9 @@ import sys
 from collections.abc import Sequence
 
 from .hosts.standalone import run_standalone
+from .hosts.standalone_flags import SUBCOMMANDS
 
 __all__ = ["SUBCOMMANDS", "main"]
-
-SUBCOMMANDS = ("demo", "devhorde", "devkcpp")
-"""The first arguments that name a subcommand instead of the standalone worker's flags."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import BackendError, ConfigError
 from ..hosts.standalone import configure_logging, run_standalone
-from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, resolve_url
+from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, _done, demo_cases
@@ -44,7 +44,7 @@ OPENING = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``koboldcpp-horde-chat demo``."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="koboldcpp-horde-chat demo",
         description="Run the worker against a local dev Horde and a koboldcpp (yours when "
         "one answers, else a scripted one), send it requests as a client would, and judge "

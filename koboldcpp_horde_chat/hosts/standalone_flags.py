@@ -12,8 +12,10 @@ koboldcpp's embedded worker".
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import NoReturn
 
 from .. import __version__
 from ..errors import ConfigError
@@ -48,9 +50,70 @@ WITHHOLDABLE = (
 )
 
 
+#: The subcommands named first (``cli.main``); a near miss of one is hinted at.
+SUBCOMMANDS = ("demo", "devhorde", "devkcpp")
+
+#: koboldcpp's own flags an operator may bring along: the worker's flag to use instead,
+#: and why. The worker reaches koboldcpp by URL and never starts or configures it.
+KOBOLDCPP_HABITS = {
+    "--port": ("--kcpp-url", "the worker takes koboldcpp's URL: --kcpp-url http://127.0.0.1:5001"),
+    "--host": ("--kcpp-url", "the worker takes koboldcpp's URL: --kcpp-url http://127.0.0.1:5001"),
+    "--password": ("--kcpp-password", "the worker takes koboldcpp's --password so"),
+    "--maxrequestsize": ("--kcpp-max-request-mb", "koboldcpp's --maxrequestsize, in MB"),
+    "--genlimit": ("--kcpp-genlimit", "the value of koboldcpp's --genlimit"),
+}
+
+
+def unknown_argument_hint(
+    given: str, flags: Iterable[str], subcommands: Iterable[str] = ()
+) -> str:
+    """What to say about an argument the parser does not know, in one clause.
+
+    ``given`` is the argument as typed (``--port``, ``--hordkey=KEY``, ``dmeo``);
+    ``flags`` the parser's option strings. koboldcpp's own flags get the worker's
+    (:data:`KOBOLDCPP_HABITS`), others the nearest flag or subcommand by
+    ``difflib``; "" when nothing is near.
+    """
+    name = given.split("=", 1)[0]
+    long_flags = [f for f in flags if f.startswith("--")]
+    if name in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[name][0] in long_flags:
+        flag, why = KOBOLDCPP_HABITS[name]
+        return f"did you mean {flag}? ({why})"
+    if name.startswith("-"):
+        near = difflib.get_close_matches(name, long_flags, n=1, cutoff=0.6)
+        return f"did you mean {near[0]}?" if near else ""
+    near = difflib.get_close_matches(name, list(subcommands), n=1, cutoff=0.6)
+    return f"did you mean the subcommand {near[0]}? (named first)" if near else ""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose mistakes are one line on stderr, exit code 2.
+
+    In place of argparse's usage dump: the error, for an unknown argument the
+    nearest flag (:func:`unknown_argument_hint`), and where the flags are listed.
+    """
+
+    def __init__(self, *args: object, subcommands: Iterable[str] = (), **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.subcommands = tuple(subcommands)
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix) :].split()
+            given = next((w for w in words if w.startswith("-")), words[0] if words else "")
+            given = given.split("=", 1)[0]  # a value typed with it (a key, say) is not repeated
+            hint = unknown_argument_hint(given, self._option_string_actions, self.subcommands)
+            if hint:
+                self.exit(2, f"{self.prog}: error: unknown argument {given}; {hint}\n")
+            message = f"unknown argument {given}"
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The standalone worker's flags."""
-    p = argparse.ArgumentParser(
+    p = FlagParser(
+        subcommands=SUBCOMMANDS,
         prog="koboldcpp-horde-chat",
         description=(
             "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"

@@ -80,6 +80,45 @@ def test_flag_mistakes_exit_2_at_once_with_one_error_line(flags: list[str], mess
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--port", "5001"], "koboldcpp-horde-chat: error: unknown argument --port; did you mean "
+         "--kcpp-url? (the worker takes koboldcpp's URL: --kcpp-url http://127.0.0.1:5001)"),
+        (["--hordkey", "KEY-typed-here"], "koboldcpp-horde-chat: error: unknown argument "
+         "--hordkey; did you mean --hordekey?"),
+        (["--hordkey=KEY-typed-here"], "koboldcpp-horde-chat: error: unknown argument "
+         "--hordkey; did you mean --hordekey?"),
+        (["--password", "pw"], "koboldcpp-horde-chat: error: unknown argument --password; "
+         "did you mean --kcpp-password? (the worker takes koboldcpp's --password so)"),
+        (["--hordegenlen", "many"], "koboldcpp-horde-chat: error: argument --hordegenlen: "
+         "invalid int value: 'many' (koboldcpp-horde-chat --help lists the flags)"),
+    ],
+)
+def test_an_unknown_or_bad_flag_is_one_line_naming_the_nearest_flag(flags: list[str], line: str) -> None:
+    """koboldcpp's --port, or a typo: one line on stderr with the flag meant, exit code
+    2 as argparse's, and no usage dump (nor the value typed with it)."""
+    result = run_cli(*flags)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line]
+    assert "KEY-typed-here" not in result.stderr
+
+
+def test_a_near_miss_of_a_subcommand_or_a_demo_flag_is_hinted_at_too() -> None:
+    for argv, line in (
+        (["dmeo"], "koboldcpp-horde-chat: error: unknown argument dmeo; did you mean the "
+         "subcommand demo? (named first)"),
+        (["demo", "--scripeted"], "koboldcpp-horde-chat demo: error: unknown argument "
+         "--scripeted; did you mean --scripted?"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "koboldcpp_horde_chat", *argv],
+            cwd=ROOT, capture_output=True, text=True, timeout=20,
+        )
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [line]
+
+
 def test_check_flags_normalises_both_urls() -> None:
     args = build_parser().parse_args(
         ["--hordekey", "k", "--hordeworkername", "w", "--horde-url", "http://h:1/api/v2", "--kcpp-url", "http://k:2/"]
