@@ -13,10 +13,12 @@ import argparse
 import logging
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import BackendError, ConfigError
@@ -172,12 +174,40 @@ def _wait(horde: Any, request_id: str, deadline: float, worker: threading.Thread
             return False
 
 
+#: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
+INTERRUPTED = "Demo stopped (Ctrl-C): the worker and the servers it started are stopped."
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore Ctrl-C meanwhile (in the main thread), so a second one cannot cut a stop short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] = ()) -> int:
     """Run the demo; returns 0 when the worker did right in every case (and,
     against the scripted koboldcpp, every reply was as expected), 1 when not,
     2 when the koboldcpp named by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot
-    be used."""
+    be used, 130 after Ctrl-C (one line, :data:`INTERRUPTED`, once all it
+    started is stopped)."""
     args = build_parser().parse_args(list(argv))
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        _say(f"\n{INTERRUPTED}")
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The demo with its parsed flags (:func:`main`); a KeyboardInterrupt passes
+    through once everything it started is stopped."""
     from ..devkit.horde import DevHorde
     from ..devkit.kcpp import ScriptedKoboldcpp
 
@@ -202,53 +232,55 @@ def main(argv: Sequence[str] = ()) -> int:
                 "--scripted to use the devkit's scripted koboldcpp."
             )
             return 2
-    for line in OPENING:
-        _say(line)
-    _say()
-    if real:
-        _say(f"Using the koboldcpp at {kcpp_url}.")
-    else:
-        scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
-        scripted_kcpp.start()
-        why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
-        kcpp_url = scripted_kcpp.url
-        _say(
-            f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
-            "(canned replies, real koboldcpp response shapes)."
-        )
-    scripted = scripted_kcpp is not None
-    horde = DevHorde(api_keys=(DEMO_KEY,))
-    horde.start()
-    _say(f"Dev Horde at {horde.url}")
     stop = threading.Event()
     result: dict[str, int] = {}
     journal = tempfile.TemporaryDirectory(
         prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
     )
-    worker_args = [
-        "--hordekey",
-        DEMO_KEY,
-        "--hordeworkername",
-        "demo-worker",
-        "--horde-url",
-        horde.url,
-        "--kcpp-url",
-        kcpp_url,
-        "--hordegenlen",
-        "256",
-        "--journal-dir",
-        journal.name,
-        "--log-level",
-        args.log_level,
-    ]
-    if args.kcpp_password:
-        worker_args += ["--kcpp-password", args.kcpp_password]
-    thread = threading.Thread(
-        target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
-        name="demo-worker",
-        daemon=True,
-    )
+    horde: DevHorde | None = None
+    thread: threading.Thread | None = None
     try:
+        for line in OPENING:
+            _say(line)
+        _say()
+        if real:
+            _say(f"Using the koboldcpp at {kcpp_url}.")
+        else:
+            scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
+            scripted_kcpp.start()
+            why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
+            kcpp_url = scripted_kcpp.url
+            _say(
+                f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
+                "(canned replies, real koboldcpp response shapes)."
+            )
+        scripted = scripted_kcpp is not None
+        horde = DevHorde(api_keys=(DEMO_KEY,))
+        horde.start()
+        _say(f"Dev Horde at {horde.url}")
+        worker_args = [
+            "--hordekey",
+            DEMO_KEY,
+            "--hordeworkername",
+            "demo-worker",
+            "--horde-url",
+            horde.url,
+            "--kcpp-url",
+            kcpp_url,
+            "--hordegenlen",
+            "256",
+            "--journal-dir",
+            journal.name,
+            "--log-level",
+            args.log_level,
+        ]
+        if args.kcpp_password:
+            worker_args += ["--kcpp-password", args.kcpp_password]
+        thread = threading.Thread(
+            target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
+            name="demo-worker",
+            daemon=True,
+        )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
         sent = [c for c in cases if not c.skip]
@@ -319,11 +351,13 @@ def main(argv: Sequence[str] = ()) -> int:
         _say(f"\nDemo passed: the worker did right in all {len(sent)} cases.{tail}")
         return 0
     finally:
-        stop.set()
-        thread.join(timeout=10) if thread.is_alive() else None
-        logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
-        horde.stop()
-        if scripted_kcpp is not None:
-            scripted_kcpp.stop()
-        journal.cleanup()
-        time.sleep(0)
+        with _sigint_ignored():
+            stop.set()
+            thread.join(timeout=10) if thread is not None and thread.is_alive() else None
+            logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
+            if horde is not None:
+                horde.stop()
+            if scripted_kcpp is not None:
+                scripted_kcpp.stop()
+            journal.cleanup()
+            time.sleep(0)

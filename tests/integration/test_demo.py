@@ -388,3 +388,80 @@ def test_a_reply_submitted_once_in_the_seeds_shape_is_the_worker_doing_right() -
     case = demo.DemoCase("plain chat", "chat", {"messages": []}, cases._hope_reply)
     verdict = demo.judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
     assert verdict == demo.Verdict(True, "submitted", [], [])
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------
+
+
+def test_ctrl_c_in_the_demo_ends_it_in_one_line_with_exit_code_130() -> None:
+    """SIGINT to a running demo (as Ctrl-C sends it): no traceback, one line saying it
+    stopped, exit code 130, and the process ends promptly (nothing it started keeps it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "koboldcpp_horde_chat", "demo", "--scripted"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    out: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line.rstrip("\n"))
+            if line.startswith("[ok  ] plain chat"):
+                started.set()  # the worker runs and serves
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(60), "\n".join(out)
+        proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        code = proc.wait(30)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(5)
+    err = proc.stderr.read()
+    assert code == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert out[-1] == command.INTERRUPTED, out
+    assert not any(line.startswith("Demo passed") or line.startswith("Demo FAILED") for line in out)
+    assert took < 15, took  # the worker, the dev Horde and the scripted koboldcpp stopped
+
+
+def test_after_ctrl_c_the_demo_has_stopped_its_worker_and_both_servers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process: a KeyboardInterrupt while a case waits returns 130 with one line,
+    and the dev Horde and scripted koboldcpp it started no longer answer."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr(command, "demo_cases", only("plain chat"))
+
+    def interrupted(*args: Any) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "_wait", interrupted)
+    assert main(["--scripted", "--timeout", "60"]) == 130
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == command.INTERRUPTED
+    urls = re.findall(r"(?:koboldcpp at|Dev Horde at) (http://127\.0\.0\.1:\d+)", out)
+    assert len(urls) == 2, out
+    for url in urls:
+        with pytest.raises(OSError):
+            socket.create_connection((urlsplit(url).hostname, urlsplit(url).port), timeout=2).close()
+    assert not [t for t in threading.enumerate() if t.name == "demo-worker"]
