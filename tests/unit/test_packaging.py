@@ -108,11 +108,34 @@ def test_the_license_is_declared_and_no_url_that_does_not_exist() -> None:
     the bridge agent name none (a PyPI page that does not exist sent operators
     nowhere)."""
     meta = setup_cfg()["metadata"]
-    assert meta["license"] == "MIT"
+    assert meta["license"] == "MIT AND AGPL-3.0-only"
     assert "License :: OSI Approved :: MIT License" in meta["classifiers"]
     assert "project_urls" not in meta and "url" not in meta
     assert "://" not in koboldcpp_horde_chat.BRIDGE_AGENT.split(":", 2)[2]
     assert "pypi.org" not in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_license_metadata_says_mit_for_the_package_and_agpl_3_0_only_for_the_patches() -> None:
+    """The sdist carries the koboldcpp patches, which change koboldcpp's file and are
+    under its license: the AGPL version 3, which koboldcpp grants with no "or any later
+    version". The metadata says so as a valid SPDX expression and ships both texts."""
+    meta = setup_cfg()["metadata"]
+    assert meta["license"] == "MIT AND AGPL-3.0-only"
+    assert meta["license_files"].split() == ["LICENSE", "patches/AGPL-3.0.txt"]
+    classifiers = [c.strip() for c in meta["classifiers"].splitlines() if c.strip()]
+    assert [c for c in classifiers if c.startswith("License ::")] == [
+        "License :: OSI Approved :: MIT License",
+        "License :: OSI Approved :: GNU Affero General Public License v3",
+    ]
+    assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
+    licenses = pytest.importorskip("packaging.licenses")
+    assert licenses.canonicalize_license_expression(meta["license"]) == "MIT AND AGPL-3.0-only"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## License\n", 1)[1]
+    assert "`MIT AND AGPL-3.0-only`" in readme and "so AGPL-3.0-only" in readme
+    patches_readme = (ROOT / "patches" / "README.md").read_text(encoding="utf-8")
+    assert "the patches are under AGPL-3.0-only" in patches_readme.split("\n## ", 1)[0]
+    for text in (readme, patches_readme, (ROOT / "setup.cfg").read_text(encoding="utf-8")):
+        assert "or-later" not in text and "AGPL-3.0+" not in text
 
 
 def test_the_metadata_names_its_authors_without_inventing_an_address() -> None:
@@ -146,10 +169,10 @@ def test_the_changelog_dates_each_release() -> None:
 
 @pytest.mark.parametrize("patch", sorted((ROOT / "patches").glob("*.patch")), ids=lambda p: p.name)
 def test_each_patch_says_its_license_before_its_diff(patch: Path) -> None:
-    """The patches change koboldcpp's file, so they are under its license, AGPL-3.0;
+    """The patches change koboldcpp's file, so they are under its license, AGPL-3.0-only;
     the line sits in the description, which patch and git apply skip."""
     header = patch.read_text(encoding="utf-8").split("\n--- a/", 1)[0]
-    assert "License: AGPL-3.0, koboldcpp's own license" in header.splitlines()[1]
+    assert "License: AGPL-3.0-only, koboldcpp's own license" in header.splitlines()[1]
 
 
 def test_the_changelog_has_the_current_version() -> None:
