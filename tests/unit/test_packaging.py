@@ -138,6 +138,42 @@ def test_the_license_metadata_says_mit_for_the_package_and_agpl_3_0_only_for_the
         assert "or-later" not in text and "AGPL-3.0+" not in text
 
 
+DEMO_COMMAND = (
+    "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/koboldcpp-horde-chat demo"
+)
+TEST_COMMAND = (
+    "python3 -m venv .venv && .venv/bin/pip install '.[test,lint]' && "
+    "KCPP_HORDE_REQUIRE_LINT=1 .venv/bin/python -m pytest -n 4"
+)
+
+
+def test_the_readmes_two_commands_work_on_a_distributions_python() -> None:
+    """A distribution's Python refuses a plain pip install (PEP 668's
+    externally-managed-environment): both commands make and use a venv, and the
+    README says which package gives Debian's python3 its venv."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Two commands", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)\n```", section, re.DOTALL)
+    assert blocks == [DEMO_COMMAND, TEST_COMMAND]
+    assert "externally-managed-environment" in section
+    assert "sudo apt-get install python3-venv" in section
+
+
+def test_ci_runs_the_readmes_test_command_in_a_fresh_venv() -> None:
+    """.ci/run's default run is the README's test command: a venv of its own (no
+    system site-packages, as the README's), the test and lint extras, -n 4, the
+    lint required."""
+    ci = ROOT / ".ci" / "run"
+    if not ci.exists():
+        pytest.skip("no .ci/run (an unpacked sdist does not ship it)")
+    run_default = ci.read_text(encoding="utf-8").split("run_default() {", 1)[1].split("\n}\n", 1)[0]
+    assert 'python3 -m venv "$work/venv-default"' in run_default
+    assert "--system-site-packages" not in run_default
+    assert '-m pip install --quiet "$root[test,lint]"' in run_default
+    assert 'pytest_or_fail "$root" "$py" KCPP_HORDE_REQUIRE_LINT=1' in run_default
+    assert '"$python" -m pytest -q -n 4 ' in ci.read_text(encoding="utf-8")
+
+
 def test_the_metadata_names_its_authors_without_inventing_an_address() -> None:
     meta = setup_cfg()["metadata"]
     assert meta["author"] == "koboldcpp-horde-chat developers"
