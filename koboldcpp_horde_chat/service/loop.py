@@ -225,13 +225,14 @@ class Worker:
                     return
             self._pass()
 
-    def _pop_left(self, what: str) -> None:
+    def _pop_left(self, what: str, body: dict[str, Any] | None = None) -> None:
         """A pop got no answer and the worker stops: whatever job the Horde assigned
         it goes to a worker that is gone and expires there, an aborted job on the
         worker's count. Say so in one line and count it toward maintenance."""
         log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
                     POP_LEFT_LINE)
-        self.state.record_expired(self.clock.monotonic())
+        chat = body is None or "chat_jobs" in body
+        self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
 
     def _wait_jobs_ended(self) -> None:
         """Wait for submits of this loop still retried on threads of their own
@@ -303,8 +304,10 @@ class Worker:
                 and error.sent is not False
             ):
                 # No answer while stopping: the Horde may have assigned a job.
-                self._pop_left("the pop in flight at the stop got no answer")
+                self._pop_left("the pop in flight at the stop got no answer", body)
                 return False
+            if _answer_lost(error):  # a job may be assigned that expires unseen
+                self.state.record_lost_pop(self.clock.monotonic(), chat="chat_jobs" in body)
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
             else:
@@ -461,3 +464,12 @@ class Worker:
         """Fault the jobs this loop holds with one quick submit each (the process
         exits now; ``run.driver.JobDriver.fault_jobs_now``)."""
         self.driver.fault_jobs_now()
+
+
+def _answer_lost(error: HordeError | None) -> bool:
+    """A pop sent whose answer never came (a timeout or a reset after sending,
+    ``sent`` None) or came as a 5xx (the outcome unknown): the Horde may have
+    assigned it a job. Not a 429 or a refusal, which it answers before that."""
+    if not isinstance(error, HordeUnavailable):
+        return False
+    return (error.status == 0 and error.sent is not False) or error.status >= 500

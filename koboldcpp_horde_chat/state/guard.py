@@ -14,6 +14,10 @@ Two guards, each fed plain numbers by the worker (``state/shared.py``) with the 
   With :data:`STOP_POPPING_AT` counted, jobs in hand included (each may still
   become one), it says to stop popping until the window allows one more
   (:meth:`MaintenanceGuard.pop_allowed`, :meth:`MaintenanceGuard.resume_at`).
+  A pop whose answer was lost (sent, but no answer came: a timeout, a reset,
+  a 5xx) may have been assigned a job the worker never sees, which expires
+  on the Horde: it is counted at once and until a window after the Horde
+  would expire it (:meth:`MaintenanceGuard.record_lost_pop`).
 
   The Horde's own window (``log_aborted_job`` in the real Horde's
   ``horde/classes/base/worker.py``) starts at an aborted job that comes more
@@ -75,9 +79,9 @@ WITHDRAW_CHAT_AT: Final = 15
 RESTORE_CHAT_BELOW: Final = 10
 """Chat is declared again once fewer faults than this remain in the last hour."""
 STOP_POPPING_AT: Final = 19
-"""Counted aborts (jobs in hand included) at which the worker stops popping: one
-short of the Horde's 20, spare for a job the worker never saw (a pop whose
-answer was lost), so the 21st is never reached."""
+"""Counted aborts (jobs in hand and pops whose answer was lost included) at which
+the worker stops popping: one short of the Horde's 20, spare for a job no count
+can see (a pop in flight when the process died), so the 21st is never reached."""
 COUNT_WINDOW_S: Final = HOUR_S + 60.0
 """The window aborted jobs are counted over, seconds: the Horde's hour and a minute."""
 FAILED_IN_A_ROW: Final = 3
@@ -171,7 +175,24 @@ class MaintenanceGuard:
     def record_fault(self, now: float, kind: str | None = None) -> None:
         """Count one aborted job at ``now``; ``kind`` is the job's (None: not known,
         as for a fault kept from an earlier run, taken as possibly chat)."""
-        self._faults.append((now, kind))
+        self._add(now, kind)
+
+    def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
+        """Count a pop whose answer was lost: the Horde may have assigned it a job
+        that expires there at ``expires_at`` (the caller's clock, later than
+        now), an aborted job the worker never sees. Counted from now until a
+        window after ``expires_at``; ``kind`` is ``"text"`` when the pop did not
+        declare chat, else None."""
+        self._add(expires_at, kind)
+
+    def _add(self, at: float, kind: str | None) -> None:
+        """Keep the counted times in order (a lost pop's lies ahead of now)."""
+        self._faults.append((at, kind))
+        if len(self._faults) < 2 or self._faults[-2][0] <= at:
+            return
+        ordered = sorted(self._faults, key=lambda fault: fault[0])
+        self._faults.clear()
+        self._faults.extend(ordered)
 
     def _forget(self, now: float) -> None:
         while self._faults and now - self._faults[0][0] >= self.window_s:

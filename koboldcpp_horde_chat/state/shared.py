@@ -50,6 +50,8 @@ log = logging.getLogger("koboldcpp_horde_chat.state")
 
 #: The Horde puts a worker that aborts more than this many jobs in an hour into maintenance.
 HORDE_FAULT_LIMIT_PER_HOUR = guard.HORDE_FAULT_LIMIT_PER_HOUR
+#: How long after a job's ``ttl`` the Horde's sweep may take to expire it, seconds.
+LOST_POP_SWEEP_S = 60.0
 class StartupRecovery(Protocol):
     """The start-up recovery as the shared state waits for it
     (``service.recovery.Recovery``; the service floor sets it)."""
@@ -348,6 +350,20 @@ class WorkerState:
         maintenance."""
         with self.lock:
             self._count_toward_maintenance(now, kind)
+
+    def record_lost_pop(self, now: float, *, chat: bool = True) -> None:
+        """A pop was sent but its answer lost (a timeout, a reset, a 5xx): the
+        Horde may have assigned it a job this worker never sees, which expires
+        there (its ``ttl``, :attr:`WorkerSettings.lease_s`, and the Horde's
+        60 s sweep after it): an aborted job on the Horde, counted toward
+        maintenance now and until the Horde's hour after that expiry
+        (``guard.MaintenanceGuard.record_lost_pop``). ``chat``: the pop
+        declared chat."""
+        expires_at = now + self.settings.lease_s + LOST_POP_SWEEP_S
+        with self.lock:
+            self.maintenance_guard.record_lost_pop(expires_at, None if chat else "text")
+            if self.journal is not None:
+                self.journal.record_fault(self.clock.time())
 
     def _count_toward_maintenance(self, now: float, kind: str | None = None) -> None:
         self.maintenance_guard.record_fault(now, kind)

@@ -311,3 +311,39 @@ def test_a_lowered_max_length_comes_back_once_koboldcpp_is_fast_again_with_no_sh
     assert horde.status(first)["state"] != "done"
     aborted, maintenance = _counted(horde)
     assert aborted <= 1 and not maintenance
+
+
+def test_pops_whose_answers_were_lost_are_counted_so_mixed_failures_never_reach_maintenance(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two pops whose answers are lost (the Horde assigns each a job, then the
+    connection closes unanswered) and a mix of failing jobs: the jobs the worker
+    never saw expire on the Horde as aborted jobs. The worker counts each lost
+    pop as one, so its own aborts stop short and the Horde's count stays within
+    its 20 an hour even after those jobs expire."""
+    caplog.set_level(logging.INFO)
+
+    def fail(route: str, body: Any) -> Fault | None:
+        if route == "generate" and isinstance(body, dict) and "FAIL" in str(body.get("prompt")):
+            return 500, {"detail": {"msg": "boom"}}
+        return None
+
+    kcpp.fail_when(fail)
+    for i in range(30):
+        horde.send_text(f"Once {i}", max_length=32, max_attempts=1)
+        horde.send_text(f"FAIL {i}", max_length=32, max_attempts=1)
+    horde.inject("pop", "ok", "drop", "ok", "ok", "drop")
+    start_worker()
+    until(
+        lambda: "not popping, to stay out of maintenance" in caplog.text or _counted(horde)[1],
+        120,
+        lambda: caplog.text[-3000:],
+    )
+    time.sleep(2.0)  # the last submits answered
+    horde.expire_leases()  # the jobs of the lost answers expire on the Horde
+    aborted, maintenance = _counted(horde)
+    assert not maintenance, caplog.text[-3000:]
+    assert aborted <= 20, caplog.text[-3000:]

@@ -340,3 +340,19 @@ def test_the_threshold_is_configurable_and_checked() -> None:
     assert RefusalGuard(threshold=1).record(["tools"], 0.0) == ["tools"]
     with pytest.raises(ValueError):
         RefusalGuard(threshold=0)
+
+
+def test_a_lost_pop_counts_at_once_and_until_an_hour_after_the_horde_would_expire_it() -> None:
+    """A pop whose answer was lost may hold a job the Horde expires 150-210 s
+    later and counts for its hour after that: the guard counts it from now until
+    a window after that expiry, and in order with the faults around it."""
+    g = MaintenanceGuard(window_s=3660.0)
+    for t in range(17):
+        g.record_fault(float(t))
+    g.record_lost_pop(100.0 + 210.0)
+    assert g.recent(100.0) == 18
+    g.record_fault(101.0)
+    assert not g.pop_allowed(101.0)
+    assert g.resume_at(101.0) == 0.0 + 3660.0  # the oldest fault leaves first
+    assert g.recent(310.0 + 3659.0) == 1  # the expiry's hour is not over yet
+    assert g.recent(310.0 + 3660.0) == 0
