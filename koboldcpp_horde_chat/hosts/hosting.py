@@ -223,6 +223,7 @@ def start_recovery(
             pauses and calls end by them and the jobs the Horde has not
             answered by then stay in the journal. None: a stop keeps them at once.
     """
+    journal.serve(horde_url)  # its jobs record this Horde; another Horde's are left alone
     extra: dict[str, Any] = {}
     if connect_timeout_s is not None:
         extra["connect_timeout_s"] = connect_timeout_s
@@ -300,6 +301,7 @@ def open_state(
         return WorkerState(
             settings, stop_event=stop_event, journal=None, call_deadlines=call_deadlines
         )
+    journal.serve(settings.horde_url)
     state = WorkerState(
         settings, stop_event=stop_event, journal=journal, call_deadlines=call_deadlines
     )

@@ -16,6 +16,9 @@ holds, by its terminal-action state and its lease
 - a job whose fault went before, or whose lease may have ended, is sent
   nothing: on the real Horde every faulted submit re-opens the request
   (``wp.n += 1``), also for a job that already ended.
+- a job popped from another Horde than this start's (``JournalEntry.horde``)
+  is left alone and kept in the journal for a start against its Horde: this
+  one would answer it 404, and it would expire on its own.
 
 A submit the Horde does not answer is tried again with a growing pause (1 s,
 2 s, 4 s... at most 30 s, or the Horde's ``Retry-After``) until it answers or
@@ -215,6 +218,7 @@ def recover(
     counts = RecoveryResult()  # counted as the jobs are answered
     aborts: list[tuple[str, str]] = []  # (job id, genkey) of each faulted generation
     pending: list[_Pending] = []
+    entries = _this_hordes(entries, journal.horde)
     for entry in entries:
         step = plan(entry.to_json(), earlier, now_mark)
         fault_step = plan(entry.to_json() | {"terminal": "none"}, earlier, now_mark)
@@ -279,6 +283,29 @@ def recover(
             counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
         )
     return result
+
+
+def _this_hordes(entries: list[JournalEntry], horde: str | None) -> list[JournalEntry]:
+    """The entries popped from ``horde`` (an entry that does not say, from a
+    version 1 file, is taken as this Horde's). The others are left alone, in
+    the journal for a start against their Horde: sent to this one, a job would
+    be answered 404 there and expire on its own Horde. One line per other Horde."""
+    if horde is None:
+        return entries
+    elsewhere: dict[str, int] = {}
+    mine = []
+    for entry in entries:
+        if entry.horde is None or entry.horde == horde:
+            mine.append(entry)
+        else:
+            elsewhere[entry.horde] = elsewhere.get(entry.horde, 0) + 1
+    for other, count in elsewhere.items():
+        log.warning(
+            "job journal: %d job%s popped from %s left alone (this start serves %s); "
+            "kept in the journal for a start against that Horde",
+            count, "" if count == 1 else "s", other, horde,
+        )
+    return mine
 
 
 def _last_attempt_at(

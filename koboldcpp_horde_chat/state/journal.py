@@ -74,8 +74,10 @@ from .journal_format import (
     MAX_FILE_BYTES,
     JournalEntry,
     NotAJournal,
+    OtherVersion,
     clock_mark,
     document_text,
+    horde_of,
     read_document,
 )
 from .journal_rules import ClockMark, fault_ages_shift
@@ -129,6 +131,8 @@ class Journal:
     Args:
         path: the file (:func:`journal_path`); its directory is created on the
             first write, mode 0o700.
+        horde: the base URL of the Horde this process pops from (or later
+            :meth:`serve`): each entry added records it (``JournalEntry.horde``).
 
     The entries live in memory and every change rewrites the whole file (a
     few hundred bytes). :meth:`load` reads the file left by an earlier
@@ -138,8 +142,10 @@ class Journal:
     and the first one that succeeds after a failure is logged once.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, horde: str | None = None) -> None:
         self.path = Path(path)
+        #: The Horde this process serves (``journal_format.horde_of``), or None.
+        self.horde = None if horde is None else horde_of(horde)
         self._lock = threading.Lock()
         self._entries: dict[str, JournalEntry] = {}
         self._faults: list[float] = []
@@ -202,16 +208,25 @@ class Journal:
     def __repr__(self) -> str:
         return f"Journal(path={str(self.path)!r})"
 
+    def serve(self, horde: str) -> None:
+        """This process pops from the Horde at base URL ``horde``: the entries
+        added from now on record it, and the recovery leaves alone the entries
+        of another Horde."""
+        with self._lock:
+            self.horde = horde_of(horde)
+
     # -- reading ------------------------------------------------------------------
 
     def load(self) -> list[JournalEntry]:
         """The entries an earlier process left, read once (later calls return :meth:`entries`).
 
         A missing file is an empty journal. A file that cannot be read or is
-        not a journal (invalid JSON, truncated, another ``version``, over
-        1 MiB) is logged in one line and set aside as
-        ``<name>.unreadable-<epoch seconds>`` next to it (left in place when
-        renaming fails); the journal is then empty. An entry of the wrong
+        not a journal (invalid JSON, truncated, over 64 MiB) is logged in one
+        line and set aside as ``<name>.unreadable-<epoch seconds>`` next to
+        it (left in place when renaming fails); one of a version not read by
+        today's rules (0.1.0's, or a newer program's:
+        ``journal_format``) as ``<name>.version-<n>-<epoch seconds>``, left
+        alone; the journal is then empty. An entry of the wrong
         shape is skipped and logged in one line. Never raises ``OSError``.
         """
         with self._lock:
@@ -248,6 +263,9 @@ class Journal:
             return
         try:
             doc = read_document(raw)
+        except OtherVersion as exc:
+            self._set_aside(str(exc), f"version-{exc.version}", jobs=exc.jobs)
+            return
         except NotAJournal as exc:
             self._set_aside(str(exc))
             return
@@ -261,15 +279,22 @@ class Journal:
         shift = fault_ages_shift(self._earlier_clock, self._loaded_clock)
         self._faults = [t + shift for t in doc.faults]
 
-    def _set_aside(self, problem: str) -> None:
-        target = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
+    def _set_aside(self, problem: str, suffix: str = "unreadable", *, jobs: int = -1) -> None:
+        """Move the file aside as ``<name>.<suffix>-<epoch seconds>``, whole and
+        never read again, saying so in one line (with ``jobs`` >= 0: how many
+        jobs it holds, which this process sends nothing)."""
+        target = self.path.with_name(f"{self.path.name}.{suffix}-{int(time.time())}")
+        left = (
+            f"; its {jobs} job{' gets' if jobs == 1 else 's get'} nothing from this start"
+            if jobs >= 0 else ""
+        )
         try:
             os.replace(self.path, target)
         except OSError as exc:
-            log.warning("job journal %s %s; ignored and left in place (%s)",
-                        self.path, problem, _reason(exc))
+            log.warning("job journal %s %s; ignored and left in place (%s)%s",
+                        self.path, problem, _reason(exc), left)
             return
-        log.warning("job journal %s %s; set aside as %s", self.path, problem, target.name)
+        log.warning("job journal %s %s; set aside as %s%s", self.path, problem, target.name, left)
 
     # -- writing ------------------------------------------------------------------
 
@@ -284,6 +309,8 @@ class Journal:
         """
         with self._lock:
             self._load_locked()
+            if entry.horde is None and self.horde is not None:
+                entry = replace(entry, horde=self.horde)
             self._entries[entry.job_id] = entry
             self._write_locked(durable=durable)
 

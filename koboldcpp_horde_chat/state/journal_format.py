@@ -12,19 +12,40 @@ What ``state.journal`` writes with each change and reads back at a start:
 - :func:`clock_mark`: this instant's clocks' mark (wall, boot id, time since
   boot: ``journal_rules.ClockMark``), written with each change.
 
-The file (version 1; an earlier version of the
-program reads it, ignoring the keys it does not know)::
+The file (version 2)::
 
-    {"version": 1,
+    {"version": 2,
      "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
                "genkey": "HORDEREQ_...", "lease_end": 1700000150.0,
-               "terminal": "reply_sent", "reply": {"id": "<id>", "message": ...}}],
+               "terminal": "reply_sent", "reply": {"id": "<id>", "message": ...},
+               "horde": "https://aihorde.net"}],
      "faults": [1700000100.0],
      "clock": {"wall": 1700000042.5, "boot_id": "<uuid>", "boottime": 5321.25}}
 
 (``terminal`` absent means ``none``; ``reply`` is written only with a kept
-reply; ``faults`` only when there are some; a file without ``clock`` is read
-on the wall clock alone.)
+reply; ``faults`` only when there are some; ``horde`` is the base URL the job
+was popped from.)
+
+The version changes whenever what an entry means changes, so no program reads
+a file by rules other than the ones it was written by:
+
+- version 1 without ``clock``: written by 0.1.0 (and the development tree
+  until the journal kept the true lease). ``lease_end`` is the pop plus the
+  longest lease progress posts could reach (200 s, 600 s trusted), not the
+  lease the Horde runs, and there is no ``terminal``: every entry was to be
+  faulted. Read by today's rules, an expired job would be faulted (which
+  re-opens its request on the real Horde). :func:`read_document` raises
+  :class:`EarlierJournal`: the file is set aside whole.
+- version 1 with ``clock`` (the development tree after that): ``lease_end``
+  is the lease the Horde runs and ``terminal`` the terminal-action state, as
+  today, but no ``horde``: read as version 2, its jobs taken as the Horde's
+  this start serves.
+- version 2 (today): version 1 with ``clock``, plus each entry's ``horde``.
+  0.1.0 and the earlier development tree set such a file aside as not theirs
+  (``<name>.unreadable-<epoch seconds>``), so they never fault a job whose
+  reply the Horde accepted.
+- a later version: raises :class:`NewerJournal`: the file is set aside and
+  left alone.
 
 Seed sections: "7. Fault a job" (the faulted submit), "Streaming progress"
 (the lease) and "Worked example: koboldcpp's embedded worker" (abort by genkey).
@@ -38,6 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..httpbody import redact_url
 from ..jsonbody import finite_number
 from .journal_rules import REPLY_STATES, TERMINAL_STATES, ClockMark
 
@@ -50,13 +72,19 @@ __all__ = [
     "JournalDocument",
     "JournalEntry",
     "NotAJournal",
+    "OtherVersion",
+    "EarlierJournal",
+    "NewerJournal",
     "clock_mark",
     "document_text",
+    "horde_of",
     "read_document",
 ]
 
-#: The ``version`` written in the file; a file of another version is set aside.
-FILE_VERSION: Final = 1
+#: The ``version`` written in the file (see the module docstring for what each meant).
+FILE_VERSION: Final = 2
+#: The version 0.1.0 wrote, read as :data:`FILE_VERSION` when it carries a ``clock``.
+EARLIER_VERSION: Final = 1
 #: A journal file larger than this (bytes) is not one this program wrote (a kept
 #: reply may hold up to 1 MiB of reasoning beside its content, per job in hand).
 MAX_FILE_BYTES: Final = 64 * 1024 * 1024
@@ -88,6 +116,8 @@ class JournalEntry:
             ``"reply_sent"``, ``"fault_sent"``).
         reply: the submit body of the generated reply (``reply_kept`` and
             ``reply_sent`` only), sent again by a restart as it is.
+        horde: the Horde the job was popped from (:func:`horde_of` its base
+            URL); None when not recorded (a version 1 file).
 
     Raises:
         ValueError: a field of the wrong type or value.
@@ -100,6 +130,7 @@ class JournalEntry:
     lease_end: float
     terminal: str = "none"
     reply: dict[str, Any] | None = None
+    horde: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
@@ -125,11 +156,13 @@ class JournalEntry:
             self.reply is None or self.reply.get("id") != self.job_id
         ):
             raise ValueError("reply is not this job's submit body")
+        if self.horde is not None and (not isinstance(self.horde, str) or not self.horde):
+            raise ValueError("horde is not a non-empty string or null")
 
     def to_json(self) -> dict[str, Any]:
         """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey",
         "lease_end"}``, with ``"terminal"`` when not ``"none"`` and ``"reply"``
-        when one is kept."""
+        when one is kept, ``"horde"`` when recorded."""
         obj: dict[str, Any] = {
             "job_id": self.job_id,
             "kind": self.kind,
@@ -141,6 +174,8 @@ class JournalEntry:
             obj["terminal"] = self.terminal
         if self.reply is not None:
             obj["reply"] = self.reply
+        if self.horde is not None:
+            obj["horde"] = self.horde
         return obj
 
     @classmethod
@@ -165,6 +200,7 @@ class JournalEntry:
             lease_end=obj["lease_end"],
             terminal=obj.get("terminal", "none"),
             reply=obj.get("reply"),
+            horde=obj.get("horde"),
         )
 
 
@@ -205,6 +241,36 @@ class NotAJournal(ValueError):
     valid JSON"``)."""
 
 
+class OtherVersion(NotAJournal):
+    """A job journal of a version this program does not read by today's rules.
+
+    Attributes:
+        version: the file's ``version``.
+        jobs: how many entries it holds.
+    """
+
+    def __init__(self, message: str, version: int, jobs: int) -> None:
+        super().__init__(message)
+        self.version = version
+        self.jobs = jobs
+
+
+class EarlierJournal(OtherVersion):
+    """A version 1 file without ``clock``, written by 0.1.0: its lease ends are
+    not the Horde's and it has no terminal-action states."""
+
+
+class NewerJournal(OtherVersion):
+    """A file of a version later than :data:`FILE_VERSION`, written by a newer
+    program: this one does not know what its entries mean."""
+
+
+def horde_of(url: str) -> str:
+    """The Horde a journal entry names: its base URL as ``scheme://host[:port]/path``
+    (host in lower case, no trailing slash, user part, query or fragment)."""
+    return redact_url(url.strip()).rstrip("/")
+
+
 @dataclass(frozen=True)
 class JournalDocument:
     """A journal file read back (:func:`read_document`).
@@ -229,8 +295,9 @@ def read_document(raw: bytes) -> JournalDocument:
 
     Raises:
         NotAJournal: over :data:`MAX_FILE_BYTES`, not valid JSON (UTF-8), not
-            an object with a ``jobs`` list, or another ``version`` than
-            :data:`FILE_VERSION`.
+            an object with a ``jobs`` list, or a ``version`` not read here
+            (:class:`EarlierJournal` for 0.1.0's, :class:`NewerJournal` for a
+            later one's).
     """
     if len(raw) > MAX_FILE_BYTES:
         raise NotAJournal(f"is over {MAX_FILE_BYTES} bytes")
@@ -240,7 +307,21 @@ def read_document(raw: bytes) -> JournalDocument:
         raise NotAJournal("is not valid JSON") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
         raise NotAJournal("is not a job journal")
-    if doc.get("version") != FILE_VERSION:
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise NotAJournal("is not a job journal (no version)")
+    if version > FILE_VERSION:
+        raise NewerJournal(
+            f"was written by a newer version of the worker (format {version}; this one "
+            f"reads up to {FILE_VERSION})", version, len(doc["jobs"]),
+        )
+    if version == EARLIER_VERSION and "clock" not in doc:
+        raise EarlierJournal(
+            f"was written by version 0.1.0 of the worker (format {version}: its lease ends "
+            "are not the Horde's, and it does not say which replies were sent)",
+            version, len(doc["jobs"]),
+        )
+    if version not in (EARLIER_VERSION, FILE_VERSION):
         raise NotAJournal(f"is not a version {FILE_VERSION} job journal")
     entries: list[JournalEntry] = []
     skipped: list[tuple[int, str]] = []

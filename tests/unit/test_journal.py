@@ -212,7 +212,7 @@ def test_add_returns_with_the_entry_on_disk(tmp_path: Path) -> None:
     path = tmp_path / "state" / "jobs.json"
     journal = Journal(path)
     journal.add(chat_entry())
-    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()], "clock": MARK}
+    assert on_disk(path) == {"version": 2, "jobs": [chat_entry().to_json()], "clock": MARK}
     journal.add(text_entry())
     assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["job-1", "job-t"]
     journal.remove("job-1")
@@ -260,7 +260,7 @@ def test_an_add_on_a_jobs_path_is_a_plain_write_that_a_killed_process_leaves_who
     monkeypatch.setattr(os, "replace", replace)
     Journal(path).add(chat_entry())
     assert order == ["replace"]
-    assert on_disk(path) == {"version": 1, "jobs": [chat_entry().to_json()], "clock": MARK}
+    assert on_disk(path) == {"version": 2, "jobs": [chat_entry().to_json()], "clock": MARK}
 
 
 def test_the_directory_is_made_on_the_first_write_private(tmp_path: Path) -> None:
@@ -368,11 +368,11 @@ def test_two_threads_adding_and_removing_leave_a_consistent_file(tmp_path: Path)
         b"[]",
         b'{"version": 1}',
         b'{"version": 1, "jobs": {}}',
-        b'{"version": 2, "jobs": []}',
+        b'{"version": 0, "jobs": []}',
         b"[" * 100_000,
         b" " * (1024 * 1024 + 1),
     ],
-    ids=["empty", "garbage", "partial", "array", "no-jobs", "jobs-object", "version-2", "deep",
+    ids=["empty", "garbage", "partial", "array", "no-jobs", "jobs-object", "version-0", "deep",
          "huge"],
 )
 def test_an_unreadable_file_is_set_aside_in_one_line_and_not_fatal(
@@ -415,7 +415,7 @@ def test_entries_of_the_wrong_shape_are_skipped_and_the_rest_kept(
     path = tmp_path / "jobs.json"
     bad = {**chat_entry("bad").to_json(), "genkey": "sk-" + API_KEY}
     huge = {**chat_entry("huge").to_json(), "lease_end": 10**400}
-    path.write_text(json.dumps({"version": 1, "jobs": [
+    path.write_text(json.dumps({"version": 2, "jobs": [
         chat_entry("a").to_json(), "text", bad, {"job_id": "b"}, huge, text_entry("c").to_json(),
     ]}))
     assert Journal(path).load() == [chat_entry("a"), text_entry("c")]
@@ -939,7 +939,7 @@ def test_a_journal_without_faults_writes_none_and_bad_ones_are_skipped(tmp_path:
     Journal(path).add(chat_entry())
     assert "faults" not in on_disk(path)  # the file as before, when nothing faulted
     path.write_text(
-        json.dumps({"version": 1, "jobs": [], "faults": ["x", True, None, NOW - 5, 1e999]})
+        json.dumps({"version": 2, "jobs": [], "faults": ["x", True, None, NOW - 5, 1e999]})
     )
     assert Journal(path).recent_faults(NOW) == [NOW - 5]
 

@@ -29,7 +29,7 @@ MARK = ClockMark(1_700_000_042.5, "boot", 5321.25)
 def test_what_is_written_reads_back_as_it_was() -> None:
     text = document_text(ENTRIES, [1_700_000_100.0004], MARK)
     assert json.loads(text) == {
-        "version": 1,
+        "version": 2,
         "jobs": [
             {"job_id": "j1", "kind": "text", "model_id": None, "genkey": "HORDEREQ_a",
              "lease_end": 1_700_000_150.0},
@@ -48,7 +48,7 @@ def test_what_is_written_reads_back_as_it_was() -> None:
 
 def test_entries_of_the_wrong_shape_are_skipped_by_index_and_the_faults_kept_are_numbers() -> None:
     raw = json.dumps({
-        "version": 1,
+        "version": 2,
         "jobs": [ENTRIES[0].to_json(), {"job_id": "j3", "kind": "image"}, "x"],
         "faults": [True, "1", float("nan"), *range(MAX_FAULTS + 5)],
     }).encode()  # fmt: skip
@@ -60,7 +60,7 @@ def test_entries_of_the_wrong_shape_are_skipped_by_index_and_the_faults_kept_are
 
 
 def test_a_fault_time_too_large_for_a_float_is_not_kept_and_the_journal_still_reads() -> None:
-    raw = json.dumps({"version": 1, "jobs": [], "faults": [1_700_000_100.0, 10**400]}).encode()
+    raw = json.dumps({"version": 2, "jobs": [], "faults": [1_700_000_100.0, 10**400]}).encode()
     assert read_document(raw).faults == [1_700_000_100.0]
 
 
@@ -71,7 +71,7 @@ def test_a_fault_time_too_large_for_a_float_is_not_kept_and_the_journal_still_re
         (b"\xff\xfe", "is not valid JSON"),
         (b"[]", "is not a job journal"),
         (b'{"version": 1}', "is not a job journal"),
-        (b'{"version": 2, "jobs": []}', "is not a version 1 job journal"),
+        (b'{"version": 0, "jobs": []}', "is not a version 2 job journal"),
         (b" " * (MAX_FILE_BYTES + 1), f"is over {MAX_FILE_BYTES} bytes"),
     ],
 )
