@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -154,8 +154,9 @@ class TrackingAdapter(requests.adapters.HTTPAdapter):
         }
 
 
-#: The kind that names the stop's deadline itself: no call has it; the work
-#: that must end by the stop (the recovery's last attempts) reads it.
+#: The kind that names the stop's deadline itself: the work that must end by
+#: the stop reads it (the recovery's last attempts), and what ends there as a
+#: job's generation does is hung up at it (the pop gate's probes of koboldcpp).
 STOP_KIND = "stop"
 #: Seconds past the stop's deadline a pop in flight is still waited for (the job
 #: it brings is then faulted at once, so that another worker takes it now).
@@ -197,7 +198,9 @@ class CallDeadlines:
         self._clock = clock
         self._lock = threading.Lock()
         self._ends: dict[str, float] = {}
-        self._calls: dict[Call, str] = {}
+        #: What to hang up at which kind's deadline: a :class:`Call`, or any
+        #: other key with its own hang-up (:meth:`until`).
+        self._calls: dict[object, tuple[str, Callable[[], object]]] = {}
         self._timers: list[Timer] = []
 
     def set(self, ends: dict[str, float]) -> None:
@@ -242,19 +245,31 @@ class CallDeadlines:
     def running(self, kind: str, call: Call) -> Iterator[None]:
         """Around ``call`` of ``kind`` (inside ``call.running()``): hung up when the
         deadline of its kind comes while it is in flight."""
+        with self.until(kind, call.hang_up):
+            yield
+
+    @contextmanager
+    def until(self, kind: str, hang_up: Callable[[], object]) -> Iterator[None]:
+        """Around a wait that is no tracked :class:`Call` (a koboldcpp generation
+        of the worker's own): ``hang_up()`` is called, from the timer's thread,
+        when the deadline of ``kind`` comes meanwhile (at once when it passed)."""
+        key = object()
         with self._lock:
-            self._calls[call] = kind
+            self._calls[key] = (kind, hang_up)
             at = self._ends.get(kind)
         if at is not None and self._clock.monotonic() >= at:
-            call.hang_up()
+            hang_up()
         try:
             yield
         finally:
             with self._lock:
-                self._calls.pop(call, None)
+                self._calls.pop(key, None)
 
     def _cut(self, at: float) -> None:
         with self._lock:
-            due = [c for c, kind in self._calls.items() if self._ends.get(kind, at + 1) <= at]
-        for call in due:
-            call.hang_up()
+            due = [
+                hang_up for kind, hang_up in self._calls.values()
+                if self._ends.get(kind, at + 1) <= at
+            ]
+        for hang_up in due:
+            hang_up()

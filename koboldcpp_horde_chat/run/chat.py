@@ -40,7 +40,7 @@ from ..state.shared import WorkerState
 from ..translate import fit, images
 from ..translate.bodies import chat_request_body
 from ..translate.submits import FAULT_PROMPT_OVERFLOW, chat_submit
-from .downloads import fetch_image, fetch_messages
+from .downloads import Downloads, fetch_image, fetch_messages
 from .streaming import generate_streamed
 from .submit import refused_reply_fault
 
@@ -149,15 +149,20 @@ class ChatRun:
             raise JobFault("images sent to a worker without vision")
         timeout = self._prepare_timeout(PREPARE_MAX_S)
         plan = images.plan_images(messages)
+        downloads = Downloads()
         try:
             fetched = (
-                self.ctx.until_given_up(lambda: _fetch_images(plan, timeout))
+                self.ctx.until_given_up(lambda: _fetch_images(plan, timeout, downloads))
                 if plan.to_fetch
                 else {}
             )
             return images.finish_images(messages, plan, fetched)
         except FetchError as exc:
             raise JobFault(f"image unusable: {exc}") from None
+        finally:
+            # Given up (the stop's deadline) or one fetch failed: the ones still
+            # under way end now, not by their budget (their threads hold the exit).
+            downloads.hang_up()
 
     def _check_budget(self) -> None:
         """The Horde validates budgets within chat_limits (seed step 2): a larger
@@ -312,13 +317,16 @@ class ChatRun:
         return refused_reply_fault(exc)
 
 
-def _fetch_images(plan: images.ImagePlan, timeout_s: float) -> dict[tuple[int, int], bytes]:
+def _fetch_images(
+    plan: images.ImagePlan, timeout_s: float, downloads: Downloads
+) -> dict[tuple[int, int], bytes]:
     """Fetch ``plan.to_fetch`` (without credentials, bounded, in parallel up to
-    ``IMAGE_FETCH_THREADS``): the bytes by ``(message, part)`` index.
+    ``IMAGE_FETCH_THREADS``): the bytes by ``(message, part)`` index. Each
+    fetch ends early when ``downloads`` is hung up (``Downloads.hang_up``).
 
     Raises:
-        FetchError: a fetch failed (queued fetches are then cancelled and those
-            under way end by their own deadline).
+        FetchError: a fetch failed (queued fetches are then cancelled; the
+            caller hangs up those under way).
     """
     fetched: dict[tuple[int, int], bytes] = {}
     workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
@@ -326,7 +334,8 @@ def _fetch_images(plan: images.ImagePlan, timeout_s: float) -> dict[tuple[int, i
     try:
         futures = {
             (i, j): pool.submit(
-                fetch_image, url, timeout_s=timeout_s, max_bytes=images.MAX_IMAGE_BYTES
+                fetch_image, url, timeout_s=timeout_s, max_bytes=images.MAX_IMAGE_BYTES,
+                downloads=downloads,
             )
             for i, j, url in plan.to_fetch
         }

@@ -27,6 +27,12 @@ The rules every download here follows:
   is said in a few words (``"messages_url https://host/path: connection failed
   (refused)"``), never in the HTTP library's own text, which quotes URLs.
 
+* **Ended by the stop.** Fetches given a :class:`Downloads` end as soon as
+  :meth:`Downloads.hang_up` is called from another thread (their sockets are
+  shut down: ``inflight``'s tracked connections), whatever is left of their
+  budget: a job given up at the stop's deadline hangs up its image downloads,
+  whose thread pool would otherwise hold the process's exit until they end.
+
 A failed fetch faults the job without ``fault_reason`` (seed: "A fetch that
 fails is a faulted job... Send it without fault_reason").
 """
@@ -35,7 +41,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Final
 from urllib.parse import urljoin, urlsplit
 
@@ -45,6 +54,7 @@ import requests.auth
 from .. import __version__, netfail
 from ..errors import FetchError
 from ..httpbody import read_body, redact_url
+from ..inflight import Call, TrackingAdapter
 from ..settings import MIB
 
 log = logging.getLogger("koboldcpp_horde_chat.fetch")
@@ -93,6 +103,43 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
+class Downloads:
+    """The fetches of one step (a job's images), which another thread can end.
+
+    Each fetch given it runs as a :class:`~koboldcpp_horde_chat.inflight.Call`
+    on its own thread; :meth:`hang_up` shuts every one in flight down and keeps
+    any later one from being sent. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set[Call] = set()
+        self.hung_up = False
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Around one fetch on this thread: :meth:`hang_up` ends it."""
+        call = Call()
+        with call.running():
+            with self._lock:
+                self._calls.add(call)
+                if self.hung_up:
+                    call.hang_up()
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._calls.discard(call)
+
+    def hang_up(self) -> None:
+        """End every fetch in flight now (each raises ``FetchError``) and every later one."""
+        with self._lock:
+            self.hung_up = True
+            calls = list(self._calls)
+        for call in calls:
+            call.hang_up()
+
+
 def _fetch(
     url: str,
     *,
@@ -101,12 +148,34 @@ def _fetch(
     timeout_s: float,
     max_bytes: int,
     session: requests.Session | None,
+    downloads: Downloads | None = None,
 ) -> bytes:
-    """GETs ``url`` under the module's rules and returns the decoded body."""
+    """GETs ``url`` under the module's rules and returns the decoded body (ended
+    early by ``downloads``' hang-up)."""
+    with downloads.call() if downloads is not None else nullcontext():
+        if downloads is not None and downloads.hung_up:
+            raise FetchError(f"{what} {redact_url(url)}: not fetched, the job was given up")
+        return _fetch_now(url, what=what, accept=accept, timeout_s=timeout_s,
+                          max_bytes=max_bytes, session=session)
+
+
+def _fetch_now(
+    url: str,
+    *,
+    what: str,
+    accept: str,
+    timeout_s: float,
+    max_bytes: int,
+    session: requests.Session | None,
+) -> bytes:
     start = time.monotonic()
     deadline = start + timeout_s
     own = session is None
     sess = requests.Session() if session is None else session
+    if own:
+        adapter = TrackingAdapter()  # a hang-up shuts its connections down
+        sess.mount("http://", adapter)
+        sess.mount("https://", adapter)
     headers = {"Accept": accept, "Accept-Encoding": ACCEPT_ENCODING, "User-Agent": USER_AGENT}
     current = url
     try:
@@ -242,6 +311,7 @@ def fetch_image(
     timeout_s: float,
     max_bytes: int,
     session: requests.Session | None = None,
+    downloads: Downloads | None = None,
 ) -> bytes:
     """Fetches an image URL (the ``url`` image transport) and returns its bytes.
 
@@ -254,6 +324,8 @@ def fetch_image(
         max_bytes: cap on the decoded body, bytes.
         session: optional session for connection pooling; credential headers it
             carries are never sent.
+        downloads: the step's fetches, whose hang-up ends this one (None: it
+            ends by its budget only).
 
     Returns:
         The decoded body bytes (non-empty).
@@ -268,6 +340,7 @@ def fetch_image(
         timeout_s=timeout_s,
         max_bytes=max_bytes,
         session=session,
+        downloads=downloads,
     )
     if not data:
         raise FetchError(f"image URL {redact_url(url)}: empty body")

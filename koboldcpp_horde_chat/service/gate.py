@@ -12,7 +12,8 @@ probes are one rule (``PopGate._probe_until_generates``): a failing subject,
 koboldcpp as a whole or one kind, gets a short generation at most every
 :data:`PROBE_EVERY_S` until one succeeds. Before a pop it re-measures
 koboldcpp's speed for a ``max_length`` lowered and left idle (the rule in
-``lease_fit``'s docstring).
+``lease_fit``'s docstring). A probe or re-measure in flight at the stop's
+deadline is hung up then and aborted by its genkey, as a job's generation is.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import threading
 from collections.abc import Callable
 
 from ..errors import BackendError, ReplyError
+from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
@@ -50,8 +53,11 @@ BUSY_POLL_S = 0.2
 LOCAL_USER_POLL_S = 1.0
 #: Seconds between two probes of a koboldcpp that failed generations in a row.
 PROBE_EVERY_S = 10.0
-#: A probe's read timeout, seconds (a koboldcpp hanging on it is still failing).
+#: A probe's read timeout, seconds (a koboldcpp hanging on it is still failing);
+#: at the stop's deadline it is hung up whatever is left of it.
 PROBE_TIMEOUT_S = 60.0
+#: The read timeout of the abort of a probe hung up at the stop, seconds.
+PROBE_ABORT_TIMEOUT_S = 1.0
 #: The probe: a short text generation, as a Horde job's (its genkey is the
 #: worker's own, so koboldcpp does not take it for a local user's request).
 PROBE_MAX_LENGTH = 16
@@ -306,6 +312,25 @@ class PopGate:
         (a ``HORDEREQ_`` genkey, so koboldcpp does not take it for a local
         user's): ``(tokens, seconds)`` of its answer, or None when it failed."""
         genkey = f"{GENKEY_PREFIX}probe{secrets.token_hex(8)}"
+        cancel = threading.Event()
+
+        def hang_up() -> None:  # the stop's deadline came: end it as a job's
+            cancel.set()
+            self.backend.hang_up()
+
+        with self.state.call_deadlines.until(STOP_KIND, hang_up):
+            measured = self._generate_now(kind, max_length, genkey, cancel)
+        if cancel.is_set():
+            try:  # a generation hung up runs on inside koboldcpp
+                self.backend.abort(genkey, timeout_s=PROBE_ABORT_TIMEOUT_S)
+            except BackendError:
+                log.debug("the probe's abort at the stop failed", exc_info=True)
+            return None
+        return measured
+
+    def _generate_now(
+        self, kind: str, max_length: int, genkey: str, cancel: threading.Event
+    ) -> tuple[int, float] | None:
         started = self.clock()
         self.note_own_request()
         try:
@@ -318,6 +343,7 @@ class PopGate:
                             "genkey": genkey,
                         },
                         timeout_s=PROBE_TIMEOUT_S,
+                        cancel=cancel,
                     )
                 )
                 text = (answer.content or "") + (answer.reasoning_content or "")
@@ -330,7 +356,9 @@ class PopGate:
                     "max_context_length": 512,
                     "genkey": genkey,
                 }
-                text = text_generation(self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S))
+                text = text_generation(
+                    self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S, cancel=cancel)
+                )
                 tokens = tokens_of_text(text)
         except (BackendError, ReplyError):
             return None

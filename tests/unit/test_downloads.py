@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import threading
 import time
 import tracemalloc
 import zlib
@@ -535,3 +536,28 @@ def test_read_body_past_deadline_is_an_error() -> None:
         response = requests.get(URL, stream=True, timeout=5)
         with pytest.raises(FetchError, match="not received in time"):
             read_body(response, max_bytes=MIB, deadline=time.monotonic() - 1)
+
+
+@pytest.mark.parametrize("stage", ["headers", "body"])
+def test_a_hang_up_ends_a_hanging_image_download_at_once(stage: str) -> None:
+    """An image URL that hangs (before its headers, or mid-body) with 30 s of budget
+    left: the step's hang-up (a job given up at the stop's deadline) ends it at
+    once, and a fetch after the hang-up is not sent."""
+
+    def script(h: BaseHTTPRequestHandler) -> None:
+        if stage == "body":
+            _headers(h, 200, {"Content-Length": "1000"})
+            h.wfile.write(b"\xff\xd8")
+            h.wfile.flush()
+        time.sleep(8)
+
+    downloads = fetch.Downloads()
+    with Server(script) as srv:
+        timer = threading.Timer(0.3, downloads.hang_up)
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(FetchError):
+            fetch_image(srv.url + "/img", timeout_s=30, max_bytes=MIB, downloads=downloads)
+        assert time.monotonic() - started < 2
+        with pytest.raises(FetchError, match="not fetched"):
+            fetch_image(srv.url + "/img", timeout_s=30, max_bytes=MIB, downloads=downloads)
