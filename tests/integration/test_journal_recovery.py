@@ -9,12 +9,13 @@ Horde's side is the dev Horde, which implements the rules on its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.harness.worker_process import POP, POP_MODEL
+from bench.harness.worker_process import POP, POP_MODEL, WORKER_NAME, WorkerProcess
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
@@ -185,3 +186,30 @@ def test_an_entry_past_its_lease_sends_nothing(
     assert [r for r in horde.requests_log if r["path"].endswith("/submit")] == submits_before
     assert [r for r in kcpp.requests if r["path"] == "/api/extra/abort"] == []
     assert Journal(path).load() == []
+
+
+def test_a_worker_started_against_another_horde_leaves_the_first_hordes_jobs_alone(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, tmp_path: Path,
+    workers: Callable[..., WorkerProcess],
+) -> None:
+    """The journal holds a job popped from another Horde (its lease running): the
+    worker started against the dev Horde sends it nothing there (it would be
+    answered 404 and the job expire on its own Horde), says so in one line, and
+    keeps it in the journal for a start against that Horde."""
+    first = "http://127.0.0.1:9/"
+    directory = tmp_path / "state"
+    path = journal_path(WORKER_NAME, directory)
+    Journal(path, horde=first).add(
+        JournalEntry("other-job", "chat", MODEL, GENKEY, time.time() + 120.0)
+    )
+    worker = workers()
+    worker.wait_for("left alone", 30)
+    assert worker.said(
+        "job journal: 1 job popped from http://127.0.0.1:9 left alone (this start serves "
+        f"{horde.url.rstrip('/')}); kept in the journal for a start against that Horde"
+    ) == 1, worker.log()
+    worker.wait_for("started as", 30)
+    assert not [r for r in horde.requests_log if r["path"].endswith("/submit")]
+    worker.sigterm_to_clean_exit(20)
+    (kept,) = Journal(path).load()
+    assert (kept.job_id, kept.horde) == ("other-job", "http://127.0.0.1:9")
