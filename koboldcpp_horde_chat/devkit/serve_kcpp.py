@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.devkit.kcpp import CHATML_TEMPLATE, ScriptedKoboldcpp
 from koboldcpp_horde_chat.devkit.serve import DEFAULT_KEY, DEFAULT_PORT
 from koboldcpp_horde_chat.devkit.serve_common import (
     add_log_level,
@@ -58,6 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="the context size it reports, tokens (default 4096)",
     )
+    p.add_argument(
+        "--kcpp-version",
+        default="1.116.1",
+        help="the koboldcpp version it reports in /api/extra/version (default 1.116.1)",
+    )
+    p.add_argument(
+        "--no-chat-route",
+        action="store_true",
+        help="answer /v1/chat/completions 404, as a koboldcpp without the route "
+        "(koboldcpp before 1.46 had none)",
+    )
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="report no chat template in /props (a model without one: koboldcpp "
+        "renders chat with its Alpaca fallback)",
+    )
     add_log_level(p, "log level of its lines on stderr (default INFO)")
     return p
 
@@ -72,6 +89,9 @@ def main(argv: Sequence[str] = ()) -> int:
         model_name=args.model_name,
         max_context_length=args.contextsize,
         vision=args.vision,
+        version=args.kcpp_version,
+        chat_route=not args.no_chat_route,
+        chat_template="" if args.no_chat_template else CHATML_TEMPLATE,
         host=args.host,
         port=args.port,
     )

@@ -42,11 +42,14 @@ class BackendCapabilities:
         messages_url: the worker fetches offloaded messages (``messages_url``).
         image_url: the worker fetches signed image URLs itself (the ``url``
             transport); koboldcpp alone reads only data URLs.
+        chat: koboldcpp has ``POST /v1/chat/completions`` (1.46 and later:
+            ``koboldcpp.versions``); without it no pop declares chat.
     """
 
     vision: bool = False
     messages_url: bool = True
     image_url: bool = False
+    chat: bool = True
 
 
 @dataclass(frozen=True)
@@ -272,8 +275,9 @@ def pop_body(
     ``{"name", "models": [model_id], "max_length", "max_context_length",
     "priority_usernames": [], "softprompts": [], "bridge_agent"}``, plus
     ``"threads"`` when ``settings.threads > 1``, plus the fields of
-    :func:`chat_declaration` when ``chat_jobs``. With ``chat_jobs`` False the
-    declaration is withdrawn: no chat field and no ``prompt_jobs`` is sent.
+    :func:`chat_declaration` when ``chat_jobs`` and koboldcpp has the chat
+    route (``caps.chat``). Otherwise the declaration is withdrawn (or never
+    made): no chat field and no ``prompt_jobs`` is sent.
     Lengths are tokens: the text limits are koboldcpp's own worker's, with
     ``max_length`` lowered as the chat one is (``WorkerSettings.declared_max_length``).
     ``max_length`` and ``chat_max_length``, when given, replace the text
@@ -296,7 +300,7 @@ def pop_body(
     }
     if settings.threads > 1:
         body["threads"] = settings.threads
-    if chat_jobs:
+    if chat_jobs and caps.chat:
         body.update(chat_declaration(settings, caps, withhold=withhold))
         if chat_max_length is not None:
             limits = dict(body["chat_limits"])

@@ -25,11 +25,12 @@ from urllib.parse import urlsplit
 from .. import BRIDGE_AGENT
 from ..errors import ConfigError
 from ..horde.client import HordeClient
-from ..horde.declaration import BackendCapabilities
+from ..horde.declaration import BackendCapabilities, chat_features
 from ..inflight import CallDeadlines
-from ..koboldcpp.api import KcppAPI
+from ..koboldcpp.api import BackendInfo, KcppAPI
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import LocalManners
+from ..koboldcpp.versions import CHAT_ROUTE_SINCE, since
 from ..service.loop import Worker
 from ..service.recovery import Recovery
 from ..settings import WorkerSettings, worker_name_problem
@@ -126,7 +127,7 @@ def check_journal_dir(directory: Path, source: str) -> None:
         ) from None
 
 
-def serving_line(settings: WorkerSettings) -> str:
+def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
     """The start line both hosts log: what the Horde will send, for which model,
     from which Horde, via which koboldcpp.
 
@@ -140,10 +141,14 @@ def serving_line(settings: WorkerSettings) -> str:
     Horde without the chat routes sends text jobs only)"``; a chat-only worker
     (``prompt_jobs`` off): ``"serving chat jobs only ... (a Horde without the
     chat routes sends this worker nothing)"``; ``", 2 at once"`` added after
-    the koboldcpp URL for two slots.
+    the koboldcpp URL for two slots. With a koboldcpp too old for chat
+    (``chat`` False: ``koboldcpp.versions``): ``"serving text jobs ... (this
+    koboldcpp has no chat route: chat is not declared)"``.
     """
     slots = f", {settings.threads} at once" if settings.threads > 1 else ""
     where = f"for {settings.model_id} from {settings.horde_url} via {settings.kcpp_url}{slots}"
+    if not chat:
+        return f"serving text jobs {where} (this koboldcpp has no chat route: chat is not declared)"
     if not settings.prompt_jobs:
         return (
             f"serving chat jobs only {where} (a Horde without the chat routes sends this "
@@ -153,6 +158,75 @@ def serving_line(settings: WorkerSettings) -> str:
         f"serving text jobs {where}, and chat jobs once that Horde sends them (chat is "
         "declared on every pop; a Horde without the chat routes sends text jobs only)"
     )
+
+
+def koboldcpp_found_line(
+    info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
+) -> str:
+    """The one line saying what the worker found at koboldcpp's URL and what it
+    declares for it (at start, and again when koboldcpp came back serving
+    something else), e.g. ``"koboldcpp 1.116.1 at http://127.0.0.1:5001: model
+    SmolLM2-135M-Instruct, context 4096, chat template yes, vision no; declaring
+    chat (seed, presence_penalty, tools, json_object, json_schema,
+    reasoning_effort, prompt_overflow_refused), text"``.
+
+    The chat template is ``yes``, ``none`` (koboldcpp's fallback renders chat:
+    :func:`no_chat_template_line`) or ``unknown`` (koboldcpp before 1.79 does not
+    say). A koboldcpp too old for chat reads ``..., no chat route (koboldcpp
+    1.46 added it); declaring text``; a chat-only worker declares no text.
+    """
+    model = info.model_name.removeprefix("koboldcpp/")
+    template = (
+        "unknown" if info.chat_template is None else "yes" if info.chat_template else "none"
+    )
+    route = "" if caps.chat else f", no chat route (koboldcpp {since(CHAT_ROUTE_SINCE)} added it)"
+    declared: list[str] = []
+    if caps.chat:
+        features = chat_features(caps, settings.chat_withhold)
+        declared.append(f"chat ({', '.join(features)})")
+    if settings.prompt_jobs:
+        declared.append("text")
+    return (
+        f"koboldcpp {info.version or '(version not reported)'} at {settings.kcpp_url}: "
+        f"model {model}, context {info.max_context_length}, chat template {template}, "
+        f"vision {'yes' if info.vision else 'no'}{route}; "
+        f"declaring {', '.join(declared) or 'nothing'}"
+    )
+
+
+def no_chat_template_line(info: BackendInfo) -> str:
+    """The WARNING for a model that carries no chat template (``/props`` says
+    ``""``): koboldcpp renders its chat with its fallback tags (Alpaca's
+    ``### Instruction:`` and ``### Response:``, 1.116.1 ``koboldcpp.py``
+    L4264-4270), which a model trained on other tags answers poorly.
+
+    Chat is still declared. The seed's worked example ("koboldcpp's embedded
+    worker") declares chat for whatever model koboldcpp loaded, with no
+    condition on its template, and the template koboldcpp renders is the one
+    the worker serves with: the fallback one here (the right one for a model
+    trained on Alpaca's tags, as many older finetunes without an embedded
+    template are). Its tool turns are rendered in koboldcpp's own words, so
+    ``tools`` stays declared too. The Horde does not test declarations: the
+    line tells the operator, who can load a model with a template.
+    """
+    model = info.model_name.removeprefix("koboldcpp/")
+    return (
+        f"koboldcpp reports no chat template for model {model}: chat replies go through "
+        "koboldcpp's fallback template (Alpaca's '### Instruction:' / '### Response:', or "
+        "the tags of --chatcompletionsadapter), which a model trained on other tags may "
+        "answer poorly; chat is declared all the same (load a model with a chat template, "
+        "or give koboldcpp one with --jinjatemplate, for better replies)"
+    )
+
+
+def say_koboldcpp_found(
+    info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
+) -> None:
+    """Log :func:`koboldcpp_found_line`, and :func:`no_chat_template_line` as a
+    WARNING when the model carries no chat template and chat is declared."""
+    log.info("%s", koboldcpp_found_line(info, settings, caps))
+    if info.chat_template == "" and caps.chat:
+        log.warning("%s", no_chat_template_line(info))
 
 
 def open_journal(

@@ -26,8 +26,10 @@ from types import FrameType
 from ..errors import BackendError, BackendUnauthorized, ConfigError
 from ..horde.declaration import BackendCapabilities, model_id_warnings, standalone_model_id
 from ..inflight import CallDeadlines, stop_call_ends
+from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import BackendIdentity, StandaloneManners
+from ..koboldcpp.versions import CHAT_ROUTE_SINCE, has_chat_route, since
 from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
 from ..state.journal import Journal
@@ -38,6 +40,7 @@ from .hosting import (
     open_journal,
     open_state,
     run_worker,
+    say_koboldcpp_found,
     serving_line,
     start_recovery,
 )
@@ -67,22 +70,36 @@ def settings_from_args(
     wait_s: float | None = 0.0,
     stop_event: threading.Event | None = None,
 ) -> tuple[WorkerSettings, BackendCapabilities]:
-    """Read the running koboldcpp and the flags into settings.
+    """Read the running koboldcpp and the flags into settings
+    (:func:`read_koboldcpp`, then :func:`settings_from_info`).
 
     Waits for koboldcpp to answer: up to ``wait_s`` seconds, or as long as
     it takes when ``wait_s`` is None, logging every 30 s; ``stop_event``
     ends the wait. Raises ConfigError for a bad flag, an unreachable (within
-    ``wait_s``) or protected koboldcpp, a refused password, or no model loaded.
+    ``wait_s``) or protected koboldcpp, a refused password, no model loaded,
+    or ``--chat-only`` with a koboldcpp that has no chat route.
     """
+    info = read_koboldcpp(args, backend, wait_s=wait_s, stop_event=stop_event)
+    return settings_from_info(args, info)
+
+
+def read_koboldcpp(
+    args: argparse.Namespace,
+    backend: KoboldClient,
+    *,
+    wait_s: float | None = 0.0,
+    stop_event: threading.Event | None = None,
+) -> BackendInfo:
+    """What the running koboldcpp reports (``KoboldClient.info``: its model,
+    context, version, vision and chat template), once it answers (see
+    :func:`settings_from_args` for the wait and the errors)."""
     check_flags(args)
-    withhold = parse_withhold(args.chat_withhold)
     stopper = stop_event if stop_event is not None else threading.Event()
     started = time.monotonic()
     next_note = started
     while True:
         try:
-            info = backend.info()
-            break
+            return backend.info()
         except BackendUnauthorized:
             if args.kcpp_password:
                 raise ConfigError(
@@ -111,8 +128,27 @@ def settings_from_args(
             pause = 3.0 if wait_s is None else min(3.0, wait_s - (now - started))
             if stopper.wait(max(0.0, pause)):
                 raise ConfigError("stopped while waiting for koboldcpp") from None
+
+
+def settings_from_info(
+    args: argparse.Namespace, info: BackendInfo
+) -> tuple[WorkerSettings, BackendCapabilities]:
+    """The flags and what koboldcpp reported (:func:`read_koboldcpp`) as the
+    worker's settings and koboldcpp's capabilities: vision as reported, chat
+    only when its version has the chat route (``koboldcpp.versions``).
+
+    Raises ConfigError for no model loaded, or ``--chat-only`` with a koboldcpp
+    too old for chat."""
+    withhold = parse_withhold(args.chat_withhold)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
+    chat = has_chat_route(info.version)
+    if not chat and args.chat_only:
+        raise ConfigError(
+            f"koboldcpp {info.version} at {args.kcpp_url} has no chat route (koboldcpp "
+            f"{since(CHAT_ROUTE_SINCE)} added /v1/chat/completions): --chat-only leaves "
+            "it nothing to serve; upgrade koboldcpp, or drop --chat-only to serve text jobs"
+        )
     model_id = standalone_model_id(info.model_name, args.hordemodelname)
     for warning in model_id_warnings(model_id):
         log.warning("%s", warning)
@@ -135,7 +171,9 @@ def settings_from_args(
         kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
         kcpp_genlimit=args.kcpp_genlimit,
     )
-    caps = BackendCapabilities(vision=info.vision, image_url=settings.image_url_transport)
+    caps = BackendCapabilities(
+        vision=info.vision, image_url=settings.image_url_transport, chat=chat
+    )
     return settings, caps
 
 
@@ -250,9 +288,8 @@ def _run_declared(
         try:
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
             backend.deadlines = deadlines  # its reads end by a stop's deadline
-            settings, caps = settings_from_args(
-                args, backend, wait_s=args.kcpp_wait, stop_event=stop_event
-            )
+            info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
+            settings, caps = settings_from_info(args, info)
         except ConfigError as exc:
             if stop_event.is_set():
                 log.info("%s", exc)
@@ -271,12 +308,17 @@ def _run_declared(
         if states:
             state.carry_over(states[0])
         states[:] = [state]
-        log.info("%s", serving_line(settings))
+        log.info("%s", serving_line(settings, chat=caps.chat))
+        say_koboldcpp_found(info, settings, caps)
         manners = StandaloneManners(
             backend,
             check_busy=args.parallelrequests <= 1,
             identity=BackendIdentity(
-                settings.backend_model_name, settings.backend_max_context_length, settings.vision
+                settings.backend_model_name,
+                settings.backend_max_context_length,
+                settings.vision,
+                version=info.version,
+                chat_template=info.chat_template,
             ),
         )
         code = _serve(settings, caps, state, manners, args.parallelrequests)

@@ -32,6 +32,10 @@ class BackendInfo:
         version: ``/api/extra/version`` ``version``, e.g. ``"1.116.1"`` ("" if absent).
         protected: ``/api/extra/version`` ``protected`` (``--password`` is set).
         jinja: ``/api/extra/version`` ``jinja`` (``--jinja``).
+        chat_template: ``/props`` ``chat_template``: the model's chat template,
+            ``""`` when the model carries none (koboldcpp then renders chat
+            with its fallback, Alpaca); None when unknown (a koboldcpp before
+            1.79 has no ``/props``: ``koboldcpp.versions``).
     """
 
     model_name: str
@@ -40,6 +44,7 @@ class BackendInfo:
     version: str
     protected: bool
     jinja: bool
+    chat_template: str | None = None
 
 
 class KcppStream(Protocol):

@@ -57,6 +57,7 @@ from .connection import (
     describe_failure,
     error_detail,
 )
+from .versions import has_props_route
 
 log = logging.getLogger("koboldcpp_horde_chat.backend")
 
@@ -161,8 +162,9 @@ class KoboldClient:
     def info(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> BackendInfo:
         """Read the model name, context size and capabilities.
 
-        Calls ``GET /api/v1/model``, ``/api/extra/true_max_context_length`` and
-        ``/api/extra/version``. On a protected koboldcpp it also checks the
+        Calls ``GET /api/v1/model``, ``/api/extra/true_max_context_length``,
+        ``/api/extra/version`` and, on a koboldcpp 1.79 or later, ``/props``
+        for the chat template (:meth:`chat_template`). On a protected koboldcpp it also checks the
         password: the model name reads ``"koboldcpp/protected-model"`` without
         the right bearer (``koboldcpp.py`` L6077-6082), and ``POST /api/extra/tokencount`` of
         ``""`` answers 401.
@@ -193,14 +195,28 @@ class KoboldClient:
                     status=200,
                 )
             self.tokencount("", timeout_s=timeout_s)
+        release = str(version.get("version") or "")
         return BackendInfo(
             model_name=model_name,
             max_context_length=max_ctx,
             vision=version.get("vision") is True,
-            version=str(version.get("version") or ""),
+            version=release,
             protected=protected,
             jinja=version.get("jinja") is True,
+            chat_template=self.chat_template(timeout_s=timeout_s)
+            if has_props_route(release) else None,
         )
+
+    def chat_template(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
+        """``GET /props`` ``chat_template`` (1.116.1 ``koboldcpp.py`` L6316-6335):
+        the model's chat template, ``""`` when it carries none; None when
+        koboldcpp does not say (no ``/props`` before 1.79, no text model, an
+        answer without the key). Never raises."""
+        try:
+            template = self._get("/props", timeout_s).get("chat_template")
+        except BackendError:
+            return None
+        return template if isinstance(template, str) else None
 
     def perf(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
         """``GET /api/extra/perf``: koboldcpp's statistics (1.116.1 ``koboldcpp.py`` L6112-6157).

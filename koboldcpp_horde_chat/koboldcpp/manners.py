@@ -100,11 +100,15 @@ class NoManners:
 
 @dataclass(frozen=True)
 class BackendIdentity:
-    """What koboldcpp serves, as far as the declaration depends on it."""
+    """What koboldcpp serves, as far as the declaration depends on it: its model,
+    context and vision, its version (which routes it has: ``versions``) and the
+    model's chat template (``BackendInfo.chat_template``)."""
 
     model_name: str
     max_context_length: int
     vision: bool
+    version: str = ""
+    chat_template: str | None = None
 
     def describe(self) -> str:
         """``"koboldcpp/Foo (context 4096)"``; ``", vision"`` added when it reads images."""
@@ -112,6 +116,20 @@ class BackendIdentity:
             f"{self.model_name} (context {self.max_context_length}"
             + (", vision)" if self.vision else ")")
         )
+
+    def change_from(self, earlier: BackendIdentity) -> str:
+        """How koboldcpp, restarted, serves something else than ``earlier``, in
+        words: ``"koboldcpp restarted with koboldcpp/Bar (context 8192) (it served
+        koboldcpp/Foo (context 4096))"``, or ``"koboldcpp restarted as 1.45 (it
+        was 1.116.1)"`` / ``"... with the model's chat template changed"`` when
+        only those differ."""
+        if (self.model_name, self.max_context_length, self.vision) != (
+            earlier.model_name, earlier.max_context_length, earlier.vision
+        ):
+            return f"koboldcpp restarted with {self.describe()} (it served {earlier.describe()})"
+        if self.version != earlier.version:
+            return f"koboldcpp restarted as {self.version} (it was {earlier.version})"
+        return "koboldcpp restarted with the model's chat template changed"
 
 
 class StandaloneManners:
@@ -290,12 +308,15 @@ class StandaloneManners:
         except BackendError:
             self._maybe_restarted = True  # ask again on the next read
             return
-        now = BackendIdentity(info.model_name, info.max_context_length, info.vision)
+        now = BackendIdentity(
+            info.model_name,
+            info.max_context_length,
+            info.vision,
+            version=info.version,
+            chat_template=info.chat_template,
+        )
         if now != self._identity:
-            self.changed = (
-                f"koboldcpp restarted with {now.describe()} (it served "
-                f"{self._identity.describe()})"
-            )
+            self.changed = now.change_from(self._identity)
 
     def recheck(self) -> str | None:
         """Read koboldcpp's perf and model now (not from the 1 s reuse) and say

@@ -309,7 +309,8 @@ def test_same_declaration_as_the_standalone_cli_for_the_same_settings() -> None:
         "--horde-url", "http://127.0.0.1:7001",
     ]  # fmt: skip
     info = types.SimpleNamespace(
-        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=8192, vision=False
+        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=8192, vision=False,
+        version="1.116.1",
     )
     assert pop_body(hook, kcpp_hook.capabilities(hook)) == _cli_pop_body(flags, info)
 
@@ -321,7 +322,8 @@ def test_with_vision_the_same_declaration_as_the_standalone_cli() -> None:
     hook = pop_body(hook_settings(kcpp), kcpp_hook.capabilities(hook_settings(kcpp)))
     flags = ["--hordekey", API_KEY, "--hordeworkername", "my-worker"]
     info = types.SimpleNamespace(
-        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=12288, vision=True
+        model_name="koboldcpp/Qwen3-8B-Q4_K_M", max_context_length=12288, vision=True,
+        version="1.116.1",
     )
     standalone = _cli_pop_body(flags, info)
     assert hook == standalone

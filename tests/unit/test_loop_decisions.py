@@ -818,7 +818,7 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
     clock = FakeClock()
     manners = StandaloneManners(
         backend, clock=clock, monotonic=clock,
-        identity=BackendIdentity("koboldcpp/Small", 2048, False),
+        identity=BackendIdentity("koboldcpp/Small", 2048, False, version="1.116.1"),
     )
     for _ in range(3):
         manners.last_local_request_time()

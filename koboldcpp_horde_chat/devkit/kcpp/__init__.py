@@ -15,7 +15,15 @@ model:
 * the open GETs: ``/api/v1/info/version``, ``/api/v1/model``,
   ``/api/extra/version``, ``/api/extra/true_max_context_length``,
   ``/api/v1/config/max_context_length``, ``/api/v1/config/max_length``,
-  ``/v1/models``, ``/api/extra/perf``.
+  ``/v1/models``, ``/api/extra/perf``, and ``/props`` (the model's
+  ``chat_template``, L6316-6335).
+
+It can play an older koboldcpp or another model: ``version`` (what
+``/api/extra/version`` reports), ``chat_route`` False (no
+``/v1/chat/completions``: a POST there is answered 404 as koboldcpp answers a
+POST route it lacks, L7540; koboldcpp before 1.46 had no such route), and
+``chat_template`` (``""``: a model that carries none, which koboldcpp renders
+with its Alpaca fallback; None: no ``/props`` route, as before koboldcpp 1.79).
 
 Behaviour copied from koboldcpp (lines of koboldcpp 1.116.1 ``koboldcpp.py`` in brackets):
 
@@ -120,6 +128,7 @@ from koboldcpp_horde_chat.devkit.kcpp.values import (
     BAD_INPUT_BODY,
     BOS_ID,
     BUSY_BODY,
+    CHATML_TEMPLATE,
     DEFAULT_CHAT_GENLEN,
     DEFAULT_KOBOLD_GENLEN,
     GET_ROUTES,
@@ -150,6 +159,7 @@ __all__ = [
     "BAD_INPUT_BODY",
     "BOS_ID",
     "BUSY_BODY",
+    "CHATML_TEMPLATE",
     "DEFAULT_CHAT_GENLEN",
     "DEFAULT_KOBOLD_GENLEN",
     "GET_ROUTES",
@@ -194,6 +204,11 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         password: ``--password``; "" for an open instance.
         version: the ``version`` in ``/api/extra/version``.
         jinja: the ``jinja`` flag in ``/api/extra/version``.
+        chat_route: answer ``/v1/chat/completions`` (False: 404, a koboldcpp
+            without the route).
+        chat_template: ``/props`` ``chat_template`` (default
+            :data:`CHATML_TEMPLATE`; ``""`` a model without one; None: no
+            ``/props`` route, 404).
         token_delay_s: seconds per generated token.
         chars_per_token: the toy tokenizer's characters per token.
         prompt_delay_s: seconds of "prompt processing" before the first token.
@@ -259,8 +274,12 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         max_request_bytes: int | None = None,
         genlimit: int = 0,
         parallel_requests: int = 1,
+        chat_route: bool = True,
+        chat_template: str | None = CHATML_TEMPLATE,
     ) -> None:
         self.model_name = model_name
+        self.chat_route = chat_route
+        self.chat_template = chat_template
         self.genlimit = genlimit
         self.parallel_requests = max(1, parallel_requests)
         self.max_request_bytes = (
@@ -431,6 +450,10 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         self._record(h, path, body)
         routes = GET_ROUTES if h.command == "GET" else POST_ROUTES
         route = routes.get(path)
+        if (route == "chat" and not self.chat_route) or (
+            route == "props" and self.chat_template is None
+        ):
+            route = None
         ex = _Exchange(h, route or "", body, raw)
         if route is None:
             ex.send_json(404, {"detail": {"msg": "Not found.", "type": "not_found"}})

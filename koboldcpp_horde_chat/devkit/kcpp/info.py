@@ -53,6 +53,22 @@ class InfoRoutes(KcppCore):
             },
         )
 
+    def _route_props(self, ex: _Exchange) -> None:
+        # koboldcpp 1.116.1 koboldcpp.py L6316-6335 (routed away when there is no template).
+        ex.send_json(
+            200,
+            {
+                "chat_template": self.chat_template,
+                "id": 0,
+                "id_task": -1,
+                "total_slots": 1,
+                "modalities": {"vision": self.vision, "audio": False},
+                "model_path": self.model_name,
+                "n_ctx": self.max_context_length,
+                "default_generation_settings": {"n_ctx": self.max_context_length},
+            },
+        )
+
     def _route_true_max_context_length(self, ex: _Exchange) -> None:
         ex.send_json(200, {"value": self.max_context_length})
 

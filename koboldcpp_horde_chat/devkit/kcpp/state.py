@@ -41,6 +41,7 @@ class KcppCore:
     password: str
     version: str
     jinja: bool
+    chat_template: str | None
     token_delay_s: float
     prompt_delay_s: float
     horde_max_length: int

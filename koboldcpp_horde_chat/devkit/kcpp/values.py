@@ -90,7 +90,16 @@ STOP_CUSTOM = 2
 
 Finish = Literal["eos", "length", "stop_sequence", "error"]
 
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The chat template ``/props`` reports by default: a short ChatML one (a model's
+own is longer; koboldcpp reports whatever the model file carries)."""
+
 GET_ROUTES: dict[str, str] = {
+    "/props": "props",
     "/api/v1/info/version": "info_version",
     "/api/v1/model": "model",
     "/api/extra/version": "version",

@@ -1,0 +1,96 @@
+"""The worker meets the koboldcpp it finds: it reads koboldcpp's version, its
+chat route and the model's chat template, says in one line what it found and
+what it declares, and declares only what that koboldcpp serves. End to end:
+the standalone worker against the dev Horde and a scripted koboldcpp playing
+each koboldcpp.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+
+from bench.harness.worker_process import until
+from koboldcpp_horde_chat.devkit.horde import DevHorde
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+
+CHAT = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 16}
+#: koboldcpp 1.45: the last release before /v1/chat/completions, and before /props.
+OLD = {"version": "1.45", "chat_route": False, "chat_template": None}
+
+
+def _found_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("koboldcpp 1.")]
+
+
+@pytest.mark.parametrize("kcpp", [OLD], indirect=True)
+def test_a_koboldcpp_too_old_for_chat_gets_no_chat_job_and_serves_text(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A koboldcpp without the chat route: no pop declares chat, from the first,
+    so the chat request waits for another worker and no chat job is faulted;
+    the text request is served. One line says what was found and declared."""
+    caplog.set_level(logging.INFO)
+    chat_id = horde.send_chat(CHAT, best_effort=True)
+    text_id = horde.send_text("Once upon a time", max_length=16, max_context_length=1024)
+    start_worker()
+    until(lambda: horde.status(text_id)["state"] == "done", 30, lambda: caplog.text[-3000:])
+    time.sleep(1.0)  # a few more pops
+    assert horde.pops, "the worker never popped"
+    assert all("chat_jobs" not in pop["body"] for pop in horde.pops)
+    assert horde.status(chat_id)["state"] == "waiting"
+    assert not [e for e in horde.ledger if e["kind"] == "chat"]
+    assert not [r for r in kcpp.requests if r["path"] == "/v1/chat/completions"]
+    assert _found_lines(caplog) == [
+        f"koboldcpp 1.45 at {kcpp.url}: model scripted-model, context 4096, chat template "
+        "unknown, vision no, no chat route (koboldcpp 1.46 added it); declaring text"
+    ]
+
+
+def test_the_start_line_says_what_koboldcpp_serves_and_what_is_declared(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    start_worker()
+    until(lambda: len(horde.pops) >= 1, 30, lambda: caplog.text[-3000:])
+    assert _found_lines(caplog) == [
+        f"koboldcpp 1.116.1 at {kcpp.url}: model scripted-model, context 4096, chat "
+        "template yes, vision no; declaring chat (seed, presence_penalty, tools, "
+        "json_object, json_schema, reasoning_effort, prompt_overflow_refused), text"
+    ]
+    assert "no chat template" not in caplog.text
+
+
+@pytest.mark.parametrize("kcpp", [{"chat_template": ""}], indirect=True)
+def test_a_model_without_a_chat_template_is_said_and_still_serves_chat(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp reports the empty template: a WARNING says replies go through
+    koboldcpp's fallback template; chat stays declared and is served."""
+    caplog.set_level(logging.INFO)
+    chat_id = horde.send_chat(CHAT, best_effort=True)
+    start_worker()
+    until(lambda: horde.status(chat_id)["state"] == "done", 30, lambda: caplog.text[-3000:])
+    warnings = [
+        r.getMessage() for r in caplog.records
+        if r.levelno == logging.WARNING and "no chat template" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "koboldcpp reports no chat template for model scripted-model: chat replies go "
+        "through koboldcpp's fallback template (Alpaca's"
+    )
+    assert "chat template none" in _found_lines(caplog)[0]
+    assert horde.pops[0]["body"]["chat_jobs"] is True
