@@ -183,6 +183,9 @@ class JobFault(HordeChatError):
             maintenance.
         backend_failed: koboldcpp failed the job (the loop then checks that it
             still answers before the next pop).
+        feature: the declared feature or guarantee a refused reply pointed at
+            (``guard.refused_reply_features``), or None: its fault counts
+            toward stopping the pops, not toward withdrawing chat as a whole.
     """
 
     def __init__(
@@ -192,12 +195,14 @@ class JobFault(HordeChatError):
         fault_reason: str | None = None,
         counts: bool = True,
         backend_failed: bool = False,
+        feature: str | None = None,
     ) -> None:
         super().__init__(why)
         self.why = why
         self.fault_reason = fault_reason
         self.counts = counts
         self.backend_failed = backend_failed
+        self.feature = feature
 
 
 class JobEnded(HordeChatError):

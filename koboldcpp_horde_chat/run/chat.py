@@ -33,7 +33,7 @@ from ..koboldcpp.answers import (
     parse_chat_completion,
 )
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
-from ..state.guard import refusal_features
+from ..state.guard import refused_reply_features
 from ..state.job import SUBMIT_MARGIN_S, JobContext, Outcome, payload_keys
 from ..state.ports import Ports
 from ..state.shared import WorkerState
@@ -83,6 +83,8 @@ class ChatRun:
         self.ctx = ctx
         self.settings = ports.settings
         self.model_id = ctx.model_id
+        #: The structured submit built from koboldcpp's reply (once generated).
+        self._reply: dict[str, Any] = {}
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
@@ -269,6 +271,7 @@ class ChatRun:
             f"tokens={submit_body.get('completion_tokens', '?')} "
             f"calls={len(message.get('tool_calls') or [])}"
         )
+        self._reply = submit_body
         return Outcome(submit_body, detail, self._refusal_fault)
 
     def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
@@ -299,22 +302,28 @@ class ChatRun:
     def _refusal_fault(self, exc: HordeRefusal) -> JobFault:
         """Seed "Submit refusals": the fault that follows a refused reply.
 
-        A ``ChatSubmitNonconformant`` refusal is counted against the declared
-        guarantee or feature the request used (``guard.refusal_features``);
-        at ``guard.REFUSALS_TO_WITHDRAW`` in an hour that name is withdrawn
-        from every later pop's ``chat_features`` until the worker restarts.
+        A refusal that points at a declared guarantee or feature
+        (``guard.refused_reply_features``: ``ChatSubmitNonconformant`` for what
+        the request used, ``ChatSubmitInvalid`` for the reply's tool calls) is
+        counted against it; at ``guard.REFUSALS_TO_WITHDRAW`` in an hour that
+        name alone is withdrawn from the later pops for its cool-off, and the
+        fault names it, so it does not count toward withdrawing chat as a whole.
         """
-        if exc.rc == "ChatSubmitNonconformant":
-            names = refusal_features(self.job.payload, self.ctx.declared_features)
-            if not names:
-                log.warning(
-                    "job=%s nonconformant reply not attributable to a declared guarantee "
-                    "or feature (payload keys %s)",
-                    self.job.id,
-                    payload_keys(self.job.payload),
-                )
-            self.state.record_nonconformant(names, self.ports.clock.monotonic())
-        return refused_reply_fault(exc)
+        names = refused_reply_features(
+            exc.rc, self.job.payload, self._reply, self.ctx.declared_features
+        )
+        if exc.rc == "ChatSubmitNonconformant" and not names:
+            log.warning(
+                "job=%s nonconformant reply not attributable to a declared guarantee "
+                "or feature (payload keys %s)",
+                self.job.id,
+                payload_keys(self.job.payload),
+            )
+        if names:
+            self.state.record_refused(names, self.ports.clock.monotonic())
+        fault = refused_reply_fault(exc)
+        fault.feature = names[0] if names else None
+        return fault
 
 
 def _fetch_images(

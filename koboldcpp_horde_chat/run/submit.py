@@ -149,7 +149,9 @@ class SubmitPipeline:
 
     def _fault(self, ctx: JobContext, fault: JobFault) -> bool:
         """Send the fault (the job is ``settling``); True when its retries were handed off."""
-        self.state.record_fault(self.clock(), counts=fault.counts, kind=ctx.kind)
+        self.state.record_fault(
+            self.clock(), counts=fault.counts, kind=ctx.kind, feature=fault.feature
+        )
         log.warning(
             "job=%s kind=%s faulted%s: %s",
             ctx.id,

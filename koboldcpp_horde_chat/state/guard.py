@@ -48,17 +48,27 @@ Two guards, each fed plain numbers by the worker (``state/shared.py``) with the 
   ``prompt_jobs: false`` when chat is still declared, else not at all) and
   probes that kind until it generates again (``service.gate``).
 * :class:`RefusalGuard` (seed "Submit refusals"): "withdraw a guarantee that
-  the backend repeatedly fails to satisfy". It counts the Horde's
-  ``ChatSubmitNonconformant`` refusals per declared guarantee or feature over
-  the last hour; at 3 it withdraws that name from ``chat_features``. A
-  withdrawal lasts until the worker restarts: once withdrawn, no request that
-  needs the name reaches the worker, so a quiet hour would prove nothing about
-  the backend, which is what broke the guarantee. Restart the worker after
-  fixing the model, its chat template or koboldcpp to declare it again.
+  the backend repeatedly fails to satisfy". It counts the Horde's refusals of
+  replies per declared guarantee or feature (:func:`refused_reply_features`:
+  ``ChatSubmitNonconformant`` for what the request used,
+  ``ChatSubmitInvalid`` for the tool calls a reply made, such as a small
+  model's call to a function the request did not offer) over the last hour;
+  at 3 it withdraws that name alone from ``chat_features`` for its cool-off
+  (:data:`FEATURE_COOL_OFF_S`, doubled each time the same name is withdrawn
+  again, at most :data:`FEATURE_COOL_OFF_MAX_S`), while plain chat goes on;
+  then the name is declared again and the requests that need it test the
+  backend anew. A name that keeps failing so costs at most 3 refused replies
+  per cool-off. The faults that follow those refusals are still aborted jobs
+  for the Horde (after ``ChatSubmitInvalid``), so they count toward stopping
+  the pops (:meth:`MaintenanceGuard.pop_allowed`), but not toward withdrawing
+  chat as a whole (:meth:`MaintenanceGuard.update`): that is the one feature
+  failing, withdrawn alone.
 
-:func:`refusal_features` attributes a refusal to the names the job's request
-used (``tool_choice``/``tools`` and ``response_format``), by the payload only,
-never by the refusal's message text.
+:func:`refusal_features` attributes a ``ChatSubmitNonconformant`` refusal to
+the names the job's request used (``tool_choice``/``tools`` and
+``response_format``), by the payload only, never by the refusal's message text;
+:func:`refused_reply_features` adds ``ChatSubmitInvalid``, attributed to
+``tools`` by the refused reply's own tool calls.
 
 Every structure here is bounded: a window keeps at most ``maxlen`` times, and
 the refusal counters exist only for the names :func:`refusal_features` can
@@ -87,7 +97,12 @@ COUNT_WINDOW_S: Final = HOUR_S + 60.0
 FAILED_IN_A_ROW: Final = 3
 """Generations failed in a row after which the worker stops popping and probes koboldcpp."""
 REFUSALS_TO_WITHDRAW: Final = 3
-"""``ChatSubmitNonconformant`` refusals in an hour that withdraw a guarantee or feature."""
+"""Refused replies in an hour that withdraw the guarantee or feature they point at."""
+FEATURE_COOL_OFF_S: Final = HOUR_S
+"""How long a name withdrawn for its refused replies stays withdrawn the first
+time, seconds; each later withdrawal of the same name doubles it."""
+FEATURE_COOL_OFF_MAX_S: Final = 24 * HOUR_S
+"""The longest cool-off of a withdrawn name, seconds."""
 
 TOOL_NAMES: Final = ("tool_choice_enforced", "tools")
 """What a tool-choice refusal is attributed to: the guarantee when declared, else the feature."""
@@ -167,15 +182,18 @@ class MaintenanceGuard:
         self.restore_below = restore_below
         self.stop_at = stop_at
         self.window_s = float(window_s)
-        self._faults: deque[tuple[float, str | None]] = deque(
+        self._faults: deque[tuple[float, str | None, str | None]] = deque(
             maxlen=HORDE_FAULT_LIMIT_PER_HOUR * 4
         )
         self.chat_enabled = True
 
-    def record_fault(self, now: float, kind: str | None = None) -> None:
+    def record_fault(self, now: float, kind: str | None = None, feature: str | None = None) -> None:
         """Count one aborted job at ``now``; ``kind`` is the job's (None: not known,
-        as for a fault kept from an earlier run, taken as possibly chat)."""
-        self._add(now, kind)
+        as for a fault kept from an earlier run, taken as possibly chat);
+        ``feature`` the declared name its refused reply pointed at
+        (:func:`refused_reply_features`; :class:`RefusalGuard` withdraws that
+        name alone, so it does not count toward withdrawing chat)."""
+        self._add(now, kind, feature)
 
     def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
         """Count a pop whose answer was lost: the Horde may have assigned it a job
@@ -185,9 +203,9 @@ class MaintenanceGuard:
         declare chat, else None."""
         self._add(expires_at, kind)
 
-    def _add(self, at: float, kind: str | None) -> None:
+    def _add(self, at: float, kind: str | None, feature: str | None = None) -> None:
         """Keep the counted times in order (a lost pop's lies ahead of now)."""
-        self._faults.append((at, kind))
+        self._faults.append((at, kind, feature))
         if len(self._faults) < 2 or self._faults[-2][0] <= at:
             return
         ordered = sorted(self._faults, key=lambda fault: fault[0])
@@ -203,16 +221,25 @@ class MaintenanceGuard:
         self._forget(now)
         return len(self._faults)
 
+    def chat_recent(self, now: float) -> int:
+        """Counted aborts in the last window that chat as a whole answers for:
+        those not attributed to one feature."""
+        self._forget(now)
+        return sum(1 for _, _, feature in self._faults if feature is None)
+
     def update(self, now: float) -> Transition | None:
         """Decide the declaration for the next pop.
 
         Returns ``"withdraw"`` when chat was enabled and ``withdraw_at`` counted
-        aborts are in the window, chat jobs among them (chat fails too),
-        ``"restore"`` when it was withdrawn and fewer than ``restore_below``
-        remain, else None. :attr:`chat_enabled` follows.
+        aborts not attributed to one feature (:meth:`chat_recent`) are in the
+        window, chat jobs among them (chat fails too), ``"restore"`` when it was
+        withdrawn and fewer than ``restore_below`` of them remain, else None.
+        :attr:`chat_enabled` follows.
         """
-        recent = self.recent(now)
-        chat_failed = any(kind != "text" for _, kind in self._faults)
+        recent = self.chat_recent(now)
+        chat_failed = any(
+            kind != "text" for _, kind, feature in self._faults if feature is None
+        )
         if self.chat_enabled and recent >= self.withdraw_at and chat_failed:
             self.chat_enabled = False
             return "withdraw"
@@ -330,26 +357,70 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
     return found
 
 
+def refused_reply_features(
+    rc: str,
+    payload: Mapping[str, Any],
+    reply: Mapping[str, Any],
+    declared: Iterable[str],
+) -> list[str]:
+    """The declared names the Horde's refusal (``rc``) of a chat ``reply`` (the
+    structured submit it refused) points at.
+
+    * ``ChatSubmitNonconformant``: :func:`refusal_features` (what the request used);
+    * ``ChatSubmitInvalid`` for a reply that made tool calls to a request that
+      offered tools: ``"tools"`` when declared. The Horde refuses a call to a
+      function the request did not offer, or two calls with one id, under
+      either conformance mode (seed "Submit refusals"): the model's calls
+      failed, not chat. Any other ``ChatSubmitInvalid`` (a reply without a
+      valid message, say) and ``ChatModelMismatch`` point at no name.
+
+    Attributed by the payload and the reply, never by the refusal's message text.
+    """
+    if rc == "ChatSubmitNonconformant":
+        return refusal_features(payload, declared)
+    if rc == "ChatSubmitInvalid" and "tools" in payload and "tools" in set(declared):
+        message = reply.get("message")
+        calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+        if isinstance(calls, list) and calls:
+            return ["tools"]
+    return []
+
+
 class RefusalGuard:
-    """Count ``ChatSubmitNonconformant`` refusals per name; withdraw a name at the threshold.
+    """Count refused replies per declared name; withdraw a name at the threshold,
+    for its cool-off.
 
     Args:
         threshold: refusals within the window that withdraw a name (3).
         window_s: the window, seconds (3600).
+        cool_off_s: how long a name is withdrawn the first time, seconds
+            (:data:`FEATURE_COOL_OFF_S`); doubled at each later withdrawal of
+            the same name, up to ``max_cool_off_s``.
 
     Attributes:
-        withdrawn: the names withdrawn so far; they stay withdrawn until the
-            worker restarts (see the module docstring for why).
+        withdrawn: the names withdrawn now (until :meth:`restore_due` says
+            their cool-off ended).
     """
 
     def __init__(
-        self, *, threshold: int = REFUSALS_TO_WITHDRAW, window_s: float = HOUR_S
+        self,
+        *,
+        threshold: int = REFUSALS_TO_WITHDRAW,
+        window_s: float = HOUR_S,
+        cool_off_s: float = FEATURE_COOL_OFF_S,
+        max_cool_off_s: float = FEATURE_COOL_OFF_MAX_S,
     ) -> None:
         if threshold < 1:
             raise ValueError("threshold must be at least 1")
+        if not 0 < cool_off_s <= max_cool_off_s:
+            raise ValueError("need 0 < cool_off_s <= max_cool_off_s")
         self.threshold = threshold
         self.window_s = window_s
+        self.cool_off_s = cool_off_s
+        self.max_cool_off_s = max_cool_off_s
         self._windows: dict[str, SlidingWindow] = {}
+        self._until: dict[str, float] = {}
+        self._times: dict[str, int] = {}
         self.withdrawn: frozenset[str] = frozenset()
 
     def record(self, names: Iterable[str], now: float) -> list[str]:
@@ -357,6 +428,7 @@ class RefusalGuard:
 
         Returns the names this refusal withdraws (reaching ``threshold``
         refusals within the window), in the order given; empty otherwise.
+        Each stays withdrawn until :meth:`until` says.
         """
         newly: list[str] = []
         for name in dict.fromkeys(names):
@@ -371,9 +443,26 @@ class RefusalGuard:
             if window.count(now) >= self.threshold:
                 newly.append(name)
                 window.clear()
+                times = self._times.get(name, 0)
+                self._times[name] = times + 1
+                cool_off = min(self.cool_off_s * 2**min(times, 32), self.max_cool_off_s)
+                self._until[name] = now + cool_off
         if newly:
             self.withdrawn = self.withdrawn | frozenset(newly)
         return newly
+
+    def until(self, name: str) -> float | None:
+        """When a withdrawn ``name`` is declared again (the clock of ``record``'s
+        ``now``); None when it is not withdrawn."""
+        return self._until.get(name) if name in self.withdrawn else None
+
+    def restore_due(self, now: float) -> list[str]:
+        """The withdrawn names whose cool-off ended by ``now``, declared again from
+        now on (sorted); empty when none."""
+        due = sorted(n for n in self.withdrawn if self._until.get(n, now) <= now)
+        if due:
+            self.withdrawn = self.withdrawn - frozenset(due)
+        return due
 
     def count(self, name: str, now: float) -> int:
         """Refusals of ``name`` within the window (0 once withdrawn)."""

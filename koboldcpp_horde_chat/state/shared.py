@@ -7,8 +7,8 @@ submit pipeline read and change it under its lock. It holds
 - what the next pop declares: chat on or withdrawn (``guard.MaintenanceGuard``,
   before the Horde's 20 aborted jobs an hour), the ``max_length`` per kind
   that fits the lease (``lease_fit.LeaseFit``) and the features withheld by
-  the operator or withdrawn after repeated ``ChatSubmitNonconformant``
-  refusals (``guard.RefusalGuard``);
+  the operator or withdrawn, for their cool-off, after repeated refusals of
+  their replies (``guard.RefusalGuard``);
 - whether the worker may pop at all: not with the Horde's hour nearly full
   of aborted jobs (``guard.MaintenanceGuard.pop_allowed``), nor while
   koboldcpp fails every generation (``guard.FailureStreak``);
@@ -332,16 +332,25 @@ class WorkerState:
 
     # -------------------------------------------------------------- counting
 
-    def record_fault(self, now: float, *, counts: bool = True, kind: str | None = None) -> None:
+    def record_fault(
+        self,
+        now: float,
+        *,
+        counts: bool = True,
+        kind: str | None = None,
+        feature: str | None = None,
+    ) -> None:
         """Count a fault sent (of a ``kind`` job); ``counts`` False for one the
-        Horde counts apart.
+        Horde counts apart; ``feature`` the declared name a refused reply
+        pointed at (it counts toward stopping the pops, not toward withdrawing
+        chat: ``guard.MaintenanceGuard``).
 
         One that counts toward maintenance is kept in the journal too, so a
         restarted worker goes on counting it (:meth:`restore_faults`)."""
         with self.lock:
             self.stats.faults += 1
             if counts:
-                self._count_toward_maintenance(now, kind)
+                self._count_toward_maintenance(now, kind, feature)
 
     def record_expired(self, now: float, kind: str | None = None) -> None:
         """A job ended on the Horde without our terminal action (its lease ran out:
@@ -365,8 +374,10 @@ class WorkerState:
             if self.journal is not None:
                 self.journal.record_fault(self.clock.time())
 
-    def _count_toward_maintenance(self, now: float, kind: str | None = None) -> None:
-        self.maintenance_guard.record_fault(now, kind)
+    def _count_toward_maintenance(
+        self, now: float, kind: str | None = None, feature: str | None = None
+    ) -> None:
+        self.maintenance_guard.record_fault(now, kind, feature)
         if self.journal is not None:
             self.journal.record_fault(self.clock.time())
 
@@ -440,7 +451,9 @@ class WorkerState:
 
         The counting is ``guard.MaintenanceGuard``'s: withdrawn at 15 aborted
         jobs in the Horde's hour (and a minute), chat jobs among them, declared
-        again below 10. A worker that also serves text jobs keeps popping
+        again below 10 (the faults a withdrawn feature answers for not among
+        them). A feature whose cool-off ended (``guard.RefusalGuard``) is
+        declared again here, one line each. A worker that also serves text jobs keeps popping
         without the declaration; a chat-only worker (``prompt_jobs`` False)
         cannot pop without it, so it pauses popping. Each change is one line
         worded as the totals line counts (``status.aborted_count``).
@@ -451,6 +464,9 @@ class WorkerState:
             change = mguard.update(now)
             recent = mguard.recent(now)
             enabled = mguard.chat_enabled
+            restored = self.refusal_guard.restore_due(now)
+        for name in restored:
+            log.info("declaring %r again: its cool-off after refused replies ended", name)
         count = status.aborted_count(recent, HORDE_FAULT_LIMIT_PER_HOUR)
         if change == "withdraw":
             log.warning(
@@ -486,20 +502,25 @@ class WorkerState:
                 if name not in self.withheld
             )
 
-    def record_nonconformant(self, names: Iterable[str], now: float) -> None:
-        """Count a ``ChatSubmitNonconformant`` refusal against the declared
-        guarantees or features the request used; at ``guard.REFUSALS_TO_WITHDRAW``
-        in an hour a name is withdrawn from every later pop until restart."""
+    def record_refused(self, names: Iterable[str], now: float) -> None:
+        """Count a refused reply against the declared guarantees or features it
+        points at (``guard.refused_reply_features``); at
+        ``guard.REFUSALS_TO_WITHDRAW`` in an hour a name is withdrawn alone from
+        the later pops for its cool-off, one WARNING line saying which and until
+        when (local time); plain chat goes on."""
+        wall = self.clock.time()
         with self.lock:
-            withdrawn = self.refusal_guard.record(names, now)
-            self.withheld = self.withheld | set(withdrawn)
-        for name in withdrawn:
+            rguard = self.refusal_guard
+            withdrawn = [(name, rguard.until(name) or now) for name in rguard.record(names, now)]
+        for name, until in withdrawn:
+            at = time.strftime("%H:%M:%S", time.localtime(wall + (until - now)))
             log.warning(
-                "withdrawing %r from the chat declaration: the Horde refused %d replies "
-                "as ChatSubmitNonconformant for it within an hour; restart the worker "
-                "(after fixing the model, its chat template or koboldcpp) to declare it again",
+                "withdrawing %r from the chat declaration until %s (for %d min): the Horde "
+                "refused %d replies for it within an hour; chat without it goes on",
                 name,
-                self.refusal_guard.threshold,
+                at,
+                max(1, round((until - now) / 60.0)),
+                rguard.threshold,
             )
 
     # ------------------------------------------------ the guard: pops and lengths
@@ -526,7 +547,7 @@ class WorkerState:
             return pop_body(
                 self.settings,
                 caps,
-                withhold=self.withheld,
+                withhold=self.withheld | self.refusal_guard.withdrawn,
                 chat_jobs=self.chat_enabled and not self.failure_streak.kind_failing("chat"),
                 max_length=self.lease_fit.declared("text"),
                 chat_max_length=self.lease_fit.declared("chat"),

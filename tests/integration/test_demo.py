@@ -123,12 +123,13 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
         "       model: the Horde refused the model's reply (message.tool_calls[0] calls 'GetWeather', "
         "not a function of the request); the worker faulted it with reply_refused, as it must (3 times)"
     )
-    # The WARNING lines (a refusal and a reply_refused fault for each job) are announced
-    # before the case and pointed at after it.
+    # The WARNING lines (a refusal and a reply_refused fault for each job, and the
+    # withdrawal of tools at the third) are announced before the case and pointed at
+    # after it.
     assert lines[at - 1] == "       " + cases.MODEL_REFUSAL_WARNINGS
     assert cases.MODEL_REFUSAL_WARNINGS.startswith("Two WARNING lines may follow, and are expected")
     assert lines[at + 2] == (
-        "       the 6 WARNING lines above: expected, from what the model did (model: above)"
+        "       the 7 WARNING lines above: expected, from what the model did (model: above)"
     )
     assert "Demo passed" in out
 

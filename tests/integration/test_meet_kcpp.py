@@ -15,7 +15,7 @@ import pytest
 
 from bench.harness.worker_process import until
 from koboldcpp_horde_chat.devkit.horde import DevHorde
-from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 
 CHAT = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 16}
 #: koboldcpp 1.45: the last release before /v1/chat/completions, and before /props.
@@ -94,3 +94,51 @@ def test_a_model_without_a_chat_template_is_said_and_still_serves_chat(
     )
     assert "chat template none" in _found_lines(caplog)[0]
     assert horde.pops[0]["body"]["chat_jobs"] is True
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_calls_the_horde_keeps_refusing_withdraw_tools_alone_and_plain_chat_goes_on(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A small model calls a function the request did not offer: the Horde
+    refuses each reply (ChatSubmitInvalid) and the worker faults it with
+    reply_refused. At the third, tools alone is withdrawn (one line, until
+    when): no tool request is popped any more, plain chat jobs are served."""
+    caplog.set_level(logging.INFO)
+    kcpp.script(
+        lambda body: ScriptedReply(tool_calls=[{"name": "GetWeather", "arguments": {}}])
+        if body.get("tools") else None
+    )
+    tool_body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "max_tokens": 32,
+    }
+    tool_ids = [horde.send_chat(tool_body, best_effort=True, max_attempts=1) for _ in range(4)]
+    start_worker()
+    until(lambda: sum(horde.status(r)["state"] == "faulted" for r in tool_ids) >= 3, 60,
+          lambda: caplog.text[-3000:])
+    plain_ids = [horde.send_chat(CHAT, best_effort=True) for _ in range(3)]
+    until(lambda: all(horde.status(r)["state"] == "done" for r in plain_ids), 60,
+          lambda: caplog.text[-3000:])
+    assert [horde.status(r)["state"] for r in tool_ids].count("waiting") == 1
+    refused = [e for e in horde.ledger if e["action"] == "refused"]
+    assert [e["rc"] for e in refused] == ["ChatSubmitInvalid"] * 3
+    last = horde.pops[-1]["body"]
+    assert last["chat_jobs"] is True
+    assert "tools" not in last["chat_features"] and "json_schema" in last["chat_features"]
+    lines = [r.getMessage() for r in caplog.records if "withdrawing" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("withdrawing 'tools' from the chat declaration until ")
+    assert "(for 60 min)" in lines[0]

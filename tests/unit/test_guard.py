@@ -12,13 +12,16 @@ from hypothesis import strategies as st
 from koboldcpp_horde_chat.state import guard
 from koboldcpp_horde_chat.state.guard import (
     COUNT_WINDOW_S,
+    FEATURE_COOL_OFF_MAX_S,
     HORDE_FAULT_LIMIT_PER_HOUR,
+    HOUR_S,
     STOP_POPPING_AT,
     FailureStreak,
     MaintenanceGuard,
     RefusalGuard,
     SlidingWindow,
     refusal_features,
+    refused_reply_features,
 )
 
 KOBOLDCPP_FEATURES = [
@@ -356,3 +359,59 @@ def test_a_lost_pop_counts_at_once_and_until_an_hour_after_the_horde_would_expir
     assert g.resume_at(101.0) == 0.0 + 3660.0  # the oldest fault leaves first
     assert g.recent(310.0 + 3659.0) == 1  # the expiry's hour is not over yet
     assert g.recent(310.0 + 3660.0) == 0
+
+
+# --- a feature withdrawn alone -------------------------------------------------------
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "GetWeather", "arguments": "{}"}}
+TOOLS_PAYLOAD = {"messages": [], "tools": [{"type": "function", "function": {"name": "w"}}]}
+
+
+def test_an_invalid_reply_with_tool_calls_points_at_tools() -> None:
+    reply = {"message": {"role": "assistant", "content": None, "tool_calls": [CALL]}}
+    declared = ["seed", "tools"]
+    assert refused_reply_features("ChatSubmitInvalid", TOOLS_PAYLOAD, reply, declared) == [
+        "tools"
+    ]
+    # No call in the reply, no tools offered, tools not declared, another refusal: no name.
+    plain = {"message": {"role": "assistant", "content": "hi"}}
+    assert refused_reply_features("ChatSubmitInvalid", TOOLS_PAYLOAD, plain, declared) == []
+    assert refused_reply_features("ChatSubmitInvalid", {"messages": []}, reply, declared) == []
+    assert refused_reply_features("ChatSubmitInvalid", TOOLS_PAYLOAD, reply, ["seed"]) == []
+    assert refused_reply_features("ChatModelMismatch", TOOLS_PAYLOAD, reply, declared) == []
+    # Nonconformant: what the request used, as before.
+    assert refused_reply_features(
+        "ChatSubmitNonconformant", TOOLS_PAYLOAD, plain, declared
+    ) == ["tools"]
+
+
+def test_faults_a_withdrawn_feature_answers_for_do_not_withdraw_chat_but_stop_the_pops() -> None:
+    g = MaintenanceGuard()
+    for i in range(STOP_POPPING_AT - 1):
+        g.record_fault(float(i), "chat", "tools")
+    assert g.update(20.0) is None and g.chat_enabled
+    assert g.chat_recent(20.0) == 0 and g.recent(20.0) == STOP_POPPING_AT - 1
+    assert not g.pop_allowed(20.0, in_hand=1)  # the Horde counts them all the same
+    g.record_fault(21.0, "chat")
+    assert g.update(21.0) is None  # one fault of chat as a whole: far from 15
+
+
+def test_a_withdrawn_name_comes_back_after_its_cool_off_which_doubles_each_time() -> None:
+    g = RefusalGuard()
+    for t in (0.0, 1.0, 2.0):
+        withdrawn = g.record(["tools"], t)
+    assert withdrawn == ["tools"] and g.until("tools") == 2.0 + HOUR_S
+    assert g.restore_due(2.0 + HOUR_S - 1) == []
+    assert g.withdrawn == frozenset({"tools"})
+    assert g.restore_due(2.0 + HOUR_S) == ["tools"]
+    assert g.withdrawn == frozenset() and g.until("tools") is None
+    start = 10_000.0
+    for t in (start, start + 1, start + 2):
+        withdrawn = g.record(["tools"], t)
+    assert withdrawn == ["tools"] and g.until("tools") == start + 2 + 2 * HOUR_S
+    g.restore_due(start + 2 + 2 * HOUR_S)
+    for i in range(10):  # withdrawn again and again: never more than a day
+        for t in (0.0, 1.0, 2.0):
+            g.record(["tools"], 1e6 * (i + 1) + t)
+        assert (g.until("tools") or 0.0) - (1e6 * (i + 1) + 2.0) <= FEATURE_COOL_OFF_MAX_S
+        g.restore_due(1e7 * 2)

@@ -420,7 +420,9 @@ def test_three_nonconformant_refusals_withdraw_the_feature_the_requests_used(
     assert "json_object" in features[4] and "tools" in features[4]
     lines = [r.getMessage() for r in caplog.records if "withdrawing 'json_schema'" in r.getMessage()]
     assert len(lines) == 1
-    assert "restart the worker" in lines[0]
+    assert "from the chat declaration until " in lines[0]
+    assert lines[0].endswith("(for 60 min): the Horde refused 3 replies for it within an "
+                             "hour; chat without it goes on")
     # Each refused reply was faulted with reply_refused, never resubmitted.
     for job_id in ("s1", "s2", "s3"):
         bodies = horde.jobs[job_id].bodies
@@ -428,18 +430,26 @@ def test_three_nonconformant_refusals_withdraw_the_feature_the_requests_used(
         assert bodies[1]["fault_reason"] == "reply_refused"
 
 
-def test_a_withdrawn_feature_stays_withdrawn_and_operator_withholds_stay_too() -> None:
+def test_a_withdrawn_feature_comes_back_after_its_cool_off_and_operator_withholds_stay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     pops = [chat_pop(f"t{i}", tools=[], tool_choice="required") for i in range(3)]
     script = ("ChatSubmitNonconformant", "ok") * 3
     worker, horde, _, clock = make(
         pops, submit_script=script, chat_withhold=frozenset({"seed"})
     )
+    caplog.set_level(logging.INFO)
     run(worker, 3)
-    clock.advance(10 * 3600.0)
-    run(worker, 2)
-    last = horde.pop_bodies[-1]["chat_features"]
-    assert "tools" not in last and "seed" not in last
-    assert "json_schema" in last
+    clock.advance(3000.0)
+    run(worker, 1)
+    during = horde.pop_bodies[-1]["chat_features"]
+    assert "tools" not in during and "seed" not in during
+    assert "json_schema" in during
+    clock.advance(700.0)  # the hour's cool-off ended
+    run(worker, 1)
+    after = horde.pop_bodies[-1]["chat_features"]
+    assert "tools" in after and "seed" not in after
+    assert "declaring 'tools' again: its cool-off after refused replies ended" in caplog.text
 
 
 def test_refusals_of_other_kinds_withdraw_nothing() -> None:
