@@ -264,6 +264,9 @@ class ChatRun:
             # Given up meanwhile (the stop hangs up a stream, which then ends cut
             # short): the fault names the stop, not koboldcpp.
             ctx.check_abandoned()
+            if isinstance(exc, BackendError) and exc.status == 404:
+                # koboldcpp answers 404 only for a POST route it lacks (1.116.1 L7540).
+                self.state.chat_route_missing()
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
         message = submit_body.get("message", {})
         detail = (

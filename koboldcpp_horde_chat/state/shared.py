@@ -163,6 +163,8 @@ class WorkerState:
         self._faults_restored = False
         #: A chat job was popped (:meth:`first_chat_job`).
         self.chat_job_seen = False
+        #: koboldcpp answered its chat route 404 (:meth:`chat_route_missing`).
+        self.no_chat_route = False
 
     def carry_over(self, earlier: WorkerState) -> None:
         """Go on from ``earlier``, this worker's state before it declared anew
@@ -523,6 +525,22 @@ class WorkerState:
                 rguard.threshold,
             )
 
+    def chat_route_missing(self) -> None:
+        """koboldcpp answered ``POST /v1/chat/completions`` 404: it has no chat
+        route, whatever version it reports (``koboldcpp.versions``). No later
+        pop declares chat, until koboldcpp comes back changed (standalone, the
+        host declares anew with a new state); one WARNING line, once."""
+        with self.lock:
+            first = not self.no_chat_route
+            self.no_chat_route = True
+        if first:
+            log.warning(
+                "koboldcpp at %s answered 404 for /v1/chat/completions: it has no chat "
+                "route; popping without the chat declaration until koboldcpp restarts%s",
+                self.settings.kcpp_url,
+                " (text jobs continue)" if self.settings.prompt_jobs else "",
+            )
+
     # ------------------------------------------------ the guard: pops and lengths
 
     def abort_limit(self, now: float) -> tuple[int, int, float] | None:
@@ -548,7 +566,9 @@ class WorkerState:
                 self.settings,
                 caps,
                 withhold=self.withheld | self.refusal_guard.withdrawn,
-                chat_jobs=self.chat_enabled and not self.failure_streak.kind_failing("chat"),
+                chat_jobs=self.chat_enabled
+                and not self.no_chat_route
+                and not self.failure_streak.kind_failing("chat"),
                 max_length=self.lease_fit.declared("text"),
                 chat_max_length=self.lease_fit.declared("chat"),
                 prompt_jobs=not self.failure_streak.kind_failing("text"),
@@ -574,6 +594,6 @@ class WorkerState:
             kinds = []
             if self.settings.prompt_jobs and not streak.kind_failing("text"):
                 kinds.append("text")
-            if self.chat_enabled and not streak.kind_failing("chat"):
+            if self.chat_enabled and not self.no_chat_route and not streak.kind_failing("chat"):
                 kinds.append("chat")
             return tuple(kinds)

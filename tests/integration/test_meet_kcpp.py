@@ -142,3 +142,31 @@ def test_tool_calls_the_horde_keeps_refusing_withdraw_tools_alone_and_plain_chat
     assert len(lines) == 1, lines
     assert lines[0].startswith("withdrawing 'tools' from the chat declaration until ")
     assert "(for 60 min)" in lines[0]
+
+
+@pytest.mark.parametrize("kcpp", [{"version": "1.60.1", "chat_route": False}], indirect=True)
+def test_a_koboldcpp_whose_chat_route_answers_404_costs_one_chat_job_not_three(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp reports a version with the chat route (1.46 and later) but
+    answers it 404 (a build or a proxy without it): the first chat job is
+    faulted, and no later pop declares chat; text jobs go on."""
+    caplog.set_level(logging.INFO)
+    chat_ids = [horde.send_chat(CHAT, best_effort=True, max_attempts=1) for _ in range(3)]
+    start_worker()
+    until(lambda: any(horde.status(r)["state"] == "faulted" for r in chat_ids), 30,
+          lambda: caplog.text[-3000:])
+    text_id = horde.send_text("Once upon a time", max_length=16, max_context_length=1024)
+    until(lambda: horde.status(text_id)["state"] == "done", 30, lambda: caplog.text[-3000:])
+    states = sorted(horde.status(r)["state"] for r in chat_ids)
+    assert states == ["faulted", "waiting", "waiting"]
+    assert "chat_jobs" not in horde.pops[-1]["body"]
+    lines = [r.getMessage() for r in caplog.records if "it has no chat route" in r.getMessage()]
+    assert lines == [
+        f"koboldcpp at {kcpp.url} answered 404 for /v1/chat/completions: it has no chat "
+        "route; popping without the chat declaration until koboldcpp restarts (text jobs "
+        "continue)"
+    ]
