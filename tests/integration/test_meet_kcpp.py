@@ -170,3 +170,30 @@ def test_a_koboldcpp_whose_chat_route_answers_404_costs_one_chat_job_not_three(
         "route; popping without the chat declaration until koboldcpp restarts (text jobs "
         "continue)"
     ]
+
+
+def test_koboldcpp_back_as_an_older_version_is_met_again_and_declared_anew(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """koboldcpp restarted as a release without the chat route, same model and
+    context: the worker notices, says what it found again, and stops declaring chat."""
+    caplog.set_level(logging.INFO)
+    start_worker()
+    until(lambda: len(horde.pops) >= 2, 30, lambda: caplog.text[-3000:])
+    assert horde.pops[-1]["body"]["chat_jobs"] is True
+    port = kcpp.port
+    kcpp.kill()
+    time.sleep(1.5)
+    older = ScriptedKoboldcpp(port=port, **OLD).start()  # type: ignore[arg-type]
+    try:
+        until(lambda: len(_found_lines(caplog)) >= 2, 30, lambda: caplog.text[-3000:])
+        assert "koboldcpp restarted as 1.45 (it was 1.116.1): reading it again" in caplog.text
+        assert _found_lines(caplog)[1].startswith(f"koboldcpp 1.45 at {older.url}: ")
+        pops = len(horde.pops)
+        until(lambda: len(horde.pops) > pops + 1, 30, lambda: caplog.text[-3000:])
+        assert "chat_jobs" not in horde.pops[-1]["body"]
+    finally:
+        older.stop()
