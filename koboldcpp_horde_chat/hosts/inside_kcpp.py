@@ -55,6 +55,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
+from ..koboldcpp.api import BackendInfo
 from ..service.recovery import Recovery
 from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from ..state.journal import Journal
@@ -445,6 +446,23 @@ def configure_logging(*, debug: bool = False, kcpp: types.ModuleType | None = No
         return True
 
 
+def found_info(kcpp: types.ModuleType, settings: WorkerSettings) -> BackendInfo:
+    """What this koboldcpp is, from its globals, as the standalone worker reads
+    it over HTTP: ``KcppVersion``, the model's ``cached_chat_template`` (``""``
+    when the model carries none, 1.116.1 ``koboldcpp.py`` L11694-11695; None
+    when not read), the model, context and vision of ``settings``."""
+    template = _get(kcpp, "cached_chat_template", None)
+    return BackendInfo(
+        model_name=settings.model_id,
+        max_context_length=settings.backend_max_context_length,
+        vision=settings.vision,
+        version=str(_get(kcpp, "KcppVersion", "") or ""),
+        protected=bool(settings.kcpp_password),
+        jinja=bool(_get(_get(kcpp, "args"), "jinja", False)),
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
 def run_horde_worker(
     kcpp: types.ModuleType,
     args: object,
@@ -480,6 +498,8 @@ def run_horde_worker(
     for warning in model_id_warnings(settings.model_id):
         log.warning("worker %d: %s", worker_id, warning)
     log.info("worker %d: %s", worker_id, serving_line(settings))
+    if worker_id == 1:
+        hosting.say_koboldcpp_found(found_info(kcpp, settings), settings, capabilities(settings))
     manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
     try:
         state = shared_state(settings)

@@ -1292,3 +1292,25 @@ def test_start_recovery_never_raises_and_says_why_it_did_not_start(
     assert kcpp_hook.start_recovery(kcpp, kcpp.args) is False
     assert any("not recovered yet" in r.getMessage() and "AI_HORDE_URL" in r.getMessage()
                for r in caplog.records)
+
+
+# ------------------------------------------------------------- what it found
+
+
+@pytest.mark.parametrize(
+    ("template", "said"), [("{{ messages }}", "yes"), ("", "none"), (None, "unknown")]
+)
+def test_inside_koboldcpp_the_line_says_its_version_and_the_models_chat_template(
+    template: str | None, said: str
+) -> None:
+    from koboldcpp_horde_chat.hosts.hosting import koboldcpp_found_line
+
+    kcpp = make_kcpp(cached_chat_template=template)
+    settings = hook_settings(kcpp)
+    info = kcpp_hook.found_info(kcpp, settings)
+    assert info.version == "1.116.1" and info.chat_template == template
+    line = koboldcpp_found_line(info, settings, kcpp_hook.capabilities(settings))
+    assert line.startswith(
+        f"koboldcpp 1.116.1 at http://localhost:5001: model Qwen3-8B-Q4_K_M, context 12288, "
+        f"chat template {said}, vision no; declaring chat ("
+    )
