@@ -162,7 +162,15 @@ class ReplyError(HordeChatError):
 
     For example finish reason ``error``, an unknown finish reason, or a malformed
     tool call. The job is faulted without ``fault_reason`` (seed: worked example).
+
+    Attributes:
+        feature: the declared feature whose part of the reply is unusable
+            (``"tools"`` for a malformed tool call), or None.
     """
+
+    def __init__(self, why: str, *, feature: str | None = None) -> None:
+        super().__init__(why)
+        self.feature = feature
 
 
 # --- serving a job -----------------------------------------------------------------

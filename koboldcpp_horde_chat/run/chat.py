@@ -267,6 +267,11 @@ class ChatRun:
             if isinstance(exc, BackendError) and exc.status == 404:
                 # koboldcpp answers 404 only for a POST route it lacks (1.116.1 L7540).
                 self.state.chat_route_missing()
+            feature = exc.feature if isinstance(exc, ReplyError) else None
+            if feature is not None and feature in ctx.declared_features:
+                # koboldcpp answered; the model's use of the feature is unusable.
+                self.state.record_feature_failure([feature], ports.clock.monotonic())
+                raise JobFault(f"generation failed: {exc}", feature=feature) from None
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
         message = submit_body.get("message", {})
         detail = (
@@ -323,7 +328,7 @@ class ChatRun:
                 payload_keys(self.job.payload),
             )
         if names:
-            self.state.record_refused(names, self.ports.clock.monotonic())
+            self.state.record_feature_failure(names, self.ports.clock.monotonic())
         fault = refused_reply_fault(exc)
         fault.feature = names[0] if names else None
         return fault

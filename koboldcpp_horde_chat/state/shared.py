@@ -504,9 +504,10 @@ class WorkerState:
                 if name not in self.withheld
             )
 
-    def record_refused(self, names: Iterable[str], now: float) -> None:
-        """Count a refused reply against the declared guarantees or features it
-        points at (``guard.refused_reply_features``); at
+    def record_feature_failure(self, names: Iterable[str], now: float) -> None:
+        """Count a failed reply against the declared guarantees or features it
+        points at: refused by the Horde (``guard.refused_reply_features``) or
+        unusable (a malformed tool call: ``errors.ReplyError.feature``); at
         ``guard.REFUSALS_TO_WITHDRAW`` in an hour a name is withdrawn alone from
         the later pops for its cool-off, one WARNING line saying which and until
         when (local time); plain chat goes on."""
@@ -517,8 +518,9 @@ class WorkerState:
         for name, until in withdrawn:
             at = time.strftime("%H:%M:%S", time.localtime(wall + (until - now)))
             log.warning(
-                "withdrawing %r from the chat declaration until %s (for %d min): the Horde "
-                "refused %d replies for it within an hour; chat without it goes on",
+                "withdrawing %r from the chat declaration until %s (for %d min): %d of its "
+                "replies within an hour were refused by the Horde or unusable; chat without "
+                "it goes on",
                 name,
                 at,
                 max(1, round((until - now) / 60.0)),

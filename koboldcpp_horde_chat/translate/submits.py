@@ -122,27 +122,28 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
 
     Raises:
         ReplyError: ``raw`` is not a list (None is an empty list), a call is not
-            an object, its type is not ``function``, or its function has no name.
+            an object, its type is not ``function``, or its function has no name
+            (its ``feature`` is ``"tools"``).
     """
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ReplyError("tool_calls is not a list")
+        raise ReplyError("tool_calls is not a list", feature="tools")
     parsed: list[tuple[str | None, str, str]] = []
     for i, call in enumerate(raw):
         if not isinstance(call, dict):
-            raise ReplyError(f"tool_calls[{i}] is not an object")
+            raise ReplyError(f"tool_calls[{i}] is not an object", feature="tools")
         kind = call.get("type", "function")
         if kind is not None and kind != "function":
-            raise ReplyError(f"tool_calls[{i}].type is {kind!r}, not 'function'")
+            raise ReplyError(f"tool_calls[{i}].type is {kind!r}, not 'function'", feature="tools")
         function = call.get("function")
         if not isinstance(function, dict):
-            raise ReplyError(f"tool_calls[{i}].function is not an object")
+            raise ReplyError(f"tool_calls[{i}].function is not an object", feature="tools")
         name = function.get("name")
         if isinstance(name, str):
             name = strip_nul(name)
         if not isinstance(name, str) or not name:
-            raise ReplyError(f"tool_calls[{i}].function.name is missing")
+            raise ReplyError(f"tool_calls[{i}].function.name is missing", feature="tools")
         arguments = function.get("arguments")
         if arguments is None:
             arguments = "{}"
@@ -151,7 +152,7 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
         arguments = strip_nul_json(arguments)
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
-            raise ReplyError(f"tool_calls[{i}].id is not a string")
+            raise ReplyError(f"tool_calls[{i}].id is not a string", feature="tools")
         parsed.append((strip_nul(call_id) if call_id else None, name, arguments))
 
     given = {call_id for call_id, _, _ in parsed if call_id}

@@ -200,9 +200,9 @@ def test_a_submit_that_could_withdraw_chat_or_a_feature_is_answered_before_the_n
     assert not state.outcome_may_withdraw(text, is_fault=False, now=10.0)
 
     state = WorkerState(settings())
-    state.record_refused(["tools"] * 1, 10.0)
+    state.record_feature_failure(["tools"] * 1, 10.0)
     assert not state.outcome_may_withdraw(chat, is_fault=False, now=10.0)
-    state.record_refused(["tools"], 11.0)  # the next refusal would withdraw tools
+    state.record_feature_failure(["tools"], 11.0)  # the next refusal would withdraw tools
     assert state.outcome_may_withdraw(chat, is_fault=False, now=12.0)
     assert not state.outcome_may_withdraw(ctx("n", declared_features=("seed",)),
                                           is_fault=False, now=12.0)
@@ -258,8 +258,8 @@ def test_the_pop_after_a_refusal_that_withdraws_tools_does_not_declare_tools() -
         submit_script=("ChatSubmitNonconformant",),
     )
     worker = overlapping_worker(horde, clock)
-    worker.state.record_refused(["tools"], clock())
-    worker.state.record_refused(["tools"], clock())
+    worker.state.record_feature_failure(["tools"], clock())
+    worker.state.record_feature_failure(["tools"], clock())
     assert "tools" in worker.state.pop_body(worker.caps)["chat_features"]
     worker.run_once()  # j1: refused as nonconformant, faulted; tools withdrawn
     assert horde.jobs["j1"].state == "faulted"

@@ -421,8 +421,8 @@ def test_three_nonconformant_refusals_withdraw_the_feature_the_requests_used(
     lines = [r.getMessage() for r in caplog.records if "withdrawing 'json_schema'" in r.getMessage()]
     assert len(lines) == 1
     assert "from the chat declaration until " in lines[0]
-    assert lines[0].endswith("(for 60 min): the Horde refused 3 replies for it within an "
-                             "hour; chat without it goes on")
+    assert lines[0].endswith("(for 60 min): 3 of its replies within an hour were refused by "
+                             "the Horde or unusable; chat without it goes on")
     # Each refused reply was faulted with reply_refused, never resubmitted.
     for job_id in ("s1", "s2", "s3"):
         bodies = horde.jobs[job_id].bodies
@@ -451,6 +451,37 @@ def test_a_withdrawn_feature_comes_back_after_its_cool_off_and_operator_withhold
     assert "tools" in after and "seed" not in after
     assert "declaring 'tools' again: its cool-off after refused replies ended" in caplog.text
 
+
+
+def test_tool_calls_without_a_name_withdraw_tools_alone_not_chat(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model whose tool calls the worker cannot use (no function name) fails
+    the tools feature, not koboldcpp nor chat: at the third, tools is withdrawn
+    for its cool-off; chat stays declared and no failure streak withdraws it."""
+    nameless = {
+        "choices": [{
+            "index": 0,
+            "finish_reason": "tool_calls",
+            "message": {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"arguments": "{}"}}
+            ]},
+        }],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 5},
+    }
+    backend = FakeBackend()
+    backend.chats.extend(dict(nameless) for _ in range(3))
+    pops = [chat_pop(f"t{i}", tools=[{"type": "function", "function": {"name": "w"}}])
+            for i in range(3)]
+    worker, horde, _, _ = make(pops, backend=backend)
+    caplog.set_level(logging.INFO)
+    run(worker, 4)
+    assert [horde.verdict(horde.jobs[f"t{i}"]) for i in range(3)] == ["faulted"] * 3
+    last = horde.pop_bodies[-1]
+    assert last["chat_jobs"] is True and "tools" not in last["chat_features"]
+    assert not worker.state.failure_streak.kind_failing("chat")
+    assert worker.state.maintenance_guard.chat_recent(worker.state.clock.monotonic()) == 0
+    assert "withdrawing 'tools' from the chat declaration until" in caplog.text
 
 def test_refusals_of_other_kinds_withdraw_nothing() -> None:
     pops = [schema_pop(f"s{i}") for i in range(4)]
