@@ -108,7 +108,12 @@ class JobDriver:
     # ------------------------------------------------------ take it in hand
 
     def take_in_hand(
-        self, body: dict[str, Any], pop: dict[str, Any], popped_at: float
+        self,
+        body: dict[str, Any],
+        pop: dict[str, Any],
+        popped_at: float,
+        *,
+        pop_wait_s: float = 0.0,
     ) -> JobContext | None:
         """Take the job a pop's answer carries in hand, before anything else happens
         to it: its owner (``state.job.JobContext``) is made, counted in hand for the
@@ -121,6 +126,8 @@ class JobDriver:
             body: the pop's own body (its ``model_id`` and ``chat_features``).
             pop: the pop's answer.
             popped_at: when it arrived, monotonic seconds on the ports' clock.
+            pop_wait_s: seconds the pop waited for that answer (the job's
+                first wait on the Horde, said on its submit line).
         """
         raw_id = pop.get("id")
         if not (isinstance(raw_id, str) and raw_id):
@@ -138,6 +145,7 @@ class JobDriver:
             declared_features=tuple(map(str, declared)) if isinstance(declared, list) else (),
             worker_id=self.worker_id,
             popped_in_stop=self.state.stop_deadline is not None,
+            pop_wait_s=pop_wait_s,
             stop_generation=self.ports.koboldcpp.stop_generation,
             journal=self.ports.journal,
             clock=self.ports.clock,

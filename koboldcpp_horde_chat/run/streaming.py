@@ -239,8 +239,12 @@ class _StreamedGeneration:
                 return  # given up (the stop's deadline): no more posts, no retries
             room = lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S
             timeout = max(1.0, min(ports.settings.progress_timeout_s, room))
+            sent_at = clock.monotonic()
             try:
-                answer = ports.horde.progress(body, timeout_s=timeout)
+                try:
+                    answer = ports.horde.progress(body, timeout_s=timeout)
+                finally:
+                    self.ctx.note_horde_wait(clock.monotonic() - sent_at)
                 action = poster.on_response(200, answer, clock.monotonic())
             except HordeRefusal as exc:
                 action = poster.on_response(
@@ -262,7 +266,9 @@ class _StreamedGeneration:
                 self._journal_lease()
                 if lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S <= 0.5:
                     return  # the caller's lease check aborts and faults the job
+                paused_at = clock.monotonic()
                 ports.stop.pause(0.5)
+                self.ctx.note_horde_wait(clock.monotonic() - paused_at)
                 continue
             if action is ProgressAction.STOP_GENERATING:
                 log.info("job=%s cancelled or ended by the Horde: not submitted", self.ctx.id)

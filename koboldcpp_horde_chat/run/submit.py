@@ -240,8 +240,12 @@ class SubmitPipeline:
         started = ctx.started if started is None else started
         while True:
             attempts += 1
+            sent_at = self.clock()
             try:
-                answer = self.horde.submit(body, timeout_s=self._timeout())
+                try:
+                    answer = self.horde.submit(body, timeout_s=self._timeout())
+                finally:
+                    ctx.note_horde_wait(self.clock() - sent_at)
             except HordeRefusal as exc:
                 if exc.rc == "DuplicateGen":
                     log.info("job=%s already settled (DuplicateGen): nothing more to send", ctx.id)
@@ -312,7 +316,7 @@ class SubmitPipeline:
                 if self.retry_horde is not None:
                     self._retry_elsewhere(ctx, body, detail, on_refused, started, attempts, delay)
                     return True
-                self.pause(delay)
+                self._pause_for_horde(ctx, delay)
                 if is_fault:
                     self._mark_fault_sent(ctx)
                 continue
@@ -324,7 +328,7 @@ class SubmitPipeline:
             # Out of hand and out of the journal before the line says it was
             # answered: a kill after the line leaves nothing for the next start.
             self.state.release(ctx)
-            seconds = self.clock() - started
+            seconds = self.clock() - started + (0.0 if is_fault else ctx.pop_wait_s)
             retried = f", at attempt {attempts}" if attempts > 1 else ""  # the failures' end
             if is_fault:
                 log.info(
@@ -333,17 +337,29 @@ class SubmitPipeline:
             else:
                 kudos = reward_kudos(answer.get("reward", 0))
                 self.state.record_reward(kudos)
+                gen_s, horde_s = ctx.times()
                 log.info(
-                    "job=%s kind=%s submitted: %s, %.1f s%s, %.0f kudos | %s",
+                    "job=%s kind=%s submitted: %s, %.1f s (gen %.1f s, horde %.1f s)%s, "
+                    "%.2f kudos | %s",
                     ctx.id,
                     ctx.kind,
                     detail,
                     seconds,
+                    gen_s,
+                    horde_s,
                     retried,
                     kudos,
                     self.state.summary(self.wall()),
                 )
             return False
+
+    def _pause_for_horde(self, ctx: JobContext, delay: float) -> None:
+        """Wait ``delay`` seconds before the next submit attempt (a wait on the Horde)."""
+        paused_at = self.clock()
+        try:
+            self.pause(delay)
+        finally:
+            ctx.note_horde_wait(self.clock() - paused_at)
 
     def _retry_elsewhere(
         self,
@@ -368,7 +384,7 @@ class SubmitPipeline:
                 pause=self.pause,
             )
             try:
-                self.pause(delay)
+                sender._pause_for_horde(ctx, delay)
                 if on_refused is None:
                     sender._mark_fault_sent(ctx)
                 sender._send(

@@ -277,11 +277,13 @@ class Worker:
         if self._stopping():  # the checks may have found koboldcpp serving something else
             return False
         body = self.state.pop_body(self.caps)
+        sent_at = self.clock.monotonic()
         try:
             pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
         except HordeError as exc:
             return self._after_pop(body, None, exc, self.clock.monotonic())
-        return self._after_pop(body, pop, None, self.clock.monotonic())
+        popped_at = self.clock.monotonic()
+        return self._after_pop(body, pop, None, popped_at, pop_wait_s=popped_at - sent_at)
 
     def _after_pop(
         self,
@@ -290,11 +292,14 @@ class Worker:
         error: HordeError | None,
         popped_at: float,
         ctx: JobContext | None = None,
+        *,
+        pop_wait_s: float = 0.0,
     ) -> bool:
         """Handle a pop's answer (or its failure): serve the job it carries, if any.
 
         ``ctx`` is the job already taken in hand where the answer arrived
-        (the pop sent beside a submit), else None.
+        (the pop sent beside a submit), else None; ``pop_wait_s`` is how long
+        the pop waited for its answer.
         """
         if error is not None or pop is None:
             if (
@@ -328,7 +333,7 @@ class Worker:
         for message in self.state.new_moderator_lines(pop.get("messages")):
             log.warning("worker %d: %s", self.worker_id, message)
         if ctx is None:
-            ctx = self.driver.take_in_hand(body, pop, popped_at)
+            ctx = self.driver.take_in_hand(body, pop, popped_at, pop_wait_s=pop_wait_s)
         if ctx is None:
             return self._no_job(pop, body)
         self.driver.drive(ctx, pop)

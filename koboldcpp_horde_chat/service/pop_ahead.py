@@ -12,13 +12,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import HordeError, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..state.job import JobContext
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
+
+
+class TakeInHand(Protocol):
+    """The driver's ``take_in_hand`` (``run.driver.JobDriver.take_in_hand``)."""
+
+    def __call__(
+        self,
+        body: dict[str, Any],
+        pop: dict[str, Any],
+        popped_at: float,
+        *,
+        pop_wait_s: float = 0.0,
+    ) -> JobContext | None: ...
 
 
 class PopAhead:
@@ -39,8 +52,8 @@ class PopAhead:
     Args:
         horde: a Horde client used by no other thread meanwhile.
         prepare: returns the pop body, or None not to pop now.
-        take_in_hand: takes ``(body, answer, popped_at)`` and returns the job in
-            hand, or None (the loop's driver's).
+        take_in_hand: takes ``(body, answer, popped_at, pop_wait_s=...)`` and
+            returns the job in hand, or None (the loop's driver's).
         timeout_s: the pop's read timeout, seconds.
         clock: monotonic seconds.
     """
@@ -49,7 +62,7 @@ class PopAhead:
         self,
         horde: HordeAPI,
         prepare: Callable[[], dict[str, Any] | None],
-        take_in_hand: Callable[[dict[str, Any], dict[str, Any], float], JobContext | None],
+        take_in_hand: TakeInHand,
         timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
@@ -81,6 +94,7 @@ class PopAhead:
             self.skipped = True
             return
         self.body = body
+        sent_at = self._clock()
         try:
             answer = self._horde.pop(body, timeout_s=self._timeout_s)
         except HordeError as exc:
@@ -90,7 +104,9 @@ class PopAhead:
         else:
             self.popped_at = self._clock()
             try:
-                self.ctx = self._take_in_hand(body, answer, self.popped_at)
+                self.ctx = self._take_in_hand(
+                    body, answer, self.popped_at, pop_wait_s=self.popped_at - sent_at
+                )
             except Exception:  # the loop takes the job in hand itself
                 log.debug("the job popped beside the submit was not received", exc_info=True)
             self.answer = answer

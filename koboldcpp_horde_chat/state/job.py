@@ -73,6 +73,8 @@ class JobContext:
             the job and journaled with it (an abort targets it).
         popped_in_stop: the pop's answer came after a stop with a deadline
             began: the job is faulted at once, not generated.
+        pop_wait_s: seconds the pop that brought the job waited for the
+            Horde's answer (counted in the job's Horde waits).
         stop_generation: ends the job's generation on koboldcpp, given its
             genkey (connection closed, abort by genkey); called by
             :meth:`give_up` from any thread while the job is generating.
@@ -84,6 +86,12 @@ class JobContext:
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
             ends at it (:meth:`until_given_up`, the generation's abort).
+
+    Where the job's time went, for its submit line (:meth:`times`): the
+    seconds spent waiting on the Horde (the pop's answer, progress posts,
+    submit answers: :meth:`note_horde_wait`) apart from koboldcpp's
+    generation (from :meth:`start_generation` until the job leaves
+    ``generating``, less the progress posts waited for meanwhile).
     """
 
     id: str
@@ -95,6 +103,7 @@ class JobContext:
     worker_id: int = 1
     genkey: str = field(default_factory=lambda: new_genkey())
     popped_in_stop: bool = False
+    pop_wait_s: float = 0.0
     stop_generation: Callable[[str], None] | None = field(default=None, repr=False)
     journal: Journal | None = field(default=None, repr=False)
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
@@ -104,6 +113,12 @@ class JobContext:
     abandon_why: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _wakers: list[threading.Event] = field(default_factory=list, repr=False)
+    _horde_s: float = field(default=0.0, repr=False)
+    _gen_from: tuple[float, float] | None = field(default=None, repr=False)
+    _gen_s: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._horde_s = max(0.0, self.pop_wait_s)
 
     def move(self, move: Move) -> None:
         """Move the job on (``state.life.MOVES``); thread-safe.
@@ -112,7 +127,36 @@ class JobContext:
             IllegalMove: the move may not follow the job's phase.
         """
         with self._lock:
-            self.phase = next_phase(self.phase, move)
+            self._to_phase(next_phase(self.phase, move))
+
+    def _to_phase(self, phase: Phase) -> None:
+        """Set the phase (under the lock), timing the generation from the move
+        into ``generating`` to the move out of it."""
+        now = self.clock.monotonic()
+        if phase is Phase.GENERATING and self.phase is not Phase.GENERATING:
+            self._gen_from = (now, self._horde_s)
+        elif self.phase is Phase.GENERATING and phase is not Phase.GENERATING:
+            if self._gen_from is not None:
+                since, horde_then = self._gen_from
+                self._gen_s += max(0.0, now - since - (self._horde_s - horde_then))
+                self._gen_from = None
+        self.phase = phase
+
+    def note_horde_wait(self, seconds: float) -> None:
+        """The job waited ``seconds`` for the Horde (a pop's answer, a progress
+        post, a submit's answer); thread-safe."""
+        with self._lock:
+            self._horde_s += max(0.0, seconds)
+
+    def times(self) -> tuple[float, float]:
+        """``(generation, horde)`` seconds so far: koboldcpp's generation (less the
+        progress posts waited for during it) and the waits on the Horde."""
+        with self._lock:
+            gen = self._gen_s
+            if self._gen_from is not None:
+                since, horde_then = self._gen_from
+                gen += max(0.0, self.clock.monotonic() - since - (self._horde_s - horde_then))
+            return gen, self._horde_s
 
     def settle(self) -> bool:
         """Take the right to send the job's terminal action (the move to
@@ -121,7 +165,7 @@ class JobContext:
         with self._lock:
             if not may(self.phase, Move.SETTLE):
                 return False
-            self.phase = Phase.SETTLING
+            self._to_phase(Phase.SETTLING)
             return True
 
     def end(self, move: Move) -> bool:
@@ -130,7 +174,7 @@ class JobContext:
         with self._lock:
             if not may(self.phase, move):
                 return False
-            self.phase = next_phase(self.phase, move)
+            self._to_phase(next_phase(self.phase, move))
             return True
 
     @property

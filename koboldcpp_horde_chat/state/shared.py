@@ -90,16 +90,15 @@ class WorkerStats:
     faults: int = 0
     dropped: int = 0
 
-    def summary(self, now: float, *, time_word: str = "time") -> str:
+    def summary(self, now: float) -> str:
         """The totals and rates after a job (``status.earnings_line``), at epoch ``now``:
-        ``"total 12 kudos, time 0:00:40, 1 job, 1080.00 kudos/h, 90.00 jobs/h,
-        12.00 kudos/job, 0 faults"``."""
+        ``"[Total:12 kudos, Time:000h:00m:40s, Jobs:1, EarnRate:1080.00 kudos/hr,
+        JobRate:90.00 jobs/hr, JobCost:12.00 kudos/job] Faults:0"``."""
         return status.earnings_line(
             kudos=self.kudos,
             jobs=self.jobs,
             faults=self.faults,
             elapsed_s=now - self.started_at,
-            time_word=time_word,
         )
 
 
@@ -403,14 +402,14 @@ class WorkerState:
             self.stats.kudos += kudos
             self.stats.jobs += 1
 
-    def summary(self, now: float, *, time_word: str = "time") -> str:
+    def summary(self, now: float) -> str:
         """The statistics line (see :meth:`WorkerStats.summary`)."""
         with self.lock:
-            return self.stats.summary(now, time_word=time_word)
+            return self.stats.summary(now)
 
     def stop_summary(self, now: float) -> str:
-        """The statistics line for the stop, with the uptime (epoch ``now``)."""
-        return self.summary(now, time_word="uptime")
+        """The statistics line for the stop (epoch ``now``; its ``Time`` is the uptime)."""
+        return self.summary(now)
 
     def first_chat_job(self) -> bool:
         """A chat job was popped: True the first time (of all the worker's loops),

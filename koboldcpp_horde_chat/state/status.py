@@ -11,9 +11,9 @@ doing without reading the code:
   pop answer's top-level ``messages``), each said once;
 - what an empty pop's ``skipped`` counts show is ``state.skipped``'s;
 - :func:`summary_line`: the periodic totals line (jobs, kudos, uptime);
-- :func:`earnings_line`: the totals after every job and at the stop, with
-  the rates koboldcpp's own worker prints (kudos per hour, jobs per hour,
-  kudos per job);
+- :func:`earnings_line`: the totals after every job and at the stop, in
+  koboldcpp's own bracketed ``[Total:..., EarnRate:...]`` shape, plus the
+  faults;
 - :func:`aborted_count` and :func:`abort_limit_line`: the guard against the
   Horde's maintenance, as the operator reads it.
 """
@@ -218,32 +218,31 @@ def summary_line(
     )
 
 
-def earnings_line(
-    *, kudos: float, jobs: int, faults: int, elapsed_s: float, time_word: str = "time"
-) -> str:
-    """``"total 5570 kudos, time 0:15:00, 85 jobs, 22280.00 kudos/h, 340.00 jobs/h,
-    65.53 kudos/job, 0 faults"``: the totals as koboldcpp's own worker prints them
-    after every submit (``[Total:5570 kudos, Time:000h:15m:00s, Jobs:85,
-    EarnRate:22280.00 kudos/hr, JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job]``,
-    koboldcpp 1.116.1 ``koboldcpp.py`` L10066-10078), in this worker's words.
+def earnings_line(*, kudos: float, jobs: int, faults: int, elapsed_s: float) -> str:
+    """``"[Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00 kudos/hr,
+    JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"``: the totals in
+    the bracketed shape koboldcpp's own worker prints after every submit
+    (koboldcpp 1.116.1 ``koboldcpp.py`` L10066-10078: the same fields, order,
+    units and number formats), so what reads koboldcpp's line reads this one;
+    this worker's fault count follows the bracket.
 
     Args:
         kudos: kudos earned by accepted submits; jobs: accepted submits;
         faults: faults sent; elapsed_s: seconds since the worker started (the
-        rates are over it, from the first job on, as koboldcpp's are);
-        time_word: what the elapsed time is called (``"uptime"`` at the stop).
+        rates are over it, from the first job on, as koboldcpp's are).
 
-    No ``kudos/job`` while no job was submitted. Never raises.
+    ``JobCost`` is 0.00 while no job was submitted (koboldcpp prints the line
+    only after a job). Never raises.
     """
     elapsed = max(1.0, elapsed_s)
     hours = elapsed / 3600.0
-    rates = [f"{kudos / hours:.2f} kudos/h", f"{jobs / hours:.2f} jobs/h"]
-    if jobs > 0:
-        rates.append(f"{kudos / jobs:.2f} kudos/job")
+    cost = kudos / jobs if jobs > 0 else 0.0
+    seconds = int(max(0.0, elapsed_s))
+    time_text = f"{seconds // 3600:03d}h:{seconds // 60 % 60:02d}m:{seconds % 60:02d}s"
     return (
-        f"total {kudos:.0f} kudos, {time_word} {_clock(elapsed_s)}, "
-        f"{jobs} job{'' if jobs == 1 else 's'}, {', '.join(rates)}, "
-        f"{faults} fault{'' if faults == 1 else 's'}"
+        f"[Total:{kudos:.0f} kudos, Time:{time_text}, Jobs:{jobs}, "
+        f"EarnRate:{kudos / hours:.2f} kudos/hr, JobRate:{jobs / hours:.2f} jobs/hr, "
+        f"JobCost:{cost:.2f} kudos/job] Faults:{faults}"
     )
 
 
@@ -257,12 +256,6 @@ def first_chat_job_line(settings: WorkerSettings) -> str:
     return "the Horde sends chat jobs: serving chat jobs" + (
         " and text jobs" if settings.prompt_jobs else ""
     )
-
-
-def _clock(seconds_f: float) -> str:
-    """``"1:02:03"`` for 3723 seconds (hours grow past 24)."""
-    seconds = int(max(0.0, seconds_f))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _one_line(text: str, limit: int) -> str:

@@ -475,16 +475,9 @@ def test_every_job_says_the_totals_and_rates_from_the_first_job_on(
         worker.run_once()
     lines = [m.split(" | ", 1)[1] for m in messages_logged(caplog) if " submitted: " in m]
     assert lines == [
-        "total 12 kudos, time 0:01:00, 1 job, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
-        "0 faults",
-        "total 25 kudos, time 0:02:00, 2 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
-        "0 faults",
-        "total 38 kudos, time 0:03:00, 3 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
-        "0 faults",
-        "total 50 kudos, time 0:04:00, 4 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
-        "0 faults",
-        "total 62 kudos, time 0:05:00, 5 jobs, 750.00 kudos/h, 60.00 jobs/h, 12.50 kudos/job, "
-        "0 faults",
+        f"[Total:{total} kudos, Time:000h:0{n}m:00s, Jobs:{n}, EarnRate:750.00 kudos/hr, "
+        f"JobRate:60.00 jobs/hr, JobCost:12.50 kudos/job] Faults:0"
+        for n, total in ((1, 12), (2, 25), (3, 38), (4, 50), (5, 62))
     ]
 
 
@@ -503,8 +496,8 @@ def test_the_stop_line_gives_the_uptime_and_the_totals(caplog: pytest.LogCapture
     clock.advance(90.0)
     assert worker.run() == 0
     assert messages_logged(caplog)[-1] == (
-        "worker 1: stopped (total 12 kudos, uptime 0:01:30, 1 job, 500.00 kudos/h, "
-        "40.00 jobs/h, 12.50 kudos/job, 0 faults)"
+        "worker 1: stopped ([Total:12 kudos, Time:000h:01m:30s, Jobs:1, EarnRate:500.00 "
+        "kudos/hr, JobRate:40.00 jobs/hr, JobCost:12.50 kudos/job] Faults:0)"
     )
 
 

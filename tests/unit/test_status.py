@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -189,26 +190,45 @@ def test_wrong_credentials_names_the_worker_name_not_the_key() -> None:
     assert "choose another --hordeworkername" in advice.line
 
 
-def test_the_earnings_line_gives_what_koboldcpps_own_worker_prints() -> None:
-    """koboldcpp: [Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00
-    kudos/hr, JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job]."""
-    assert earnings_line(kudos=5570, jobs=85, faults=2, elapsed_s=900) == (
-        "total 5570 kudos, time 0:15:00, 85 jobs, 22280.00 kudos/h, 340.00 jobs/h, "
-        "65.53 kudos/job, 2 faults"
-    )
+#: koboldcpp 1.116.1's after-job totals, exactly as its format string prints them
+#: (``koboldcpp.py`` L10078: ``[Total:{kudos:.0f} kudos, Time:{hrs:03d}h:{mins:02d}m:
+#: {secs:02d}s, Jobs:{jobs}, EarnRate:{rate:.2f} kudos/hr, JobRate:{rate:.2f} jobs/hr,
+#: JobCost:{cost:.2f} kudos/job]``).
+KCPP_TOTALS = re.compile(
+    r"\[Total:(?P<total>-?\d+) kudos, Time:(?P<h>\d{3,})h:(?P<m>\d{2})m:(?P<s>\d{2})s, "
+    r"Jobs:(?P<jobs>\d+), EarnRate:(?P<earn>-?\d+\.\d{2}) kudos/hr, "
+    r"JobRate:(?P<jobrate>\d+\.\d{2}) jobs/hr, JobCost:(?P<cost>-?\d+\.\d{2}) kudos/job\]"
+)
 
 
-def test_the_earnings_line_has_rates_from_the_first_job_and_none_to_divide_by_zero() -> None:
-    assert earnings_line(kudos=6, jobs=1, faults=1, elapsed_s=36, time_word="uptime") == (
-        "total 6 kudos, uptime 0:00:36, 1 job, 600.00 kudos/h, 100.00 jobs/h, 6.00 kudos/job, "
-        "1 fault"
+def test_the_earnings_line_is_koboldcpps_own_bracketed_line_then_the_faults() -> None:
+    line = earnings_line(kudos=5570, jobs=85, faults=2, elapsed_s=900)
+    assert line == (
+        "[Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00 kudos/hr, "
+        "JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"
     )
+    match = KCPP_TOTALS.search(line)
+    assert match is not None
+    assert match.group("earn") == "22280.00"
+    assert line[match.end():] == " Faults:2"
+
+
+def test_the_earnings_line_keeps_koboldcpps_shape_at_the_edges() -> None:
+    """No job yet (the stop line): JobCost 0.00, no division by zero; over a day:
+    hours keep counting in koboldcpp's three-digit field."""
+    for kwargs in (
+        {"kudos": 0, "jobs": 0, "faults": 0, "elapsed_s": 0},
+        {"kudos": 6, "jobs": 1, "faults": 1, "elapsed_s": 36},
+        {"kudos": 10, "jobs": 1, "faults": 0, "elapsed_s": 90061},
+        {"kudos": 8.7, "jobs": 1, "faults": 0, "elapsed_s": 3_600_000},
+    ):
+        assert KCPP_TOTALS.fullmatch(earnings_line(**kwargs).split(" Faults:")[0]), kwargs
     assert earnings_line(kudos=0, jobs=0, faults=0, elapsed_s=0) == (
-        "total 0 kudos, time 0:00:00, 0 jobs, 0.00 kudos/h, 0.00 jobs/h, 0 faults"
+        "[Total:0 kudos, Time:000h:00m:00s, Jobs:0, EarnRate:0.00 kudos/hr, "
+        "JobRate:0.00 jobs/hr, JobCost:0.00 kudos/job] Faults:0"
     )
-    assert earnings_line(kudos=10, jobs=1, faults=0, elapsed_s=90061).startswith(
-        "total 10 kudos, time 25:01:01, 1 job,"
-    )
+    assert "Time:025h:01m:01s" in earnings_line(kudos=10, jobs=1, faults=0, elapsed_s=90061)
+    assert "Time:1000h:00m:00s" in earnings_line(kudos=1, jobs=1, faults=0, elapsed_s=3_600_000)
 
 
 # --- the guard against the Horde's maintenance -----------------------------------------

@@ -204,7 +204,7 @@ def test_a_submit_through_an_outage_logs_one_warning_and_one_line_when_it_gets_t
     assert len(job_lines(caplog, logging.DEBUG)) == 3  # the retries, for a debug log
     (done,) = job_lines(caplog, logging.INFO)
     assert done.startswith(f"job={JOB} kind=chat submitted: stop, 2 tokens, ")
-    assert ", at attempt 5, 12 kudos" in done
+    assert ", at attempt 5, 12.50 kudos" in done
     assert all(line.count(JOB) == 1 for line in job_lines(caplog))
 
 
