@@ -78,6 +78,7 @@ def _warn_plain_http_once(base_url: str) -> None:
 ROUTE_POP: Final = "/api/v2/generate/text/pop"
 ROUTE_SUBMIT: Final = "/api/v2/generate/text/submit"
 ROUTE_PROGRESS: Final = "/api/v2/generate/text/progress"
+ROUTE_FIND_USER: Final = "/api/v2/find_user"
 POP_MAX_BYTES: Final = 64 * MIB
 """Cap on a pop answer: a base64 image worker may receive megabytes inline (seed 004)."""
 RESPONSE_MAX_BYTES: Final = 1 * MIB
@@ -85,8 +86,11 @@ RESPONSE_MAX_BYTES: Final = 1 * MIB
 MESSAGE_MAX_CHARS: Final = 300
 """Error messages are shortened to this many characters."""
 CLIENT_AGENT: Final = f"koboldcpp-horde-chat:{__version__}"
-ROUTE_KINDS: Final = {ROUTE_POP: "pop", ROUTE_SUBMIT: "submit", ROUTE_PROGRESS: "progress"}
-"""The kind of each route, as ``inflight.CallDeadlines`` names it."""
+ROUTE_KINDS: Final = {
+    ROUTE_POP: "pop", ROUTE_SUBMIT: "submit", ROUTE_PROGRESS: "progress", ROUTE_FIND_USER: "pop",
+}
+"""The kind of each route, as ``inflight.CallDeadlines`` names it (the key check
+at start ends by the pops' deadline)."""
 RETRY_AFTER_MAX_S: Final = 3600.0
 """A ``Retry-After`` beyond an hour is clamped to an hour."""
 
@@ -308,6 +312,22 @@ class HordeClient:
         """
         return self._post(ROUTE_PROGRESS, body, timeout_s=timeout_s, max_bytes=self._max_bytes)
 
+    def find_user(self, *, timeout_s: float) -> dict[str, Any]:
+        """GET ``/api/v2/find_user``: who the API key belongs to (the start's key check).
+
+        Returns:
+            The user's details, e.g. ``{"username": "db0#1", "id": 1, "kudos": 10.0,
+            "worker_ids": [...], ...}`` (``id`` 0 is the anonymous user).
+
+        Raises:
+            HordeRefusal: 401 ``InvalidAPIKey`` (no key), 404 ``UserNotFound`` (a
+                key the Horde does not know), another 4xx, or a redirect.
+            HordeUnavailable: 429, 5xx, network failure, invalid JSON, over 1 MiB.
+        """
+        return self._request(
+            "GET", ROUTE_FIND_USER, None, timeout_s=timeout_s, max_bytes=self._max_bytes
+        )
+
     # --- internals ---------------------------------------------------------------
 
     def _safe(self, text: str) -> str:
@@ -317,16 +337,30 @@ class HordeClient:
     def _post(
         self, route: str, body: dict[str, Any], *, timeout_s: float, max_bytes: int
     ) -> dict[str, Any]:
-        raw_id = body.get("id")
+        return self._request("POST", route, body, timeout_s=timeout_s, max_bytes=max_bytes)
+
+    def _request(
+        self,
+        method: str,
+        route: str,
+        body: dict[str, Any] | None,
+        *,
+        timeout_s: float,
+        max_bytes: int,
+    ) -> dict[str, Any]:
+        raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
-        data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        data = (
+            None if body is None
+            else json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        )
         kind = ROUTE_KINDS.get(route, route)
         connect_s = self._connect_timeout_s
         left = self._deadlines.left(kind) if self._deadlines is not None else None
         if left is not None:
             if left <= 0:
                 raise HordeUnavailable(
-                    f"POST {route}: not sent, the worker's stop deadline has passed",
+                    f"{method} {route}: not sent, the worker's stop deadline has passed",
                     status=0, job_id=job_id, sent=False,
                 )
             timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
@@ -337,25 +371,26 @@ class HordeClient:
         call = self._call
         with call.running(), self._cut_at_stop(kind, call):
             try:
-                response = self._session.post(
+                response = self._session.request(
+                    method,
                     self._base_url + route,
-                    data=data.encode("utf-8"),
+                    data=None if data is None else data.encode("utf-8"),
                     headers=self._headers,
                     timeout=(connect_s, timeout_s),
                     allow_redirects=False,
                     stream=True,
                 )
             except requests.exceptions.RequestException as exc:
-                log.debug("POST %s: no answer after %.2f s: %s",
-                          route, time.monotonic() - start, netfail.describe(exc))
+                log.debug("%s %s: no answer after %.2f s: %s",
+                          method, route, time.monotonic() - start, netfail.describe(exc))
                 if call.hung_up:
-                    raise self._cut_error(route, job_id) from None
-                raise self._network_error(route, exc, job_id) from None
+                    raise self._cut_error(route, job_id, method) from None
+                raise self._network_error(route, exc, job_id, method) from None
             try:
-                return self._answer(route, response, job_id, max_bytes, deadline, start)
+                return self._answer(route, response, job_id, max_bytes, deadline, start, method)
             except HordeUnavailable:
                 if call.hung_up:
-                    raise self._cut_error(route, job_id) from None
+                    raise self._cut_error(route, job_id, method) from None
                 raise
             finally:
                 response.close()
@@ -366,10 +401,12 @@ class HordeClient:
             return nullcontext()
         return self._deadlines.running(kind, call)
 
-    def _cut_error(self, route: str, job_id: str | None) -> HordeUnavailable:
+    def _cut_error(
+        self, route: str, job_id: str | None, method: str = "POST"
+    ) -> HordeUnavailable:
         """The call was hung up at the stop's deadline: it may have reached the Horde."""
         return HordeUnavailable(
-            f"POST {route}: no answer from {self._host} by the worker's stop deadline",
+            f"{method} {route}: no answer from {self._host} by the worker's stop deadline",
             status=0, job_id=job_id, sent=None,
         )
 
@@ -381,6 +418,7 @@ class HordeClient:
         max_bytes: int,
         deadline: float,
         start: float,
+        method: str = "POST",
     ) -> dict[str, Any]:
         status = response.status_code
         ok = 200 <= status < 300
@@ -396,7 +434,7 @@ class HordeClient:
             read_problem = str(exc)
         except UnicodeDecodeError:
             read_problem = "invalid JSON (not UTF-8)"
-        log.debug("POST %s -> %d in %.2f s%s", route, status, time.monotonic() - start,
+        log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
         parsed: Any = None
@@ -452,7 +490,11 @@ class HordeClient:
         raise HordeUnavailable(message, status=status, rc=rc, job_id=job_id, body=body, sent=True)
 
     def _network_error(
-        self, route: str, exc: requests.exceptions.RequestException, job_id: str | None
+        self,
+        route: str,
+        exc: requests.exceptions.RequestException,
+        job_id: str | None,
+        method: str = "POST",
     ) -> HordeUnavailable:
         """Maps a ``requests`` exception raised before any answer to HordeUnavailable.
 
@@ -488,5 +530,5 @@ class HordeClient:
         else:
             what, sent = f"request to {self._host} failed{because}", None
         return HordeUnavailable(
-            self._safe(f"POST {route}: {what}"), status=0, job_id=job_id, sent=sent
+            self._safe(f"{method} {route}: {what}"), status=0, job_id=job_id, sent=sent
         )

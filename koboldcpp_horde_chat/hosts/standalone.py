@@ -36,6 +36,7 @@ from ..state.journal import Journal
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
+    check_api_key,
     check_journal_dir,
     open_journal,
     open_state,
@@ -189,7 +190,9 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     second signal faults the jobs in hand at once and exits. Exit codes: 0
     after a requested stop, 2 for a configuration error (koboldcpp not
     answering within ``--kcpp-wait`` among them) or a declaration the Horde
-    refused, 3 for an API key the Horde refused, 130 after a second signal.
+    refused, 3 for an API key the Horde refused (checked first, before the
+    journal and the wait for koboldcpp: ``hosting.check_api_key``), 130 after a
+    second signal.
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level if args.log_level in LOG_LEVELS else "INFO")
@@ -247,6 +250,16 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         check_flags(args)
         if journal_source is not None:
             check_journal_dir(directory, journal_source)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    # The key first, before the journal, the recovery and the wait for koboldcpp:
+    # a wrong one is said now, not at the first pop.
+    refused = check_api_key(args.horde_url, args.hordekey, deadlines=deadlines)
+    if refused is not None:
+        log.error("%s", refused)
+        return 3
+    try:
         journal = open_journal(args.hordeworkername, directory, journal_setting="--journal-dir")
     except ConfigError as exc:
         log.error("%s", exc)

@@ -50,7 +50,9 @@ bool}``) and ``POST /api/v2/generate/text/async`` (``prompt``, ``params``,
 ``models``, ``validated_backends``) answer 202 ``{"id"}``;
 ``GET /api/v2/generate/{chat,text}/status/<id>``; ``DELETE
 /api/v2/generate/chat/status/<id>`` cancels; ``GET /api/v2/workers/name/<name>``;
-``GET /api/v2/dev/ledger``.
+``GET /api/v2/dev/ledger``. ``GET /api/v2/find_user`` answers who the ``apikey``
+header's key belongs to, as the real Horde does (404 ``UserNotFound`` for a key
+it does not know, 401 ``InvalidAPIKey`` for none).
 
 A second port (``storage_url``) plays object storage: signed URLs for offloaded
 messages (valid 120 s, optionally gzipped) and for images (valid max(ttl, 600)

@@ -196,6 +196,29 @@ class ClientRoutes(ChatContract):
             w = self._workers.get(name)
             return None if w is None else self._worker_details(w)
 
+    def find_user(self, key: str | None) -> dict[str, Any]:
+        """The user an API key belongs to (``GET /api/v2/find_user``, the ``apikey``
+        header), answered as the real Horde answers (its ``FindUser``): no key is
+        401 ``InvalidAPIKey``, a key it does not know 404 ``UserNotFound`` (whose
+        message repeats the key, as the real one's does), a known key
+        ``{"username": "dev-user#<n>", "id": <n>, "kudos", "worker_count"}``.
+
+        Raises ``_ApiError`` for the refusals.
+        """
+        if not key:
+            raise _ApiError(401, "InvalidAPIKey", "No user matching sent API Key.")
+        if key not in self.api_keys:
+            raise _ApiError(404, "UserNotFound", f"User with api_key '{key}' not found.")
+        user_id = sorted(self.api_keys).index(key) + 1
+        with self._lock:
+            workers = sum(1 for w in self._workers.values() if w.owner_key == key)
+        return {
+            "username": f"dev-user#{user_id}",
+            "id": user_id,
+            "kudos": 0.0,
+            "worker_count": workers,
+        }
+
     def _client_route(self, req: Request) -> Response:
         parts = [p for p in req.path.split("/") if p]
         method = req.method
@@ -262,6 +285,10 @@ class ClientRoutes(ChatContract):
             if details is None:
                 raise _ApiError(404, "WorkerNotFound", "No worker with this name.")
             return Response.json(200, details)
+        if parts == ["api", "v2", "find_user"]:
+            if method != "GET":
+                raise _ApiError(405, "MethodNotAllowed", "Use GET.")
+            return Response.json(200, self.find_user(req.headers.get("apikey")))
         if parts == ["api", "v2", "dev", "ledger"]:
             return Response.json(200, self.ledger)
         raise _ApiError(404, "NotFound", f"No route {req.method} {req.path}.")
