@@ -58,6 +58,7 @@ from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
 from ..httpbody import read_body, redact_url
 from ..inflight import Call, CallDeadlines, TrackingAdapter
 from ..settings import MIB
+from .watch import HordeWatch
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
@@ -157,6 +158,9 @@ class HordeClient:
             ``"submit"``, ``"progress"``), shared by its clients; None: calls end
             by their own timeouts only. A call in flight at its deadline is hung
             up only on a session the client made (and not through a proxy).
+        watch: told of every call's start and end (``watch.HordeWatch``, shared
+            by a worker's clients: it says when the Horde stops answering and
+            answers again); None: not watched.
 
     Raises:
         ConfigError: an unusable ``base_url`` or ``api_key`` (the message never
@@ -180,7 +184,9 @@ class HordeClient:
         pop_max_bytes: int = POP_MAX_BYTES,
         max_bytes: int = RESPONSE_MAX_BYTES,
         deadlines: CallDeadlines | None = None,
+        watch: HordeWatch | None = None,
     ) -> None:
+        self._watch = watch
         try:
             parts = urlsplit(base_url.strip())
             host = parts.hostname
@@ -355,6 +361,32 @@ class HordeClient:
             else json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         )
         kind = ROUTE_KINDS.get(route, route)
+        watch = self._watch
+        if watch is None:
+            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
+        token = watch.started(route.rsplit("/", 1)[-1])
+        try:
+            answer = self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
+        except HordeRefusal:
+            watch.answered(token)
+            raise
+        except BaseException:
+            watch.failed(token)
+            raise
+        watch.answered(token)
+        return answer
+
+    def _send(
+        self,
+        method: str,
+        route: str,
+        data: str | None,
+        kind: str,
+        job_id: str | None,
+        timeout_s: float,
+        max_bytes: int,
+    ) -> dict[str, Any]:
+        """One call on the wire (see :meth:`_request`)."""
         connect_s = self._connect_timeout_s
         left = self._deadlines.left(kind) if self._deadlines is not None else None
         if left is not None:

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from ..errors import ConfigError, HordeRefusal, HordeUnavailable
 from ..horde.client import HordeClient
 from ..horde.codes import is_key_refusal
 from ..horde.declaration import BackendCapabilities, chat_features
+from ..horde.watch import HordeWatch
 from ..inflight import CallDeadlines
 from ..koboldcpp.api import BackendInfo, KcppAPI
 from ..koboldcpp.client import KoboldClient
@@ -398,17 +400,35 @@ def open_state(
 
 
 def horde_client(
-    settings: WorkerSettings, deadlines: CallDeadlines | None = None
+    settings: WorkerSettings,
+    deadlines: CallDeadlines | None = None,
+    watch: HordeWatch | None = None,
 ) -> HordeClient:
     """A Horde client for the worker's Horde, key and bridge agent (one per thread);
-    its calls end by the stop's ``deadlines`` (``WorkerState.call_deadlines``)."""
+    its calls end by the stop's ``deadlines`` (``WorkerState.call_deadlines``) and
+    are watched by ``watch`` (:func:`horde_watch`)."""
     return HordeClient(
         settings.horde_url,
         settings.api_key,
         bridge_agent=settings.bridge_agent,
         connect_timeout_s=settings.connect_timeout_s,
         deadlines=deadlines,
+        watch=watch,
     )
+
+
+_WATCHES: weakref.WeakKeyDictionary[WorkerState, HordeWatch] = weakref.WeakKeyDictionary()
+_WATCHES_LOCK = threading.Lock()
+
+
+def horde_watch(state: WorkerState) -> HordeWatch:
+    """The one ``watch.HordeWatch`` of a worker (all its loops' Horde clients):
+    it says when the Horde stops answering and answers again, once per episode."""
+    with _WATCHES_LOCK:
+        watch = _WATCHES.get(state)
+        if watch is None:
+            watch = _WATCHES[state] = HordeWatch()
+        return watch
 
 
 #: The read timeout of the start's key check, seconds: a Horde that does not
@@ -533,17 +553,18 @@ def run_worker(
         return 3
     if backend is None:
         backend = kcpp_client(settings, deadlines)
+    watch = horde_watch(state)
     worker = Worker(
         settings,
-        horde=horde_client(settings, deadlines),
+        horde=horde_client(settings, deadlines, watch),
         backend=backend,
         stop_event=stop_event,
         manners=manners,
         caps=caps,
         worker_id=worker_id,
         state=state,
-        pop_horde=horde_client(settings, deadlines),
+        pop_horde=horde_client(settings, deadlines, watch),
         abort_backend=kcpp_client(settings, deadlines),
-        retry_horde=lambda: horde_client(settings, deadlines),
+        retry_horde=lambda: horde_client(settings, deadlines, watch),
     )
     return worker.run()

@@ -31,7 +31,7 @@ This is the only module that knows koboldcpp's module globals and ``args``
   the worker declares and budgets at most that many tokens;
 
 and, on every pass of the loop, its live state (:class:`KcppManners`):
-``last_non_horde_req_time``, ``modelbusy`` and ``exitcounter``.
+``last_non_horde_req_time``, ``modelbusy``, ``currentusergenkey`` and ``exitcounter``.
 
 The Horde URL comes from the ``AI_HORDE_URL`` environment variable, else
 ``https://aihorde.net`` (koboldcpp hard-codes the latter).
@@ -274,6 +274,20 @@ class KcppManners:
     def recheck(self) -> str | None:
         """None: inside koboldcpp a restart restarts the worker too."""
         return None
+
+    def running_genkey(self) -> str | None:
+        """``currentusergenkey`` while ``modelbusy`` is held: the genkey of the
+        generation koboldcpp runs now (None when idle, unset or not a string)."""
+        lock = _get(self._kcpp, "modelbusy", None)
+        locked = _get(lock, "locked", None)
+        if not (callable(locked) and locked()):
+            return None
+        genkey = _get(self._kcpp, "currentusergenkey", None)
+        return genkey if isinstance(genkey, str) and genkey else None
+
+    def own_worker_running(self) -> bool:
+        """False: the patched koboldcpp runs this worker in place of its own."""
+        return False
 
     def note_own_request(self) -> None:
         """Nothing to note: koboldcpp tells a Horde request by its ``HORDEREQ_`` genkey."""

@@ -29,6 +29,9 @@ from .api import KcppProbes
 #: A request koboldcpp noted within this many seconds of the worker's own last
 #: one (sent or ended) is taken for the worker's own.
 OWN_MARGIN_S = 1.0
+#: koboldcpp's ``exitcounter`` (``hordeexitcounter`` in ``/api/extra/perf``) at
+#: and above which its own Horde worker is exiting or gone (it sets 999 then).
+KCPP_WORKER_EXITING = 100
 #: Seconds after the worker's own generation ended during which a busy
 #: koboldcpp is taken to be finishing that request: it holds its model lock a
 #: moment after answering (about 50 ms), or hands it to a request queued behind.
@@ -49,7 +52,10 @@ class LocalManners(Protocol):
     declares, or None (also when the host cannot tell).
     ``note_own_request`` / ``note_own_request_done``: the worker sends one of
     its own generation requests now / one of them ended now (so it is not
-    taken for a local user's).
+    taken for a local user's). ``running_genkey``: the genkey of the
+    generation koboldcpp runs now, or None (none, or the host cannot read it).
+    ``own_worker_running``: koboldcpp's own embedded Horde worker runs beside
+    this one (koboldcpp was started with ``--hordekey``).
     """
 
     @property
@@ -68,6 +74,10 @@ class LocalManners(Protocol):
     def note_own_request(self) -> None: ...
 
     def note_own_request_done(self) -> None: ...
+
+    def running_genkey(self) -> str | None: ...
+
+    def own_worker_running(self) -> bool: ...
 
 
 class NoManners:
@@ -96,6 +106,12 @@ class NoManners:
 
     def note_own_request_done(self) -> None:
         return None
+
+    def running_genkey(self) -> str | None:
+        return None
+
+    def own_worker_running(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,7 @@ class StandaloneManners:
         self._maybe_restarted = False
         self._queued = False
         self._busy = False
+        self._own_worker = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
         self._idle_read_at: float | None = None
@@ -244,6 +261,10 @@ class StandaloneManners:
             self._maybe_restarted = True
             return None
         self.unreachable = False
+        exits = perf.get("hordeexitcounter")
+        # koboldcpp's own worker sets it to 0 when it starts and to 999 when it
+        # exits (-1: never started; 1.116.1 koboldcpp.py L130, L10100, L10209).
+        self._own_worker = isinstance(exits, int) and 0 <= exits < KCPP_WORKER_EXITING
         self._queued = bool(perf.get("queue"))
         self._busy = perf.get("idle") == 0 or self._queued
         uptime = finite_number(perf.get("uptime"))
@@ -341,5 +362,14 @@ class StandaloneManners:
     def should_stop(self) -> bool:
         """True once koboldcpp came back serving something else (:attr:`changed`)."""
         return self.changed is not None
+
+    def running_genkey(self) -> str | None:
+        """None: koboldcpp's HTTP API does not tell whose generation runs."""
+        return None
+
+    def own_worker_running(self) -> bool:
+        """koboldcpp's last ``/api/extra/perf`` said its own Horde worker runs
+        (``hordeexitcounter`` from 0 up to its exit's 100)."""
+        return self._own_worker
 
 

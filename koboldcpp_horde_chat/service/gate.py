@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 import threading
 from collections.abc import Callable
@@ -49,6 +50,10 @@ SUBMIT_RETRY_POLL_S = 0.5
 OWN_TAIL_POLL_S = 0.01
 #: Seconds between two checks of a koboldcpp busy with someone else's request.
 BUSY_POLL_S = 0.2
+#: The genkey koboldcpp's own Horde worker gives its generations (1.116.1
+#: ``koboldcpp.py`` L10176: ``HORDEREQ_`` and a number from 100 to 999); this
+#: worker's are longer (``state.job.new_genkey``).
+KCPP_WORKER_GENKEY = re.compile(GENKEY_PREFIX + r"[1-9][0-9]{2}")
 #: Seconds between two checks while a local user is generating.
 LOCAL_USER_POLL_S = 1.0
 #: Seconds between two probes of a koboldcpp that failed generations in a row.
@@ -131,12 +136,13 @@ class PopGate:
             # Not answering even an idle read: do not pop a job it cannot serve.
             self.backend_suspect = True
         if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
-            return "local_user", LOCAL_USER_POLL_S
+            return self._who_else("local_user"), LOCAL_USER_POLL_S
         # koboldcpp holds its lock 50 ms after answering the worker's own request:
         # when nobody waits for it, pop now (the next request only queues behind
         # that tail).
         if self.manners.model_busy() and (not self.own_tail() or self._others_queued()):
-            return "busy", OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
+            wait_s = OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
+            return self._who_else("busy", genkey=self.manners.running_genkey()), wait_s
         if not self._backend_answers():
             return "backend_down", self.settings.backend_probe_s
         if self.state.retrying_submits:
@@ -168,6 +174,23 @@ class PopGate:
             return "kind_failing", self._next_kind_probe_in()
         self.remeasure()
         return None
+
+    def _who_else(self, reason: str, *, genkey: str | None = None) -> str:
+        """``reason`` (``"local_user"``, ``"busy"``) named by who keeps koboldcpp
+        busy, when the worker can tell: ``"kcpp_worker"`` when koboldcpp's own
+        Horde worker runs (koboldcpp says so, or its generation has that
+        worker's genkey, ``HORDEREQ_`` and three digits), ``"same_worker"``
+        when the generation has a genkey of this package's shape that no job of
+        this process holds (another process of this worker on this koboldcpp).
+        """
+        if genkey is not None and genkey.startswith(GENKEY_PREFIX):
+            if KCPP_WORKER_GENKEY.fullmatch(genkey):
+                return "kcpp_worker"
+            if not any(ctx.genkey == genkey for ctx in self.state.jobs_in_hand()):
+                return "same_worker"
+        if self.manners.own_worker_running():
+            return "kcpp_worker"
+        return reason
 
     def _others_queued(self) -> bool:
         """Requests wait for koboldcpp's model lock (``LocalManners.requests_queued``)."""

@@ -5,8 +5,9 @@ events, so an operator running the worker for weeks can tell what it is
 doing without reading the code:
 
 - :class:`PauseTracker`: why the loop is not popping (a local user,
-  koboldcpp busy or not answering, maintenance, chat withdrawn) and when it
-  pops again, each change said once; short flickers are not said;
+  koboldcpp busy, busy with its own Horde worker's jobs or with another
+  process's of this worker, or not answering, maintenance, chat withdrawn)
+  and when it pops again, each change said once; short flickers are not said;
 - :func:`moderator_lines`: the Horde's messages to the worker's owner (the
   pop answer's top-level ``messages``), each said once;
 - what an empty pop's ``skipped`` counts show is ``state.skipped``'s;
@@ -37,6 +38,20 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
     ),
     "busy": (
         "koboldcpp is busy with another client's request: not popping until it is free",
+        "koboldcpp is free: popping again",
+    ),
+    # Who else keeps koboldcpp busy, when the worker can tell (``service.gate``).
+    "kcpp_worker": (
+        "koboldcpp's own Horde worker runs beside this one (koboldcpp was started with "
+        "--hordekey) and keeps it busy with its jobs: not popping until it is free; start "
+        "koboldcpp without --hordekey so that only this worker serves the Horde",
+        "koboldcpp is free: popping again",
+    ),
+    "same_worker": (
+        "koboldcpp is generating a Horde job this process does not hold: another process "
+        "of this worker serves the Horde through this koboldcpp (a second start of this "
+        "worker name, with another journal directory, say): not popping until it is "
+        "free; stop one of them",
         "koboldcpp is free: popping again",
     ),
     "backend_down": (

@@ -1,13 +1,17 @@
-"""A wrong API key fails at the start, before any pop, in both hosts: the standalone
+"""What the worker says about the Horde at start and while it runs.
+
+A wrong API key fails at the start, before any pop, in both hosts: the standalone
 worker exits 3 with one line; inside koboldcpp the worker does not start and says
 why, and koboldcpp's thread returns (koboldcpp serves on). The dev Horde answers
 ``GET /api/v2/find_user`` as the real Horde does (404 ``UserNotFound``, its
-message repeating the key).
+message repeating the key). A Horde that stops answering is said once, and
+its return.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +20,7 @@ import pytest
 
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
+from koboldcpp_horde_chat.horde import watch as watch_module
 from koboldcpp_horde_chat.hosts import hosting
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from tests.integration.test_kcpp_hook_e2e import WORKER_NAME, stand_in_koboldcpp
@@ -91,3 +96,22 @@ def test_a_wrong_key_does_not_start_the_worker_inside_koboldcpp(
         "UserNotFound): check your API key (--hordekey): the Horde knows no user with it"
     ) in caplog.messages
     assert WRONG not in caplog.text
+
+
+def test_a_horde_that_stops_answering_a_pop_is_said_once_and_its_return_too(
+    horde: DevHorde, start_worker: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The standalone worker's clients share one watch (``horde.watch``): a pop the
+    Horde leaves unanswered is said while it waits, its answer when it comes."""
+    monkeypatch.setattr(watch_module, "QUIET_AFTER_S", 0.5)
+    caplog.set_level(logging.INFO)
+    horde.inject("pop", "hang:2.0")
+    worker = start_worker()
+    rid = horde.send_text("Once", max_length=8)
+    assert horde.wait([rid], timeout_s=20.0)
+    assert worker.stop() == 0
+    said = [m for m in caplog.messages if m.startswith("Horde ")]
+    assert len(said) == 2, said
+    assert re.fullmatch(r"Horde not answering for \d+ s \(pop\): waiting", said[0])
+    assert re.fullmatch(r"Horde answering again after [12] s", said[1])
