@@ -39,16 +39,22 @@ KCPP_TOTALS = re.compile(
 
 
 class TimedHorde(FakeHorde):
-    """A Horde whose pops take ``pop_s`` and submits ``submit_s`` (fake clock), and
-    which pays ``reward`` kudos a job."""
+    """A Horde whose pops take ``pop_s``, submits ``submit_s`` and progress posts
+    ``progress_s`` (fake clock), and which pays ``reward`` kudos a job."""
 
     def __init__(
-        self, clock: FakeClock, pops: list[Any], *, pop_s: float, submit_s: float, reward: float
+        self, clock: FakeClock, pops: list[Any], *, pop_s: float, submit_s: float, reward: float,
+        progress_s: float = 0.0,
     ) -> None:
         super().__init__(clock, pops=pops)
         self.pop_s = pop_s
         self.submit_s = submit_s
+        self.progress_s = progress_s
         self.reward = reward
+
+    def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        self.clock.advance(self.progress_s)
+        return super().progress(body, timeout_s=timeout_s)
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         self.clock.advance(self.pop_s)
@@ -79,7 +85,7 @@ class TimedBackend(FakeBackend):
 
 def serve(
     pops: list[Any], *, pop_s: float = 0.0, submit_s: float = 0.0, gen_s: float = 0.0,
-    reward: float = 12.5,
+    reward: float = 12.5, progress_s: float = 0.0,
 ) -> Worker:
     clock = FakeClock()
     settings = WorkerSettings(
@@ -87,7 +93,9 @@ def serve(
     )
     worker = Worker(
         settings,
-        horde=TimedHorde(clock, pops, pop_s=pop_s, submit_s=submit_s, reward=reward),
+        horde=TimedHorde(
+            clock, pops, pop_s=pop_s, submit_s=submit_s, reward=reward, progress_s=progress_s
+        ),
         backend=TimedBackend(clock, gen_s),
         manners=FakeManners(),
         state=WorkerState(settings, stop_event=FakeStopEvent(clock), clock=clock),
@@ -149,3 +157,14 @@ def test_a_quick_horde_shows_as_a_short_horde_wait(caplog: pytest.LogCaptureFixt
     serve([chat_pop("c1")], pop_s=0.1, submit_s=0.2, gen_s=4.0)
     (line,) = submitted_lines(caplog)
     assert "4.3 s (gen 4.0 s, horde 0.3 s)" in line
+
+
+def test_progress_posts_count_as_waits_on_the_horde_not_as_generation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A streamed job whose progress post the Horde answers after 3 s: koboldcpp had
+    finished meanwhile, so the 3 s are the Horde's."""
+    caplog.set_level(logging.INFO)
+    serve([chat_pop("s1", stream_progress=True)], progress_s=3.0)
+    (line,) = submitted_lines(caplog)
+    assert "(gen 0.0 s, horde 3.0 s)" in line
