@@ -36,7 +36,6 @@ from ..state.journal import Journal
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
-    check_api_key,
     check_journal_dir,
     open_journal,
     open_state,
@@ -45,6 +44,7 @@ from .hosting import (
     serving_line,
     start_recovery,
 )
+from .key_check import check_api_key
 from .standalone_flags import LOG_LEVELS, build_parser, check_flags, parse_withhold
 
 log = logging.getLogger("koboldcpp_horde_chat")
@@ -191,7 +191,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     after a requested stop, 2 for a configuration error (koboldcpp not
     answering within ``--kcpp-wait`` among them) or a declaration the Horde
     refused, 3 for an API key the Horde refused (checked first, before the
-    journal and the wait for koboldcpp: ``hosting.check_api_key``), 130 after a
+    journal and the wait for koboldcpp: ``key_check.check_api_key``), 130 after a
     second signal.
     """
     args = build_parser().parse_args(argv)

@@ -21,8 +21,8 @@ import pytest
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde import watch as watch_module
-from koboldcpp_horde_chat.hosts import hosting
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
+from koboldcpp_horde_chat.hosts import key_check
 from tests.integration.test_kcpp_hook_e2e import WORKER_NAME, stand_in_koboldcpp
 
 WRONG = "wrong-key-5c9e01d7aa"
@@ -30,7 +30,7 @@ WRONG = "wrong-key-5c9e01d7aa"
 
 @pytest.fixture(autouse=True)
 def fresh_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(hosting, "_KEY_CHECKS", {}, raising=False)
+    monkeypatch.setattr(key_check, "_KEY_CHECKS", {}, raising=False)
     yield
 
 

@@ -1,4 +1,4 @@
-"""The API key checked at start (``hosting.check_api_key``, ``GET /api/v2/find_user``):
+"""The API key checked at start (``key_check.check_api_key``, ``GET /api/v2/find_user``):
 each answer the real Horde gives (its ``FindUser``: 404 ``UserNotFound`` for a key
 it does not know, 401 ``InvalidAPIKey`` for none, the anonymous user's id 0) read
 as a refusal or not; a Horde that does not answer does not hold the start up.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import responses
 
-from koboldcpp_horde_chat.hosts import hosting
+from koboldcpp_horde_chat.hosts import key_check
 
 HORDE = "https://horde.example"
 FIND_USER = f"{HORDE}/api/v2/find_user"
@@ -25,7 +25,7 @@ KEY = "key-check-0a1b2c3d4e"
 @pytest.fixture(autouse=True)
 def fresh_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test asks anew (the check is kept once per Horde and key per process)."""
-    monkeypatch.setattr(hosting, "_KEY_CHECKS", {}, raising=False)
+    monkeypatch.setattr(key_check, "_KEY_CHECKS", {}, raising=False)
     yield
 
 
@@ -44,7 +44,7 @@ def test_a_key_the_horde_does_not_know_is_refused_in_one_line_without_the_key(
     status: int, body: dict[str, Any], named: str
 ) -> None:
     responses.get(FIND_USER, status=status, json=body)
-    line = hosting.check_api_key(HORDE, KEY)
+    line = key_check.check_api_key(HORDE, KEY)
     assert line == (
         f"the Horde at {HORDE} refused the API key ({named}): check your API key "
         "(--hordekey): the Horde knows no user with it"
@@ -55,7 +55,7 @@ def test_a_key_the_horde_does_not_know_is_refused_in_one_line_without_the_key(
 @responses.activate
 def test_the_anonymous_key_is_refused_at_start() -> None:
     responses.get(FIND_USER, json={"username": "Anonymous#0", "id": 0})
-    line = hosting.check_api_key(HORDE, "0000000000")
+    line = key_check.check_api_key(HORDE, "0000000000")
     assert line is not None and "anonymous API key cannot run a worker" in line
 
 
@@ -63,15 +63,15 @@ def test_the_anonymous_key_is_refused_at_start() -> None:
 def test_a_known_key_names_its_user(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     responses.get(FIND_USER, json={"username": "owner#42", "id": 42, "kudos": 10.0})
-    assert hosting.check_api_key(HORDE, KEY) is None
+    assert key_check.check_api_key(HORDE, KEY) is None
     assert f"the Horde at {HORDE} knows the API key: user owner#42" in caplog.messages
 
 
 @responses.activate
 def test_the_check_is_asked_once_for_all_the_loops() -> None:
     responses.get(FIND_USER, status=404, json={"rc": "UserNotFound"})
-    first = hosting.check_api_key(HORDE, KEY)
-    assert hosting.check_api_key(HORDE, KEY) == first
+    first = key_check.check_api_key(HORDE, KEY)
+    assert key_check.check_api_key(HORDE, KEY) == first
     assert len(responses.calls) == 1
 
 
@@ -89,7 +89,7 @@ def test_a_horde_that_answers_the_check_otherwise_does_not_hold_the_start(
     status: int, body: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     responses.get(FIND_USER, status=status, json=body)
-    assert hosting.check_api_key(HORDE, KEY) is None
+    assert key_check.check_api_key(HORDE, KEY) is None
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "starting anyway; a wrong key shows at the first pop" in warning
 
@@ -102,7 +102,7 @@ def test_a_horde_that_does_not_answer_the_check_does_not_hold_the_start(
         listener.listen()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         started = time.monotonic()
-        assert hosting.check_api_key(url, KEY, timeout_s=0.5) is None
+        assert key_check.check_api_key(url, KEY, timeout_s=0.5) is None
         assert time.monotonic() - started < 5.0
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith(f"the Horde at {url} did not answer the API key check (")

@@ -468,6 +468,10 @@ MODULE_MAX_LINES = 500
 MODULES_ALLOWED_LONGER: dict[str, str] = {
     "koboldcpp/client.py": "koboldcpp's HTTP API as the worker calls it, one method per route, "
     "and the one place its calls are made, bounded and hung up",
+    "horde/client.py": "the Horde's HTTP API as the worker calls it, one method per route, "
+    "and the one place its calls are made, bounded, hung up and watched",
+    "hosts/inside_kcpp.py": "the only module that knows koboldcpp's globals: its settings, "
+    "its live state read as the loop's manners, its console, and the hook koboldcpp calls",
     "service/recovery.py": "the start-up pass over the journal: each job's plan, its "
     "attempts and their pauses until the Horde answers, the lease ends or the stop's "
     "deadline comes, and the thread that runs it before koboldcpp answers",
