@@ -269,6 +269,8 @@ def pop_body(
     max_length: int | None = None,
     chat_max_length: int | None = None,
     prompt_jobs: bool = True,
+    max_context_length: int | None = None,
+    chat_max_context_length: int | None = None,
 ) -> dict[str, Any]:
     """The whole body of ``POST /api/v2/generate/text/pop``.
 
@@ -283,7 +285,11 @@ def pop_body(
     ``max_length`` and ``chat_max_length``, when given, replace the text
     ``max_length`` and ``chat_limits.max_length`` (lowered so that a job
     finishes within its lease: ``state.lease_fit``), never above
-    ``WorkerSettings.declared_max_length``. ``prompt_jobs`` False (text generations
+    ``WorkerSettings.declared_max_length``. ``max_context_length`` and
+    ``chat_max_context_length``, when given, replace the text
+    ``max_context_length`` and ``chat_limits.max_context_length`` the same
+    way (narrowed so that a job's prompt is processed within its lease), never
+    above ``WorkerSettings.max_context_length``. ``prompt_jobs`` False (text generations
     fail) with ``chat_jobs`` sends ``"prompt_jobs": false``: chat jobs only (seed:
     "Send prompt_jobs: false with chat_jobs: true to serve chat jobs only").
 
@@ -293,7 +299,7 @@ def pop_body(
         "name": settings.worker_name,
         "models": [settings.model_id],
         "max_length": _at_most(max_length, settings.declared_max_length),
-        "max_context_length": settings.max_context_length,
+        "max_context_length": _at_most(max_context_length, settings.max_context_length),
         "priority_usernames": [],
         "softprompts": [],
         "bridge_agent": settings.bridge_agent,
@@ -302,10 +308,14 @@ def pop_body(
         body["threads"] = settings.threads
     if chat_jobs and caps.chat:
         body.update(chat_declaration(settings, caps, withhold=withhold))
+        limits = dict(body["chat_limits"])
         if chat_max_length is not None:
-            limits = dict(body["chat_limits"])
             limits["max_length"] = _at_most(chat_max_length, settings.declared_max_length)
-            body["chat_limits"] = limits
+        if chat_max_context_length is not None:
+            limits["max_context_length"] = _at_most(
+                chat_max_context_length, settings.max_context_length
+            )
+        body["chat_limits"] = limits
         if not prompt_jobs:
             body["prompt_jobs"] = False
     return body

@@ -195,6 +195,7 @@ class ChatRun:
         result = fit.check_fit(
             counted, messages, max_length=job.max_length, max_context_length=limit
         )
+        self.ctx.note_prompt_tokens(result.estimate)
         if not result.fits:
             raise JobFault(
                 f"does not fit: estimate {result.estimate} + max_length {job.max_length} "

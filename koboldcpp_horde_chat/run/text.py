@@ -15,11 +15,13 @@ fit check, so a larger context would change what the model reads.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..koboldcpp.answers import text_completion_tokens, text_generation
 from ..state.job import JobContext, Outcome
+from ..state.lease_fit import tokens_of_text
 from ..state.ports import Ports
 from ..translate.bodies import text_request_body
 from ..translate.submits import text_submit
@@ -60,6 +62,7 @@ class TextRun:
             JobFault: koboldcpp failed or its answer has no text (``backend_failed``).
         """
         job, ctx, kcpp = self.job, self.ctx, self.ports.koboldcpp
+        ctx.note_prompt_tokens(text_prompt_tokens(job.payload))
         try:
             body = kcpp.with_busy_retry(
                 lambda timeout: kcpp.backend.generate(
@@ -76,6 +79,19 @@ class TextRun:
         tokens = text_completion_tokens(body)
         detail = f"tokens={'?' if tokens is None else tokens}"
         return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
+
+
+def text_prompt_tokens(payload: dict[str, Any]) -> int:
+    """The tokens of a text job's prompt that koboldcpp processes, estimated as
+    the Horde counts text (``lease_fit.tokens_of_text``), at most what the
+    job's context keeps beside its ``max_length`` (koboldcpp cuts the front of
+    a longer prompt)."""
+    prompt = payload.get("prompt")
+    tokens = tokens_of_text(prompt if isinstance(prompt, str) else "")
+    context, length = payload.get("max_context_length"), payload.get("max_length")
+    if isinstance(context, int) and isinstance(length, int) and context > length >= 0:
+        tokens = min(tokens, context - length)
+    return tokens
 
 
 def _refusal_fault(exc: HordeRefusal) -> JobFault:

@@ -32,8 +32,10 @@ from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from ..state.journal import GENKEY_PREFIX
-from ..state.lease_fit import tokens_of_text
-from ..state.meter import record_generated
+from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
+from ..state.meter import FiguresReader, record_generated
+from ..state.ports import abort_quietly
+from ..state.probes import ALL
 from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
 from ..state.status import abort_limit_line
 
@@ -56,25 +58,37 @@ BUSY_POLL_S = 0.2
 KCPP_WORKER_GENKEY = re.compile(GENKEY_PREFIX + r"[1-9][0-9]{2}")
 #: Seconds between two checks while a local user is generating.
 LOCAL_USER_POLL_S = 1.0
-#: Seconds between two probes of a koboldcpp that failed generations in a row.
-PROBE_EVERY_S = 10.0
-#: A probe's read timeout, seconds (a koboldcpp hanging on it is still failing);
-#: at the stop's deadline it is hung up whatever is left of it.
-PROBE_TIMEOUT_S = 60.0
+#: A probe's shortest read timeout, seconds (else the budget of a job's lease,
+#: ``lease_fit.budget_s``: a probe that does not end within it failed as a job
+#: would); at the stop's deadline it is hung up whatever is left of it.
+PROBE_TIMEOUT_S = 10.0
 #: The read timeout of the abort of a probe hung up at the stop, seconds.
 PROBE_ABORT_TIMEOUT_S = 1.0
-#: The probe: a short text generation, as a Horde job's (its genkey is the
-#: worker's own, so koboldcpp does not take it for a local user's request).
+#: The probe of a subject whose failed job's size is not known: a short text
+#: generation, as a Horde job's (its genkey is the worker's own, so koboldcpp
+#: does not take it for a local user's).
 PROBE_MAX_LENGTH = 16
 PROBE_PROMPT = "Once upon a time"
-#: The re-measure of a lowered ``max_length`` (``lease_fit``): a text generation
-#: of this many tokens, timed; one that answers fewer than
-#: :data:`REMEASURE_MIN_TOKENS` (an early stop) measures nothing.
-REMEASURE_MAX_LENGTH = 32
+#: The words a probe's prompt repeats to reach a failed job's size (each about
+#: one token in the usual vocabularies).
+PROBE_WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "then")
+#: Tokens a chat template and the fit check's allowances add to a probe's
+#: message (``translate.fit``: 32, and 16 for the one message).
+CHAT_PROBE_OVERHEAD = 48
+#: A re-measure (``lease_fit``) that answers fewer tokens than this (an early
+#: stop) measures no generation speed.
 REMEASURE_MIN_TOKENS = 8
 #: The probe subject of a koboldcpp failing generations of every kind together
 #: (``guard.FailureStreak.failing``); each kind is a subject of its own.
-ALL_KINDS = "all"
+ALL_KINDS = ALL
+
+
+def probe_prompt(tokens: int) -> str:
+    """A prompt of about ``tokens`` tokens: :data:`PROBE_PROMPT` and, for a
+    larger size, :data:`PROBE_WORDS` repeated."""
+    extra = max(0, tokens - 4)
+    words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(extra)]
+    return " ".join([PROBE_PROMPT, *words])
 
 
 class PopGate:
@@ -106,9 +120,8 @@ class PopGate:
         self.wall = wall
         self.backend_suspect = False
         self._own_done_at: float | None = None
-        #: When each failing subject may be probed next (monotonic seconds): all
-        #: kinds together (:data:`ALL_KINDS`) and each kind.
-        self._next_probe: dict[str, float] = {}
+        #: koboldcpp's figures of each probe (``/api/extra/perf``).
+        self._figures = FiguresReader(backend, threads=settings.threads)
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
@@ -149,9 +162,7 @@ class PopGate:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
         if not self._backend_generates():
-            return "backend_failing", max(
-                0.1, self._next_probe.get(ALL_KINDS, 0.0) - self.clock()
-            )
+            return "backend_failing", self._next_probe_in([ALL_KINDS])
         limit = self.state.abort_limit(self.clock())
         if limit is not None:
             count, in_hand, resume_at = limit
@@ -171,7 +182,10 @@ class PopGate:
         if not self.state.update_chat_withdrawal(self.clock()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
         if not self._kinds_generate():
-            return "kind_failing", self._next_kind_probe_in()
+            streak = self.state.failure_streak
+            return "kind_failing", self._next_probe_in(
+                [kind for kind in ("text", "chat") if streak.kind_failing(kind)]
+            )
         self.remeasure()
         return None
 
@@ -238,11 +252,12 @@ class PopGate:
 
     def _backend_generates(self) -> bool:
         """False while koboldcpp, which failed generations in a row
-        (``guard.FailureStreak``), fails the probe too.
+        (``guard.FailureStreak``), is not probed back.
 
         An answering koboldcpp that fails every generation would fault every job
         popped meanwhile. Its probe (:meth:`_probe_until_generates` of all kinds
-        together) is a short text generation; its answer is measured like a job's.
+        together) is a text generation the size of the last failed job; its
+        answer is measured like a job's.
         """
         if not self.state.failure_streak.failing:
             return True
@@ -256,8 +271,8 @@ class PopGate:
         A kind that fails alone (koboldcpp fails its chat completions, say, and
         its text generations succeed) is withdrawn from the pops
         (``WorkerState.pop_body``) until its probe generates: a text probe is a
-        short text generation, a chat probe a one-message chat completion of
-        :data:`PROBE_MAX_LENGTH` tokens, each with a genkey of the worker's own.
+        text generation, a chat probe a one-message chat completion, each the
+        size of the kind's last failed job and with a genkey of the worker's own.
         """
         streak = self.state.failure_streak
         for kind in ("text", "chat"):
@@ -267,73 +282,96 @@ class PopGate:
 
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
         """The one rule of a failing subject (all kinds together, :data:`ALL_KINDS`,
-        or one kind): probe it with a short generation of ``kind``
-        (:meth:`_probe`) at most every :data:`PROBE_EVERY_S`, until one
-        generates. True when this probe generated (the streak is then ended);
-        False when it failed (the next one comes :data:`PROBE_EVERY_S` later)
-        or is not due yet."""
-        if self.clock() < self._next_probe.get(subject, 0.0):
+        or one kind; ``state.probes.ProbePlan``): no probe before the
+        withdrawal's wait (60 s the first time, twice the last one after), then
+        a generation of ``kind`` the size of the subject's last failed job
+        (:meth:`_probe`), each failed one waiting twice as long again. True when
+        this probe generated: the subject is declared again on probation (one
+        more failure withdraws it again, ``guard.FailureStreak.probation``)."""
+        plan = self.state.probe_plan
+        with self.state.lock:
+            if not plan.due(subject, self.clock()):
+                return False
+            size = plan.size(subject)
+        if self._probe(kind, size) is None:
+            with self.state.lock:
+                plan.probe_failed(subject, self.clock())
             return False
-        if self._probe(kind) is None:
-            self._next_probe[subject] = self.clock() + PROBE_EVERY_S
-            return False
+        with self.state.lock:
+            plan.probe_succeeded(subject)
+            self.state.failure_streak.probation(None if subject == ALL_KINDS else kind)
         return True
 
-    def _next_kind_probe_in(self) -> float:
-        """Seconds to the next probe of a failing kind (at least 0.1)."""
-        times = [
-            at for kind, at in self._next_probe.items()
-            if kind != ALL_KINDS and self.state.failure_streak.kind_failing(kind)
-        ]
-        return max(0.1, min(times, default=self.clock() + PROBE_EVERY_S) - self.clock())
+    def _next_probe_in(self, subjects: list[str]) -> float:
+        """Seconds to the next probe of any of ``subjects`` (at least 0.1)."""
+        plan = self.state.probe_plan
+        times = [at for subject in subjects if (at := plan.next_at(subject)) is not None]
+        return max(0.1, min(times, default=self.clock() + 0.1) - self.clock())
 
     def remeasure(self) -> None:
-        """Re-measure koboldcpp's speed for the kinds whose lowered ``max_length``
-        is due it (``lease_fit.LeaseFit.recheck_due``: no measured job for the
-        kind's cool-off), with one short text generation of the worker's own
-        (a genkey of its own, :data:`REMEASURE_MAX_LENGTH` tokens), and refit them
-        from its speed: a koboldcpp that is fast again gets its ``max_length``
-        back although no request short enough to measure it arrives (one line
-        per change). A probe that fails refits nothing."""
+        """Re-measure koboldcpp for the kinds whose lowered limits are due it
+        (``lease_fit.LeaseFit.recheck_due``: no measured job for the kind's
+        cool-off), each with a generation of its own the size of the kind's job
+        that ran out (``lease_fit.LeaseFit.probe_size``; a genkey of its own),
+        and refit them from its figures: a koboldcpp that is fast again gets its
+        limits back although no request small enough to measure it arrives (one
+        line per change). A probe that fails (also one that does not end within
+        a job's budget) refits nothing and doubles the cool-off."""
         with self.state.lock:
             due = self.state.lease_fit.recheck_due(self.clock())
-        if not due:
-            return
-        measured = self._generate("text", REMEASURE_MAX_LENGTH)
-        speed = None
-        if measured is not None:
-            tokens, seconds = measured
-            if tokens >= REMEASURE_MIN_TOKENS and seconds > 0:
-                speed = tokens / seconds
-        now = self.clock()
-        with self.state.lock:
-            changes = [self.state.lease_fit.remeasured(kind, speed, now) for kind in due]
-        for change in changes:
-            if change is not None:
+            sizes = [(kind, self.state.lease_fit.probe_size(kind)) for kind in due]
+        for kind, (prompt_tokens, max_length) in sizes:
+            measured = self._generate(kind, prompt_tokens, max_length)
+            speed = process_s = None
+            if measured is not None:
+                tokens, seconds, figures = measured
+                if figures is not None and figures.eval_s > 0 and figures.tokens > 0:
+                    speed = figures.tokens / figures.eval_s
+                elif tokens >= REMEASURE_MIN_TOKENS and seconds > 0:
+                    speed = tokens / seconds
+                if figures is not None and figures.prompt_tokens >= 16 and figures.process_s > 0:
+                    process_s = figures.process_s / figures.prompt_tokens
+                elif prompt_tokens >= 16 and seconds > 0:
+                    # No figures: all its time on the prompt (an upper bound).
+                    process_s = seconds / prompt_tokens
+            now = self.clock()
+            with self.state.lock:
+                changes = self.state.lease_fit.remeasured(kind, speed, now, process_s=process_s)
+            for change in changes:
                 log.warning("%s", change.line())
 
-    def _probe(self, kind: str) -> tuple[int, float] | None:
-        """One probe of ``kind`` (:meth:`_generate`); its answer is measured like a
-        job's (``meter.record_generated``, which ends the kind's streak)."""
-        measured = self._generate(kind, PROBE_MAX_LENGTH)
+    def _probe(self, kind: str, size: tuple[int, int] | None) -> tuple[int, float] | None:
+        """One probe of ``kind`` of ``size`` (``(prompt tokens, max_length)``; None:
+        :data:`PROBE_PROMPT` and :data:`PROBE_MAX_LENGTH`) (:meth:`_generate`);
+        its answer is measured like a job's (``meter.record_generated``, which
+        ends the kind's streak)."""
+        prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
+        max_length = max_length or PROBE_MAX_LENGTH
+        measured = self._generate(kind, prompt_tokens, max_length)
         if measured is None:
             return None
-        tokens, seconds = measured
+        tokens, seconds, figures = measured
         record_generated(
             self.state,
             kind,
             tokens,
             seconds,
-            max_length=PROBE_MAX_LENGTH,
+            max_length=max_length,
             ttl_s=self.state.lease_fit.lease_s,
             now=self.clock(),
+            figures=figures,
         )
-        return measured
+        return tokens, seconds
 
-    def _generate(self, kind: str, max_length: int) -> tuple[int, float] | None:
-        """A short generation of ``kind`` sent to koboldcpp as the worker's own
-        (a ``HORDEREQ_`` genkey, so koboldcpp does not take it for a local
-        user's): ``(tokens, seconds)`` of its answer, or None when it failed."""
+    def _generate(
+        self, kind: str, prompt_tokens: int, max_length: int
+    ) -> tuple[int, float, PerfFigures | None] | None:
+        """A generation of ``kind`` of a prompt of about ``prompt_tokens`` tokens
+        (:func:`probe_prompt`) and ``max_length``, sent to koboldcpp as the
+        worker's own (a ``HORDEREQ_`` genkey, so koboldcpp does not take it for
+        a local user's), within a job's budget (``lease_fit.budget_s``):
+        ``(tokens, seconds, koboldcpp's figures of it or None)``, or None when
+        it failed (one that timed out is aborted by its genkey)."""
         genkey = f"{GENKEY_PREFIX}probe{secrets.token_hex(8)}"
         cancel = threading.Event()
 
@@ -342,7 +380,7 @@ class PopGate:
             self.backend.hang_up()
 
         with self.state.call_deadlines.until(STOP_KIND, hang_up):
-            measured = self._generate_now(kind, max_length, genkey, cancel)
+            measured = self._generate_now(kind, prompt_tokens, max_length, genkey, cancel)
         if cancel.is_set():
             try:  # a generation hung up runs on inside koboldcpp
                 self.backend.abort(genkey, timeout_s=PROBE_ABORT_TIMEOUT_S)
@@ -352,20 +390,24 @@ class PopGate:
         return measured
 
     def _generate_now(
-        self, kind: str, max_length: int, genkey: str, cancel: threading.Event
-    ) -> tuple[int, float] | None:
+        self, kind: str, prompt_tokens: int, max_length: int, genkey: str,
+        cancel: threading.Event,
+    ) -> tuple[int, float, PerfFigures | None] | None:
+        fit = self.state.lease_fit
+        timeout_s = max(PROBE_TIMEOUT_S, budget_s(fit.lease_s, fit.margin_s))
         started = self.clock()
         self.note_own_request()
         try:
             if kind == "chat":
+                content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
                 answer = parse_chat_completion(
                     self.backend.chat_completion(
                         {
-                            "messages": [{"role": "user", "content": PROBE_PROMPT}],
+                            "messages": [{"role": "user", "content": content}],
                             "max_tokens": max_length,
                             "genkey": genkey,
                         },
-                        timeout_s=PROBE_TIMEOUT_S,
+                        timeout_s=timeout_s,
                         cancel=cancel,
                     )
                 )
@@ -374,18 +416,20 @@ class PopGate:
                 tokens = counted if counted is not None else tokens_of_text(text)
             else:
                 body = {
-                    "prompt": PROBE_PROMPT,
+                    "prompt": probe_prompt(prompt_tokens),
                     "max_length": max_length,
-                    "max_context_length": 512,
+                    "max_context_length": max(512, prompt_tokens + max_length + 16),
                     "genkey": genkey,
                 }
                 text = text_generation(
-                    self.backend.generate(body, timeout_s=PROBE_TIMEOUT_S, cancel=cancel)
+                    self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
                 )
                 tokens = tokens_of_text(text)
-        except (BackendError, ReplyError):
+        except (BackendError, ReplyError) as exc:
+            if isinstance(exc, BackendError) and exc.status == 0 and not cancel.is_set():
+                abort_quietly(self.backend, genkey)  # timed out: it runs on in koboldcpp
             return None
         finally:
             self.note_own_request_done()
             self.own_generation_ended()
-        return tokens, self.clock() - started
+        return tokens, self.clock() - started, self._figures.read()

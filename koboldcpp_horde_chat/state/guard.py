@@ -308,6 +308,15 @@ class FailureStreak:
             return self._by_kind[kind] == self.limit
         return self.count == self.limit
 
+    def probation(self, kind: str | None = None) -> None:
+        """A probe of ``kind`` (None: of all kinds together) generated after a
+        withdrawal: one more failure in a row withdraws it again (its count is
+        ``limit - 1``), not ``limit`` more."""
+        if kind in self._by_kind:
+            self._by_kind[kind] = max(self._by_kind[kind], self.limit - 1)
+        else:
+            self.count = max(self.count, self.limit - 1)
+
     def succeeded(self, kind: str | None = None) -> bool:
         """A generation (of ``kind``, when known) succeeded; True when this ends a
         :meth:`kind_failing` streak of that kind (with no kind: a

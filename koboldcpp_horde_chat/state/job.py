@@ -83,6 +83,8 @@ class JobContext:
             journal's).
         steps: the loop's step thread (:meth:`until_given_up`).
         phase: where the job is (``state/life.py``).
+        prompt_tokens: the tokens of the job's prompt as its run counted or
+            estimated them (:meth:`note_prompt_tokens`), or None: not known.
         abandoned: set when the worker gives the job up (the stop's deadline
             came); ``abandon_why`` says why. Every blocking step of the job
             ends at it (:meth:`until_given_up`, the generation's abort).
@@ -111,6 +113,7 @@ class JobContext:
     phase: Phase = Phase.POPPED
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""
+    prompt_tokens: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _wakers: list[threading.Event] = field(default_factory=list, repr=False)
     _horde_s: float = field(default=0.0, repr=False)
@@ -268,6 +271,11 @@ class JobContext:
             waker.set()
         if stop is not None and self.genkey:
             stop(self.genkey)
+
+    def note_prompt_tokens(self, tokens: int) -> None:
+        """The job's prompt is ``tokens`` long (its run's count or estimate), for
+        the lease fit when its generation runs out (``state.lease_fit``)."""
+        self.prompt_tokens = max(0, tokens)
 
     def check_abandoned(self) -> None:
         """Raise JobFault when the job was given up (see :meth:`give_up`)."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ..horde.pop import ChatJob, TextJob
 from .job import SUBMIT_MARGIN_S, JobContext
-from .lease_fit import job_max_length, perf_speed, reply_tokens
+from .lease_fit import PerfFigures, job_max_length, perf_figures, perf_speed, reply_tokens
 from .shared import WorkerState
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
@@ -26,10 +26,38 @@ log = logging.getLogger("koboldcpp_horde_chat.worker")
 #: A failed generation that ended this close to its lease's end (seconds, with
 #: the submit's margin) ran out of it.
 RAN_OUT_SLACK_S = SUBMIT_MARGIN_S + 1.5
+#: Read timeout of the ``/api/extra/perf`` look after a generation, seconds.
+PERF_TIMEOUT_S = 2.0
 
 
 class _Perf(Protocol):
-    def perf(self) -> dict[str, Any]: ...
+    def perf(self, *, timeout_s: float = ...) -> dict[str, Any]: ...
+
+
+class FiguresReader:
+    """koboldcpp's figures of the generation that just ended (``/api/extra/perf``,
+    ``lease_fit.perf_figures``), best effort: None when it does not answer, has
+    none, or has counted no generation since the last read (its figures would
+    be an older one's). Only with one loop: with several, koboldcpp's last
+    generation may be another loop's."""
+
+    def __init__(self, backend: _Perf, *, threads: int = 1) -> None:
+        self.backend = backend
+        self.threads = threads
+        self._seen: int | None = None
+
+    def read(self) -> PerfFigures | None:
+        """The figures of koboldcpp's newest generation, or None (see the class)."""
+        if self.threads > 1:
+            return None
+        try:
+            figures = perf_figures(self.backend.perf(timeout_s=PERF_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - only a measure; the job's own timing stands
+            return None
+        if figures is None or figures.generations == self._seen:
+            return None
+        self._seen = figures.generations
+        return figures
 
 
 class JobMeter:
@@ -45,6 +73,7 @@ class JobMeter:
         self.state = state
         self.backend = backend
         self.clock = clock
+        self.figures = FiguresReader(backend, threads=state.settings.threads)
 
     def read_speed(self) -> None:
         """koboldcpp's own speed figure (``/api/extra/perf``) for a first job
@@ -55,18 +84,24 @@ class JobMeter:
             log.debug("koboldcpp's perf figures could not be read")
             return
         seed_speed(self.state, perf, now=self.clock())
+        figures = perf_figures(perf)
+        if figures is not None:
+            self.figures._seen = figures.generations
 
     def generated(self, ctx: JobContext, job: TextJob | ChatJob, body: dict[str, Any]) -> None:
         """koboldcpp answered the job with the reply ``body`` (its submit body):
         a speed measurement, and the end of a streak of failed generations."""
+        seconds = self.clock() - ctx.started
         record_generated(
             self.state,
             ctx.kind,
             reply_tokens(body),
-            self.clock() - ctx.started,
+            seconds,
             max_length=job_max_length(job.payload),
             ttl_s=job.ttl_s,
             now=self.clock(),
+            figures=self.figures.read(),
+            probe=False,
         )
 
     def failed(self, ctx: JobContext, job: TextJob | ChatJob) -> None:
@@ -93,6 +128,7 @@ class JobMeter:
             seconds=now - ctx.started,
             ttl_s=job.ttl_s,
             now=now,
+            prompt_tokens=ctx.prompt_tokens,
         )
 
 
@@ -102,8 +138,14 @@ class JobMeter:
 def seed_speed(state: WorkerState, perf: dict[str, Any], now: float | None = None) -> None:
     """koboldcpp's own speed figure (``/api/extra/perf``) before any job is measured
     (at monotonic ``now``: a kind it lowers is re-measured after its cool-off)."""
+    figures = perf_figures(perf)
+    process_s = (
+        figures.process_s / figures.prompt_tokens
+        if figures is not None and figures.prompt_tokens >= 16 and figures.process_s > 0
+        else None
+    )
     with state.lock:
-        changes = state.lease_fit.seed(perf_speed(perf), now)
+        changes = state.lease_fit.seed(perf_speed(perf), now, process_s=process_s)
     for change in changes:
         log.warning("%s (koboldcpp's own figure)", change.line())
 
@@ -117,17 +159,25 @@ def record_generated(
     max_length: int,
     ttl_s: float,
     now: float | None = None,
+    figures: PerfFigures | None = None,
+    probe: bool = True,
 ) -> None:
     """koboldcpp answered a ``kind`` job of ``max_length`` tokens (base lease
-    ``ttl_s``) with ``tokens`` in ``seconds`` at monotonic ``now`` (a probe too,
-    of its kind): measure the speed, refit the declared ``max_length`` (one line
-    when it changes) and end a streak of failed generations (one line when it
-    gives the kind back, ``guard.FailureStreak``)."""
+    ``ttl_s``) with ``tokens`` in ``seconds`` at monotonic ``now`` (a ``probe``
+    too, of its kind), koboldcpp's ``figures`` of it when read: measure the
+    speeds, refit the declared limits (one line per change) and end a streak of
+    failed generations (one line when it gives the kind back,
+    ``guard.FailureStreak``). A real job (not a ``probe``) counts toward the
+    sustained success that starts the probes' waits over (``state.probes``)."""
     with state.lock:
         state.lease_fit.note_lease(ttl_s)
-        change = state.lease_fit.record(kind, tokens, seconds, max_length=max_length, now=now)
+        changes = state.lease_fit.record(
+            kind, tokens, seconds, max_length=max_length, now=now, figures=figures
+        )
         restored = state.failure_streak.succeeded(kind)
-    if change is not None:
+        if not probe:
+            state.probe_plan.job_succeeded(kind)
+    for change in changes:
         log.warning("%s", change.line())
     if restored:
         log.info("%s", kind_restored_line(kind))
@@ -142,21 +192,30 @@ def record_generation_failed(
     seconds: float,
     ttl_s: float,
     now: float | None = None,
+    prompt_tokens: int | None = None,
 ) -> None:
     """koboldcpp failed a ``kind`` job's generation (``ran_out``: it did not
-    answer within the lease). A job that ran out narrows that kind's declared
-    ``max_length`` (one line); the failure counts toward the streak after
-    which the worker stops popping and probes koboldcpp."""
+    answer within the lease) of a prompt of ``prompt_tokens`` (None: not
+    known). A job that ran out teaches the lease fit what it shows (a slow
+    prompt narrows the declared context, a slow generation the
+    ``max_length``, a hang nothing: ``lease_fit.LeaseFit.ran_out``; one line
+    per change); the failure counts toward the streak after which the worker
+    stops popping and probes koboldcpp with a job of this one's size
+    (``state.probes``)."""
     with state.lock:
         state.lease_fit.note_lease(ttl_s)
-        change = (
-            state.lease_fit.ran_out(kind, max_length=max_length, seconds=seconds, now=now)
+        changes = (
+            state.lease_fit.ran_out(
+                kind, max_length=max_length, seconds=seconds, now=now,
+                prompt_tokens=prompt_tokens,
+            )
             if ran_out
-            else None
+            else []
         )
+        state.probe_plan.note_failed(kind, prompt_tokens, max_length)
         withdrawn = state.failure_streak.failed(kind)
         others = [k for k in state.kinds_to_pop() if k != kind]
-    if change is not None:
+    for change in changes:
         log.warning("%s", change.line())
     if withdrawn:
         log.warning("%s", kind_withdrawn_line(kind, state.failure_streak.limit, others))
@@ -166,19 +225,20 @@ def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
     """The line said when ``kind``'s generations failed ``limit`` times in a row and
     ``others`` are the kinds the worker still pops for, e.g. ``"chat generations
     failed 3 times in a row: popping without the chat declaration (text jobs
-    continue); probing koboldcpp with a short chat completion until one succeeds"``."""
+    continue); probing koboldcpp with a chat completion the size of the failed job
+    until one succeeds"``."""
     if kind == "chat":
         action = (
             "popping without the chat declaration (text jobs continue)"
             if others else "not popping (no other kind to serve)"
         )
-        probe = "a short chat completion"
+        probe = "a chat completion the size of the failed job"
     else:
         action = (
             "popping for chat jobs only (prompt_jobs false)"
             if others else "not popping (no other kind to serve)"
         )
-        probe = "a short text generation"
+        probe = "a text generation the size of the failed job"
     return (
         f"{kind} generations failed {limit} times in a row: {action}; probing "
         f"koboldcpp with {probe} until one succeeds"

@@ -40,6 +40,7 @@ from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
 from .job import SUBMIT_MARGIN_S
 from .journal import Journal
 from .lease_fit import LeaseFit
+from .probes import ProbePlan
 from .life import Phase
 from .skipped import SkipContext
 
@@ -138,9 +139,14 @@ class WorkerState:
         self.maintenance_guard = MaintenanceGuard()
         self.refusal_guard = RefusalGuard()
         self.lease_fit = LeaseFit(
-            settings.declared_max_length, settings.lease_s, margin_s=SUBMIT_MARGIN_S
+            settings.declared_max_length,
+            settings.lease_s,
+            margin_s=SUBMIT_MARGIN_S,
+            context_cap=settings.max_context_length,
         )
         self.failure_streak = FailureStreak()
+        #: The failure streak's probes: their waits and sizes (``state.probes``).
+        self.probe_plan = ProbePlan()
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []
@@ -180,6 +186,7 @@ class WorkerState:
             self.maintenance_guard = earlier.maintenance_guard
             self.refusal_guard = earlier.refusal_guard
             self.failure_streak = earlier.failure_streak
+            self.probe_plan = earlier.probe_plan
             self.withheld = self.withheld | earlier.withheld
             self.moderator_messages_seen = set(earlier.moderator_messages_seen)
             self.stats = earlier.stats
@@ -559,7 +566,8 @@ class WorkerState:
     def pop_body(self, caps: BackendCapabilities) -> dict[str, Any]:
         """The next pop's body (``declaration.pop_body``) with the declaration as
         it stands now: chat on or withdrawn, the features withheld, and the
-        ``max_length`` per kind that fits the lease (``lease_fit.LeaseFit``), and
+        ``max_length`` and ``max_context_length`` per kind that fit the lease
+        (``lease_fit.LeaseFit``), and
         without a kind whose generations failed in a row (``guard.FailureStreak``:
         chat without the chat declaration, text with ``prompt_jobs: false``)."""
         with self.lock:
@@ -572,6 +580,8 @@ class WorkerState:
                 and not self.failure_streak.kind_failing("chat"),
                 max_length=self.lease_fit.declared("text"),
                 chat_max_length=self.lease_fit.declared("chat"),
+                max_context_length=self.lease_fit.declared_context("text"),
+                chat_max_context_length=self.lease_fit.declared_context("chat"),
                 prompt_jobs=not self.failure_streak.kind_failing("text"),
             )
 

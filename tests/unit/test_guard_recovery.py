@@ -13,13 +13,13 @@ import pytest
 
 from bench.harness.fakes import FakeBackend, FakeClock
 from koboldcpp_horde_chat.errors import BackendError
-from koboldcpp_horde_chat.service.gate import PROBE_EVERY_S
 from koboldcpp_horde_chat.state.guard import FailureStreak
 from koboldcpp_horde_chat.state.lease_fit import (
     RECHECK_AFTER_S,
     RECHECK_MAX_S,
     LeaseFit,
 )
+from koboldcpp_horde_chat.state.probes import FIRST_WAIT_S
 from koboldcpp_horde_chat.state.skipped import SkipContext, SkippedReporter, describe_skipped
 
 from .test_loop_decisions import chat_pop, log_text, make, run, text_pop
@@ -36,9 +36,9 @@ def test_a_max_length_cut_for_a_run_out_is_due_a_remeasure_after_its_cooloff() -
     assert fit.recheck_due(RECHECK_AFTER_S - 1) == []
     assert fit.recheck_due(RECHECK_AFTER_S) == ["text"]
     assert fit.recheck_due(RECHECK_AFTER_S + 1) == []  # one probe at a time
-    change = fit.remeasured("text", 40.0, RECHECK_AFTER_S + 5)  # 4800 tokens in 120 s
-    assert change is not None and (change.old, change.new) == (50, 1024)
-    assert "again (measured with a short generation of the worker's own)" in change.line()
+    [change] = fit.remeasured("text", 40.0, RECHECK_AFTER_S + 5)  # 4800 tokens in 120 s
+    assert (change.old, change.new) == (50, 1024)
+    assert "again (measured with a generation of the worker's own)" in change.line()
     assert fit.recheck_due(10_000.0) == []  # at the cap: nothing to re-measure
 
 
@@ -52,8 +52,8 @@ def test_a_koboldcpp_that_stays_slow_is_remeasured_ever_less_often() -> None:
         assert fit.recheck_due(due_at) == ["text"]
         gaps.append(due_at - now)
         now = due_at
-        change = fit.remeasured("text", 0.4, now)  # 48 tokens in 120 s: no raise
-        assert change is None or change.new < change.old
+        changes = fit.remeasured("text", 0.4, now)  # 48 tokens in 120 s: no raise
+        assert all(c.new < c.old for c in changes)
     assert gaps == [60.0, 120.0, 240.0, 480.0, 960.0, 1800.0, 1800.0]
     assert fit.cooloff_s("text") == RECHECK_MAX_S
 
@@ -136,7 +136,7 @@ def test_chat_generations_failing_alone_withdraw_chat_after_three_and_a_probe_re
 ) -> None:
     """koboldcpp fails every chat completion while text generations succeed:
     the streak of all kinds is ended by each text job, yet the third chat failure
-    in a row withdraws chat (text jobs go on); a chat probe every 10 s brings it
+    in a row withdraws chat (text jobs go on); a chat probe, a minute later, brings it
     back once koboldcpp generates chat again. Before, chat jobs were faulted until
     the Horde's count withdrew chat at 15."""
     caplog.set_level(logging.INFO)
@@ -161,14 +161,14 @@ def test_chat_generations_failing_alone_withdraw_chat_after_three_and_a_probe_re
     lines = log_text(caplog)
     assert lines.count(
         "chat generations failed 3 times in a row: popping without the chat declaration "
-        "(text jobs continue); probing koboldcpp with a short chat completion until one "
-        "succeeds"
+        "(text jobs continue); probing koboldcpp with a chat completion the size of the "
+        "failed job until one succeeds"
     ) == 1
     assert any(v == "submitted" for j, v in horde.verdicts().items() if j.startswith("t"))
     # koboldcpp generates chat again: the next probe says so and chat is declared.
     backend.chats.clear()
     horde.pops.append(EMPTY)
-    clock.advance(PROBE_EVERY_S)
+    clock.advance(FIRST_WAIT_S)
     worker.run_once()
     assert "koboldcpp generates chat completions again: declaring chat again" in log_text(caplog)
     assert horde.pop_bodies[-1].get("chat_jobs") is True
@@ -187,7 +187,8 @@ def test_text_generations_failing_alone_pop_for_chat_jobs_only(
     assert horde.pop_bodies[-1]["chat_jobs"] is True
     assert (
         "text generations failed 3 times in a row: popping for chat jobs only (prompt_jobs "
-        "false); probing koboldcpp with a short text generation until one succeeds"
+        "false); probing koboldcpp with a text generation the size of the failed job until "
+        "one succeeds"
     ) in log_text(caplog)
 
 
@@ -205,7 +206,7 @@ def test_a_chat_only_worker_whose_chat_fails_stops_popping_and_probes_chat(
     assert sum(v == "faulted" for v in horde.verdicts().values()) == 3
     assert "not popping (no other kind to serve)" in log_text(caplog)
     calls = backend.calls.get("chat", 0)
-    clock.advance(PROBE_EVERY_S)
+    clock.advance(FIRST_WAIT_S)
     run(worker, 1)
     assert backend.calls.get("chat", 0) == calls + 1  # the probe, not a job
 

@@ -180,8 +180,8 @@ def test_a_fast_koboldcpps_figure_keeps_the_operators_length() -> None:
 
 def test_a_measured_kind_is_fitted_and_the_other_kind_is_not() -> None:
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S)
-    change = fit.record("text", 100, 100.0, max_length=512)  # 1 token/s
-    assert change == LengthChange("text", 512, 112, 1.0, 120.0)
+    changes = fit.record("text", 100, 100.0, max_length=512)  # 1 token/s
+    assert changes == [LengthChange("text", 512, 112, 1.0, 120.0)]
     assert (fit.declared("text"), fit.declared("chat")) == (112, 512)
 
 
@@ -206,31 +206,31 @@ def test_the_speed_is_the_tokens_of_the_last_jobs_over_their_seconds() -> None:
 
 def test_a_short_reply_that_stopped_early_is_not_measured() -> None:
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S)
-    assert fit.record("text", 15, 100.0, max_length=512) is None  # an early stop says little
+    assert fit.record("text", 15, 100.0, max_length=512) == []  # an early stop says little
     assert fit.speed("text") is None
     # A short job that used its whole max_length is a measurement.
-    assert fit.record("text", 10, 100.0, max_length=10) == LengthChange(
+    assert fit.record("text", 10, 100.0, max_length=10) == [LengthChange(
         "text", 512, MIN_MAX_LENGTH, 0.1, 120.0
-    )
+    )]
 
 
 @pytest.mark.parametrize(("tokens", "seconds"), [(100, 0.0), (100, -1.0), (-1, 10.0)])
 def test_an_impossible_measurement_is_ignored(tokens: int, seconds: float) -> None:
     fit = LeaseFit(512)
-    assert fit.record("text", tokens, seconds, max_length=512) is None
+    assert fit.record("text", tokens, seconds, max_length=512) == []
     assert fit.speed("text") is None
 
 
 def test_a_lowered_length_is_raised_only_when_the_fit_is_a_quarter_larger_or_the_cap() -> None:
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S)
     fit.record("text", 100, 100.0, max_length=512)  # 1.0 token/s: 112
-    assert fit.record("text", 130, 100.0, max_length=512) is None  # 1.15: 128 < 140
+    assert fit.record("text", 130, 100.0, max_length=512) == []  # 1.15: 128 < 140
     assert fit.declared("text") == 112
-    change = fit.record("text", 1000, 100.0, max_length=512)  # 1230 / 300 s: 4.1
+    [change] = fit.record("text", 1000, 100.0, max_length=512)  # 1230 / 300 s: 4.1
     assert change is not None and (change.old, change.new) == (112, 480)
     assert change.line().startswith("max_length for text jobs raised from 112 to 480: ")
     # From 480 the cap is less than a quarter more, and is still reached.
-    change = fit.record("text", 100_000, 100.0, max_length=512)
+    [change] = fit.record("text", 100_000, 100.0, max_length=512)
     assert change is not None and (change.old, change.new) == (480, 512)
 
 
@@ -238,7 +238,7 @@ def test_the_declared_length_never_goes_above_hordegenlen() -> None:
     fit = LeaseFit(64, 150.0, margin_s=MARGIN_S)
     assert fit.seed(1000.0) == []
     for _ in range(3):
-        assert fit.record("chat", 64, 0.1, max_length=64) is None
+        assert fit.record("chat", 64, 0.1, max_length=64) == []
     assert fit.declared("chat") == 64
 
 
@@ -248,9 +248,9 @@ def test_the_lease_of_the_jobs_is_the_one_fitted_to() -> None:
     fit.note_lease(0.0)  # not a lease: ignored
     fit.note_lease(-3.0)
     assert fit.lease_s == 20.0
-    assert fit.record("text", 250, 10.0, max_length=512) == LengthChange(
+    assert fit.record("text", 250, 10.0, max_length=512) == [LengthChange(
         "text", 512, 368, 25.0, 15.0
-    )
+    )]
 
 
 def test_a_lease_fit_refuses_nonsense() -> None:
@@ -265,7 +265,7 @@ def test_a_lease_fit_refuses_nonsense() -> None:
 
 def test_a_job_that_ran_out_of_its_lease_halves_its_kinds_length() -> None:
     fit = LeaseFit(512, 20.0, margin_s=MARGIN_S)
-    change = fit.ran_out("text", max_length=512, seconds=20.0)
+    [change] = fit.ran_out("text", max_length=512, seconds=20.0)
     # half of 512; what 25.6 tokens/s (at most) fits in 15 s would be 384
     assert change == LengthChange("text", 512, 256, None, 15.0)
     assert change.line() == (
@@ -273,22 +273,22 @@ def test_a_job_that_ran_out_of_its_lease_halves_its_kinds_length() -> None:
         "its lease"
     )
     assert fit.declared("chat") == 512
-    change = fit.ran_out("text", max_length=256, seconds=20.0)
-    assert change is not None and change.new == 128
+    [change] = fit.ran_out("text", max_length=256, seconds=20.0)
+    assert change.new == 128
 
 
 def test_a_job_that_ran_out_narrows_to_what_its_speed_fits_when_that_is_less() -> None:
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S)
     # 400 tokens were not done in 145 s: less than 2.76 tokens/s, at most 320 in 120 s;
     # half of 400 is less still.
-    assert fit.ran_out("chat", max_length=400, seconds=145.0) == LengthChange(
+    assert fit.ran_out("chat", max_length=400, seconds=145.0) == [LengthChange(
         "chat", 512, 200, None, 120.0
-    )
+    )]
     # A job asking 512 that ran out after 300 s (a streamed lease): at most 1.7 tokens/s,
     # 204 tokens in 120 s, 192 by 16: less than half of 512.
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S)
-    change = fit.ran_out("chat", max_length=512, seconds=300.0)
-    assert change is not None and change.new == 192
+    [change] = fit.ran_out("chat", max_length=512, seconds=300.0)
+    assert change.new == 192
 
 
 def test_running_out_never_narrows_below_the_smallest_length_nor_raises() -> None:
@@ -296,9 +296,9 @@ def test_running_out_never_narrows_below_the_smallest_length_nor_raises() -> Non
     for _ in range(10):
         fit.ran_out("text", max_length=fit.declared("text"), seconds=20.0)
     assert fit.declared("text") == MIN_MAX_LENGTH
-    assert fit.ran_out("text", max_length=MIN_MAX_LENGTH, seconds=20.0) is None
+    assert fit.ran_out("text", max_length=MIN_MAX_LENGTH, seconds=20.0) == []
     # A job bigger than what is declared now (popped before the change) cannot raise it.
-    assert fit.ran_out("text", max_length=512, seconds=20.0) is None
+    assert fit.ran_out("text", max_length=512, seconds=20.0) == []
     assert fit.declared("text") == MIN_MAX_LENGTH
 
 
@@ -310,6 +310,6 @@ def test_running_out_forgets_the_speed_it_proved_too_high() -> None:
     assert fit.speed("text") is None
     assert fit.declared("text") == 256
     # The next measured job fits from its own speed alone.
-    assert fit.record("text", 240, 120.0, max_length=256) == LengthChange(
+    assert fit.record("text", 240, 120.0, max_length=256) == [LengthChange(
         "text", 256, 240, 2.0, 120.0
-    )
+    )]

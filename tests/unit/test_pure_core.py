@@ -25,6 +25,8 @@ PURE_CORE = (
     "state/guard",
     "state/status",
     "state/skipped",
+    "state/lease_fit",
+    "state/probes",
     "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
