@@ -42,14 +42,16 @@ what it shows:
   (``P * p + L / g <= T / 2``), it was not slow: koboldcpp hung. A failure
   (the streak counts it), no lesson: nothing is lowered;
 * when the prompt's share is the larger (``P * p >= L / g``; with no ``p``
-  measured, generation alone cannot explain it), the prompt was slow: ``p`` is
+  measured, generation alone cannot explain it and a prompt token processed
+  as slowly as two generated ones can), the prompt was slow: ``p`` is
   at least ``(T - L / g) / P``, and the context is refitted from it (the
   failed job no longer fits; ``max_length`` stays);
 * else generation was slow: ``max_length`` is narrowed to half the job's own
   and to what fewer than ``L / T`` tokens/s fit (as it always was);
-* with no figure at all, a job whose prompt is known and not longer than its
-  ``max_length`` teaches nothing (it may as well have hung); the measured
-  figures of the next jobs and probes will tell.
+* with no figure at all, a prompt of :data:`LONG_PROMPT_TOKENS` or more
+  (and longer than the job's ``max_length``) was slow; a shorter one teaches
+  nothing (it may as well have hung): the measured figures of the next jobs
+  and probes will tell.
 
 Limits come back up only after the kind's *cool-off* (:data:`RECHECK_AFTER_S`,
 60 s at first): a run-out holds every raise of its kind until then, whatever
@@ -89,6 +91,9 @@ MIN_PROMPT_TOKENS: Final = 256
 """The fitted context leaves at least this many tokens to the prompt beside ``max_length``."""
 MIN_PROCESS_SAMPLE: Final = 16
 """A prompt shorter than this, tokens, says too little about processing to be measured."""
+LONG_PROMPT_TOKENS: Final = 1024
+"""With nothing measured, a run-out's prompt this long (and longer than its
+``max_length``) is taken for a slow prompt; a shorter one teaches nothing."""
 HANG_SHARE: Final = 0.5
 """A run-out that the measured figures predict within this share of its time was a hang."""
 RAISE_FACTOR: Final = 1.25
@@ -609,13 +614,16 @@ class LeaseFit:
             if prompt_tokens * p + generating <= HANG_SHARE * seconds:
                 return "hang"
             return "prompt" if prompt_tokens * p >= generating else "length"
-        if generating is not None:  # generation alone cannot explain it: the prompt can
+        if generating is not None:  # generation alone cannot explain it: can the prompt?
             if generating > HANG_SHARE * seconds:
                 return "length"
-            return "prompt" if prompt_tokens > max_length else "hang"
+            # A prompt token processed at most as slowly as two generated ones.
+            slowest = prompt_tokens * 2 / g if g else 0.0
+            return "prompt" if slowest + generating > HANG_SHARE * seconds else "hang"
         if p is not None:
             return "prompt" if prompt_tokens * p > HANG_SHARE * seconds else "length"
-        return "prompt" if prompt_tokens > max_length else "hang"
+        long = prompt_tokens >= LONG_PROMPT_TOKENS and prompt_tokens > max_length
+        return "prompt" if long else "hang"
 
     def _prompt_ran_out(
         self, kind: str, max_length: int, seconds: float, prompt_tokens: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import math
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,137 @@ def test_running_out_forgets_the_speed_it_proved_too_high() -> None:
     assert fit.record("text", 240, 120.0, max_length=256) == [LengthChange(
         "text", 256, 240, 2.0, 120.0
     )]
+
+
+# --- the host's model: prompt processing and generation apart ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_s", "process_s", "lease_s", "limits"),
+    [
+        # koboldcpp 1.116.1, one CPU thread, SmolLM2-135M: 46 s per 2,400 prompt
+        # tokens and 27 tokens/s. The worst job (3,584 prompt tokens, 512
+        # generated) takes 88 s of the 120 s budget: the caps stay.
+        (27.0, 46.0 / 2400, 150.0, (512, 4096)),
+        # The same host in a 60 s lease: 48 s for (C - 512) * p + 512 / 27.
+        (27.0, 46.0 / 2400, 60.0, (512, 1984)),
+        # 20 prompt tokens/s and 20 generated: 2,400 tokens of context in 120 s.
+        (20.0, 0.05, 150.0, (512, 2368)),
+        # Nothing known about prompts: the context stays.
+        (2.0, None, 150.0, (240, 4096)),
+        # Prompts known, generation not: max_length stays.
+        (None, 0.05, 150.0, (512, 2368)),
+        # A prompt token slower than a generated one: 400 tokens of context in
+        # 120 s, and max_length leaves MIN_PROMPT_TOKENS of them to the prompt.
+        (10.0, 0.3, 150.0, (144, 400)),
+    ],
+)
+def test_the_fitted_limits_process_and_generate_within_the_budget(
+    tokens_per_s: float | None, process_s: float | None, lease_s: float,
+    limits: tuple[int, int],
+) -> None:
+    fitted = lease_fit.fitted_limits(
+        tokens_per_s=tokens_per_s, process_s=process_s, lease_s=lease_s,
+        cap=512, context_cap=4096, margin_s=MARGIN_S,
+    )
+    assert fitted == limits
+    length, context = fitted
+    if tokens_per_s and process_s and context > length + lease_fit.MIN_PROMPT_TOKENS:
+        worst = (context - length) * process_s + length / tokens_per_s
+        assert worst <= budget_s(lease_s, MARGIN_S)
+
+
+def _figures(prompt: int, process_s: float, tokens: int, eval_s: float, gens: int = 1) -> Any:
+    return lease_fit.PerfFigures(prompt, process_s, tokens, eval_s, gens)
+
+
+def test_koboldcpps_figures_measure_prompts_and_generation_apart() -> None:
+    fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    # A short job: 100 prompt tokens in 5 s, 200 generated in 10 s.
+    changes = fit.record("text", 200, 15.0, max_length=200, figures=_figures(100, 5.0, 200, 10.0))
+    assert fit.speed("text") == 20.0 and fit.process_s("text") == 0.05
+    assert [(c.what, c.old, c.new) for c in changes] == [("max_context_length", 4096, 2368)]
+    assert changes[0].line() == (
+        "max_context_length for text jobs lowered from 4096 to 2368: koboldcpp processes "
+        "20.0 prompt tokens/s and generates 20.0 tokens/s here, and a job must end within "
+        "120 s of its lease"
+    )
+    assert fit.declared("text") == 512  # every reply keeps its length
+    assert fit.declared_context("chat") == 4096  # the other kind is not measured
+
+
+def test_a_long_prompt_that_ran_out_narrows_the_context_not_the_length() -> None:
+    fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    fit.record("text", 200, 10.0, max_length=200)  # 20 tokens/s, nothing known of prompts
+    changes = fit.ran_out("text", max_length=200, seconds=145.0, now=0.0, prompt_tokens=3000)
+    assert [(c.what, c.old) for c in changes] == [("max_context_length", 4096)]
+    # The prompt took at least 135 s of the 145: 0.045 s a token;
+    # (120 - 512 * (0.05 - 0.045)) / 0.045 = 2,609, by 64.
+    assert fit.declared_context("text") == 2560
+    assert fit.declared("text") == 512
+    assert changes[0].line() == (
+        "max_context_length for text jobs lowered from 4096 to 2560: a job's prompt of "
+        "3000 tokens ran out of its lease"
+    )
+    assert fit.lowered_because("text") == "koboldcpp ran out of a lease"
+    assert fit.probe_size("text") == (3000, 200)
+
+
+def test_a_run_out_the_measured_figures_cannot_explain_is_a_hang_and_lowers_nothing() -> None:
+    fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    fit.record("chat", 64, 1.0, max_length=64, figures=_figures(100, 0.1, 64, 0.64))
+    declared = (fit.declared("chat"), fit.declared_context("chat"))
+    # 60 prompt tokens and 512 to generate: 5 s predicted, 145 s not enough.
+    assert fit.ran_out("chat", max_length=512, seconds=145.0, now=0.0, prompt_tokens=60) == []
+    assert (fit.declared("chat"), fit.declared_context("chat")) == declared
+    # Nothing measured at all: a short prompt that ran out teaches nothing either.
+    fresh = LeaseFit(512, 15.0, margin_s=MARGIN_S, context_cap=4096)
+    assert fresh.ran_out("chat", max_length=16, seconds=10.0, now=0.0, prompt_tokens=88) == []
+    assert (fresh.declared("chat"), fresh.declared_context("chat")) == (512, 4096)
+
+
+def test_a_slow_generation_that_ran_out_still_narrows_the_length() -> None:
+    fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    fit.record("text", 100, 20.0, max_length=100, figures=_figures(100, 1.0, 100, 19.0))
+    [change] = fit.ran_out("text", max_length=512, seconds=145.0, now=0.0, prompt_tokens=100)
+    assert (change.what, change.old, change.new) == ("max_length", 512, 256)
+
+
+def test_no_measurement_raises_a_limit_before_the_run_outs_cooloff_ends() -> None:
+    """A probe (or a job) that measures koboldcpp fast right after a run-out does
+    not undo it: raises wait for the cool-off, then the re-measure decides."""
+    fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    fit.ran_out("text", max_length=200, seconds=145.0, now=0.0, prompt_tokens=3000)
+    narrowed = fit.declared_context("text")
+    assert narrowed is not None and narrowed < 4096
+    fast = _figures(20, 0.01, 64, 0.5)  # a four-word probe looks fast
+    assert fit.record("text", 64, 1.0, max_length=64, now=10.0, figures=fast) == []
+    assert fit.declared_context("text") == narrowed
+    assert fit.recheck_due(59.0) == []
+    # After the cool-off a re-measure of the failed size that answers in time raises.
+    assert fit.recheck_due(80.0) == ["text"]
+    changes = fit.remeasured("text", 64.0, 80.0, process_s=0.001)
+    assert [(c.what, c.new) for c in changes] == [("max_context_length", 4096)]
+
+
+@pytest.mark.parametrize(
+    ("perf", "figures"),
+    [
+        (
+            {"total_gens": 2, "last_input_count": 2400, "last_process_time": 46.0,
+             "last_token_count": 100, "last_eval_time": 3.7},
+            lease_fit.PerfFigures(2400, 46.0, 100, 3.7, 2),
+        ),
+        ({"total_gens": 0, "last_input_count": 0, "last_process_time": 0.0,
+          "last_token_count": 0, "last_eval_time": 0.0}, None),  # a fresh koboldcpp
+        ({"total_gens": 2, "last_input_count": "2400", "last_process_time": 46.0,
+          "last_token_count": 100, "last_eval_time": 3.7}, None),
+        ({"total_gens": 2, "last_input_count": 10, "last_process_time": math.nan,
+          "last_token_count": 100, "last_eval_time": 3.7}, None),
+        ({"idle": 1}, None),
+    ],
+)
+def test_koboldcpps_figures_are_read_only_when_they_describe_a_generation(
+    perf: dict[str, Any], figures: Any
+) -> None:
+    assert lease_fit.perf_figures(perf) == figures

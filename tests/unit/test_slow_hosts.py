@@ -201,9 +201,10 @@ def test_a_host_slow_only_for_long_prompts_keeps_serving_short_requests_and_lose
     15 s. Before, each long prompt that ran out halved max_length (512, 256,
     128...), the short requests (200 tokens) were skipped with the long ones, and
     every re-measure with a four-word prompt raised it back to let the next long
-    prompt run out. Now the first run-out (or the measured processing speed)
-    narrows the declared context to what processes in time: long prompts are no
-    longer sent, short ones go on."""
+    prompt run out: 13 long prompts lost and 13 short requests served in the
+    hour. Now the first run-out (or the measured processing speed) narrows the
+    declared context to what processes in time: long prompts are no longer
+    sent, short ones go on (1 long prompt lost, 231 short requests served)."""
     caplog.set_level(logging.INFO)
     clock = FakeClock()
     host = ModelHost(clock, process_s=0.05, tokens_per_s=20.0)
@@ -263,9 +264,9 @@ def test_a_host_hanging_on_real_chat_jobs_while_answering_probes_loses_few_chat_
 ) -> None:
     """koboldcpp hangs on every chat request the Horde sends (they carry a system
     message) and answers the worker's probe at once; the Horde's leases are 15 s.
-    Before, every three failures the probe re-declared chat within 10 s (about
-    20 chat jobs lost in 5 minutes), and each hang, read as slowness, halved
-    the chat max_length. Now the first probe comes a minute after the
+    Before, every three failures the probe re-declared chat within 10 s: 15
+    chat jobs lost in the first 5 minutes (until the count of aborted jobs
+    withdrew chat). Now: 5 in 5 minutes, 8 in the hour. Now the first probe comes a minute after the
     withdrawal, a probe that generates declares chat on probation (one more
     failure withdraws it), and each withdrawal waits twice as long as the last."""
     caplog.set_level(logging.INFO)
