@@ -40,8 +40,8 @@ from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
 from .job import SUBMIT_MARGIN_S
 from .journal import Journal
 from .lease_fit import LeaseFit
-from .probes import ProbePlan
 from .life import Phase
+from .probes import ProbePlan
 from .skipped import SkipContext
 
 if TYPE_CHECKING:

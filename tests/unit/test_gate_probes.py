@@ -12,7 +12,12 @@ from typing import Any
 from bench.harness.fakes import FakeBackend
 from koboldcpp_horde_chat.errors import BackendError
 from koboldcpp_horde_chat.service.gate import probe_prompt
-from koboldcpp_horde_chat.state.probes import FIRST_WAIT_S, MAX_WAIT_S, SUSTAINED_SUCCESSES, ProbePlan
+from koboldcpp_horde_chat.state.probes import (
+    FIRST_WAIT_S,
+    MAX_WAIT_S,
+    SUSTAINED_SUCCESSES,
+    ProbePlan,
+)
 
 from .test_loop_decisions import make
 

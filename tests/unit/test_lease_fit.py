@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 import math
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
