@@ -212,6 +212,14 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         token_delay_s: seconds per generated token.
         chars_per_token: the toy tokenizer's characters per token.
         prompt_delay_s: seconds of "prompt processing" before the first token.
+        prompt_token_delay_s: seconds of "prompt processing" per prompt token,
+            besides ``prompt_delay_s`` (a host slow only for long prompts). As in
+            koboldcpp, the prompt is processed in batches of
+            :data:`.values.PROMPT_BATCH_TOKENS` and an abort ends it only between two
+            (``gpttype_adapter.cpp`` L6093, L6754, L6909).
+        hang_prompts_over: a generation whose prompt has more tokens than this
+            never starts (it hangs until aborted, the client leaves or the
+            server stops); None: none hangs.
         horde_max_length: ``/api/v1/config/max_length`` (``--hordegenlen``).
         horde_max_context_length: ``--hordemaxctx`` (0: the context size).
         abort_reply_delay_s: koboldcpp waits 0.1 s before answering an abort.
@@ -266,6 +274,8 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         chars_per_token: int = 4,
         *,
         prompt_delay_s: float = 0.0,
+        prompt_token_delay_s: float = 0.0,
+        hang_prompts_over: int | None = None,
         horde_max_length: int = 1024,
         horde_max_context_length: int = 0,
         abort_reply_delay_s: float = 0.1,
@@ -292,6 +302,8 @@ class ScriptedKoboldcpp(ChatCompletions, KoboldGenerate, InfoRoutes):
         self.jinja = jinja
         self.token_delay_s = token_delay_s
         self.prompt_delay_s = prompt_delay_s
+        self.prompt_token_delay_s = prompt_token_delay_s
+        self.hang_prompts_over = hang_prompts_over
         self.horde_max_length = horde_max_length
         self.horde_max_context_length = horde_max_context_length
         self.abort_reply_delay_s = abort_reply_delay_s

@@ -72,14 +72,18 @@ class ChatCompletions(Generation, ScriptedReplies):
         try:
             if stream and plan.tool_path:
                 ex.start_sse()
-                record["aborted"] = not self._run_tokens(ex, run, outcome, watch=True)
+                record["aborted"] = not self._run_tokens(
+                    ex, run, outcome, watch=True, prompt_tokens=prompt_tokens
+                )
                 message, finish = self._chat_message(plan, outcome, stops, encapsulate)
                 self._write_fake_stream(ex, message, finish)
             elif stream:
                 self._chat_stream(ex, body, run, outcome, stops, prompt_tokens, encapsulate, record)
                 finish = _finish_reason(outcome.stop_reason)
             else:
-                record["aborted"] = not self._run_tokens(ex, run, outcome, watch=False)
+                record["aborted"] = not self._run_tokens(
+                    ex, run, outcome, watch=False, prompt_tokens=prompt_tokens
+                )
                 message, finish = self._chat_message(plan, outcome, stops, encapsulate)
                 # Recorded before the answer leaves, so a client that reads
                 # ``generations`` right after the answer always finds it.
@@ -183,7 +187,7 @@ class ChatCompletions(Generation, ScriptedReplies):
         fault = ex.stream_fault or ""
         error_after = half if fault == "stream_error" else -1
         stall_after = half if fault.startswith("stall:") else -1
-        if not self._wait(ex, run, self.prompt_delay_s, watch=True):
+        if not self._process_prompt(ex, run, prompt_tokens, watch=True):
             outcome.pieces, outcome.completion_tokens = [], 0
             outcome.stop_reason = STOP_OUT_OF_TOKENS
             record["aborted"] = True

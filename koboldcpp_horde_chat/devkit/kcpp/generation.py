@@ -24,6 +24,7 @@ from koboldcpp_horde_chat.devkit.kcpp.values import (
     BUSY_BODY,
     DEFAULT_CHAT_GENLEN,
     DEFAULT_KOBOLD_GENLEN,
+    PROMPT_BATCH_TOKENS,
     STOP_EOS,
     STOP_OUT_OF_TOKENS,
     UNAUTHORIZED_BODY,
@@ -206,18 +207,23 @@ class Generation(Aborts):
             return False
         return not body.get("reasoning_effort")
 
+    def _process_s(self, prompt_tokens: int) -> float:
+        """Seconds of prompt processing of ``prompt_tokens`` tokens."""
+        return self.prompt_delay_s + self.prompt_token_delay_s * prompt_tokens
+
     def _finish_stats(self, prompt_tokens: int, completion_tokens: int, stop_reason: int) -> None:
         eval_time = completion_tokens * self.token_delay_s
+        process_time = self._process_s(prompt_tokens)
         with self._lock:
             p = self._perf
-            p["last_process_time"] = float(self.prompt_delay_s)
+            p["last_process_time"] = float(process_time)
             p["last_eval_time"] = float(eval_time)
             p["last_process"] = (
-                self.prompt_delay_s * 1000.0 / prompt_tokens if prompt_tokens else 0.0
+                process_time * 1000.0 / prompt_tokens if prompt_tokens else 0.0
             )
             p["last_eval"] = eval_time * 1000.0 / completion_tokens if completion_tokens else 0.0
             p["last_process_speed"] = (
-                prompt_tokens / self.prompt_delay_s if self.prompt_delay_s > 0 else 0
+                prompt_tokens / process_time if process_time > 0 else 0
             )
             p["last_eval_speed"] = completion_tokens / eval_time if eval_time > 0 else 0
             p["last_token_count"] = completion_tokens
@@ -254,12 +260,41 @@ class Generation(Aborts):
             budget = ctx - reserved
         return max(1, budget), ctx
 
-    def _run_tokens(self, ex: _Exchange, run: _Run, outcome: _Outcome, *, watch: bool) -> bool:
+    def _process_prompt(
+        self, ex: _Exchange, run: _Run, prompt_tokens: int, *, watch: bool
+    ) -> bool:
+        """Wait out the processing of ``prompt_tokens`` tokens; False when aborted
+        or the client left. ``prompt_delay_s`` first, then batch by batch of
+        :data:`PROMPT_BATCH_TOKENS` at ``prompt_token_delay_s`` a token, an abort
+        heard only between batches (koboldcpp's ``early_abort`` check); a prompt
+        over ``hang_prompts_over`` tokens hangs until aborted."""
+        if not self._wait(ex, run, self.prompt_delay_s, watch=watch):
+            return False
+        if self.hang_prompts_over is not None and prompt_tokens > self.hang_prompts_over:
+            while self._wait(ex, run, 3600.0, watch=watch):
+                pass
+            return False
+        left = prompt_tokens if self.prompt_token_delay_s > 0 else 0
+        while left > 0:
+            batch = min(left, PROMPT_BATCH_TOKENS)
+            if self._stopping.wait(batch * self.prompt_token_delay_s):
+                return False
+            left -= batch
+            if run.abort.is_set():
+                return False
+            if watch and ex.client_gone():
+                run.abort.set()
+                raise _ClientGone()
+        return True
+
+    def _run_tokens(
+        self, ex: _Exchange, run: _Run, outcome: _Outcome, *, watch: bool, prompt_tokens: int = 0
+    ) -> bool:
         """Wait out prompt processing and each token; False when aborted or the client left.
 
         Trims ``outcome`` to the tokens generated before an abort.
         """
-        if not self._wait(ex, run, self.prompt_delay_s, watch=watch):
+        if not self._process_prompt(ex, run, prompt_tokens, watch=watch):
             outcome.pieces = []
             outcome.stop_reason = STOP_OUT_OF_TOKENS
             outcome.completion_tokens = 0

@@ -49,7 +49,7 @@ class KoboldGenerate(Generation, ScriptedReplies):
 
     def _kobold_generate(self, ex: _Exchange, body: dict[str, Any], run: _Run) -> None:
         _, outcome, stops, prompt_tokens, overflow = self._kobold_outcome(body, run)
-        aborted = not self._run_tokens(ex, run, outcome, watch=False)
+        aborted = not self._run_tokens(ex, run, outcome, watch=False, prompt_tokens=prompt_tokens)
         text = "".join(outcome.pieces)
         if outcome.stop_reason == STOP_CUSTOM and body.get("trim_stop", True) is not False:
             text = _trim_stops(text, stops)
@@ -103,7 +103,7 @@ class KoboldGenerate(Generation, ScriptedReplies):
             if outcome.stop_reason == STOP_CUSTOM:
                 text = _trim_stops(text, stops)
             emitted = 0
-            if not self._wait(ex, run, self.prompt_delay_s, watch=True):
+            if not self._process_prompt(ex, run, prompt_tokens, watch=True):
                 record["aborted"] = True
             for i, piece in enumerate(list(outcome.pieces)):
                 if record["aborted"]:

@@ -44,6 +44,8 @@ class KcppCore:
     chat_template: str | None
     token_delay_s: float
     prompt_delay_s: float
+    prompt_token_delay_s: float
+    hang_prompts_over: int | None
     horde_max_length: int
     horde_max_context_length: int
     abort_reply_delay_s: float

@@ -19,6 +19,9 @@ DEFAULT_CHAT_GENLEN = 1536
 """koboldcpp's ``--defaultgenamt``: the chat budget when the body sets none."""
 DEFAULT_KOBOLD_GENLEN = 200
 """The ``/api/v1/generate`` budget when the body sets no ``max_length`` (KoboldAI's default)."""
+PROMPT_BATCH_TOKENS = 512
+"""koboldcpp processes a prompt in batches of this many tokens (``--batchsize``,
+default 512) and hears an abort only between two."""
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
 """koboldcpp's ``--maxrequestsize`` default: larger bodies get 500 "Payload is too big"."""
 IMAGE_TOKENS = 256
