@@ -8,9 +8,10 @@ generation (probing it with a short one), while the Horde's hour is nearly
 full of this worker's aborted jobs (``guard.MaintenanceGuard``), while a
 chat-only worker's chat declaration is withdrawn, and while every kind it may
 pop for failed its generations in a row (each probed until it generates). Both
-probes are one rule (``PopGate._probe_until_generates``): a failing subject,
-koboldcpp as a whole or one kind, gets a short generation at most every
-:data:`PROBE_EVERY_S` until one succeeds. Before a pop it re-measures
+probes are one rule (``PopGate._probe_until_generates``, ``state.probes``): a
+failing subject, koboldcpp as a whole or one kind, gets a generation the size
+of its failed job, a minute after its withdrawal and ever less often after,
+until one succeeds. Before a pop it re-measures
 koboldcpp's speed for a ``max_length`` lowered and left idle (the rule in
 ``lease_fit``'s docstring). A probe or re-measure in flight at the stop's
 deadline is hung up then and aborted by its genkey, as a job's generation is.

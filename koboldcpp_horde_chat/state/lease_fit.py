@@ -46,7 +46,8 @@ what it shows:
   as slowly as two generated ones can), the prompt was slow: ``p`` is
   at least ``(T - L / g) / P``, and the context is refitted from it (the
   failed job no longer fits; ``max_length`` stays);
-* else generation was slow: ``max_length`` is narrowed to half the job's own
+* else (also whenever koboldcpp's figures of the aborted generation show
+  tokens generated) generation was slow: ``max_length`` is narrowed to half the job's own
   and to what fewer than ``L / T`` tokens/s fit (as it always was);
 * with no figure at all, a prompt of :data:`LONG_PROMPT_TOKENS` or more
   (and longer than the job's ``max_length``) was slow; a shorter one teaches
@@ -575,15 +576,21 @@ class LeaseFit:
         seconds: float,
         now: float | None = None,
         prompt_tokens: int | None = None,
+        produced: int | None = None,
     ) -> list[LengthChange]:
         """A ``kind`` job of ``max_length`` tokens and a prompt of ``prompt_tokens``
-        (None: not known) did not finish in ``seconds`` (its lease): the lesson
-        of the module docstring (a hang, a slow prompt or a slow generation).
+        (None: not known) did not finish in ``seconds`` (its lease), having
+        generated ``produced`` tokens by then (koboldcpp's figures of the aborted
+        generation; None: not known): the lesson of the module docstring (a
+        hang, a slow prompt or a slow generation; one that produced tokens was
+        generating: a slow generation).
         Holds the kind's raises for its cool-off; at monotonic ``now`` it
         schedules the kind's re-measure (a run-out within :data:`HOUR_S` of a
         raise doubles the cool-off first). Returns the changes it makes (none
         for a hang)."""
-        lesson = self._lesson(kind, max_length, seconds, prompt_tokens)
+        lesson = (
+            "length" if produced else self._lesson(kind, max_length, seconds, prompt_tokens)
+        )
         if lesson == "hang":
             return []
         raised = self._raised_at[kind]

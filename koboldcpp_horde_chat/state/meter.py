@@ -108,17 +108,24 @@ class JobMeter:
         """koboldcpp failed the job's generation: counted toward the streak that
         stops popping; one that ran out of its lease narrows the declaration."""
         now = self.clock()
-        self._failed(ctx, job, ran_out=ctx.lease.remaining(now) <= RAN_OUT_SLACK_S, now=now)
+        ran_out = ctx.lease.remaining(now) <= RAN_OUT_SLACK_S
+        # The aborted generation's figures: did it produce anything by its deadline?
+        figures = self.figures.read() if ran_out else None
+        self._failed(
+            ctx, job, ran_out=ran_out, now=now,
+            produced=figures.tokens if figures is not None else None,
+        )
 
     def ended_by_horde(self, ctx: JobContext, job: TextJob | ChatJob) -> None:
         """The Horde ended the job during its generation (``ChatJobAborted``: its
         lease ran out): an aborted job there, and a generation that ran out."""
         now = self.clock()
         self.state.record_expired(now, ctx.kind)
-        self._failed(ctx, job, ran_out=True, now=now)
+        self._failed(ctx, job, ran_out=True, now=now, produced=None)
 
     def _failed(
-        self, ctx: JobContext, job: TextJob | ChatJob, *, ran_out: bool, now: float
+        self, ctx: JobContext, job: TextJob | ChatJob, *, ran_out: bool, now: float,
+        produced: int | None,
     ) -> None:
         record_generation_failed(
             self.state,
@@ -129,6 +136,7 @@ class JobMeter:
             ttl_s=job.ttl_s,
             now=now,
             prompt_tokens=ctx.prompt_tokens,
+            produced=produced,
         )
 
 
@@ -193,10 +201,11 @@ def record_generation_failed(
     ttl_s: float,
     now: float | None = None,
     prompt_tokens: int | None = None,
+    produced: int | None = None,
 ) -> None:
     """koboldcpp failed a ``kind`` job's generation (``ran_out``: it did not
     answer within the lease) of a prompt of ``prompt_tokens`` (None: not
-    known). A job that ran out teaches the lease fit what it shows (a slow
+    known), having generated ``produced`` tokens by then (None: not known). A job that ran out teaches the lease fit what it shows (a slow
     prompt narrows the declared context, a slow generation the
     ``max_length``, a hang nothing: ``lease_fit.LeaseFit.ran_out``; one line
     per change); the failure counts toward the streak after which the worker
@@ -207,7 +216,7 @@ def record_generation_failed(
         changes = (
             state.lease_fit.ran_out(
                 kind, max_length=max_length, seconds=seconds, now=now,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=prompt_tokens, produced=produced,
             )
             if ran_out
             else []

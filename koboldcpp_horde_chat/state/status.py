@@ -87,7 +87,7 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
     ),
     "backend_failing": (
         "koboldcpp failed {failed_in_a_row} generations in a row: not popping; probing it "
-        "with a short generation until one succeeds",
+        "with a generation the size of the failed job until one succeeds",
         "koboldcpp generates again: popping",
     ),
     "kind_failing": (

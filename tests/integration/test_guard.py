@@ -125,12 +125,16 @@ def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
     kcpp: ScriptedKoboldcpp,
     start_worker: Callable[..., object],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """koboldcpp answers its readiness probe yet fails every generation: after a
     few failures in a row the worker stops popping and probes koboldcpp with a
-    short generation, instead of faulting every job it pops into maintenance;
-    once koboldcpp generates again it pops and earns."""
+    generation the size of the failed job, ever less often, instead of faulting
+    every job it pops into maintenance; once koboldcpp generates again it pops
+    and earns."""
     caplog.set_level(logging.INFO)
+    # The first probe 3 s after the withdrawal (60 s in service), then 6 s later...
+    monkeypatch.setattr("koboldcpp_horde_chat.state.probes.FIRST_WAIT_S", 3.0)
     for _ in range(60):
         kcpp.inject("generate", (500, {"detail": {"msg": "boom"}}))
         kcpp.inject("chat", (500, {"detail": {"msg": "boom"}}))
@@ -146,7 +150,7 @@ def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
           lambda: caplog.text[-3000:])
     pops = len(horde.pops)
     assert _counted(horde) == (3, False)
-    time.sleep(12.0)  # a probe (every 10 s) fails meanwhile: still no pop
+    time.sleep(12.0)  # two probes (3 s, then 6 s later) fail meanwhile: still no pop
     assert len(horde.pops) == pops
     kcpp._faults.clear()  # noqa: SLF001 - koboldcpp is fixed
     until(lambda: "koboldcpp generates again: popping" in caplog.text, 30,

@@ -258,7 +258,7 @@ def test_a_guard_pause_is_said_once_for_the_same_line_and_popping_again_after() 
     assert t.pausing("abort_limit", 60.0, line=line) is None
     assert t.popping(120.0) == "the Horde's hour allows another aborted job: popping again"
     assert t.pausing("backend_failing", 130.0) == (
-        "koboldcpp failed 3 generations in a row: not popping; probing it with a short "
-        "generation until one succeeds"
+        "koboldcpp failed 3 generations in a row: not popping; probing it with a "
+        "generation the size of the failed job until one succeeds"
     )
     assert t.popping(140.0) == "koboldcpp generates again: popping"
