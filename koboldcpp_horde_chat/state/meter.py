@@ -208,8 +208,9 @@ def record_generation_failed(
     known), having generated ``produced`` tokens by then (None: not known). A
     job that ran out teaches the lease fit what it shows (a slow prompt narrows
     the declared context, a slow generation the ``max_length``, a hang nothing:
-    ``lease_fit.LeaseFit.ran_out``; one line per change); the failure counts toward the streak after which the worker
-    stops popping and probes koboldcpp with a job of this one's size
+    ``lease_fit.LeaseFit.ran_out``; one line per change); the failure counts
+    toward the streak after which the worker stops popping and probes
+    koboldcpp with a job of this one's size
     (``state.probes``)."""
     with state.lock:
         state.lease_fit.note_lease(ttl_s)
