@@ -173,6 +173,8 @@ def test_a_mix_of_failing_chat_and_text_jobs_withdraws_chat_then_stops_before_ma
     popping at 19, before the Horde's 21st; the chat context it declares is never
     narrowed (a narrower one would not keep a conversation from overflowing)."""
     caplog.set_level(logging.INFO)
+    # The chat probe's first wait: 3 s here (60 s in service).
+    monkeypatch.setattr("koboldcpp_horde_chat.state.probes.FIRST_WAIT_S", 3.0)
 
     def fail(route: str, body: Any) -> Fault | None:
         if route == "chat":
@@ -243,6 +245,7 @@ def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps
     kcpp: ScriptedKoboldcpp,
     start_worker: Callable[..., object],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """koboldcpp fails every chat completion while its text generations succeed,
     the jobs interleaved: the third chat failure in a row withdraws chat (its
@@ -250,6 +253,8 @@ def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps
     faulted, and text jobs go on earning. Before, each text job ended the streak
     and chat jobs were faulted until the Horde's count withdrew chat at 15."""
     caplog.set_level(logging.INFO)
+    # The chat probe's first wait: 3 s here (60 s in service).
+    monkeypatch.setattr("koboldcpp_horde_chat.state.probes.FIRST_WAIT_S", 3.0)
 
     def fail(route: str, body: Any) -> Fault | None:
         if route == "chat":
