@@ -173,8 +173,6 @@ def test_a_mix_of_failing_chat_and_text_jobs_withdraws_chat_then_stops_before_ma
     popping at 19, before the Horde's 21st; the chat context it declares is never
     narrowed (a narrower one would not keep a conversation from overflowing)."""
     caplog.set_level(logging.INFO)
-    # The chat probe's first wait: 3 s here (60 s in service).
-    monkeypatch.setattr("koboldcpp_horde_chat.state.probes.FIRST_WAIT_S", 3.0)
 
     def fail(route: str, body: Any) -> Fault | None:
         if route == "chat":
