@@ -121,8 +121,9 @@ class PopGate:
         self.wall = wall
         self.backend_suspect = False
         self._own_done_at: float | None = None
-        #: koboldcpp's figures of each probe (``/api/extra/perf``).
-        self._figures = FiguresReader(backend, threads=settings.threads)
+        #: koboldcpp's figures of each probe (``/api/extra/perf``); the loop gives
+        #: the gate its job meter's, so that each generation's are read once.
+        self.figures = FiguresReader(backend, threads=settings.threads)
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
@@ -433,4 +434,4 @@ class PopGate:
         finally:
             self.note_own_request_done()
             self.own_generation_ended()
-        return tokens, self.clock() - started, self._figures.read()
+        return tokens, self.clock() - started, self.figures.read()

@@ -145,6 +145,7 @@ class Worker:
         )
         self._skipped = SkippedReporter()
         self.meter = JobMeter(state, backend, clock.monotonic)
+        self.gate.figures = self.meter.figures  # one reader: a probe's figures are seen once
         self.driver = JobDriver(
             self.ports, self.caps, state, self.pipeline, self.meter, self, worker_id
         )

@@ -37,17 +37,26 @@ class _Perf(Protocol):
 class FiguresReader:
     """koboldcpp's figures of the generation that just ended (``/api/extra/perf``,
     ``lease_fit.perf_figures``), best effort: None when it does not answer, has
-    none, or has counted no generation since the last read (its figures would
-    be an older one's). Only with one loop: with several, koboldcpp's last
-    generation may be another loop's."""
+    none, or has counted no generation since the last read; after a generation
+    aborted at its deadline, also when its figures are the last read's
+    (koboldcpp counts a generation when it starts and writes its figures when
+    it ends: they would be an older one's). Only with one loop:
+    with several, koboldcpp's last generation may be another loop's."""
 
     def __init__(self, backend: _Perf, *, threads: int = 1) -> None:
         self.backend = backend
         self.threads = threads
         self._seen: int | None = None
+        self._last: tuple[int, float, int, float] | None = None
 
-    def read(self) -> PerfFigures | None:
-        """The figures of koboldcpp's newest generation, or None (see the class)."""
+    def saw(self, figures: PerfFigures) -> None:
+        """``figures`` were read elsewhere (koboldcpp's at start): not new."""
+        self._seen = figures.generations
+        self._last = (figures.prompt_tokens, figures.process_s, figures.tokens, figures.eval_s)
+
+    def read(self, *, aborted: bool = False) -> PerfFigures | None:
+        """The figures of koboldcpp's newest generation (``aborted``: one aborted
+        at its deadline), or None (see the class)."""
         if self.threads > 1:
             return None
         try:
@@ -57,7 +66,10 @@ class FiguresReader:
         if figures is None or figures.generations == self._seen:
             return None
         self._seen = figures.generations
-        return figures
+        these = (figures.prompt_tokens, figures.process_s, figures.tokens, figures.eval_s)
+        stale = these == self._last
+        self._last = these
+        return None if aborted and stale else figures
 
 
 class JobMeter:
@@ -86,7 +98,7 @@ class JobMeter:
         seed_speed(self.state, perf, now=self.clock())
         figures = perf_figures(perf)
         if figures is not None:
-            self.figures._seen = figures.generations
+            self.figures.saw(figures)
 
     def generated(self, ctx: JobContext, job: TextJob | ChatJob, body: dict[str, Any]) -> None:
         """koboldcpp answered the job with the reply ``body`` (its submit body):
@@ -110,7 +122,7 @@ class JobMeter:
         now = self.clock()
         ran_out = ctx.lease.remaining(now) <= RAN_OUT_SLACK_S
         # The aborted generation's figures: did it produce anything by its deadline?
-        figures = self.figures.read() if ran_out else None
+        figures = self.figures.read(aborted=True) if ran_out else None
         self._failed(
             ctx, job, ran_out=ran_out, now=now,
             produced=figures.tokens if figures is not None else None,
