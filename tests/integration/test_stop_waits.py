@@ -30,13 +30,14 @@ def generate_requests(kcpp: ScriptedKoboldcpp) -> int:
 def test_the_stop_ends_a_hanging_probe_of_a_failing_koboldcpp_within_the_grace(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
 ) -> None:
-    """Three text jobs fail, so the gate probes koboldcpp with a short generation,
-    which hangs (its own timeout is 60 s)."""
+    """Three text jobs fail, so the gate probes koboldcpp (60 s later, as in service:
+    the worker is a process of its own) with a generation the size of the failed
+    job, which hangs."""
     kcpp.inject("generate", *[(500, {"detail": {"msg": "boom"}})] * 3, f"hang:{HANG_S:g}")
     for i in range(3):
         horde.send_text(f"Once {i}", max_length=16, max_attempts=1)
     worker = workers("--stop-grace", str(GRACE_S))
-    until(lambda: generate_requests(kcpp) >= 4, 60, worker.log)  # the probe is in flight
+    until(lambda: generate_requests(kcpp) >= 4, 90, worker.log)  # the probe is in flight
     time.sleep(0.3)
     took = worker.sigterm_to_clean_exit(HANG_S + 30)
     print(f"stop under a hanging probe: {took:.2f} s")
