@@ -3,8 +3,8 @@
 Importing the package puts the package under test first on ``sys.path``: the
 repository's ``koboldcpp_horde_chat``, or the one in ``$BENCH_PKG_ROOT``; the
 repository stays on it too. The benchmarks import nothing from ``tests/``; the
-tests import the two modules here they share with the benchmarks (``fakes``,
-``worker_process``).
+tests import the three modules here they share with the benchmarks (``fakes``,
+``worker_process``, ``real_horde``).
 
 * ``product``: every module of ``koboldcpp_horde_chat`` the benchmarks use
   (the devkit aside), imported there and nowhere else;
@@ -19,6 +19,9 @@ tests import the two modules here they share with the benchmarks (``fakes``,
   the route's trace, and the tests' property tests);
 * ``worker_process``: the standalone worker as a process, its log lines read as
   they come (``bench_stop.py`` and the tests that run it as a supervisor would).
+* ``real_horde``: the real AI Horde server from a source checkout
+  (``$AI_HORDE_SRC``) with its PostgreSQL and redis, on 127.0.0.1 (the tests
+  marked ``real_horde`` and ``bench_kudos.py --real-horde``).
 
 See bench/README.md for what is measured and how.
 """

@@ -1,8 +1,8 @@
 """The standalone worker as a process, for the tests that run it as a supervisor would
 (and for ``bench/bench_stop.py``, which times its stops).
 
-``python -m koboldcpp_horde_chat`` runs in a subprocess against a dev Horde and a
-scripted koboldcpp of the calling process; its log lines (stderr) are read as
+``python -m koboldcpp_horde_chat`` runs in a subprocess against a dev Horde (or
+the real one, ``real_horde``) and a scripted koboldcpp of the calling process; its log lines (stderr) are read as
 they come. The tests' ``workers`` fixture (``tests/integration/conftest.py``) starts them and kills what
 is left at the test's end.
 """
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from koboldcpp_horde_chat import BRIDGE_AGENT
 from koboldcpp_horde_chat.devkit.horde import DevHorde
@@ -45,13 +46,20 @@ POP = {
 }
 
 
+class Served(Protocol):
+    """A server the worker is pointed at: the dev Horde, the real one, a koboldcpp."""
+
+    @property
+    def url(self) -> str: ...
+
+
 class WorkerProcess:
     """The worker process; its log lines (stderr) are read as they come."""
 
     def __init__(
         self,
-        horde: DevHorde,
-        kcpp: ScriptedKoboldcpp,
+        horde: Served,
+        kcpp: Served,
         journal_dir: Path,
         *extra: str,
         key: str = API_KEY,
@@ -65,7 +73,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "koboldcpp_horde_chat",
-                "--hordekey", key,
+                f"--hordekey={key}",  # a key may start with "-" (the real Horde's do)
                 "--hordeworkername", name,
                 "--horde-url", horde.url,
                 "--kcpp-url", kcpp_url or kcpp.url,
