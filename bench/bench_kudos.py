@@ -5,6 +5,9 @@ Both serve the same text jobs from the dev Horde (in this process) at each
 busy fraction, kudos/hour, the gap from a submit's answer to the next pop, pop
 to submit, and the ratios ours/own. Needs a built koboldcpp and a model
 (``KCPP_DIR``, ``KCPP_MODEL``); without them it says it was skipped and why.
+``--real-horde`` then serves the same jobs from the real AI Horde server too
+(``AI_HORDE_SRC``, ``harness.real_horde``), each worker rewarded by its own kudos
+formula, and prints those figures beside the dev Horde's.
 The figures, targets and method: bench/README.md.
 """
 
@@ -29,6 +32,7 @@ from typing import Any
 import requests
 from harness import PKG_ROOT
 from harness.devkit import Request, Response, TimedDevHorde, is_validated_backend
+from harness.real_horde import HordeUser, RealHorde, RealHordeError, source_from_env, sql_literal
 from harness.real_kcpp import KoboldcppProcess, find_koboldcpp, stop_all, stop_on_sigterm
 from harness.report import (
     add_json,
@@ -569,6 +573,222 @@ def run_process(
 
 
 # --------------------------------------------------------------------------------------
+# the real AI Horde
+
+#: The model name both workers declare to the real Horde (``--hordemodelname``), which
+#: its model reference knows with the served model's parameter count.
+REAL_MODEL = "koboldcpp/kcpp-bench"
+#: A parameter count in a model file's name: ``SmolLM2-135M-Instruct`` -> 135 M.
+_PARAMS_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)([MB])(?![A-Za-z])", re.I)
+
+
+def model_parameters(model: Path) -> int | None:
+    """The parameter count the model file's name gives (``135M``, ``7B``), or None."""
+    found = _PARAMS_IN_NAME.search(model.stem.replace("_", "-"))
+    if found is None:
+        return None
+    scale = 1e6 if found.group(2).upper() == "M" else 1e9
+    return int(float(found.group(1)) * scale)
+
+
+@dataclass
+class RealRun:
+    """The real Horde with its trusted owner (both workers') and its client."""
+
+    horde: RealHorde
+    owner: HordeUser
+    client: HordeUser
+
+    def send_text(self, max_length: int) -> str:
+        body = {
+            "prompt": PROMPT,
+            "params": dict(GEN_PARAMS, max_length=max_length, max_context_length=MAX_CONTEXT),
+            "models": [REAL_MODEL],
+        }
+        resp = requests.post(self.horde.url + "/api/v2/generate/text/async",
+                             headers={"apikey": self.client.api_key}, json=body, timeout=30)
+        if resp.status_code != 202:
+            raise RuntimeError(f"the real Horde refused a request: {resp.status_code} {resp.text[:200]}")
+        return str(resp.json()["id"])
+
+    def rows(self, query: str) -> list[dict[str, Any]]:
+        return [json.loads(r[0]) for r in self.horde.sql(f"select row_to_json(q) from ({query}) q")]
+
+    def done(self, rids: Sequence[str]) -> int:
+        ids = ", ".join(sql_literal(r) for r in rids)
+        return int(self.horde.sql(
+            f"select count(*) from waiting_prompts wp where wp.id in ({ids}) and wp.n = 0 and "
+            "exists (select 1 from processing_gens p where p.wp_id = wp.id and p.generation is not null)"
+        )[0][0])
+
+
+def analyse_real_batch(run: RealRun, rids: Sequence[str], *, slots: int) -> dict[str, Any]:
+    """Figures of one batch from the real Horde's database, as :func:`analyse_batch`'s.
+
+    A job's pop is its ``processing_gens`` row's ``created``, its submit the owner's
+    ``kudos_ledger`` credit's ``created`` (both the Horde's clock, written while it
+    answers), its reward that credit's ``amount``; ``bad`` counts faulted jobs and
+    requests not done.
+    """
+    ids = ", ".join(sql_literal(r) for r in rids)
+    jobs = run.rows(
+        "select p.id, p.wp_id, p.generation, p.faulted, extract(epoch from p.created) as t "
+        f"from processing_gens p where p.wp_id in ({ids}) order by p.created"
+    )
+    job_ids = ", ".join(sql_literal(j["id"]) for j in jobs) or "''"
+    credits = {
+        c["job_id"]: c for c in run.rows(
+            "select job_id, amount, extract(epoch from created) as t from kudos_ledger "
+            f"where user_id = {run.owner.user_id} and job_id::text in ({job_ids})"
+        )
+    }
+    served = [j for j in jobs if j["generation"] is not None and j["id"] in credits]
+    bad: dict[str, int] = {}
+    faulted = sum(1 for j in jobs if j["faulted"])
+    if faulted:
+        bad["job faulted or aborted"] = faulted
+    if run.done(rids) != len(rids):
+        bad["request not done"] = len(rids) - run.done(rids)
+    pops = sorted(served, key=lambda j: float(j["t"]))
+    submits = {j["id"]: float(credits[j["id"]]["t"]) for j in served}
+    gaps = []
+    if slots == 1:
+        gaps = [(float(nxt["t"]) - submits[cur["id"]]) * 1e3 for cur, nxt in zip(pops, pops[1:], strict=False)]
+    wall = max(submits.values()) - float(pops[0]["t"]) if pops else float("nan")
+    return {
+        "wall_s": wall,
+        "ok": len(served),
+        "kudos": round(sum(float(credits[j["id"]]["amount"]) for j in served), 2),
+        "gaps_ms": gaps,
+        "pop_to_submit_s": [submits[j["id"]] - float(j["t"]) for j in served],
+        "bad": bad,
+        "generations": [j["generation"] for j in served],
+    }
+
+
+def run_real_process(ctx: Context, run: RealRun, worker: str, slots: int, round_no: int) -> Batch:
+    """:func:`run_process` against the real Horde (loopback, no added latency): one
+    koboldcpp for ``worker``, its generation time measured, one batch of ``ctx.jobs``
+    text jobs; stop it. Raises RuntimeError on a failure."""
+    name = f"bench-real-{worker}-s{slots}-r{round_no}"
+    log_path = ctx.logs / f"{name}.log"
+    extra = [f"--hordekey={run.owner.api_key}", "--hordeworkername", name, "--hordegenlen", "128",
+             "--hordemodelname", REAL_MODEL]
+    if slots > 1:
+        extra += ["--parallelrequests", str(slots)]
+    proc = KoboldcppProcess(
+        ctx.tree, ctx.scripts[worker], ctx.model, log_path, extra_args=extra,
+        env={"AI_HORDE_URL": run.horde.url, "PYTHONUNBUFFERED": "1",
+             "PYTHONPATH": ctx.pythonpath if worker == OURS else None},
+    )
+    record: dict[str, Any] = {"name": name, "worker": worker, "slots": slots, "round": round_no,
+                              "horde": "real"}
+    try:
+        proc.wait_ready()
+        record["ready_s"] = round(time.monotonic() - proc.started_at, 1)
+        gen = measure_generation(proc.url, job_body(ctx.max_length), slots=slots)
+        record["direct"] = {"single_s": [round(x, 4) for x in gen["single"]],
+                            "pair_s": [round(x, 4) for x in gen["pair"]], "gen_s": round(gen["gen_s"], 4)}
+        deadline = time.monotonic() + FIRST_POP_TIMEOUT_S
+        agent = None
+        while time.monotonic() < deadline and agent is None:  # its row appears at its first pop
+            if not proc.alive():
+                raise RuntimeError(f"koboldcpp exited; see {log_path}")
+            found = run.rows(f"select bridge_agent from workers where name = {sql_literal(name)}")
+            agent = found[0]["bridge_agent"] if found else None
+            time.sleep(0.25)
+        if agent is None:
+            raise RuntimeError(f"{name}: no pop within {FIRST_POP_TIMEOUT_S:.0f} s; see {log_path}")
+        record["first_pop_s"] = round(time.monotonic() - proc.started_at, 1)
+        record["bridge_agent"] = agent
+        if agent.startswith(OURS_AGENT_PREFIX) != (worker == OURS) or not is_validated_backend(agent):
+            raise RuntimeError(f"{name} popped with bridge agent {agent!r}: not the expected worker")
+        log_offset = _log_size(log_path)
+        rids = [run.send_text(ctx.max_length) for _ in range(ctx.jobs)]
+        timeout = 60.0 + ctx.jobs * 30.0
+        deadline = time.monotonic() + timeout
+        while run.done(rids) < len(rids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the batch did not end in {timeout:.0f} s; see {log_path}")
+            time.sleep(0.25)
+        fig = analyse_real_batch(run, rids, slots=slots)
+        gen_times = logged_generation_times(_log_since(log_path, log_offset))
+        gen_source = "log"
+        if len(gen_times) != fig["ok"]:
+            gen_times, gen_source = [gen["gen_s"]] * fig["ok"], "direct"
+        batch = Batch(
+            worker=worker, slots=slots, latency_ms=0, round=round_no, jobs=len(rids), ok=fig["ok"],
+            wall_s=fig["wall_s"], kudos=fig["kudos"], gen_times_s=gen_times, gaps_ms=fig["gaps_ms"],
+            pop_to_submit_s=fig["pop_to_submit_s"], bad=fig["bad"],
+            same_text=sum(1 for g in fig["generations"] if g == gen["text"]), gen_source=gen_source,
+        )
+        print(
+            f"  real Horde, round {round_no} {slots} slot(s) {worker:4}: per job {batch.per_job_s:.3f} s, "
+            f"gen {batch.gen_s:.3f} s ({gen_source}), busy {batch.busy * 100:.0f} %, "
+            f"{batch.kudos / max(batch.ok, 1):.2f} kudos/job, {batch.kudos_per_hour:.0f} kudos/h"
+            + (f", NOT OK: {batch.bad}" if batch.bad else ""),
+            flush=True,
+        )
+        return batch
+    finally:
+        proc.stop()
+        count, lines = odd_lines(log_path)
+        record["odd_log_lines"] = count
+        record["odd_log_sample"] = lines
+        ctx.processes.append(record)
+
+
+def run_real_horde(ctx: Context, src: Path, rounds: int, slots_list: Sequence[int]) -> dict[str, Any]:
+    """Start the real Horde (the served model in its reference, a trusted owner) and
+    run both workers against it; ``{"batches", "parameters", "start_s", "stop_s"}``.
+    Raises RealHordeError or RuntimeError."""
+    parameters = model_parameters(ctx.model)
+    entry = {"parameters": parameters or 1_000_000_000, "name": REAL_MODEL}
+    horde = RealHorde(src, text_models={REAL_MODEL: entry}, log=lambda line: print(f"  {line}", flush=True))
+    batches: list[Batch] = []
+    try:
+        horde.start()
+        run = RealRun(horde, horde.user("bench-owner", trusted=True), horde.user("bench-client", trusted=False))
+        print(f"  the real Horde is up at {horde.url} ({horde.timings['start_s']:.0f} s)", flush=True)
+        for r in range(rounds):
+            order = (OWN, OURS) if r % 2 == 0 else (OURS, OWN)
+            for slots in slots_list:
+                for worker in order:
+                    batches.append(run_real_process(ctx, run, worker, slots, r + 1))
+    finally:
+        horde.stop()
+    return {"batches": batches, "parameters": parameters, "set_up_s": horde.timings.get("set_up_s"),
+            "start_s": horde.timings.get("start_s"), "stop_s": horde.timings.get("stop_s")}
+
+
+def side_by_side(dev: Sequence[Batch], real: Sequence[Batch], slots_list: Sequence[int]) -> list[str]:
+    """Lines comparing the dev Horde at 0 ms with the real Horde, per slots setting:
+    kudos/job, kudos/hour and jobs/hour of each worker, and ours/own."""
+    lines = [f"  {'slots':>5}  {'Horde':<10} {'worker':<8} {'kudos/job':>9} {'kudos/h':>9} {'jobs/h':>8}"]
+    for slots in slots_list:
+        for label, group in (("dev 0 ms", [b for b in dev if b.latency_ms == 0]), ("real", list(real))):
+            med: dict[str, tuple[float, float, float]] = {}
+            for worker in (OWN, OURS):
+                mine = [b for b in group if b.worker == worker and b.slots == slots]
+                if not mine:
+                    continue
+                med[worker] = (
+                    _med([b.kudos / b.ok for b in mine if b.ok]),
+                    _med([b.kudos_per_hour for b in mine]),
+                    _med([b.jobs_per_hour for b in mine]),
+                )
+                k, kh, jh = med[worker]
+                lines.append(f"  {slots:>5}  {label:<10} {worker:<8} {_num(k, '9.3f')} {_num(kh, '9.1f')} {_num(jh, '8.0f')}")
+            if OWN in med and OURS in med:
+                (ko, kho, jho), (ku, khu, jhu) = med[OWN], med[OURS]
+                lines.append(
+                    f"  {slots:>5}  {label:<10} {'ours/own':<8} {_num(ku / ko if ko else float('nan'), '8.3f')}x "
+                    f"{_num(khu / kho if kho else float('nan'), '8.3f')}x {_num(jhu / jho if jho else float('nan'), '7.3f')}x"
+                )
+    return lines
+
+
+# --------------------------------------------------------------------------------------
 # the table and the targets
 
 
@@ -818,6 +1038,7 @@ def _command(args: argparse.Namespace) -> str:
     return reproduce(
         "bench_kudos.py",
         "--quick" if args.quick else "",
+        "--real-horde" if args.real_horde else "",
         *(
             f"{flag} {value}"
             for flag, value in (
@@ -829,7 +1050,7 @@ def _command(args: argparse.Namespace) -> str:
             )
             if value is not None
         ),
-        env=("KCPP_DIR", "KCPP_MODEL"),
+        env=("KCPP_DIR", "KCPP_MODEL", *(("AI_HORDE_SRC",) if args.real_horde else ())),
     )
 
 
@@ -853,6 +1074,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_length = args.max_length or 48
     command = _command(args)
     title = "kudos per hour, koboldcpp's own embedded worker vs koboldcpp with the patch"
+    real_src = source_from_env()
+    if args.real_horde:
+        title += ", on the dev Horde and the real AI Horde"
+        if real_src is None:
+            return skipped("kudos", title, command,
+                           "--real-horde needs AI_HORDE_SRC, an AI Horde source checkout")
     kdir, model, why = find_koboldcpp()
     if kdir is None or model is None:
         return skipped("kudos", title, command, why)
@@ -896,6 +1123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_length=max_length,
     )
     batches: list[Batch] = []
+    real: dict[str, Any] | None = None
     t0 = time.monotonic()
     try:
         for r in range(rounds):
@@ -904,6 +1132,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for slots in slots_list:
                 for worker in order:
                     batches += run_process(ctx, worker, slots, lat_order, r + 1)
+        if args.real_horde and real_src is not None:
+            print("the real AI Horde:", flush=True)
+            try:
+                real = run_real_horde(ctx, real_src, rounds, slots_list)
+            except RealHordeError as exc:
+                result["notes"].append(f"the real Horde did not start: {exc}")
     finally:
         stop_all()
         horde.stop()
@@ -941,6 +1175,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same = sum(b.same_text for b in batches)
     total = sum(b.ok for b in batches)
     notes.append(f"generations equal to the direct request's text: {same} of {total}")
+    if real is not None:
+        rb: list[Batch] = real["batches"]
+        lines, figs = summarise(rb, [0], slots_list)
+        for fig in figs:
+            fig["name"] = "real Horde: " + fig["name"]
+            for key in ("target", "limit", "better", "met"):
+                fig.pop(key, None)
+        result["figures"] += figs
+        params = real["parameters"]
+        result["real_horde"] = {
+            "table": lines,
+            "side_by_side": side_by_side(batches, rb, slots_list),
+            "batches": [b.row() for b in rb],
+            "model": REAL_MODEL,
+            "parameters": params,
+            "timings_s": {k: real[k] and round(real[k], 1) for k in ("set_up_s", "start_s", "stop_s")},
+        }
+        bad_real = [b for b in rb if b.bad or b.ok != b.jobs]
+        notes.append(
+            f"real Horde: {REAL_MODEL} in its model reference with "
+            + (f"{params / 1e6:g} M parameters (the model file's name)" if params else
+               "1 B parameters (the model file's name gives none)")
+            + ", the owner trusted; "
+            + ("every job submitted and rewarded, none faulted or aborted" if not bad_real else
+               "jobs that ended badly: " + "; ".join(f"{b.worker} {b.slots} slot(s) round {b.round}: {b.bad}"
+                                                      for b in bad_real))
+        )
     return result
 
 
@@ -977,6 +1238,19 @@ def print_report(result: dict[str, Any]) -> None:
         "rows: the per-job and kudos/hour ratios had both workers' koboldcpp generated each "
         "job in the mean generation time of the configuration (shown), from each round's idle"
     )
+    real = result.get("real_horde")
+    if real:
+        print(
+            f"  against the real AI Horde ({real['model']}, a known model of its reference; "
+            "its own kudos formula; loopback, no added latency; pop = the job's row, submit = "
+            "the owner's credit, both as the Horde's database times them):"
+        )
+        for line in real["table"]:
+            print(line)
+        print("  dev Horde at 0 ms and real Horde side by side (medians over rounds):")
+        for line in real["side_by_side"]:
+            print(line)
+        print(f"  real Horde set-up/start/stop: {real['timings_s']} s")
     print("  targets:")
     for line in target_lines(result["figures"]):
         print(line)
@@ -994,6 +1268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--slots", default=None, help="--parallelrequests settings (1,2; quick 1)")
     ap.add_argument("--max-length", type=int, default=None, help="tokens per job (48)")
     ap.add_argument("--quick", action="store_true", help="6 jobs, 1 round, 1 slot")
+    ap.add_argument("--real-horde", action="store_true",
+                    help="also serve the jobs from the real AI Horde (AI_HORDE_SRC: its source)")
     add_json(ap)
     args = ap.parse_args(argv)
     stop_on_sigterm()

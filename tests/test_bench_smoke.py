@@ -223,3 +223,40 @@ def test_the_route_tracer_follows_one_chat_job_over_http_and_over_the_fakes() ->
         # going back after leaving a file is one kind of going back in sequence
         assert counts["after leaving it"][0] <= counts["in sequence"][0]
         assert f"reproduce: python bench/trace_route.py{' --fakes' if extra else ''}" in out
+
+
+def test_kudos_bench_on_the_real_horde_without_its_source_says_it_was_skipped() -> None:
+    env = dict(os.environ)
+    env.pop("AI_HORDE_SRC", None)
+    env.pop("BENCH_PKG_ROOT", None)
+    result = bench("bench/bench_kudos.py", "--quick", "--real-horde", timeout_s=60, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skipped: --real-horde needs AI_HORDE_SRC, an AI Horde source checkout" in result.stdout
+    assert "python bench/bench_kudos.py --quick --real-horde" in result.stdout
+
+
+def test_kudos_bench_reads_the_served_models_parameters_from_its_file_name() -> None:
+    """The real Horde's model reference gets the served model's parameter count."""
+    bk = _bench_module()
+    assert bk.model_parameters(Path("m/SmolLM2-135M-Instruct.Q4_1.gguf")) == 135_000_000
+    assert bk.model_parameters(Path("Qwen3-8B-Q4_K_M.gguf")) == 8_000_000_000
+    assert bk.model_parameters(Path("Llama-3.2-1.5B.gguf")) == 1_500_000_000
+    assert bk.model_parameters(Path("tiny.gguf")) is None
+
+
+def test_kudos_bench_puts_the_dev_and_the_real_hordes_figures_side_by_side() -> None:
+    bk = _bench_module()
+
+    def batch(worker: str, latency: int, kudos: float, wall: float) -> Any:
+        return bk.Batch(worker=worker, slots=1, latency_ms=latency, round=1, jobs=4, ok=4,
+                        wall_s=wall, kudos=kudos, gen_times_s=[1.0] * 4)
+
+    dev = [batch("own", 0, 8.0, 8.0), batch("ours", 0, 8.0, 4.0), batch("own", 150, 8.0, 9.0)]
+    real = [batch("own", 0, 0.24, 8.0), batch("ours", 0, 0.24, 6.0)]
+    lines = bk.side_by_side(dev, real, [1])
+    cells = [line.split() for line in lines[1:]]
+    assert ["1", "dev", "0", "ms", "own", "2.000", "3600.0", "1800"] in cells
+    assert ["1", "dev", "0", "ms", "ours/own", "1.000x", "2.000x", "2.000x"] in cells
+    assert ["1", "real", "own", "0.060", "108.0", "1800"] in cells
+    assert ["1", "real", "ours/own", "1.000x", "1.333x", "1.333x"] in cells
+    assert not any("150" in line for line in lines)  # the dev Horde at 0 ms only

@@ -105,11 +105,13 @@ class OnRealHorde:
 
     # ------------------------------------------------------------ the worker
 
-    def start_worker(self, *extra: str, name: str | None = None) -> WorkerProcess:
+    def start_worker(self, *extra: str, name: str | None = None, kcpp_url: str | None = None
+                     ) -> WorkerProcess:
         """``python -m koboldcpp_horde_chat`` as ``name`` (the test's worker name) with the
-        owner's key against the real Horde and the scripted koboldcpp, flags ``extra``."""
+        owner's key against the real Horde and the scripted koboldcpp (or the one at
+        ``kcpp_url``), flags ``extra``."""
         worker = WorkerProcess(self.horde, self.kcpp, self.journal_dir, *extra,
-                               key=self.owner.api_key, name=name or self.name)
+                               key=self.owner.api_key, name=name or self.name, kcpp_url=kcpp_url)
         self.workers.append(worker)
         return worker
 
