@@ -145,28 +145,44 @@ def test_sigkill_mid_job_then_a_restart_faults_it_from_the_journal(
 
 
 @pytest.mark.slow
-def test_a_job_past_its_lease_is_left_to_expire_and_nothing_is_sent_late(
+def test_a_job_running_past_its_lease_is_faulted_within_it_and_nothing_is_sent_late(
     on_real: OnRealHorde,
 ) -> None:
-    """koboldcpp's first generation takes 400 s, past the job's 150 s lease: the
-    worker gives it up without a submit, the Horde's sweep aborts it (150 to 210 s
-    after the pop) and re-opens the request once, and this worker then serves it.
-    Exactly two jobs: a late fault would have re-opened it a second time, a late
-    reply would have given the first job a generation."""
+    """koboldcpp's first generation would take 400 s, past the job's 150 s lease
+    (the pop's ttl): the worker stops it and faults the job before the lease ends,
+    before the Horde's sweep could abort it (150 to 210 s after the pop), and
+    serves the request once its re-measured speed lets it declare the request's
+    length again. Exactly two jobs: a fault sent late would have re-opened the
+    request a second time, a reply sent late would have given the first job a
+    generation."""
     _slow(on_real, 400.0, first_only=True)
     rid = on_real.send_text(PROMPT)
     worker_proc = on_real.start_worker()
-    poll(lambda: on_real.kcpp.generating, 60, on_real.why)
-    on_real.wait_done([rid], 300)
-    time.sleep(5)  # anything late would land now
+    poll(lambda: len(on_real.jobs(rid)) == 1, 60, on_real.why)
+    first_id = on_real.jobs(rid)[0]["id"]
+    ages: list[float] = []
+
+    def faulted() -> bool:
+        (row,) = on_real.horde.sql(
+            "select faulted, extract(epoch from (now() at time zone 'utc') - created) "
+            f"from processing_gens where id = '{first_id}'"
+        )
+        ages.append(float(row[1]))
+        return row[0] == "t"
+
+    poll(faulted, 240, on_real.why)
+    assert ages[-1] < 150.0, on_real.why()  # the worker's fault, within the ttl
+    on_real.wait_done([rid], 150)
+    time.sleep(10)  # anything late would land now
     first, second = on_real.jobs(rid)
-    assert first["faulted"] and first["generation"] is None
+    assert first["id"] == first_id and first["faulted"] and first["generation"] is None
     assert second["generation"] is not None
     assert on_real.request(rid)["n"] == 0
     worker = on_real.worker()
     assert worker is not None and (worker["aborted_jobs"], worker["fulfilments"]) == (1, 1)
-    assert worker_proc.said(f"job={first['id']} kind=text submitted") == 0
-    assert worker_proc.said(f"job={first['id']} kind=text faulted") == 0
+    assert worker_proc.said(f"job={first_id} kind=text faulted") == 1
+    assert worker_proc.said(f"job={first_id} kind=text submitted") == 0
+    assert on_real.kcpp.aborts, "koboldcpp's generation was not stopped"
 
 
 @pytest.mark.slow
@@ -199,14 +215,15 @@ def test_maintenance_set_by_the_owner_pauses_the_worker_until_lifted(
 def test_the_guard_stops_popping_before_the_hordes_21st_aborted_job(
     on_real: OnRealHorde,
 ) -> None:
-    """koboldcpp fails every generation of 25 marked requests, queued before 10
-    good ones: the worker stops popping before the Horde's 21st aborted job in the
-    hour, so the Horde never puts it into maintenance."""
+    """koboldcpp fails every generation of 20 marked requests, queued before 8
+    good ones (a user may have 30 waiting): the worker stops popping before the
+    Horde's 21st aborted job in the hour, so the Horde never puts it into
+    maintenance."""
     _reply(on_real)
     on_real.kcpp.fail_when(_fail_marked("FAIL"))
-    for i in range(25):
+    for i in range(20):
         on_real.send_text(f"FAIL {i}")
-    for i in range(10):
+    for i in range(8):
         on_real.send_text(f"Once {i}")
     worker_proc = on_real.start_worker()
     poll(lambda: worker_proc.said(GUARD_LINE) > 0, 240, on_real.why)
