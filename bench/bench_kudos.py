@@ -391,6 +391,9 @@ class Context:
     jobs: int
     max_length: int
     notes: list[str] = field(default_factory=list)
+    #: Ends every worker name, so two runs on one machine never share one (a
+    #: worker refuses to start under a name another process of the machine holds).
+    tag: str = field(default_factory=lambda: str(os.getpid()))
     processes: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -450,7 +453,7 @@ def run_process(
 ) -> list[Batch]:
     """Start one koboldcpp for ``worker``, measure its generation time, then one batch
     of ``ctx.jobs`` text jobs per latency; stop it. Raises RuntimeError on a failure."""
-    name = f"bench-{worker}-s{slots}-r{round_no}"
+    name = f"bench-{worker}-s{slots}-r{round_no}-{ctx.tag}"
     log_path = ctx.logs / f"{name}.log"
     extra = ["--hordekey", API_KEY, "--hordeworkername", name, "--hordegenlen", "128"]
     if slots > 1:
@@ -670,7 +673,7 @@ def run_real_process(ctx: Context, run: RealRun, worker: str, slots: int, round_
     """:func:`run_process` against the real Horde (loopback, no added latency): one
     koboldcpp for ``worker``, its generation time measured, one batch of ``ctx.jobs``
     text jobs; stop it. Raises RuntimeError on a failure."""
-    name = f"bench-real-{worker}-s{slots}-r{round_no}"
+    name = f"bench-real-{worker}-s{slots}-r{round_no}-{ctx.tag}"
     log_path = ctx.logs / f"{name}.log"
     extra = [f"--hordekey={run.owner.api_key}", "--hordeworkername", name, "--hordegenlen", "128",
              "--hordemodelname", REAL_MODEL]
