@@ -543,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: {SRC_ENV}=/path/to/AI-Horde python -m bench.harness.real_horde", file=sys.stderr)
         return 2
     stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too where a shell ignores it
+        signal.signal(signum, lambda *_: stopped.set())
     horde = RealHorde(src)
     try:
         horde.start()
