@@ -694,11 +694,13 @@ def run_real_process(ctx: Context, run: RealRun, worker: str, slots: int, round_
                             "pair_s": [round(x, 4) for x in gen["pair"]], "gen_s": round(gen["gen_s"], 4)}
         deadline = time.monotonic() + FIRST_POP_TIMEOUT_S
         agent = None
-        while time.monotonic() < deadline and agent is None:  # its row appears at its first pop
+        while time.monotonic() < deadline and agent is None:
+            # its row appears at its first pop, with the bridge agent a moment later
             if not proc.alive():
                 raise RuntimeError(f"koboldcpp exited; see {log_path}")
             found = run.rows(f"select bridge_agent from workers where name = {sql_literal(name)}")
             agent = found[0]["bridge_agent"] if found else None
+            agent = None if agent == "unknown:0:unknown" else agent
             time.sleep(0.25)
         if agent is None:
             raise RuntimeError(f"{name}: no pop within {FIRST_POP_TIMEOUT_S:.0f} s; see {log_path}")
