@@ -236,11 +236,6 @@ def test_the_guard_stops_popping_before_the_hordes_21st_aborted_job(
     assert 15 <= worker["aborted_jobs"] <= 20
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the worker faults a request that always fails each time the Horde hands it "
-    "back (19 times in about 3 s), until its guard stops the popping for an hour",
-)
 def test_a_request_that_always_fails_costs_at_most_three_faults(on_real: OnRealHorde) -> None:
     """One request koboldcpp always fails, queued before 10 good ones. The real Horde
     hands a faulted request straight back to the same worker: the worker faults it
