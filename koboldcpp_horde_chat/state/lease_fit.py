@@ -32,7 +32,11 @@ base lease, 120 s of 150, and the submit's margin short of its end). The fit
    (``C < L + MIN_PROMPT_TOKENS``), ``L`` is lowered until it does.
 
 So a slow prompt narrows the context, and the length of every reply stays
-what generation allows: short requests keep being served.
+what generation allows. The Horde matches a request on the context it asks
+for, not on its prompt's length: while the context is narrowed, a request
+asking for more is skipped however short its prompt (the price of not
+losing the long ones); requests asking for a context that fits keep being
+served.
 
 A job that runs out of its lease (:meth:`LeaseFit.ran_out`, with its prompt's
 tokens ``P``, its ``max_length`` ``L`` and the ``T`` seconds it had) teaches
@@ -59,7 +63,10 @@ Limits come back up only after the kind's *cool-off* (:data:`RECHECK_AFTER_S`,
 is measured meanwhile (a probe never ends a cool-off early). A kind declared
 below its caps that has had no measured job for its cool-off is due a
 re-measure (:meth:`LeaseFit.recheck_due`): the worker times a generation of
-its own the size of the job that ran out (:meth:`LeaseFit.probe_size`,
+its own the size of the job that ran out, or of the measured job that
+lowered the context (:meth:`LeaseFit.probe_size`: koboldcpp processes a short
+prompt faster per token than a long one, so a short probe would raise what the
+long job lowered, and the next long job lower it again),
 ``service.gate``), and :meth:`LeaseFit.remeasured` refits the kind from its
 figures alone. The cool-off doubles, up to :data:`RECHECK_MAX_S` (30 min),
 after each re-measure that raises nothing and after each run-out that comes
@@ -386,6 +393,9 @@ class LeaseFit:
         self._why: dict[str, str | None] = {kind: None for kind in KINDS}
         #: The size of the last job of each kind that ran out: ``(prompt tokens, max_length)``.
         self._failed_size: dict[str, tuple[int, int] | None] = {kind: None for kind in KINDS}
+        #: The size of the last measured job of each kind whose prompt figures
+        #: lowered its context: ``(prompt tokens, max_length)``.
+        self._lowering_size: dict[str, tuple[int, int] | None] = {kind: None for kind in KINDS}
 
     # ------------------------------------------------------------------ reading
 
@@ -442,11 +452,12 @@ class LeaseFit:
 
     def probe_size(self, kind: str) -> tuple[int, int]:
         """``(prompt tokens, max_length)`` of a re-measure of ``kind``: the last job
-        of the kind that ran out, else :data:`PROBE_PROMPT_TOKENS` and
-        :data:`PROBE_MAX_LENGTH` (at most the declared ``max_length``)."""
-        failed = self._failed_size[kind]
-        if failed is not None:
-            return failed
+        of the kind that ran out, else the last measured job whose prompt lowered
+        its context, else :data:`PROBE_PROMPT_TOKENS` and :data:`PROBE_MAX_LENGTH`
+        (at most the declared ``max_length``)."""
+        size = self._failed_size[kind] or self._lowering_size[kind]
+        if size is not None:
+            return size
         return PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap)
 
     # ------------------------------------------------------------------ schedule
@@ -528,6 +539,10 @@ class LeaseFit:
         if not measured:
             return []
         changes = self._refit(kind, now=now)
+        if figures is not None and any(
+            c.what == "max_context_length" and c.new < c.old for c in changes
+        ):
+            self._lowering_size[kind] = (figures.prompt_tokens, max_length)
         self._schedule(kind, now)
         return changes
 

@@ -373,6 +373,18 @@ def test_koboldcpps_figures_measure_prompts_and_generation_apart() -> None:
     assert fit.declared_context("chat") == 4096  # the other kind is not measured
 
 
+def test_the_re_measure_of_a_context_a_long_job_lowered_is_a_prompt_as_long() -> None:
+    """koboldcpp processes a 256-token prompt about twice as fast per token as a
+    1,935-token one (58 against 29 tokens/s on one CPU thread): a short probe would
+    raise the context the long job lowered, and the next long job lower it again."""
+    fit = LeaseFit(256, 150.0, margin_s=MARGIN_S, context_cap=4096)
+    changes = fit.record(
+        "text", 64, 72.0, max_length=128, figures=_figures(1935, 66.08, 64, 5.7)
+    )
+    assert [(c.what, c.old) for c in changes] == [("max_context_length", 4096)]
+    assert fit.probe_size("text") == (1935, 128)
+
+
 def test_a_long_prompt_that_ran_out_narrows_the_context_not_the_length() -> None:
     fit = LeaseFit(512, 150.0, margin_s=MARGIN_S, context_cap=4096)
     fit.record("text", 200, 10.0, max_length=200)  # 20 tokens/s, nothing known of prompts
