@@ -7,9 +7,12 @@ koboldcpp_horde_chat --hordegenlen 256``). For ``--minutes`` the bench keeps
 ``--queue`` text requests open at the dev Horde, each with
 ``max_context_length`` 4096 and a ``max_length`` of 64 to 128: one long prompt
 (about 2,400 tokens of varied English) in every ``--long-every``, the others a
-sentence. Then it waits up to ``--drain`` s for the jobs in hand and prints,
-per kind (long, short): requests sent, served, jobs lost (faulted, expired),
-requests never popped and why the pops passed them over; the limits the
+sentence. Then it cancels the requests still waiting, waits up to ``--drain``
+s (a lease) for the jobs in hand, stops the worker and prints, per kind (long,
+short): requests sent, served, jobs lost (faulted, expired; faults at the
+worker's stop apart), requests never popped, the wait from a request's
+sending to its pop, and why the pops passed requests over; how long the
+declared context stayed below the requests'; the limits the
 worker declared over time (from its pops' bodies); the worker's log lines
 about its limits, withdrawals and probes; the command to reproduce. Without a
 built koboldcpp and a model it says it was skipped and why. Method:
@@ -264,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     proc: subprocess.Popen[str] | None = None
     wlog: WorkerLog | None = None
     sent: dict[str, dict[str, Any]] = {}  # request id -> {"kind", "at", "max_length"}
+    waiting_at_end: set[str] = set()  # waiting when the sending time ended (then cancelled)
     t0 = time.monotonic()
     try:
         with kcpp:
@@ -307,8 +311,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"declared {show_declaration(declaration(last))}", flush=True)
                     next_print += 30
                 time.sleep(0.5)
-            # Drain: the jobs in hand may end; the waiting requests are not popped any more
-            # only when the worker stops popping them.
+            # The requests still waiting are cancelled (none is popped after the sending
+            # time); the jobs in hand get up to --drain s to end, so the worker's stop
+            # does not fault them.
+            t_stop_send = time.monotonic()
+            for rid in sent:
+                if horde.status(rid)["state"] == "waiting":
+                    waiting_at_end.add(rid)
+                    horde.cancel(rid)
             drain_end = time.monotonic() + args.drain
             while time.monotonic() < drain_end:
                 if not any(horde.status(r)["state"] == "processing" for r in sent):
@@ -328,7 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_all()
         horde.stop()
     result["logs"] = str(work)
-    summarise(result, horde, sent, wlog, t0, t_send, t_end)
+    summarise(result, horde, sent, waiting_at_end, wlog, t0, t_send, t_stop_send, t_end)
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["ready_s"] = round(ready_s, 1)
     result["first_pop_s"] = round(first_pop_s, 1)
@@ -341,9 +351,11 @@ def summarise(
     result: dict[str, Any],
     horde: SlowHostHorde,
     sent: dict[str, dict[str, Any]],
+    waiting_at_end: set[str],
     wlog: WorkerLog | None,
     t0: float,
     t_send: float,
+    t_stop_send: float,
     t_end: float,
 ) -> None:
     ledger = horde.ledger
@@ -356,7 +368,8 @@ def summarise(
             job_popped[ans["id"]] = p["at"]
     per: dict[str, dict[str, Any]] = {
         k: {"sent": 0, "served": 0, "faulted_jobs": 0, "expired_jobs": 0, "failed_requests": 0,
-            "never_popped": 0, "in_hand_at_end": 0, "job_s": []}
+            "never_popped": 0, "waiting_again_at_end": 0, "in_hand_at_end": 0,
+            "faulted_at_stop": 0, "job_s": [], "wait_s": []}
         for k in (LONG, SHORT)
     }
     job_kind: dict[str, str] = {}
@@ -366,12 +379,16 @@ def summarise(
         row["sent"] += 1
         for jid in st["job_ids"]:
             job_kind[jid] = info["kind"]
+        if st["job_ids"] and st["job_ids"][0] in job_popped:
+            row["wait_s"].append(job_popped[st["job_ids"][0]] - t0 - info["at"])
+        elif rid in waiting_at_end:
+            row["wait_s"].append(t_stop_send - t0 - info["at"])  # never popped: at least this
         if st["state"] == "done":
             row["served"] += 1
         elif st["state"] == "faulted":
             row["failed_requests"] += 1
-        elif st["state"] == "waiting" and not st["job_ids"]:
-            row["never_popped"] += 1
+        elif rid in waiting_at_end:
+            row["never_popped" if not st["job_ids"] else "waiting_again_at_end"] += 1
         elif st["state"] == "processing":
             row["in_hand_at_end"] += 1
     fault_reasons: dict[str, int] = {}
@@ -381,6 +398,9 @@ def summarise(
             continue
         if entry["action"] == "faulted":
             per[kind]["faulted_jobs"] += 1
+            sub = submits.get(entry["job_id"])
+            if sub is not None and sub["at"] >= t_end:
+                per[kind]["faulted_at_stop"] += 1
             reason = str(entry.get("fault_reason"))
             fault_reasons[reason] = fault_reasons.get(reason, 0) + 1
         elif entry["action"] == "expired":
@@ -391,7 +411,7 @@ def summarise(
                 per[kind]["job_s"].append(sub["at"] - job_popped[entry["job_id"]])
     table = [
         "  kind   sent  served  faulted jobs  expired jobs  requests failed  never popped  "
-        "in hand at end   pop->submit s (min/median/max)"
+        "in hand at end   pop->submit s (min/median/max)   sent->popped s (median/max)"
     ]
     for kind in (LONG, SHORT):
         r = per[kind]
@@ -399,13 +419,18 @@ def summarise(
         times = (
             f"{min(js):.0f} / {statistics.median(js):.0f} / {max(js):.0f}" if js else "n/a"
         )
+        ws = r["wait_s"]
+        waits = f"{statistics.median(ws):.0f} / {max(ws):.0f}" if ws else "n/a"
         table.append(
             f"  {kind:<6} {r['sent']:>4}  {r['served']:>6}  {r['faulted_jobs']:>12}  "
             f"{r['expired_jobs']:>12}  {r['failed_requests']:>15}  "
-            f"{r['never_popped']:>12}  {r['in_hand_at_end']:>14}   {times}"
+            f"{r['never_popped']:>12}  {r['in_hand_at_end']:>14}   {times:<30}   {waits}"
         )
     result["table"] = table
-    result["per_kind"] = {k: {**v, "job_s": [round(x, 1) for x in v["job_s"]]} for k, v in per.items()}
+    result["per_kind"] = {
+        k: {**v, "job_s": [round(x, 1) for x in v["job_s"]], "wait_s": [round(x, 1) for x in v["wait_s"]]}
+        for k, v in per.items()
+    }
     result["fault_reasons"] = fault_reasons
     figures = []
     for kind in (LONG, SHORT):
@@ -418,6 +443,13 @@ def summarise(
         d = declaration(p["body"])
         if not changes or changes[-1][1] != d:
             changes.append((p["at"] - t0, d))
+    # How long the text context declared stayed below what the requests ask for
+    # (the Horde then passes every one of them over, short or long).
+    below = 0.0
+    for (t, d), nxt in zip(changes, [*changes[1:], (t_end - t0, None)], strict=True):
+        if isinstance(d[1], int) and d[1] < CONTEXT:
+            below += nxt[0] - t
+    result["below_context_s"] = round(below, 1)
     result["declarations"] = [
         {"at_s": round(t, 1), "limits": show_declaration(d)} for t, d in changes
     ]
@@ -450,7 +482,11 @@ def summarise(
             if any(w in line for w in LIMIT_WORDS)
         ]
     result["worker_lines"] = lines
-    result["window_s"] = {"send_start": round(t_send - t0, 1), "end": round(t_end - t0, 1)}
+    result["window_s"] = {
+        "send_start": round(t_send - t0, 1),
+        "send_end": round(t_stop_send - t0, 1),
+        "end": round(t_end - t0, 1),
+    }
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -470,10 +506,22 @@ def print_report(result: dict[str, Any]) -> None:
     w = result["window_s"]
     print(
         f"  koboldcpp ready {result['ready_s']} s; worker's first pop {result['first_pop_s']} s; "
-        f"sending from {w['send_start']} s, end {w['end']} s (times since the worker's start)"
+        f"sending from {w['send_start']} s to {w['send_end']} s, the jobs in hand ended by "
+        f"{w['end']} s (times since the worker's start)"
     )
     for line in result["table"]:
         print(line)
+    for kind, r in result["per_kind"].items():
+        if r["faulted_at_stop"] or r["waiting_again_at_end"]:
+            print(
+                f"  {kind}: {r['faulted_at_stop']} job(s) faulted at the worker's stop (still in hand "
+                f"after the drain), {r['waiting_again_at_end']} request(s) waiting again at the end "
+                "(after a lost job)"
+            )
+    print(
+        "  never popped: still waiting when the sending time ended (then cancelled); "
+        "sent->popped counts them until then"
+    )
     if result["fault_reasons"]:
         print(f"  fault reasons: {result['fault_reasons']}")
     p = result["pops"]
@@ -487,6 +535,11 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"    {d['at_s']:7.1f} s  {d['limits']}")
     if decls:
         print(f"    (last: {decls[-1]['limits']})")
+    print(
+        f"  text max_context_length declared below the requests' {result['config']['context']}: "
+        f"{result['below_context_s']} s of {w['end'] - decls[0]['at_s'] if decls else 0:.0f} s "
+        "(the Horde then gives the worker none of them, short or long)"
+    )
     if result["idle_pop_gaps"]:
         print("  gaps of more than 10 s between pops without a job in hand (at s, gap s): "
               + ", ".join(f"{a}: {g}" for a, g in result["idle_pop_gaps"]))
@@ -510,8 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--long-chars", type=int, default=9500, help="a long prompt's characters (9500)")
     ap.add_argument("--genlen", type=int, default=256, help="the worker's --hordegenlen (256)")
     ap.add_argument("--ttl", type=float, default=150.0, help="the job lease, s (150, the real Horde's)")
-    ap.add_argument("--drain", type=float, default=60.0,
-                    help="after sending, how long to wait for the jobs in hand, s (60)")
+    ap.add_argument("--drain", type=float, default=150.0,
+                    help="after sending, how long to wait for the jobs in hand, s (150: a lease)")
     ap.add_argument("--seed", type=int, default=1, help="the prompts' random seed (1)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the worker's journal directory")
     add_json(ap)
