@@ -1,7 +1,7 @@
 """The benchmarks must not rot: a quick run of the cheap ones exits 0 and prints figures.
 
-The kudos benchmark needs a real koboldcpp: here it is run without one (it must
-say it was skipped and exit 0), and its arithmetic is checked on a made-up
+The kudos and slow-host benchmarks need a real koboldcpp: here they are run
+without one (each must say it was skipped and exit 0), and its arithmetic is checked on a made-up
 record of the dev Horde.
 
 Runs ``python bench/run.py --quick --only overhead,throughput,sse,stop,journal
@@ -85,6 +85,18 @@ def test_kudos_bench_without_koboldcpp_says_it_was_skipped_and_exits_0() -> None
     assert "skipped: no koboldcpp.py in /nonexistent/koboldcpp (set KCPP_DIR)" in result.stdout
     assert "reproduce: KCPP_DIR=/nonexistent/koboldcpp python bench/bench_kudos.py --quick" in (
         result.stdout
+    )
+
+
+def test_slow_host_bench_without_koboldcpp_says_it_was_skipped_and_exits_0() -> None:
+    env = dict(os.environ, KCPP_DIR="/nonexistent/koboldcpp")
+    env.pop("BENCH_PKG_ROOT", None)
+    result = bench("bench/bench_slow_host.py", "--minutes", "0.1", timeout_s=60, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skipped: no koboldcpp.py in /nonexistent/koboldcpp (set KCPP_DIR)" in result.stdout
+    assert (
+        "reproduce: KCPP_DIR=/nonexistent/koboldcpp python bench/bench_slow_host.py --minutes 0.1"
+        in result.stdout
     )
 
 
