@@ -160,10 +160,10 @@ class TrackingAdapter(requests.adapters.HTTPAdapter):
 STOP_KIND = "stop"
 #: Seconds past the stop's deadline a pop in flight is still waited for (the job
 #: it brings is then faulted at once, so that another worker takes it now).
-STOP_POP_EXTRA_S = 1.0
+STOP_POP_EXTRA_S = 0.5
 #: Seconds past the stop's deadline a submit may still take (the fault of a job
 #: given up at the deadline, or popped by then); progress posts end at the deadline.
-STOP_SUBMIT_EXTRA_S = 1.5
+STOP_SUBMIT_EXTRA_S = 1.0
 
 
 def stop_call_ends(deadline: float) -> dict[str, float]:

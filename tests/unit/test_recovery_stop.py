@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from koboldcpp_horde_chat.errors import HordeUnavailable
-from koboldcpp_horde_chat.inflight import CallDeadlines, stop_call_ends
+from koboldcpp_horde_chat.inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
 from koboldcpp_horde_chat.service.recovery import (
     STOP_LAST_ATTEMPT_LEAD_S,
     Recovery,
@@ -163,7 +163,7 @@ class BlockingHorde:
 
 def test_finish_makes_the_stop_and_waits_at_most_to_the_submits_deadline(tmp_path: Path) -> None:
     """A host that exits during the recovery: ``finish`` sets the stop's deadline
-    and returns once the recovery ended, within the grace and the submit's 1.5 s."""
+    and returns once the recovery ended, within the grace and the submit's ``STOP_SUBMIT_EXTRA_S``."""
     journal = Journal(journal_with(tmp_path, kept_reply_entry(lease_end=time.time() + 150)))
     journal.lock()
     horde = BlockingHorde()
@@ -176,7 +176,7 @@ def test_finish_makes_the_stop_and_waits_at_most_to_the_submits_deadline(tmp_pat
     time.sleep(0.2)
     started = time.monotonic()
     # the in-flight call is cut at the submit deadline, as the Horde client does
-    timer = threading.Timer(0.5 + 1.5, horde.release.set)
+    timer = threading.Timer(0.5 + STOP_SUBMIT_EXTRA_S, horde.release.set)
     timer.start()
     try:
         assert recovery.finish(0.5)
@@ -191,7 +191,7 @@ def test_finish_makes_the_stop_and_waits_at_most_to_the_submits_deadline(tmp_pat
 
 def test_stop_call_ends_gives_every_kind_its_deadline() -> None:
     ends = stop_call_ends(100.0)
-    assert ends == {"stop": 100.0, "progress": 100.0, "pop": 101.0, "kcpp": 101.0, "submit": 101.5}
+    assert ends == {"stop": 100.0, "progress": 100.0, "pop": 100.5, "kcpp": 100.5, "submit": 101.0}
 
 
 def wait_until(check: Any, timeout_s: float = 5.0) -> bool:
