@@ -32,6 +32,7 @@ from ..errors import JobEnded, JobFault, PayloadError
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, Lease, TextJob, parse_pop
 from ..state.job import JobContext, Outcome, Steps
+from ..state.lease_fit import job_max_length
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.ports import Ports
@@ -69,6 +70,17 @@ class LoopHooks(Protocol):
 
     def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
         """The job's terminal action goes out next: the next pop may go beside it."""
+        ...
+
+    def text_generation_starts(self, ctx: JobContext, max_length: int) -> None:
+        """A text job's generation of at most ``max_length`` tokens starts now: the
+        next pop may go out during it."""
+        ...
+
+    def reply_beside(self, ctx: JobContext, outcome: Outcome) -> bool:
+        """Send the job's reply on a thread of its own (True: sent there, the job's
+        life ends there) so the next job, already in hand, is served meanwhile;
+        False: the driver sends it."""
         ...
 
 
@@ -217,6 +229,8 @@ class JobDriver:
         self.hooks.generation_ended()
         self.meter.generated(ctx, job, outcome.body)
         self.hooks.terminal_action_next(ctx, is_fault=False)
+        if self.hooks.reply_beside(ctx, outcome):
+            return
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
 
     def _serve(self, ctx: JobContext, job: ChatJob | TextJob) -> Outcome:
@@ -245,7 +259,9 @@ class JobDriver:
             return chat.generate(messages, ctx.start_generation())
         text = TextRun(self.ports, job, ctx)
         text.received()
-        return text.generate(ctx.start_generation())
+        genkey = ctx.start_generation()
+        self.hooks.text_generation_starts(ctx, job_max_length(job.payload))
+        return text.generate(genkey)
 
     def _settle_fault(self, ctx: JobContext, fault: JobFault) -> None:
         """Settle the job with its fault (seed "7. Fault a job"), the pop beside it."""

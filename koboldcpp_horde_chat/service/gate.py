@@ -124,6 +124,7 @@ class PopGate:
         #: koboldcpp's figures of each probe (``/api/extra/perf``); the loop gives
         #: the gate its job meter's, so that each generation's are read once.
         self.figures = FiguresReader(backend, threads=settings.threads)
+        self._own_running = False
         #: The words of the last pause, when they are not its reason's own
         #: (``status.abort_limit_line``); None otherwise.
         self.line: str | None = None
@@ -219,13 +220,26 @@ class PopGate:
         return self.manners.recheck()
 
     def own_tail(self) -> bool:
-        """True within ``OWN_TAIL_S`` of the end of the worker's own generation."""
+        """True while the worker's own generation runs (:meth:`own_generation_started`)
+        and within ``OWN_TAIL_S`` of its end."""
         own = self._own_done_at
-        return own is not None and self.clock() - own < OWN_TAIL_S
+        return self._own_running or (own is not None and self.clock() - own < OWN_TAIL_S)
+
+    def own_generation_started(self) -> None:
+        """The worker's own generation request goes to koboldcpp now: until it ends,
+        a busy koboldcpp with nothing queued is busy with it (the next pop may go)."""
+        self._own_running = True
 
     def own_generation_ended(self) -> None:
         """The worker's own request to koboldcpp ended now."""
+        self._own_running = False
         self._own_done_at = self.clock()
+
+    def own_generation_over(self) -> None:
+        """End the worker's own generation when it is still taken to run (a job
+        whose serving broke before its end was heard)."""
+        if self._own_running:
+            self.own_generation_ended()
 
     def note_own_request(self) -> None:
         """The worker sends a generation request now (not a local user's)."""

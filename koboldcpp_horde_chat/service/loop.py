@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..clock import Clock
-from ..errors import HordeError, HordeRefusal, HordeUnavailable, PayloadError
+from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault, PayloadError
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import parse_pop
@@ -32,7 +32,7 @@ from ..run.driver import JobDriver
 from ..run.submit import SubmitPipeline
 from ..settings import WorkerSettings
 from ..state.guard import FAILED_IN_A_ROW
-from ..state.job import JobContext
+from ..state.job import JobContext, Outcome
 from ..state.meter import JobMeter
 from ..state.ports import KoboldcppPort, Ports, StopSignal
 from ..state.shared import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
@@ -40,7 +40,7 @@ from ..state.skipped import SkippedReporter
 from ..state.status import PauseTracker, describe_pop_refusal
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, OWN_TAIL_POLL_S, PopGate
-from .pop_ahead import PopAhead
+from .pop_ahead import EarlyPopTiming, PopAhead
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -135,6 +135,15 @@ class Worker:
             retry_horde=retry_horde,
         )
         self._ahead: PopAhead | None = None
+        self.retry_horde = retry_horde
+        #: Wakes the pop sent during the generation (set when the generation ends).
+        self._early_go: threading.Event | None = None
+        self._early_timing = EarlyPopTiming()
+        #: (monotonic start, max_length) of the text generation under way, and when it ended.
+        self._text_generation: tuple[float, int] | None = None
+        self._generation_end: float | None = None
+        self._reply_thread: threading.Thread | None = None
+        self._reply_pipeline: SubmitPipeline | None = None
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
         self._pauses = PauseTracker(
@@ -261,6 +270,8 @@ class Worker:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.join()
+            self._early_go = None
+            self._early_timing.popped(ahead.round_trip_s)
             if not ahead.skipped:
                 return self._after_pop(
                     ahead.body, ahead.answer, ahead.error, ahead.popped_at, ahead.ctx
@@ -284,6 +295,7 @@ class Worker:
         except HordeError as exc:
             return self._after_pop(body, None, exc, self.clock.monotonic())
         popped_at = self.clock.monotonic()
+        self._early_timing.popped(popped_at - sent_at)
         return self._after_pop(body, pop, None, popped_at, pop_wait_s=popped_at - sent_at)
 
     def _after_pop(
@@ -337,7 +349,10 @@ class Worker:
             ctx = self.driver.take_in_hand(body, pop, popped_at, pop_wait_s=pop_wait_s)
         if ctx is None:
             return self._no_job(pop, body)
-        self.driver.drive(ctx, pop)
+        try:
+            self.driver.drive(ctx, pop)
+        finally:
+            self._generation_over()
         return True
 
     def _no_job(self, pop: dict[str, Any], body: dict[str, Any]) -> bool:
@@ -383,7 +398,107 @@ class Worker:
 
     def generation_ended(self) -> None:
         """The job's own request to koboldcpp ended (``PopGate.own_generation_ended``)."""
+        self._generation_end = self.clock.monotonic()
         self.gate.own_generation_ended()
+        if self._early_go is not None:
+            self._early_go.set()
+
+    def _generation_over(self) -> None:
+        """The job's serving ended, however: a pop waiting for its generation's end
+        goes now, and koboldcpp's lock is no longer taken for the worker's own."""
+        self.gate.own_generation_over()
+        self._text_generation = None
+        if self._early_go is not None:
+            self._early_go.set()
+
+    def text_generation_starts(self, ctx: JobContext, max_length: int) -> None:
+        """A text job's generation of at most ``max_length`` tokens starts now.
+
+        When koboldcpp's past text generations say this one lasts a while
+        (``pop_ahead.EarlyPopTiming``), the next pop goes out during it, on a
+        thread of its own, timed so that its answer arrives before the generation
+        ends, or at once when it ends earlier. The job it
+        brings is taken in hand there and served next, its reply's submit beside it
+        (:meth:`reply_beside`): koboldcpp waits for neither round trip. Only when
+        the pop beside the submit could go (:meth:`_pop_ahead`) and a fault of this
+        job could not change what the next pop declares.
+        """
+        now = self.clock.monotonic()
+        self._text_generation = (now, max_length)
+        self.gate.own_generation_started()
+        delay = self._early_timing.delay_s(max_length)
+        if (
+            delay is None
+            or self.pop_horde is None
+            or self._ahead is not None
+            or self.gate.backend_suspect
+            or self.state.failure_streak.failing
+            or self._stopping()
+            or self.state.outcome_may_withdraw(ctx, is_fault=True, now=now)
+        ):
+            return
+        go = threading.Event()
+        self._early_go = go
+        self._ahead = PopAhead(
+            self.pop_horde,
+            lambda: self._prepare_early_pop(go, delay),
+            self.driver.take_in_hand,
+            self.settings.pop_timeout_s,
+            self.clock.monotonic,
+        )
+
+    def _prepare_early_pop(self, go: threading.Event, delay_s: float) -> dict[str, Any] | None:
+        """The pop body of the pop sent during a generation, ``delay_s`` after its
+        start or once it ended (see :meth:`_prepare_pop_ahead`); None: no pop then.
+        Never while a probe or a re-measure of koboldcpp is due (the gate would
+        send it beside the worker's generation)."""
+        go.wait(delay_s)
+        now = self.clock.monotonic()
+        with self.state.lock:
+            due = bool(self.state.lease_fit.recheck_due(now))
+            failing = any(self.state.failure_streak.kind_failing(k) for k in ("text", "chat"))
+        if due or failing or self.state.failure_streak.failing:
+            return None
+        return self._prepare_pop_ahead()
+
+    def reply_beside(self, ctx: JobContext, outcome: Outcome) -> bool:
+        """Send the reply on a thread of its own when the pop sent during the
+        generation brought the next job or is still to answer, so that koboldcpp
+        starts that job without waiting for the submit's answer, as koboldcpp's
+        own worker submits; one such submit at a time per loop, with a Horde
+        client of its own. False (the driver sends it) otherwise."""
+        ahead = self._ahead
+        if (
+            self.retry_horde is None
+            or ahead is None
+            or self._early_go is None  # not the pop sent during the generation
+            or (ahead.join(0) and ahead.ctx is None)  # it brought no job
+        ):
+            return False
+        if self._reply_thread is not None:
+            self._reply_thread.join()
+        pipeline = self._reply_pipeline
+        if pipeline is None:
+            pipeline = self._reply_pipeline = SubmitPipeline(
+                self.settings, self.retry_horde(), self.state,
+                clock=self.clock.monotonic, wall=self.clock.time,
+                pause=self.ports.stop.pause, retry_horde=self.retry_horde,
+            )
+
+        def send() -> None:
+            try:
+                pipeline.reply(
+                    ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused
+                )
+            except Exception:  # never lose the job to an unexpected error: fault it
+                log.exception("job=%s unexpected error while submitting it", ctx.id)
+                pipeline.fault_after_error(ctx, JobFault("internal error"))
+
+        self._reply_thread = threading.Thread(
+            target=send, name=f"submit-{ctx.id[:8]}", daemon=True
+        )
+        self._reply_thread.start()
+        return True
 
     def backend_failed(self) -> None:
         """koboldcpp failed a job: checked before the next pop."""
@@ -392,6 +507,9 @@ class Worker:
     def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
         """The job's terminal action goes out next: the next pop goes beside it
         when it may (:meth:`_pop_ahead`)."""
+        started, end = self._text_generation, self._generation_end
+        if not is_fault and started is not None and end is not None:
+            self._early_timing.generated(end - started[0], started[1])
         self._pop_ahead(ctx, is_fault=is_fault)
 
     def _pop_ahead(self, ctx: JobContext, *, is_fault: bool) -> None:
@@ -404,6 +522,9 @@ class Worker:
         next pop declares (``WorkerState.outcome_may_withdraw``): that pop
         waits for the answer.
         """
+        early = self._ahead
+        if early is not None and early.join(0) and early.skipped:
+            self._ahead = None  # the pop during the generation did not go: one beside
         if (
             self.pop_horde is None
             or self._ahead is not None
