@@ -37,7 +37,7 @@ from ..horde.api import HordeAPI
 from ..horde.codes import REFUSAL_RCS, is_key_refusal
 from ..jsonbody import finite_number
 from ..settings import WorkerSettings
-from ..state.job import JobContext
+from ..state.job import JobContext, Outcome
 from ..state.journal_rules import known_not_taken, next_start_plan
 from ..state.life import Move, Phase
 from ..state.shared import WorkerState
@@ -402,6 +402,43 @@ class SubmitPipeline:
                 horde.close()
 
         threading.Thread(target=run, name=f"submit-retry-{ctx.id[:8]}", daemon=True).start()
+
+
+class ReplyBeside:
+    """Replies submitted on a thread of their own (``submit-<job id>``), beside the
+    loop's next job, one at a time: the next waits for the one before.
+
+    Args:
+        pipeline: the loop's pipeline (its settings, state, clocks and pause).
+        make_horde: makes the Horde client these submits go out on (one, made
+            at the first).
+    """
+
+    def __init__(self, pipeline: SubmitPipeline, make_horde: Callable[[], HordeAPI]) -> None:
+        self._sender = SubmitPipeline(
+            pipeline.settings, make_horde(), pipeline.state, clock=pipeline.clock,
+            wall=pipeline.wall, pause=pipeline.pause, retry_horde=make_horde,
+        )
+        self._thread: threading.Thread | None = None
+
+    def send(self, ctx: JobContext, outcome: Outcome) -> None:
+        """Submit the job's reply (:meth:`SubmitPipeline.reply`) on a thread of its
+        own; an unexpected error there faults the job (never left to expire)."""
+        if self._thread is not None:
+            self._thread.join()
+        sender = self._sender
+
+        def run() -> None:
+            try:
+                sender.reply(
+                    ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused
+                )
+            except Exception:
+                log.exception("job=%s unexpected error while submitting it", ctx.id)
+                sender.fault_after_error(ctx, JobFault("internal error"))
+
+        self._thread = threading.Thread(target=run, name=f"submit-{ctx.id[:8]}", daemon=True)
+        self._thread.start()
 
 
 def reward_kudos(reward: object) -> float:

@@ -22,14 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..clock import Clock
-from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault, PayloadError
+from ..errors import HordeError, HordeRefusal, HordeUnavailable, PayloadError
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import parse_pop
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import OWN_TAIL_S, LocalManners, NoManners
 from ..run.driver import JobDriver
-from ..run.submit import SubmitPipeline
+from ..run.submit import ReplyBeside, SubmitPipeline
 from ..settings import WorkerSettings
 from ..state.guard import FAILED_IN_A_ROW
 from ..state.job import JobContext, Outcome
@@ -142,8 +142,7 @@ class Worker:
         #: (monotonic start, max_length) of the text generation under way, and when it ended.
         self._text_generation: tuple[float, int] | None = None
         self._generation_end: float | None = None
-        self._reply_thread: threading.Thread | None = None
-        self._reply_pipeline: SubmitPipeline | None = None
+        self._beside: ReplyBeside | None = None
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
         self._pauses = PauseTracker(
@@ -475,29 +474,9 @@ class Worker:
             or (ahead.join(0) and ahead.ctx is None)  # it brought no job
         ):
             return False
-        if self._reply_thread is not None:
-            self._reply_thread.join()
-        pipeline = self._reply_pipeline
-        if pipeline is None:
-            pipeline = self._reply_pipeline = SubmitPipeline(
-                self.settings, self.retry_horde(), self.state,
-                clock=self.clock.monotonic, wall=self.clock.time,
-                pause=self.ports.stop.pause, retry_horde=self.retry_horde,
-            )
-
-        def send() -> None:
-            try:
-                pipeline.reply(
-                    ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused
-                )
-            except Exception:  # never lose the job to an unexpected error: fault it
-                log.exception("job=%s unexpected error while submitting it", ctx.id)
-                pipeline.fault_after_error(ctx, JobFault("internal error"))
-
-        self._reply_thread = threading.Thread(
-            target=send, name=f"submit-{ctx.id[:8]}", daemon=True
-        )
-        self._reply_thread.start()
+        if self._beside is None:
+            self._beside = ReplyBeside(self.pipeline, self.retry_horde)
+        self._beside.send(ctx, outcome)
         return True
 
     def backend_failed(self) -> None:

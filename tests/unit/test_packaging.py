@@ -482,6 +482,9 @@ MODULES_ALLOWED_LONGER: dict[str, str] = {
     "state/shared.py": "what a worker's loops share under one lock (jobs in hand, the "
     "stop and its deadline, the guards, the totals, the next pop's body): each method "
     "a short read or update of that one state",
+    "service/loop.py": "the pop loop and the hooks its jobs call: when it pops (its "
+    "own pop, the one beside a submit, the one during a long text generation) and "
+    "where a job's terminal action goes (beside the next job or not)",
 }
 
 
