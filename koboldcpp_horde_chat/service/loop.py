@@ -503,7 +503,7 @@ class Worker:
         """
         early = self._ahead
         if early is not None and early.join(0) and early.skipped:
-            self._ahead = None  # the pop during the generation did not go: one beside
+            self._ahead = self._early_go = None  # that pop did not go: one beside
         if (
             self.pop_horde is None
             or self._ahead is not None
