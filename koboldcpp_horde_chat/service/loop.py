@@ -268,9 +268,14 @@ class Worker:
             log.info("worker %d: %s", self.worker_id, summary)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
+            early = self._early_go is not None
             ahead.join()
             self._early_go = None
             self._early_timing.popped(ahead.round_trip_s)
+            if early and ahead.ctx is not None and self._stopping():
+                # It waited behind the last generation: its own could not be known
+                # to end by the stop's deadline. Faulted now, never generated.
+                ahead.ctx.give_up("popped during the last generation, not generated at the stop")
             if not ahead.skipped:
                 return self._after_pop(
                     ahead.body, ahead.answer, ahead.error, ahead.popped_at, ahead.ctx
