@@ -254,14 +254,16 @@ def test_a_kill_with_two_jobs_in_hand_then_a_restart_ends_both_once(
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(10)
     assert set(terminal_actions(horde)) == {str(jobs.job("first"))}
+    assert "third" not in jobs.started, first.log()
 
     again = workers()
     until(lambda: {second_id, third_id} <= set(terminal_actions(horde)), 20, again.log)
     time.sleep(0.5)
     actions = one_each(horde)
     assert actions[second_id] == actions[third_id] == "faulted", again.log()
-    until(lambda: journaled(tmp_path) == [], 5, again.log)
-    assert "third" not in jobs.started, worker.log()
+    # (the Horde gives the faulted requests out again: the next start may serve them)
+    until(lambda: not {second_id, third_id} & {e["job_id"] for e in journaled(tmp_path)}, 5,
+          again.log)
 
 
 # --- (f) koboldcpp restarted while the early job waits ---------------------------------------
