@@ -142,6 +142,25 @@ def test_a_stop_while_the_early_pop_is_in_flight_ends_each_job_once(
     assert "third" not in jobs.started, worker.log()
 
 
+def test_a_job_the_early_pop_brings_after_the_signal_is_faulted_at_once(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, workers: Callable[..., WorkerProcess]
+) -> None:
+    """The pop sent during the second generation answers with the third job 1 s
+    after it went, after SIGTERM: the third job is faulted, never generated."""
+    jobs = Jobs(horde, kcpp, (FAST, FAST, FAST))
+    worker = workers("--stop-grace", str(GRACE_S))
+    until(lambda: jobs.generating("second"), 30, worker.log)
+    horde.inject("pop", "late:1")
+    jobs.early_pop_sent(worker)
+    took = stop_and_time(worker)
+    assert took < STOP_BOUND_S, worker.log()
+    actions = one_each(horde)
+    assert actions[str(jobs.job("third"))] == "faulted", worker.log()
+    assert str(jobs.job("second")) in actions, worker.log()
+    assert worker.said(POP_LEFT) == 0, worker.log()
+    assert "third" not in jobs.started, worker.log()
+
+
 # --- (b) the stop with the early job in hand, the generation still running --------------
 
 
