@@ -35,6 +35,7 @@ from ..state.job import JobContext, Outcome, Steps
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.ports import Ports
+from ..state.refaults import request_digest
 from ..state.shared import WorkerState
 from ..state.status import first_chat_job_line
 from .chat import ChatRun
@@ -150,6 +151,7 @@ class JobDriver:
             journal=self.ports.journal,
             clock=self.ports.clock,
             steps=self.steps,
+            request=request_digest(pop),
         )
         self.state.hold(ctx)
         ctx.record()
@@ -181,6 +183,8 @@ class JobDriver:
             raise
 
     def _drive(self, ctx: JobContext, pop: dict[str, Any]) -> None:
+        if self._held_back(ctx):
+            return
         try:
             job = parse_pop(pop, default_ttl_s=self.settings.lease_s)
         except PayloadError as exc:
@@ -218,6 +222,31 @@ class JobDriver:
         self.meter.generated(ctx, job, outcome.body)
         self.hooks.terminal_action_next(ctx, is_fault=False)
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
+
+    def _held_back(self, ctx: JobContext) -> bool:
+        """A job of a request this worker faulted twice lately (``state/refaults.py``):
+        neither generated nor faulted, released without a submit so that its lease
+        runs out. The Horde's sweep then aborts it (one aborted job, counted here
+        now) and marks the request faulted, instead of a third fault handing the
+        request straight back. True when so released."""
+        now = self.ports.clock.monotonic()
+        with self.state.lock:
+            held = bool(ctx.request) and self.state.refaults.hold(ctx.request, now)
+        if not held:
+            return False
+        self.hooks.payload_read()
+        log.warning(
+            "job=%s kind=%s not served: its request was faulted here twice lately and "
+            "came back; left to expire (one aborted job), so the Horde marks it faulted "
+            "instead of handing it back again",
+            ctx.id,
+            ctx.kind,
+        )
+        self.state.record_expired(now, ctx.kind)
+        self.state.record_dropped()
+        ctx.end(Move.NO_SUBMIT)
+        self.state.release(ctx)
+        return True
 
     def _serve(self, ctx: JobContext, job: ChatJob | TextJob) -> Outcome:
         """The job's run, its steps between the driver's moves. Returns the reply.

@@ -41,6 +41,7 @@ from .job import SUBMIT_MARGIN_S
 from .journal import Journal
 from .lease_fit import LeaseFit
 from .life import Phase
+from .refaults import RequestFaults
 from .skipped import SkipContext
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ class WorkerState:
             settings.declared_max_length, settings.lease_s, margin_s=SUBMIT_MARGIN_S
         )
         self.failure_streak = FailureStreak()
+        #: The requests this worker faulted lately (``state/refaults.py``), under ``lock``.
+        self.refaults = RequestFaults()
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []

@@ -37,7 +37,7 @@ from .conftest import API_KEY
 
 MODEL = "koboldcpp/scripted-model"
 FINAL = ("submitted", "faulted", "cancelled", "expired")
-SHORT_LEASE = {"ttl_s": 6.5}
+SHORT_LEASE = {"ttl_s": 6.5, "sweep_s": 0}
 
 
 # --- harness ---------------------------------------------------------------------------
@@ -520,7 +520,7 @@ def test_koboldcpp_down_costs_at_most_one_fault_and_no_pops_until_it_is_back(
 # --- messages_url ----------------------------------------------------------------------
 
 OFFLOAD = {"offload_bytes": 64}
-OFFLOAD_SHORT = {"offload_bytes": 64, "ttl_s": 6.5}
+OFFLOAD_SHORT = {"offload_bytes": 64, "ttl_s": 6.5, "sweep_s": 0}
 
 
 def long_ask(horde: DevHorde) -> str:

@@ -41,7 +41,7 @@ def _counted(horde: DevHorde) -> tuple[int, bool]:
     return int(details.get("uncompleted_jobs", 0)), bool(details.get("maintenance_mode"))
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "sweep_s": 0}], indirect=True)
 def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_text_declaration_and_earns(
     horde: DevHorde,
     kcpp: ScriptedKoboldcpp,
@@ -85,7 +85,7 @@ def test_koboldcpps_own_speed_figure_fits_the_first_pop_to_the_lease(
     assert horde.pops[0]["body"]["chat_limits"]["max_length"] == 240
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "lease_cap_s": 24.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "lease_cap_s": 24.0, "sweep_s": 0}], indirect=True)
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_chat_declaration_and_earns(
     horde: DevHorde,
@@ -278,7 +278,7 @@ def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps
           lambda: caplog.text[-3000:])
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "sweep_s": 0}], indirect=True)
 def test_a_lowered_max_length_comes_back_once_koboldcpp_is_fast_again_with_no_short_job(
     horde: DevHorde,
     kcpp: ScriptedKoboldcpp,

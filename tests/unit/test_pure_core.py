@@ -25,6 +25,7 @@ PURE_CORE = (
     "state/guard",
     "state/status",
     "state/skipped",
+    "state/refaults",
     "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
