@@ -28,22 +28,27 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from ..errors import JobEnded, JobFault, PayloadError
+from ..errors import HordeError, JobEnded, JobFault, PayloadError
+from ..horde.api import FindsUser
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, Lease, TextJob, parse_pop
 from ..state.job import JobContext, Outcome, Steps
+from ..state.lease_fit import reply_tokens
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.ports import Ports
 from ..state.refaults import request_digest
 from ..state.shared import WorkerState
-from ..state.status import first_chat_job_line
+from ..state.status import SUSPICION_TOKENS_PER_S, first_chat_job_line, suspicion_line
 from .chat import ChatRun
 from .submit import SubmitPipeline
 from .text import TextRun
 
 #: The pop loop's logger: a job's lines from the pop's answer on keep its name.
 log = logging.getLogger("koboldcpp_horde_chat.worker")
+
+#: The read timeout of the one ``find_user`` call, seconds.
+FIND_USER_TIMEOUT_S = 10.0
 
 
 class LoopHooks(Protocol):
@@ -220,8 +225,11 @@ class JobDriver:
         ctx.move(Move.OUTCOME)
         self.hooks.generation_ended()
         self.meter.generated(ctx, job, outcome.body)
+        seconds = self.ports.clock.monotonic() - ctx.started
         self.hooks.terminal_action_next(ctx, is_fault=False)
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
+        if seconds > 0:
+            self._check_suspicion(reply_tokens(outcome.body) / seconds)
 
     def _held_back(self, ctx: JobContext) -> bool:
         """A job of a request this worker faulted twice lately (``state/refaults.py``):
@@ -247,6 +255,28 @@ class JobDriver:
         ctx.end(Move.NO_SUBMIT)
         self.state.release(ctx)
         return True
+
+    def _check_suspicion(self, tokens_per_s: float) -> None:
+        """The first job served faster than the Horde allows an untrusted owner's
+        worker (``status.SUSPICION_TOKENS_PER_S``): ask the Horde once whether the
+        key's owner is trusted (``find_user``) and, when not, say so in one line.
+        Best effort: a Horde that does not answer is asked no more."""
+        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
+            return
+        with self.state.lock:
+            if self.state.owner_checked:
+                return
+            self.state.owner_checked = True
+        horde = self.ports.horde
+        if not isinstance(horde, FindsUser):
+            return
+        try:
+            user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
+        except HordeError as exc:
+            log.debug("whether the key's owner is trusted is not known: %s", exc)
+            return
+        if user.get("trusted") is False:
+            log.warning("%s", suspicion_line(tokens_per_s))
 
     def _serve(self, ctx: JobContext, job: ChatJob | TextJob) -> Outcome:
         """The job's run, its steps between the driver's moves. Returns the reply.

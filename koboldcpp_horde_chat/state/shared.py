@@ -144,6 +144,8 @@ class WorkerState:
         self.failure_streak = FailureStreak()
         #: The requests this worker faulted lately (``state/refaults.py``), under ``lock``.
         self.refaults = RequestFaults()
+        #: The Horde was asked whether the key's owner is trusted (once, ``run/driver.py``).
+        self.owner_checked = False
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []

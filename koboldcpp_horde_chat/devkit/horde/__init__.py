@@ -52,7 +52,7 @@ bool}``) and ``POST /api/v2/generate/text/async`` (``prompt``, ``params``,
 /api/v2/generate/chat/status/<id>`` cancels; ``GET /api/v2/workers/name/<name>``;
 ``GET /api/v2/dev/ledger``. ``GET /api/v2/find_user`` answers who the ``apikey``
 header's key belongs to, as the real Horde does (404 ``UserNotFound`` for a key
-it does not know, 401 ``InvalidAPIKey`` for none).
+it does not know, 401 ``InvalidAPIKey`` for none; ``trusted`` as the constructor's).
 
 A second port (``storage_url``) plays object storage: signed URLs for offloaded
 messages (valid 120 s, optionally gzipped) and for images (valid max(ttl, 600)
@@ -223,7 +223,8 @@ class DevHorde(WorkerRoutes, ClientRoutes):
 
     Args:
         api_keys: the worker API keys accepted in the ``apikey`` header.
-        trusted: whether workers count as trusted (lease cap 600 s, else 200 s).
+        trusted: whether workers count as trusted (lease cap 600 s, else 200 s) and
+            their owners are (``find_user``).
         offload_bytes: offload a request's messages when their compact JSON (UTF-8
             bytes, images inline) is larger than this; None turns offload off.
         offload_gzip: store offloaded messages gzipped (``Content-Encoding: gzip``)

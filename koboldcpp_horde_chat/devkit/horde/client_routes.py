@@ -208,7 +208,8 @@ class ClientRoutes(ChatContract):
         header), answered as the real Horde answers (its ``FindUser``): no key is
         401 ``InvalidAPIKey``, a key it does not know 404 ``UserNotFound`` (whose
         message repeats the key, as the real one's does), a known key
-        ``{"username": "dev-user#<n>", "id": <n>, "kudos", "worker_count"}``.
+        ``{"username": "dev-user#<n>", "id": <n>, "kudos", "worker_count",
+        "trusted"}`` (``trusted`` as the constructor's).
 
         Raises ``_ApiError`` for the refusals.
         """
@@ -224,6 +225,7 @@ class ClientRoutes(ChatContract):
             "id": user_id,
             "kudos": 0.0,
             "worker_count": workers,
+            "trusted": self.trusted,
         }
 
     def _client_route(self, req: Request) -> Response:
