@@ -223,6 +223,9 @@ class JobDriver:
             self.hooks.generation_ended()
             return
         ctx.move(Move.OUTCOME)
+        if ctx.request:  # it does not always fail
+            with self.state.lock:
+                self.state.refaults.served(ctx.request)
         self.hooks.generation_ended()
         self.meter.generated(ctx, job, outcome.body)
         seconds = self.ports.clock.monotonic() - ctx.started
@@ -240,9 +243,13 @@ class JobDriver:
         now = self.ports.clock.monotonic()
         with self.state.lock:
             held = bool(ctx.request) and self.state.refaults.hold(ctx.request, now)
+            backend_failed = held and self.state.refaults.backend_failed(ctx.request)
         if not held:
             return False
         self.hooks.payload_read()
+        if backend_failed:  # as koboldcpp failed it: toward the streak that probes it
+            self.hooks.backend_failed()
+            self.meter.failed_again(ctx)
         log.warning(
             "job=%s kind=%s not served: its request was faulted here twice lately and "
             "came back; left to expire (one aborted job), so the Horde marks it faulted "

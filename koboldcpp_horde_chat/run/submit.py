@@ -154,7 +154,9 @@ class SubmitPipeline:
         )
         if ctx.request:  # the Horde hands the request back at once (state/refaults.py)
             with self.state.lock:
-                self.state.refaults.faulted(ctx.request, self.clock())
+                self.state.refaults.faulted(
+                    ctx.request, self.clock(), backend_failed=fault.backend_failed
+                )
         log.warning(
             "job=%s kind=%s faulted%s: %s",
             ctx.id,

@@ -28,6 +28,13 @@ again before the sweep. Two faults, not one: the first fault may be the
 worker's bad moment, and the request deserves its second chance here or
 with another worker.
 
+A job of the request that koboldcpp generates clears its faults (it does not
+always fail). When the request's last fault was koboldcpp's (a failed
+generation, not a job the worker could not serve), the job left to expire
+counts as one more failed generation toward the streak that stops the popping
+and probes koboldcpp (``state/guard.py``, ``FailureStreak``): requests with the
+same payload then cannot hide a koboldcpp that fails everything.
+
 A job has a new id at each pop, so a request is recognised by what its job
 carries: :func:`request_digest` of the pop's payload, model and kind, with
 the query of every http(s) URL in it left out (a signed URL changes at each
@@ -92,16 +99,29 @@ class RequestFaults:
         self.window_s = float(window_s)
         self.max_requests = max(1, int(max_requests))
         self._faults: OrderedDict[str, deque[float]] = OrderedDict()
+        self._backend: dict[str, bool] = {}
 
-    def faulted(self, digest: str, now: float) -> None:
-        """This worker faulted a job of request ``digest`` at ``now`` (monotonic s)."""
+    def faulted(self, digest: str, now: float, *, backend_failed: bool = False) -> None:
+        """This worker faulted a job of request ``digest`` at ``now`` (monotonic s);
+        ``backend_failed``: koboldcpp failed its generation."""
         times = self._faults.pop(digest, None)
         if times is None:
             times = deque(maxlen=FAULTS_BEFORE_HOLDING)
         times.append(now)
         self._faults[digest] = times
+        self._backend[digest] = backend_failed
         while len(self._faults) > self.max_requests:
-            self._faults.popitem(last=False)
+            oldest, _ = self._faults.popitem(last=False)
+            self._backend.pop(oldest, None)
+
+    def served(self, digest: str) -> None:
+        """koboldcpp generated a job of request ``digest``: its faults are forgotten."""
+        self._faults.pop(digest, None)
+        self._backend.pop(digest, None)
+
+    def backend_failed(self, digest: str) -> bool:
+        """Whether the last fault of request ``digest`` was a failed generation."""
+        return self._backend.get(digest, False)
 
     def recent(self, digest: str, now: float) -> int:
         """How many faults of request ``digest`` lie within the window."""

@@ -134,12 +134,15 @@ def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
     for _ in range(60):
         kcpp.inject("generate", (500, {"detail": {"msg": "boom"}}))
         kcpp.inject("chat", (500, {"detail": {"msg": "boom"}}))
-    ids = [horde.send_text("Once", max_length=32, max_attempts=1) for _ in range(25)]
+    # Distinct requests: one payload faulted twice is another matter (test_refaults.py).
+    ids = [horde.send_text(f"Once {i}", max_length=32, max_attempts=1) for i in range(25)]
     ids += [
         horde.send_chat(
-            {"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True, max_attempts=1
+            {"messages": [{"role": "user", "content": f"Sky {i}?"}]},
+            best_effort=True,
+            max_attempts=1,
         )
-        for _ in range(5)
+        for i in range(5)
     ]
     start_worker()
     until(lambda: "failed 3 generations in a row: not popping" in caplog.text, 60,

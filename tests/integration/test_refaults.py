@@ -80,3 +80,28 @@ def test_a_request_that_always_fails_costs_three_aborted_jobs_and_the_others_are
     assert horde.worker(NAME)["uncompleted_jobs"] == 3  # type: ignore[index]
     assert took < 60
     logging.getLogger(__name__).info("refaults %s: 10 good served in %.1f s", kind, took)
+
+
+def test_requests_of_one_payload_do_not_hide_a_koboldcpp_that_fails_everything(
+    horde: DevHorde,
+    kcpp: ScriptedKoboldcpp,
+    start_worker: Callable[..., object],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Many requests with one payload while koboldcpp fails every generation: the job
+    left to expire counts as a failed generation too, so the worker stops popping and
+    probes koboldcpp after 3, as with distinct requests, instead of leaving job after
+    job to expire until its hour is full."""
+    caplog.set_level(logging.INFO)
+    for _ in range(60):
+        kcpp.inject("generate", (500, {"detail": {"msg": "boom"}}))
+    for _ in range(25):
+        horde.send_text("Once", max_length=32, max_attempts=1)
+    start_worker()
+    until(lambda: "failed 3 generations in a row: not popping" in caplog.text, 60,
+          lambda: caplog.text[-3000:])
+    pops = len(horde.pops)
+    time.sleep(2.0)
+    assert len(horde.pops) == pops
+    assert len([e for e in horde.ledger if e["action"] == "faulted"]) == 2
+    assert caplog.text.count("left to expire (one aborted job)") == 1

@@ -56,3 +56,14 @@ def test_the_memory_is_bounded() -> None:
     assert len(faults._faults) == 3
     assert all(len(times) <= FAULTS_BEFORE_HOLDING for times in faults._faults.values())
     assert faults.hold("r9", 10.0) and not faults.hold("r0", 10.0)
+
+
+def test_a_request_generated_once_is_forgotten_and_the_last_fault_says_whose() -> None:
+    faults = RequestFaults()
+    faults.faulted("r", 0.0, backend_failed=True)
+    faults.faulted("r", 1.0)
+    assert faults.hold("r", 2.0) and not faults.backend_failed("r")
+    faults.faulted("r", 2.0, backend_failed=True)
+    assert faults.backend_failed("r")
+    faults.served("r")
+    assert not faults.hold("r", 3.0) and not faults.backend_failed("r")
