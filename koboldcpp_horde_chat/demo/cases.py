@@ -58,6 +58,10 @@ class DemoCase:
     ``expect_fault`` names the fault reason the worker must give instead of a
     reply (``"prompt_overflow"``). A case with ``skip`` set is not sent; the
     text says why. ``before`` is printed before the case is sent.
+    ``max_attempts``: the faulted jobs after which the dev Horde faults the
+    request at once, 2: the worker faults a request twice, then leaves its next
+    job to expire (``state/refaults.py``), which would end it only at the
+    Horde's sweep.
     """
 
     name: str
@@ -65,7 +69,7 @@ class DemoCase:
     body: dict[str, Any]
     hope: Hope = _hopes_nothing
     expect_fault: str | None = None
-    max_attempts: int = 3
+    max_attempts: int = 2
     skip: str = ""
     before: str = ""
     request_id: str = ""

@@ -10,7 +10,7 @@ Seed: "Worked example: the pop loop" steps 1, 6 and 7 and "Streaming progress".
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class HordeAPI(Protocol):
@@ -36,4 +36,13 @@ class HordeAPI(Protocol):
 
     def close(self) -> None:
         """Release the client's connections (a client used on one thread is done)."""
+        ...
+
+
+@runtime_checkable
+class FindsUser(Protocol):
+    """A Horde client that can read the API key's owner (``HordeClient`` does)."""
+
+    def find_user(self, *, timeout_s: float) -> dict[str, Any]:
+        """GET ``/api/v2/find_user``: the key's owner (``trusted`` among its keys)."""
         ...

@@ -142,11 +142,14 @@ def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
     koboldcpp/Qwen3-8B from https://aihorde.net via http://127.0.0.1:5001, and
     chat jobs once that Horde sends them (chat is declared on every pop; a
     Horde without the chat routes sends text jobs only)"``; a chat-only worker
-    (``prompt_jobs`` off): ``"serving chat jobs only ... (a Horde without the
-    chat routes sends this worker nothing)"``; ``", 2 at once"`` added after
-    the koboldcpp URL for two slots. With a koboldcpp too old for chat
-    (``chat`` False: ``koboldcpp.versions``): ``"serving text jobs ... (this
-    koboldcpp has no chat route: chat is not declared)"``.
+    (``prompt_jobs`` off): ``"serving chat jobs only ... (pops declare
+    prompt_jobs: false; a Horde without the chat routes ignores it and sends
+    text jobs, which this worker serves)"``: the real AI Horde without those
+    routes knows no chat key and ignores ``prompt_jobs`` without a word;
+    ``", 2 at once"`` added after the koboldcpp URL for two slots. With a
+    koboldcpp too old for chat (``chat`` False: ``koboldcpp.versions``):
+    ``"serving text jobs ... (this koboldcpp has no chat route: chat is not
+    declared)"``.
     """
     slots = f", {settings.threads} at once" if settings.threads > 1 else ""
     where = f"for {settings.model_id} from {settings.horde_url} via {settings.kcpp_url}{slots}"
@@ -154,8 +157,8 @@ def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
         return f"serving text jobs {where} (this koboldcpp has no chat route: chat is not declared)"
     if not settings.prompt_jobs:
         return (
-            f"serving chat jobs only {where} (a Horde without the chat routes sends this "
-            "worker nothing)"
+            f"serving chat jobs only {where} (pops declare prompt_jobs: false; a Horde "
+            "without the chat routes ignores it and sends text jobs, which this worker serves)"
         )
     return (
         f"serving text jobs {where}, and chat jobs once that Horde sends them (chat is "

@@ -198,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0: none)",
     )
     p.add_argument(
-        "--chat-only", action="store_true", help="serve chat jobs only (pop with prompt_jobs false)"
+        "--chat-only",
+        action="store_true",
+        help="serve chat jobs only (pop with prompt_jobs false; a Horde without the chat "
+        "routes ignores it and sends text jobs, which are then served)",
     )
     p.add_argument(
         "--chat-withhold",

@@ -28,22 +28,27 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from ..errors import JobEnded, JobFault, PayloadError
+from ..errors import HordeError, JobEnded, JobFault, PayloadError
+from ..horde.api import FindsUser
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, Lease, TextJob, parse_pop
 from ..state.job import JobContext, Outcome, Steps
-from ..state.lease_fit import job_max_length
+from ..state.lease_fit import job_max_length, reply_tokens
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.ports import Ports
+from ..state.refaults import request_digest
 from ..state.shared import WorkerState
-from ..state.status import first_chat_job_line
+from ..state.status import SUSPICION_TOKENS_PER_S, first_chat_job_line, suspicion_line
 from .chat import ChatRun
 from .submit import SubmitPipeline
 from .text import TextRun
 
 #: The pop loop's logger: a job's lines from the pop's answer on keep its name.
 log = logging.getLogger("koboldcpp_horde_chat.worker")
+
+#: The read timeout of the one ``find_user`` call, seconds.
+FIND_USER_TIMEOUT_S = 10.0
 
 
 class LoopHooks(Protocol):
@@ -162,6 +167,7 @@ class JobDriver:
             journal=self.ports.journal,
             clock=self.ports.clock,
             steps=self.steps,
+            request=request_digest(pop),
         )
         self.state.hold(ctx)
         ctx.record()
@@ -193,6 +199,8 @@ class JobDriver:
             raise
 
     def _drive(self, ctx: JobContext, pop: dict[str, Any]) -> None:
+        if self._held_back(ctx):
+            return
         try:
             job = parse_pop(pop, default_ttl_s=self.settings.lease_s)
         except PayloadError as exc:
@@ -226,12 +234,69 @@ class JobDriver:
             self.hooks.generation_ended()
             return
         ctx.move(Move.OUTCOME)
+        if ctx.request:  # it does not always fail
+            with self.state.lock:
+                self.state.refaults.served(ctx.request)
         self.hooks.generation_ended()
         self.meter.generated(ctx, job, outcome.body)
+        seconds = self.ports.clock.monotonic() - ctx.started
         self.hooks.terminal_action_next(ctx, is_fault=False)
         if self.hooks.reply_beside(ctx, outcome):
             return
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
+        if seconds > 0:
+            self._check_suspicion(reply_tokens(outcome.body) / seconds)
+
+    def _held_back(self, ctx: JobContext) -> bool:
+        """A job of a request this worker faulted twice lately (``state/refaults.py``):
+        neither generated nor faulted, released without a submit so that its lease
+        runs out. The Horde's sweep then aborts it (one aborted job, counted here
+        now) and marks the request faulted, instead of a third fault handing the
+        request straight back. True when so released."""
+        now = self.ports.clock.monotonic()
+        with self.state.lock:
+            held = bool(ctx.request) and self.state.refaults.hold(ctx.request, now)
+            backend_failed = held and self.state.refaults.backend_failed(ctx.request)
+        if not held:
+            return False
+        self.hooks.payload_read()
+        if backend_failed:  # as koboldcpp failed it: toward the streak that probes it
+            self.hooks.backend_failed()
+            self.meter.failed_again(ctx)
+        log.warning(
+            "job=%s kind=%s not served: its request was faulted here twice lately and "
+            "came back; left to expire (one aborted job), so the Horde marks it faulted "
+            "instead of handing it back again",
+            ctx.id,
+            ctx.kind,
+        )
+        self.state.record_expired(now, ctx.kind)
+        self.state.record_dropped()
+        ctx.end(Move.NO_SUBMIT)
+        self.state.release(ctx)
+        return True
+
+    def _check_suspicion(self, tokens_per_s: float) -> None:
+        """The first job served faster than the Horde allows an untrusted owner's
+        worker (``status.SUSPICION_TOKENS_PER_S``): ask the Horde once whether the
+        key's owner is trusted (``find_user``) and, when not, say so in one line.
+        Best effort: a Horde that does not answer is asked no more."""
+        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
+            return
+        with self.state.lock:
+            if self.state.owner_checked:
+                return
+            self.state.owner_checked = True
+        horde = self.ports.horde
+        if not isinstance(horde, FindsUser):
+            return
+        try:
+            user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
+        except HordeError as exc:
+            log.debug("whether the key's owner is trusted is not known: %s", exc)
+            return
+        if user.get("trusted") is False:
+            log.warning("%s", suspicion_line(tokens_per_s))
 
     def _serve(self, ctx: JobContext, job: ChatJob | TextJob) -> Outcome:
         """The job's run, its steps between the driver's moves. Returns the reply.

@@ -152,6 +152,11 @@ class SubmitPipeline:
         self.state.record_fault(
             self.clock(), counts=fault.counts, kind=ctx.kind, feature=fault.feature
         )
+        if ctx.request:  # the Horde hands the request back at once (state/refaults.py)
+            with self.state.lock:
+                self.state.refaults.faulted(
+                    ctx.request, self.clock(), backend_failed=fault.backend_failed
+                )
         log.warning(
             "job=%s kind=%s faulted%s: %s",
             ctx.id,

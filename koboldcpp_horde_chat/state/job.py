@@ -82,6 +82,8 @@ class JobContext:
         clock: the clock of the lease and of ``started`` (its wall time is the
             journal's).
         steps: the loop's step thread (:meth:`until_given_up`).
+        request: the digest naming the job's request (``state.refaults.request_digest``
+            of the pop's answer; empty when not known).
         phase: where the job is (``state/life.py``).
         prompt_tokens: the tokens of the job's prompt as its run counted or
             estimated them (:meth:`note_prompt_tokens`), or None: not known.
@@ -110,6 +112,7 @@ class JobContext:
     journal: Journal | None = field(default=None, repr=False)
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
     steps: Steps = field(default_factory=lambda: Steps(), repr=False)
+    request: str = field(default="", repr=False)
     phase: Phase = Phase.POPPED
     abandoned: threading.Event = field(default_factory=threading.Event)
     abandon_why: str = ""

@@ -128,6 +128,18 @@ class JobMeter:
             produced=figures.tokens if figures is not None else None,
         )
 
+    def failed_again(self, ctx: JobContext) -> None:
+        """A job of a request whose generation koboldcpp failed twice lately, left
+        to expire without a generation (``state/refaults.py``): counted toward the
+        streak that stops popping as one more failed generation."""
+        with self.state.lock:
+            withdrawn = self.state.failure_streak.failed(ctx.kind)
+            others = [k for k in self.state.kinds_to_pop() if k != ctx.kind]
+        if withdrawn:
+            log.warning(
+                "%s", kind_withdrawn_line(ctx.kind, self.state.failure_streak.limit, others)
+            )
+
     def ended_by_horde(self, ctx: JobContext, job: TextJob | ChatJob) -> None:
         """The Horde ended the job during its generation (``ChatJobAborted``: its
         lease ran out): an aborted job there, and a generation that ran out."""

@@ -42,6 +42,7 @@ from .journal import Journal
 from .lease_fit import LeaseFit
 from .life import Phase
 from .probes import ProbePlan
+from .refaults import RequestFaults
 from .skipped import SkipContext
 
 if TYPE_CHECKING:
@@ -147,6 +148,10 @@ class WorkerState:
         self.failure_streak = FailureStreak()
         #: The failure streak's probes: their waits and sizes (``state.probes``).
         self.probe_plan = ProbePlan()
+        #: The requests this worker faulted lately (``state/refaults.py``), under ``lock``.
+        self.refaults = RequestFaults()
+        #: The Horde was asked whether the key's owner is trusted (once, ``run/driver.py``).
+        self.owner_checked = False
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []

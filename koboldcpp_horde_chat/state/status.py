@@ -418,3 +418,25 @@ def abort_limit_line(
         f"{aborted_count(count, limit)}{held}: not popping, to stay out of maintenance; "
         f"popping again at {at} (in {minutes} min) unless more are counted"
     )
+
+
+#: Tokens per second above which the real Horde suspects an untrusted owner's text
+#: worker (horde/vars.py ``suspicion_thresholds["text"]``, checked at each accepted
+#: submit by horde/classes/base/worker.py ``_record_contribution``; a known model of
+#: 8B, 14B or 70B parameters has a limit of 150, 100 or 30 there too).
+SUSPICION_TOKENS_PER_S = 150
+#: Suspicions at which the real Horde pauses an untrusted owner's worker
+#: (horde/classes/base/worker.py ``suspicion_threshold``).
+SUSPICIONS_TO_PAUSE = 5
+
+
+def suspicion_line(tokens_per_s: float) -> str:
+    """The one line said when koboldcpp served a job faster than the Horde allows an
+    untrusted owner's worker and the owner is not trusted (``find_user``)."""
+    return (
+        f"koboldcpp served a job at {tokens_per_s:.0f} tokens/s, above the "
+        f"{SUSPICION_TOKENS_PER_S} tokens/s the Horde allows a worker of an untrusted "
+        f"owner: each such job adds a suspicion, and at {SUSPICIONS_TO_PAUSE} the Horde "
+        "pauses this worker and sends it fake jobs whose rewards are never credited "
+        "(a trusted owner's worker is never suspected)"
+    )

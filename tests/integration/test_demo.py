@@ -117,19 +117,18 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
     lines = out.splitlines()
     at = lines.index(case_line(out, "tool call"))
     assert lines[at] == (
-        "[ok  ] tool call                faulted 3 times (reply_refused); the request ended faulted"
+        "[ok  ] tool call                faulted 2 times (reply_refused); the request ended faulted"
     )
     assert lines[at + 1] == (
         "       model: the Horde refused the model's reply (message.tool_calls[0] calls 'GetWeather', "
-        "not a function of the request); the worker faulted it with reply_refused, as it must (3 times)"
+        "not a function of the request); the worker faulted it with reply_refused, as it must (2 times)"
     )
-    # The WARNING lines (a refusal and a reply_refused fault for each job, and the
-    # withdrawal of tools at the third) are announced before the case and pointed at
-    # after it.
+    # The WARNING lines (a refusal and a reply_refused fault for each job) are announced
+    # before the case and pointed at after it.
     assert lines[at - 1] == "       " + cases.MODEL_REFUSAL_WARNINGS
     assert cases.MODEL_REFUSAL_WARNINGS.startswith("Two WARNING lines may follow, and are expected")
     assert lines[at + 2] == (
-        "       the 7 WARNING lines above: expected, from what the model did (model: above)"
+        "       the 4 WARNING lines above: expected, from what the model did (model: above)"
     )
     assert "Demo passed" in out
 
@@ -245,7 +244,7 @@ def test_a_reply_the_worker_built_wrong_fails_even_against_a_real_koboldcpp(
         assert main(["--kcpp-url", kcpp.url, "--timeout", "60"]) == 1
     out = capsys.readouterr().out
     line = case_line(out, "plain chat")
-    assert line.startswith("[FAIL] plain chat               faulted 3 times (reply_refused)")
+    assert line.startswith("[FAIL] plain chat               faulted 2 times (reply_refused)")
     assert "reply was refused (ChatModelMismatch: model_id 'koboldcpp/other' is not the assigned model" in out
     assert out.rstrip().endswith("Demo FAILED: plain chat.")
 

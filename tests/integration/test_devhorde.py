@@ -658,7 +658,7 @@ def test_a_cancelled_job_that_does_not_stream_is_submitted_as_usual(horde: DevHo
 
 
 def test_the_lease_expires_and_progress_extends_it() -> None:
-    with DevHorde(api_keys=(KEY,), ttl_s=0.5) as h:
+    with DevHorde(api_keys=(KEY,), ttl_s=0.5, sweep_s=0) as h:
         w = Worker(h)
         rid = h.send_chat(USER_ONLY, best_effort=True)
         first = w.pop(decl())
@@ -679,7 +679,7 @@ def test_the_lease_expires_and_progress_extends_it() -> None:
 
 def test_progress_extends_the_lease_no_further_than_the_cap_from_the_pop() -> None:
     assert DevHorde(trusted=True).lease_cap_s == 600.0 and DevHorde().lease_cap_s == 200.0
-    with DevHorde(api_keys=(KEY,), ttl_s=0.5, lease_cap_s=0.6) as h:
+    with DevHorde(api_keys=(KEY,), ttl_s=0.5, lease_cap_s=0.6, sweep_s=0) as h:
         w = Worker(h)
         _, job_id = _stream_job(h, w)
         time.sleep(0.3)
@@ -774,12 +774,13 @@ def _agent_decl(name: str, agent: str | None, **over: Any) -> dict[str, Any]:
 def test_requests_skip_a_worker_whose_backend_is_not_validated_unless_the_client_allows_it(
     horde: DevHorde, w: Worker, agent: str | None
 ) -> None:
-    horde.send_chat(USER_ONLY, best_effort=True)
-    horde.send_text("Hello")
+    horde.send_chat(USER_ONLY, best_effort=True, validated_backends=True)
+    horde.send_text("Hello", validated_backends=True)
     empty = w.pop(_agent_decl("w1", agent))
     assert (empty["id"], empty["skipped"]) == (None, {"bridge_version": 2})
-    chat_rid = horde.send_chat(USER_ONLY, best_effort=True, validated_backends=False)
-    text_rid = horde.send_text("Hello", validated_backends=False)
+    # Left out, validated_backends is false, as the real Horde stores it.
+    chat_rid = horde.send_chat(USER_ONLY, best_effort=True)
+    text_rid = horde.send_text("Hello")
     assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(chat_rid)["job_ids"][0]
     assert w.pop(_agent_decl("w1", agent))["id"] == horde.status(text_rid)["job_ids"][0]
 
@@ -797,16 +798,19 @@ def test_a_worker_whose_bridge_agent_names_a_validated_backend_gets_every_reques
 
 
 def test_the_client_routes_take_validated_backends(horde: DevHorde, w: Worker) -> None:
-    chat = {**copy.deepcopy(USER_ONLY), "horde": {"best_effort": True, "validated_backends": False}}
+    chat = {**copy.deepcopy(USER_ONLY), "horde": {"best_effort": True, "validated_backends": True}}
     assert requests.post(horde.url + "/api/v2/generate/chat/async", json=chat, timeout=5).status_code == 202
-    text = {"prompt": "Hello", "validated_backends": False}
+    text = {"prompt": "Hello", "validated_backends": True}
     assert requests.post(horde.url + "/api/v2/generate/text/async", json=text, timeout=5).status_code == 202
+    # Left out, validated_backends is false, as the real Horde stores it.
+    chat_default = {**copy.deepcopy(USER_ONLY), "horde": {"best_effort": True}}
+    assert requests.post(horde.url + "/api/v2/generate/chat/async", json=chat_default, timeout=5).status_code == 202
     assert requests.post(horde.url + "/api/v2/generate/text/async", json={"prompt": "Hi"}, timeout=5).status_code == 202
     unvalidated = _agent_decl("w1", None)
     assert w.pop(unvalidated)["chat"] is True
-    assert w.pop(unvalidated)["payload"]["prompt"] == "Hello"
+    assert w.pop(unvalidated)["payload"]["prompt"] == "Hi"
     left = w.pop(unvalidated)
-    assert (left["id"], left["skipped"]) == (None, {"bridge_version": 1})
+    assert (left["id"], left["skipped"]) == (None, {"bridge_version": 2})
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
@@ -999,7 +1003,7 @@ def test_an_empty_pop_counts_the_requests_it_passed_over_by_reason(horde: DevHor
     horde.send_chat({**USER_ONLY, "max_tokens": 513}, best_effort=True)
     horde.send_chat({**USER_ONLY, "max_context_length": 4096}, best_effort=True)
     horde.send_chat({**USER_ONLY, "model": "koboldcpp/other"}, best_effort=True)
-    horde.send_chat({**USER_ONLY, "seed": 1}, best_effort=True)
+    horde.send_chat({**USER_ONLY, "seed": 1}, best_effort=True, validated_backends=True)
     unvalidated = w.pop(_agent_decl("w1", None))
     assert unvalidated["id"] is None
     assert unvalidated["skipped"] == {"max_length": 2, "max_context_length": 2, "models": 2, "bridge_version": 1}

@@ -32,7 +32,7 @@ TTL_S = 0.5
 
 @pytest.fixture
 def horde() -> Iterator[DevHorde]:
-    with DevHorde(api_keys=(KEY,), ttl_s=TTL_S) as h:
+    with DevHorde(api_keys=(KEY,), ttl_s=TTL_S, sweep_s=0) as h:
         yield h
 
 

@@ -215,9 +215,37 @@ def drive(worker: Worker, horde: FakeHorde, passes: int) -> None:
     worker.drain()  # a pop that overlapped the last submit gets its job served too
 
 
-def check(horde: FakeHorde) -> None:
+def left_to_expire(horde: FakeHorde, pops: list[Any]) -> set[str]:
+    """Jobs the worker may leave to expire on purpose: a job of a request (its pop's
+    payload, model and kind) whose 2 jobs before it were faulted since one was
+    submitted (the Horde hands a faulted request back; ``state/refaults.py``)."""
     verdicts = horde.verdicts()
-    bad = {j: v for j, v in verdicts.items() if v not in ACCEPTABLE}
+    faulted: dict[str, int] = {}
+    allowed: set[str] = set()
+    for pop in pops:
+        job_id = pop.get("id") if isinstance(pop, dict) else None
+        if not (isinstance(job_id, str) and job_id in verdicts):
+            continue
+        key = json.dumps(
+            [pop.get("payload"), pop.get("model"), pop.get("chat") is True],
+            sort_keys=True, default=repr,
+        )
+        if faulted.get(key, 0) >= 2:
+            allowed.add(job_id)
+        if verdicts[job_id] == "faulted":
+            faulted[key] = faulted.get(key, 0) + 1
+        elif verdicts[job_id] == "submitted":
+            faulted[key] = 0
+    return allowed
+
+
+def check(horde: FakeHorde, pops: list[Any] | None = None) -> None:
+    verdicts = horde.verdicts()
+    expiring = left_to_expire(horde, pops or [])
+    bad = {
+        j: v for j, v in verdicts.items()
+        if v not in ACCEPTABLE and not (j in expiring and v == "lost")
+    }
     assert not bad, {j: vars(horde.jobs[j]) for j in bad}
     late = {j: job.late_submits for j, job in horde.jobs.items() if job.late_submits}
     assert not late, late
@@ -233,7 +261,7 @@ def test_malformed_pops_never_escape_and_every_job_gets_one_answer(pops: list[An
     horde = FakeHorde(clock, pops=pops)
     worker = build(horde, FakeBackend(), clock)
     drive(worker, horde, len(pops))
-    check(horde)
+    check(horde, pops)
 
 
 @EXAMPLES
@@ -271,7 +299,7 @@ def test_malformed_backend_bodies_and_streams_fault_the_job_once(
     backend.aborts.extend(aborts)
     worker = build(horde, backend, clock)
     drive(worker, horde, len(pops))
-    check(horde)
+    check(horde, pops)
     assert set(horde.verdicts()) == {p["id"] for p in pops}
 
 
@@ -297,7 +325,7 @@ def test_any_horde_answers_leave_no_job_lost_or_submitted_twice(
     backend.streams.extend(sse_chunks(stream_text.replace("\n", " ") + " end") for _ in kinds)
     worker = build(horde, backend, clock)
     drive(worker, horde, len(pops))
-    check(horde)
+    check(horde, pops)
     if not worker.stop_event.is_set():
         assert set(horde.verdicts()) == {f"job-{i}" for i in range(len(kinds))}
     assert all(job.accepted <= 1 for job in horde.jobs.values())

@@ -41,7 +41,7 @@ def _counted(horde: DevHorde) -> tuple[int, bool]:
     return int(details.get("uncompleted_jobs", 0)), bool(details.get("maintenance_mode"))
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "sweep_s": 0}], indirect=True)
 def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_text_declaration_and_earns(
     horde: DevHorde,
     kcpp: ScriptedKoboldcpp,
@@ -85,7 +85,7 @@ def test_koboldcpps_own_speed_figure_fits_the_first_pop_to_the_lease(
     assert horde.pops[0]["body"]["chat_limits"]["max_length"] == 240
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "lease_cap_s": 24.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "lease_cap_s": 24.0, "sweep_s": 0}], indirect=True)
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_koboldcpp_too_slow_for_the_lease_narrows_the_chat_declaration_and_earns(
     horde: DevHorde,
@@ -138,12 +138,15 @@ def test_a_koboldcpp_failing_every_generation_stops_the_popping_not_the_jobs(
     for _ in range(60):
         kcpp.inject("generate", (500, {"detail": {"msg": "boom"}}))
         kcpp.inject("chat", (500, {"detail": {"msg": "boom"}}))
-    ids = [horde.send_text("Once", max_length=32, max_attempts=1) for _ in range(25)]
+    # Distinct requests: one payload faulted twice is another matter (test_refaults.py).
+    ids = [horde.send_text(f"Once {i}", max_length=32, max_attempts=1) for i in range(25)]
     ids += [
         horde.send_chat(
-            {"messages": [{"role": "user", "content": "Sky?"}]}, best_effort=True, max_attempts=1
+            {"messages": [{"role": "user", "content": f"Sky {i}?"}]},
+            best_effort=True,
+            max_attempts=1,
         )
-        for _ in range(5)
+        for i in range(5)
     ]
     start_worker()
     until(lambda: "failed 3 generations in a row: not popping" in caplog.text, 60,
@@ -285,7 +288,7 @@ def test_a_koboldcpp_failing_only_chat_withdraws_chat_after_three_and_text_keeps
           lambda: caplog.text[-3000:])
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 20.0}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 20.0, "sweep_s": 0}], indirect=True)
 def test_a_lowered_max_length_comes_back_once_koboldcpp_is_fast_again_with_no_short_job(
     horde: DevHorde,
     kcpp: ScriptedKoboldcpp,

@@ -469,7 +469,7 @@ def test_a_stream_that_ends_without_a_finish_reason_faults_the_job_without_a_rea
 # --- deadlines -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 7}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 7, "sweep_s": 0}], indirect=True)
 def test_a_backend_silent_until_the_lease_nears_its_end_is_aborted_and_faulted_in_time(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
 ) -> None:
@@ -486,7 +486,7 @@ def test_a_backend_silent_until_the_lease_nears_its_end_is_aborted_and_faulted_i
     fault_only(horde, rid)  # faulted while the lease lasted: not "expired", not AbortedGen
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 7}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 7, "sweep_s": 0}], indirect=True)
 def test_posts_extend_the_lease_so_a_pause_longer_than_the_lease_left_at_open_is_waited_out(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
 ) -> None:
@@ -509,7 +509,7 @@ def test_posts_extend_the_lease_so_a_pause_longer_than_the_lease_left_at_open_is
     assert content_of(stream) == text == horde.ledger[0]["body"]["message"]["content"]
 
 
-@pytest.mark.parametrize("horde", [{"ttl_s": 7}], indirect=True)
+@pytest.mark.parametrize("horde", [{"ttl_s": 7, "sweep_s": 0}], indirect=True)
 def test_a_stream_whose_posts_stopped_is_faulted_before_its_unextended_lease_ends(
     horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Any
 ) -> None:

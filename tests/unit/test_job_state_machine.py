@@ -370,14 +370,16 @@ JOB_KINDS = ("chat", "stream", "tools", "messages_url", "text", "malformed", "no
 
 
 def job_pop(kind: str, job_id: str, ttl: int) -> dict[str, Any]:
-    """A pop answer carrying a job of ``kind``."""
+    """A pop answer carrying a job of ``kind``, of a request of its own (its payload
+    names the job: a payload faulted twice that comes back is left to expire,
+    tests/integration/test_refaults.py)."""
     if kind == "text":
         return {
-            "payload": {"prompt": "Once", "max_length": 40, "max_context_length": 1024},
+            "payload": {"prompt": f"Once ({job_id})", "max_length": 40, "max_context_length": 1024},
             "id": job_id, "ids": [job_id], "ttl": ttl, "model": MODEL,
         }
     payload: dict[str, Any] = {
-        "messages": [{"role": "user", "content": "Name one colour."}],
+        "messages": [{"role": "user", "content": f"Name one colour. ({job_id})"}],
         "temperature": 1.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
         "rep_pen": 1.0, "top_k": 0, "min_p": 0.0, "max_length": 64,
         "max_context_length": 2048, "n": 1,
@@ -389,13 +391,13 @@ def job_pop(kind: str, job_id: str, ttl: int) -> dict[str, Any]:
         payload["tool_choice"] = "required"
     elif kind == "messages_url":
         del payload["messages"]
-        payload["messages_url"] = "https://messages.invalid/m/1"
+        payload["messages_url"] = f"https://messages.invalid/m/{job_id}"
     pop: dict[str, Any] = {
         "payload": payload, "id": job_id, "ids": [job_id], "messages": [], "ttl": ttl,
         "skipped": {}, "model": MODEL, "chat": True,
     }
     if kind == "malformed":
-        pop["payload"] = "not an object"
+        pop["payload"] = f"not an object ({job_id})"
     elif kind == "no_id":
         pop["id"] = 5
     return pop

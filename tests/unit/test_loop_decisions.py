@@ -64,11 +64,15 @@ def make(
 
 
 def chat_pop(job_id: str, **payload: Any) -> dict[str, Any]:
+    """A chat job of a request of its own: its messages name the job (a payload
+    faulted twice that comes back is another matter: tests/unit/test_refaults.py)."""
+    payload.setdefault("messages", [{"role": "user", "content": f"Name one colour. ({job_id})"}])
     return pops.chat_pop(job_id, MODEL, **payload)
 
 
 def text_pop(job_id: str) -> dict[str, Any]:
-    return pops.text_pop(job_id, MODEL)
+    """A text job of a request of its own (its prompt names the job)."""
+    return pops.text_pop(job_id, MODEL, prompt=f"Once ({job_id})")
 
 
 def run(worker: Worker, passes: int) -> None:

@@ -27,6 +27,7 @@ PURE_CORE = (
     "state/skipped",
     "state/lease_fit",
     "state/probes",
+    "state/refaults",
     "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}

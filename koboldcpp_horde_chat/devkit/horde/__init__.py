@@ -22,8 +22,8 @@ of another key's worker answers 403 ``WrongCredentials``):
   withdrawal" (400 ``ChatDeclarationInvalid``; a worker ``name`` over 100
   characters is 400 ``TooLongWorkerName``), the eligibility rules of steps 1,
   4 and 5, the job shapes of step 2 ("One chat job in full") and step 8. As on
-  the public AI Horde: a request keeps ``validated_backends: true`` unless its
-  client opts out and then goes only to a worker whose ``bridge_agent`` names a
+  the real AI Horde: a request has ``validated_backends: false`` unless its
+  client asks for it and then goes only to a worker whose ``bridge_agent`` names a
   validated backend (:func:`is_validated_backend`); every answer lists the
   moderator messages for the worker (``messages``, :meth:`DevHorde.add_worker_message`),
   and an answer without a job counts the requests it passed over in
@@ -52,7 +52,7 @@ bool}``) and ``POST /api/v2/generate/text/async`` (``prompt``, ``params``,
 /api/v2/generate/chat/status/<id>`` cancels; ``GET /api/v2/workers/name/<name>``;
 ``GET /api/v2/dev/ledger``. ``GET /api/v2/find_user`` answers who the ``apikey``
 header's key belongs to, as the real Horde does (404 ``UserNotFound`` for a key
-it does not know, 401 ``InvalidAPIKey`` for none).
+it does not know, 401 ``InvalidAPIKey`` for none; ``trusted`` as the constructor's).
 
 A second port (``storage_url``) plays object storage: signed URLs for offloaded
 messages (valid 120 s, optionally gzipped) and for images (valid max(ttl, 600)
@@ -73,9 +73,17 @@ longest side is at most 2048 as sent and hands anything else to the
 A request with images goes only to a worker declaring ``vision`` and ``url`` or
 ``base64``.
 
-Leases are checked lazily: a job whose lease passed is expired at the next call
-that looks at state (any HTTP route, :meth:`status`, :meth:`wait`,
-:meth:`worker`, :meth:`job`, :attr:`ledger`).
+The sweep, as on the real AI Horde: every ``sweep_s`` (60 s) it aborts each
+job whose lease passed without a submit (an aborted job of its worker; the
+request goes back to the queue), so a job expires 0-60 s after its ttl, and a
+submit that comes before the sweep is still taken; then it faults each request
+with more than 2 faulted jobs (faulted or expired). Until then a faulted
+request goes straight back to the queue in its old place, at the head, for the
+worker that faulted it too. The sweep is run lazily: by the next call that
+looks at state (any HTTP route, :meth:`status`, :meth:`wait`, :meth:`worker`,
+:meth:`job`, :attr:`ledger`), what it would have done by then is done first.
+Where the dev Horde differs on purpose: ``max_attempts`` (:meth:`send_chat`)
+faults a request at once, and ``sweep_s=0`` sweeps at every call.
 
 Aborted jobs and maintenance, as on the real AI Horde: every job of a worker
 that ends without a reply is an aborted job of that worker, whether the worker
@@ -155,6 +163,8 @@ from koboldcpp_horde_chat.devkit.horde.values import (
     REASONING_MAX_BYTES,
     ROUTES,
     SUBMIT_STATES,
+    SWEEP_FAULTED_JOBS,
+    SWEEP_S,
     TEXT_DEFAULT_MAX_CONTEXT,
     TEXT_DEFAULT_MAX_LENGTH,
     UNVALIDATED_KUDOS_FACTOR,
@@ -193,6 +203,8 @@ __all__ = [
     "REASONING_MAX_BYTES",
     "ROUTES",
     "SUBMIT_STATES",
+    "SWEEP_FAULTED_JOBS",
+    "SWEEP_S",
     "TEXT_DEFAULT_MAX_CONTEXT",
     "TEXT_DEFAULT_MAX_LENGTH",
     "UNVALIDATED_KUDOS_FACTOR",
@@ -211,7 +223,8 @@ class DevHorde(WorkerRoutes, ClientRoutes):
 
     Args:
         api_keys: the worker API keys accepted in the ``apikey`` header.
-        trusted: whether workers count as trusted (lease cap 600 s, else 200 s).
+        trusted: whether workers count as trusted (lease cap 600 s, else 200 s) and
+            their owners are (``find_user``).
         offload_bytes: offload a request's messages when their compact JSON (UTF-8
             bytes, images inline) is larger than this; None turns offload off.
         offload_gzip: store offloaded messages gzipped (``Content-Encoding: gzip``)
@@ -238,6 +251,14 @@ class DevHorde(WorkerRoutes, ClientRoutes):
         aborted_jobs_window_s: the window in which more than 20 aborted jobs put
             a worker into maintenance, seconds: one hour, as on the real Horde (a
             test hook: a short window shows the count starting again).
+        sweep_s: how often the sweep runs, seconds: 60, as on the real Horde (it
+            aborts each job whose lease passed, so a job expires 0-60 s after its
+            ttl, and faults each request with more than 2 faulted jobs); 0 runs it
+            at every call (a test hook: a job expires at its ttl).
+        chat_routes: False plays the real Horde as it is, without the chat
+            routes: the chat client routes answer 404, :meth:`send_chat` raises
+            ``ValueError``, and a pop's chat declaration is ignored without a
+            word, ``prompt_jobs: false`` included (text jobs still come).
     """
 
     def __init__(
@@ -256,8 +277,13 @@ class DevHorde(WorkerRoutes, ClientRoutes):
         image_url_s: float | None = None,
         latency_s: float = 0.0,
         aborted_jobs_window_s: float = ABORTED_JOBS_WINDOW_S,
+        sweep_s: float = SWEEP_S,
+        chat_routes: bool = True,
     ) -> None:
         self.api_keys = frozenset(api_keys)
+        self.sweep_s = max(0.0, float(sweep_s))
+        self._next_sweep = time.monotonic() + self.sweep_s
+        self.chat_routes = bool(chat_routes)
         self.aborted_jobs_window_s = float(aborted_jobs_window_s)
         self.latency_s = float(latency_s)
         self.trusted = trusted

@@ -25,8 +25,8 @@ class ClientRoutes(ChatContract):
         body: dict[str, Any],
         *,
         best_effort: bool = False,
-        max_attempts: int = 3,
-        validated_backends: bool = True,
+        max_attempts: int | None = None,
+        validated_backends: bool = False,
     ) -> str:
         """Queue a client's chat request; returns its request id.
 
@@ -36,17 +36,24 @@ class ClientRoutes(ChatContract):
         ``seed``, ``stop``, ``max_tokens`` (tokens), ``reasoning_effort``,
         ``stream``, ``model`` (a ``model_id`` to require), plus the Horde's
         optional ``max_context_length`` (tokens). ``best_effort`` opts out of
-        strict conformance. ``validated_backends`` (true by default, the Horde's
-        documented default) sends the request only to workers whose bridge agent names a
-        validated backend (:data:`LLM_VALIDATED_BACKENDS`). The request faults
-        for good after ``max_attempts`` faulted or expired jobs. Raises
+        strict conformance. ``validated_backends`` (false by default, as the real
+        Horde stores a request that leaves it out: its parser's default, whatever
+        its API model documents) sends the request only to workers whose bridge
+        agent names a validated backend (:data:`LLM_VALIDATED_BACKENDS`). A
+        faulted or expired job puts the request back at the head of the queue,
+        for the worker that faulted it too; the sweep (every ``sweep_s``) faults
+        it once it has more than 2 such jobs, as on the real Horde.
+        ``max_attempts`` (a test hook the real Horde lacks) faults it at once at
+        its n-th such job instead. Raises
         ``ValueError`` naming an invalid field, or an image the dev Horde cannot
         store (see the module docstring: a data URL or an http(s) URL on
         127.0.0.1, within the caps, a JPEG of longest side at most 2048 or
         converted by ``image_converter``).
         """
         _validate_chat_body(body)
-        if max_attempts < 1:
+        if not self.chat_routes:
+            raise ValueError("this Horde has no chat routes")
+        if max_attempts is not None and max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         body = copy.deepcopy(body)
         spec = self._chat_spec(body, best_effort=best_effort)
@@ -81,8 +88,8 @@ class ClientRoutes(ChatContract):
         max_context_length: int = 1024,
         params: dict[str, Any] | None = None,
         models: Iterable[str] | None = None,
-        max_attempts: int = 3,
-        validated_backends: bool = True,
+        max_attempts: int | None = None,
+        validated_backends: bool = False,
     ) -> str:
         """Queue a client's text request; returns its request id.
 
@@ -201,7 +208,8 @@ class ClientRoutes(ChatContract):
         header), answered as the real Horde answers (its ``FindUser``): no key is
         401 ``InvalidAPIKey``, a key it does not know 404 ``UserNotFound`` (whose
         message repeats the key, as the real one's does), a known key
-        ``{"username": "dev-user#<n>", "id": <n>, "kudos", "worker_count"}``.
+        ``{"username": "dev-user#<n>", "id": <n>, "kudos", "worker_count",
+        "trusted"}`` (``trusted`` as the constructor's).
 
         Raises ``_ApiError`` for the refusals.
         """
@@ -217,11 +225,14 @@ class ClientRoutes(ChatContract):
             "id": user_id,
             "kudos": 0.0,
             "worker_count": workers,
+            "trusted": self.trusted,
         }
 
     def _client_route(self, req: Request) -> Response:
         parts = [p for p in req.path.split("/") if p]
         method = req.method
+        if parts[:4] == ["api", "v2", "generate", "chat"] and not self.chat_routes:
+            raise _ApiError(404, "NotFound", "This Horde has no chat routes.")
         if parts[:4] == ["api", "v2", "generate", "chat"] and parts[4:] == ["async"]:
             if method != "POST":
                 raise _ApiError(405, "MethodNotAllowed", "Use POST.")
@@ -235,8 +246,12 @@ class ClientRoutes(ChatContract):
                 rid = self.send_chat(
                     body,
                     best_effort=bool(horde.get("best_effort", False)),
-                    max_attempts=int(horde.get("max_attempts", 3)),
-                    validated_backends=horde.get("validated_backends", True) is not False,
+                    max_attempts=(
+                        None
+                        if horde.get("max_attempts") is None
+                        else int(horde["max_attempts"])
+                    ),
+                    validated_backends=horde.get("validated_backends") is True,
                 )
             except (ValueError, TypeError) as exc:
                 raise _ApiError(400, "ChatRequestInvalid", str(exc)) from exc
@@ -261,7 +276,7 @@ class ClientRoutes(ChatContract):
                 max_context_length=max_context_length,
                 params=params,
                 models=body.get("models") or [],
-                validated_backends=body.get("validated_backends", True) is not False,
+                validated_backends=body.get("validated_backends") is True,
             )
             return Response.json(202, {"id": rid})
         if (

@@ -60,8 +60,11 @@ class Eligibility:
             raise _invalid_input(
                 "bridge_agent", f"longer than {BRIDGE_AGENT_MAX_CHARS} characters"
             )
-        chat_jobs = body.get("chat_jobs") is True
-        prompt_jobs = body.get("prompt_jobs", True) is not False
+        chat_routes = getattr(self, "chat_routes", True)
+        # A Horde without the chat routes knows none of the chat keys and ignores
+        # them without a word, prompt_jobs: false included (text jobs still come).
+        chat_jobs = chat_routes and body.get("chat_jobs") is True
+        prompt_jobs = not chat_routes or body.get("prompt_jobs", True) is not False
         if not prompt_jobs and not chat_jobs:
             raise invalid("prompt_jobs: false needs chat_jobs: true.")
         decl = _Declaration(

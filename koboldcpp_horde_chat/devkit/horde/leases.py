@@ -15,6 +15,7 @@ from koboldcpp_horde_chat.devkit.horde.values import (
     MAINTENANCE_MESSAGE,
     MAX_ABORTED_JOBS,
     OWNER_MAINTENANCE_MESSAGE,
+    SWEEP_FAULTED_JOBS,
     UNVALIDATED_KUDOS_FACTOR,
 )
 
@@ -23,20 +24,28 @@ class Leases(HordeCore):
     """A job's lease from its pop to its end, the worker counts it feeds, the ledger."""
 
     def expire_leases(self) -> list[str]:
-        """End the lease of every job still open now, as if its ttl had passed.
+        """End the lease of every job still open now, as if its ttl had passed, and
+        run the sweep now.
 
         Returns their ids. Each is recorded ``expired`` in the ledger, counts as
         an aborted job of its worker, and its request goes back to the queue (or
-        faults after ``max_attempts``), so a test of a lost job need not wait out
-        a real lease.
+        faults: see :meth:`sweep`), so a test of a lost job need not wait out a
+        real lease.
         """
         with self._lock:
             now = time.monotonic()
             ids = [job.id for job in self._jobs.values() if job.action is None]
             for job_id in ids:
                 self._jobs[job_id].lease_until = now - 1e-3
-            self._expire_locked()
+            self._sweep_locked(now)
         return ids
+
+    def sweep(self) -> None:
+        """Run the Horde's sweep now (it runs every ``sweep_s`` by itself): abort
+        each job whose lease passed and mark faulted each request with more than
+        2 faulted jobs."""
+        with self._lock:
+            self._sweep_locked(time.monotonic())
 
     @property
     def ledger(self) -> list[dict[str, Any]]:
@@ -133,11 +142,25 @@ class Leases(HordeCore):
         return reward
 
     def _expire_locked(self) -> None:
-        """Expire every open job whose lease passed: an aborted job of its worker (the
-        real Horde's horde/database/threads.py ``check_waiting_prompts`` calls
-        ``abort()`` on each stale job, horde/classes/base/processing_generation.py
-        ``abort`` calls the worker's ``log_aborted_job``)."""
+        """Run the sweeps due by now (every ``sweep_s`` seconds since the start; at
+        every call when ``sweep_s`` is 0). Called by every call that looks at state,
+        so the sweep is lazy: what it would have done by now is done first."""
         now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._sweep_locked(now)
+        if self.sweep_s > 0:
+            missed = (now - self._next_sweep) // self.sweep_s
+            self._next_sweep += (missed + 1) * self.sweep_s
+
+    def _sweep_locked(self, now: float) -> None:
+        """The real Horde's sweep (horde/database/threads.py ``check_waiting_prompts``),
+        in its order: each open job whose lease passed is aborted (``is_stale``:
+        ``abort()``, which counts an aborted job of its worker,
+        horde/classes/base/processing_generation.py, then ``wp.n += 1``: its request
+        goes back to the queue); then each request with more than 2 faulted jobs
+        (faulted or expired, these included) is marked faulted. A request sent with
+        ``max_attempts`` faults at once instead (:meth:`_restart`)."""
         for job in self._jobs.values():
             if job.action is None and now > job.lease_until:
                 job.action = "expired"
@@ -147,6 +170,16 @@ class Leases(HordeCore):
                 req = self._requests[job.request_id]
                 if req.state == "processing" and req.job_ids[-1] == job.id:
                     self._restart(req)
+                self._changed.notify_all()
+        for req in self._requests.values():
+            if req.max_attempts is not None or req.state not in ("waiting", "processing"):
+                continue
+            faulted = sum(
+                1 for jid in req.job_ids if self._jobs[jid].action in ("faulted", "expired")
+            )
+            if faulted > SWEEP_FAULTED_JOBS:
+                req.state = "faulted"
+                log.info("request %s faulted by the sweep: %d faulted jobs", req.id, faulted)
                 self._changed.notify_all()
 
     def _log_aborted_job(self, name: str, now: float) -> None:
@@ -173,8 +206,16 @@ class Leases(HordeCore):
             )
 
     def _restart(self, req: _Req) -> None:
+        """A job of ``req`` faulted or expired: the request goes back to the queue in
+        its old place (the head, as on the real Horde: ``wp.n += 1``), for any
+        worker, the one that faulted it too. Only with ``max_attempts`` (a test
+        hook the real Horde lacks) does it fault at once, at its n-th such job;
+        otherwise the sweep faults it (:meth:`_sweep_locked`)."""
         req.restarted += 1
-        req.state = "faulted" if req.restarted >= req.max_attempts else "waiting"
+        if req.max_attempts is not None and req.restarted >= req.max_attempts:
+            req.state = "faulted"
+        else:
+            req.state = "waiting"
 
     def _record(
         self,

@@ -98,9 +98,11 @@ class _Req:
     order: int
     body: dict[str, Any]
     best_effort: bool
-    max_attempts: int
+    #: None: faulted by the sweep (the real Horde); n: faulted at once at the n-th
+    #: faulted or expired job (a test hook).
+    max_attempts: int | None
     chat: _ChatSpec | None = None
-    validated_backends: bool = True
+    validated_backends: bool = False
     # text
     prompt: str = ""
     max_length: int = 0
@@ -162,6 +164,8 @@ class HordeCore:
     aborted_jobs_window_s: float
     latency_s: float
     trusted: bool
+    chat_routes: bool
+    sweep_s: float
     offload_bytes: int | None
     offload_gzip: bool
     ttl_s: float
@@ -183,5 +187,6 @@ class HordeCore:
     _requests_log: list[dict[str, Any]]
     _scripts: dict[str, deque[Any]]
     _order: int
+    _next_sweep: float
     _horde: JSONServer
     _storage: JSONServer

@@ -40,6 +40,14 @@ FAULT_REASON_SENTENCES: dict[str, str] = {
     "reply_refused": "The horde refused the reply the worker submitted.",
 }
 DEFAULT_TTL_S = 150.0
+#: How often the Horde's sweep runs, seconds (the real Horde's horde/database/__init__.py
+#: runs horde/database/threads.py ``check_waiting_prompts`` every 60 s): it aborts each
+#: job whose ttl passed without a submit and marks faulted each request with more than
+#: :data:`SWEEP_FAULTED_JOBS` faulted jobs.
+SWEEP_S = 60.0
+#: A request with more faulted jobs (faulted, or expired) than this is marked faulted
+#: by the sweep (``check_waiting_prompts``: ``having(count > 2)``).
+SWEEP_FAULTED_JOBS = 2
 LEASE_CAP_TRUSTED_S = 600.0
 LEASE_CAP_UNTRUSTED_S = 200.0
 MESSAGES_URL_S = 120.0
