@@ -17,7 +17,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -164,14 +164,36 @@ def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool)
     return f"       the {lines}: said by the worker while it did right"
 
 
-def _wait(horde: Any, request_id: str, deadline: float, worker: threading.Thread) -> bool:
-    """Wait for one request to end, until ``deadline`` (monotonic) or the worker stops."""
+def _wait(
+    horde: Any, request_id: str, deadline: float, worker: threading.Thread,
+    withdrawn: Callable[[], list[str]] = list,
+) -> bool:
+    """Wait for one request to end, until ``deadline`` (monotonic), the worker
+    stops, or ``withdrawn`` names a feature the request needs that the worker
+    no longer declares (it would wait, not be served)."""
     while True:
         left = deadline - time.monotonic()
         if horde.wait([request_id], timeout_s=max(0.0, min(left, 0.5))):
             return True
-        if left <= 0 or not worker.is_alive():
+        if left <= 0 or not worker.is_alive() or withdrawn():
             return False
+
+
+def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
+    """The features ``case`` needs that the worker's latest pop (after
+    ``pops_seen``) no longer declares, once the Horde refused a reply of the
+    case's request (the refusal that withdrew them); [] otherwise."""
+    needed = _features_needed(case) if case.kind == "chat" else []
+    if not needed or len(horde.pops) <= pops_seen:
+        return []
+    if not any(
+        e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)
+    ):
+        return []
+    body = horde.pops[-1]["body"]
+    if not body.get("chat_jobs"):
+        return []
+    return [name for name in needed if name not in body.get("chat_features", [])]
 
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
@@ -362,8 +384,22 @@ def _run(args: argparse.Namespace) -> int:
                 case.request_id = horde.send_text(
                     case.body["prompt"], max_length=case.body["max_length"]
                 )
-            finished = _wait(horde, case.request_id, deadline, thread)
+            started_at = len(horde.pops)
+            finished = _wait(
+                horde, case.request_id, deadline, thread,
+                lambda: _withdrawn_during(case, horde, started_at),  # noqa: B023
+            )
             pops_seen = len(horde.pops)
+            gone = [] if finished else _withdrawn_during(case, horde, started_at)
+            if gone:
+                horde.cancel(case.request_id)
+                case.skip = (
+                    f"model: the worker withdrew {', '.join(gone)} for a while after the Horde "
+                    "refused the model's replies for it: the request was cancelled"
+                )
+                _say(f"[skip] {case.name:<24} {case.skip}")
+                notes += 1
+                continue
             status = horde.status(case.request_id)
             ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
             models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}

@@ -137,9 +137,11 @@ def test_a_call_to_a_function_not_offered_is_faulted_with_reply_refused_and_pass
 def test_a_case_needing_tools_the_worker_withdrew_is_skipped_as_a_model_note(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After the Horde refused the model's tool calls 3 times the worker withdraws
-    tools for a while: the next case that needs tools would wait, not be served,
-    so the demo skips it and says why, instead of failing every case after it."""
+    """After the Horde refused the model's tool calls 3 times (twice in the first
+    case, whose request the dev Horde then faults, once in the next) the worker
+    withdraws tools for a while: the request that needs them would wait, not be
+    served, so the demo cancels it and says why, instead of failing every case
+    after it."""
     monkeypatch.setattr(command, "demo_cases", only("tool call", "tool-history follow-up"))
     with ScriptedKoboldcpp() as kcpp:
         kcpp.script(lambda body: ScriptedReply(tool_calls=[{"name": "GetWeather", "arguments": {"city": "Paris"}}]))
@@ -147,7 +149,7 @@ def test_a_case_needing_tools_the_worker_withdrew_is_skipped_as_a_model_note(
     out = capsys.readouterr().out
     assert (
         "[skip] tool-history follow-up   model: the worker withdrew tools for a while after "
-        "the Horde refused the model's replies for it: not sent"
+        "the Horde refused the model's replies for it: the request was cancelled"
     ) in out.splitlines()
     assert "Demo passed" in out and "skipped: tool-history follow-up" in out
 
