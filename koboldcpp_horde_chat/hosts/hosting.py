@@ -39,7 +39,7 @@ from ..settings import WorkerSettings, worker_name_problem
 from ..state.journal import Journal, check_directory, reason
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_path
 from ..state.shared import WorkerState
-from .key_check import check_api_key
+from .key_check import check_api_key, owner_trusted
 
 log = logging.getLogger("koboldcpp_horde_chat.hosting")
 
@@ -471,6 +471,8 @@ def run_worker(
     if refused is not None:  # before any pop: the key would only be refused there
         log.error("worker %d: not started: %s", worker_id, refused)
         return 3
+    if state.owner_trusted is None:  # the suspicion warning need not ask again
+        state.owner_trusted = owner_trusted(settings.horde_url, settings.api_key)
     if backend is None:
         backend = kcpp_client(settings, deadlines)
     watch = horde_watch(state)

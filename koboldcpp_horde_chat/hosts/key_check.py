@@ -28,6 +28,8 @@ log = logging.getLogger("koboldcpp_horde_chat.hosting")
 #: answer by then does not hold the start up longer.
 KEY_CHECK_TIMEOUT_S = 10.0
 _KEY_CHECKS: dict[tuple[str, str], str | None] = {}
+#: The ``trusted`` flag of each key's owner, as the key check's answer gave it.
+_OWNERS_TRUSTED: dict[tuple[str, str], bool] = {}
 _KEY_CHECKS_LOCK = threading.Lock()
 
 
@@ -53,13 +55,25 @@ def check_api_key(
     start up: one WARNING line says so and None is returned (a wrong key then
     shows at the first pop).
     """
-    digest = hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()
+    key = (horde_url, hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest())
     with _KEY_CHECKS_LOCK:
-        if (horde_url, digest) in _KEY_CHECKS:
-            return _KEY_CHECKS[(horde_url, digest)]
-        problem = _ask_find_user(horde_url, api_key, deadlines, connect_timeout_s, timeout_s)
-        _KEY_CHECKS[(horde_url, digest)] = problem
+        if key in _KEY_CHECKS:
+            return _KEY_CHECKS[key]
+        problem, trusted = _ask_find_user(
+            horde_url, api_key, deadlines, connect_timeout_s, timeout_s
+        )
+        _KEY_CHECKS[key] = problem
+        if trusted is not None:
+            _OWNERS_TRUSTED[key] = trusted
         return problem
+
+
+def owner_trusted(horde_url: str, api_key: str) -> bool | None:
+    """The ``trusted`` flag of the key's owner from the key check's answer
+    (:func:`check_api_key`), or None when it did not say."""
+    key = (horde_url, hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest())
+    with _KEY_CHECKS_LOCK:
+        return _OWNERS_TRUSTED.get(key)
 
 
 def _ask_find_user(
@@ -68,8 +82,9 @@ def _ask_find_user(
     deadlines: CallDeadlines | None,
     connect_timeout_s: float,
     timeout_s: float,
-) -> str | None:
-    """One key check (see :func:`check_api_key`)."""
+) -> tuple[str | None, bool | None]:
+    """One key check (see :func:`check_api_key`): the refusal's line or None, and
+    the owner's ``trusted`` flag when the Horde gave it."""
     refused = f"the Horde at {horde_url} refused the API key"
     advice = POP_REFUSALS["InvalidAPIKey"][1]
     try:
@@ -79,27 +94,28 @@ def _ask_find_user(
         ) as client:
             user = client.find_user(timeout_s=timeout_s)
     except ConfigError as exc:
-        return f"{refused}: {exc}"
+        return f"{refused}: {exc}", None
     except HordeRefusal as exc:
         if is_key_refusal(exc) or (exc.status == 404 and exc.rc == "UserNotFound"):
             named = f"{exc.status} {exc.rc}" if exc.rc else str(exc.status)
-            return f"{refused} ({named}): {advice}"
+            return f"{refused} ({named}): {advice}", None
         log.warning(
             "the Horde at %s did not check the API key (%s %s): starting anyway; a wrong key "
             "shows at the first pop", horde_url, exc.status, exc.rc or "no rc",
         )
-        return None
+        return None, None
     except HordeUnavailable as exc:
         log.warning(
             "the Horde at %s did not answer the API key check (%s): starting anyway; a wrong "
             "key shows at the first pop", horde_url, exc.reason,
         )
-        return None
+        return None, None
     if user.get("id") == 0:
-        return f"{refused} (the anonymous user's): {POP_REFUSALS['AnonForbiddenWorker'][1]}"
+        return f"{refused} (the anonymous user's): {POP_REFUSALS['AnonForbiddenWorker'][1]}", None
     name = user.get("username")
     log.info(
         "the Horde at %s knows the API key%s", horde_url,
         f": user {str(name)[:100]}" if isinstance(name, str) and name else "",
     )
-    return None
+    trusted = user.get("trusted")
+    return None, trusted if isinstance(trusted, bool) else None

@@ -287,6 +287,11 @@ class JobDriver:
             if self.state.owner_checked:
                 return
             self.state.owner_checked = True
+            trusted = self.state.owner_trusted
+        if trusted is not None:  # the start's key check said it
+            if not trusted:
+                log.warning("%s", suspicion_line(tokens_per_s))
+            return
         horde = self.ports.horde
         if not isinstance(horde, FindsUser):
             return

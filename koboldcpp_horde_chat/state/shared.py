@@ -152,6 +152,8 @@ class WorkerState:
         self.refaults = RequestFaults()
         #: The Horde was asked whether the key's owner is trusted (once, ``run/driver.py``).
         self.owner_checked = False
+        #: The key's owner is trusted (True/False, from the start's key check), or None: not known.
+        self.owner_trusted: bool | None = None
         self.lock = threading.RLock()
         self._key_refused = False
         self.slots: list[Slot] = []
