@@ -262,9 +262,9 @@ def _reached_idle(
 
 
 PHASES: tuple[Phase, ...] = (
-    # the pop beside the first submit answers 1.6 s late (hang: the job is assigned then)
+    # the pop beside the first submit answers 1.2 s late (hang: the job is assigned then)
     Phase("pop", "pop beside the submit in flight",
-          _prep_pop_beside(lambda g: "hang:1.6"), _reached_pop,
+          _prep_pop_beside(lambda g: "hang:1.2"), _reached_pop,
           reported_from=1),
     Phase("fetch", "messages fetch", _prep_fetch, _reached_popped,
           horde_options={"offload_bytes": 0}),

@@ -62,7 +62,7 @@ def test_a_job_whose_pop_was_beside_the_submit_at_the_signal_ends_by_the_stops_d
     first = horde.send_chat({"messages": [{"role": "user", "content": "first"}]}, best_effort=True)
     second = horde.send_chat({"messages": [{"role": "user", "content": "second"}]},
                              best_effort=True)
-    horde.inject("pop", "ok", "hang:1.6")  # the second pop answers 1.6 s after it is sent
+    horde.inject("pop", "ok", "hang:1.2")  # the second pop answers 1.2 s after it is sent
     worker = workers("--stop-grace", str(GRACE_S))
     until(lambda: "submitted" in terminal_actions(horde).get(
         (job_ids(horde, first) or ["?"])[0], []), 20, worker.log)

@@ -49,11 +49,16 @@ def test_a_request_that_always_fails_costs_three_aborted_jobs_and_the_others_are
     kcpp: ScriptedKoboldcpp,
     start_worker: Callable[..., object],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
     kind: str,
 ) -> None:
     """Before, the worker faulted it each time the Horde handed it back (19 times in
     3 s against the real Horde), then stopped popping for an hour to stay out of
-    maintenance, serving none of the requests behind it."""
+    maintenance, serving none of the requests behind it. Now koboldcpp's three
+    failures in a row on it (a text job left to expire counts) have the worker probe
+    koboldcpp once with a generation of its size, which succeeds: the good requests
+    are served after that probe (its first wait: 3 s here, 60 s in service)."""
+    monkeypatch.setattr("koboldcpp_horde_chat.state.probes.FIRST_WAIT_S", 3.0)
     caplog.set_level(logging.INFO)
     bad = _bad_request(horde, kcpp, kind)
     good = [horde.send_text(f"Once {i}", max_length=32) for i in range(10)]
