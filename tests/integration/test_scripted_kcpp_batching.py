@@ -136,7 +136,8 @@ def raw_post(k: ScriptedKoboldcpp, body: bytes) -> socket.socket:
 
 def test_a_hang_up_ends_a_batched_stream_but_not_a_batched_whole_generation() -> None:
     with ScriptedKoboldcpp(parallel_requests=2) as k:
-        slow(k)
+        # 6 s of generation: a loaded machine may start the second request late.
+        slow(k, tokens=120, seconds=6.0)
         streamed = raw_post(
             k, b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "genkey": "HORDEREQ_s"}'
         )
@@ -150,9 +151,9 @@ def test_a_hang_up_ends_a_batched_stream_but_not_a_batched_whole_generation() ->
         until(lambda: len(k.generations) == 2)
     by_key = {g["genkey"]: g for g in k.generations}
     assert by_key["HORDEREQ_s"]["client_gone"] is True
-    assert by_key["HORDEREQ_s"]["completion_tokens"] < 40
+    assert by_key["HORDEREQ_s"]["completion_tokens"] < 120
     assert by_key["HORDEREQ_w"]["aborted"] is False
-    assert by_key["HORDEREQ_w"]["completion_tokens"] == 40  # koboldcpp generated it all
+    assert by_key["HORDEREQ_w"]["completion_tokens"] == 120  # koboldcpp generated it all
 
 
 def test_a_request_koboldcpp_cannot_batch_waits_for_the_batched_ones() -> None:
