@@ -148,7 +148,7 @@ def test_a_hang_up_ends_a_batched_stream_but_not_a_batched_whole_generation() ->
         whole.close()
         until(lambda: len(k.generations) == 1)
         assert time.monotonic() - hung_up < 1.0
-        until(lambda: len(k.generations) == 2)
+        until(lambda: len(k.generations) == 2, 15.0)
     by_key = {g["genkey"]: g for g in k.generations}
     assert by_key["HORDEREQ_s"]["client_gone"] is True
     assert by_key["HORDEREQ_s"]["completion_tokens"] < 120
