@@ -217,13 +217,13 @@ def test_devhorde_names_its_object_store_below_the_url_and_logs_nothing_before(
     assert "listening on" not in err, err
 
 
-def test_the_readme_shows_what_devhorde_prints(devhorde: tuple[subprocess.Popen[str], str, str]) -> None:
-    """README's devhorde block is its output, line for line (URL, key and the object
-    store's free port aside)."""
+def test_the_docs_show_what_devhorde_prints(devhorde: tuple[subprocess.Popen[str], str, str]) -> None:
+    """docs/development.md's devhorde block is its output, line for line (URL, key
+    and the object store's free port aside)."""
     proc, url, key = devhorde
     printed = lines_until(proc, "Ctrl-C stops it.")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = readme.split("demo use) by itself and keeps it running until Ctrl-C. It prints:\n\n```text\n", 1)[1]
+    page = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    block = page.split("demo use) by itself and keeps it running until Ctrl-C. It prints:\n\n```text\n", 1)[1]
     shown = block.split("\n```", 1)[0].splitlines()
     assert shown[0] == "Dev Horde at http://127.0.0.1:7001 (API key: devkey)"
     expected = [

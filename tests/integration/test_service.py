@@ -223,7 +223,7 @@ def test_koboldcpp_down_and_back_and_the_hordes_messages_are_said_once(
 def test_a_job_queued_while_koboldcpp_is_down_waits_for_it_and_its_new_declaration(
     horde: DevHorde, tmp_path: Path
 ) -> None:
-    """A koboldcpp that does not answer is not popped for (README: the worker stops
+    """A koboldcpp that does not answer is not popped for (docs/operating.md: the worker stops
     popping; it does not fault jobs it cannot serve), also when no job failed first;
     when it comes back serving another context, the waiting job is popped under the
     new declaration."""

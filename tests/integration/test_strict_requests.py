@@ -1,4 +1,4 @@
-"""What the README's "What it declares" says of strict requests: the worker declares
+"""What docs/protocol.md's "What it declares" says of strict requests: the worker declares
 no structured_output_enforced or tool_choice_enforced guarantee, so a strict request
 that needs one never reaches it, and the same request with best_effort does (seed 000
 "Features and guarantees", "Worked example: koboldcpp's embedded worker")."""
