@@ -172,6 +172,7 @@ def _wait(
     stops, or ``withdrawn`` names a feature the request needs that the worker
     no longer declares (it would wait, not be served)."""
     while True:
+        _raise_if_interrupted()
         left = deadline - time.monotonic()
         if horde.wait([request_id], timeout_s=max(0.0, min(left, 0.5))):
             return True
@@ -198,6 +199,36 @@ def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
 INTERRUPTED = "Demo stopped (Ctrl-C): the worker and the servers it started are stopped."
+
+
+#: Set by Ctrl-C (while :func:`main` runs in the main thread), read at every wait.
+_INTERRUPTED = threading.Event()
+
+
+def _raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt once Ctrl-C came, even when the one its signal raised
+    was lost (raised inside a finalizer, which Python reports and drops)."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _ctrl_c_noted() -> Iterator[None]:
+    """Note Ctrl-C in :data:`_INTERRUPTED` as well as raising KeyboardInterrupt (main thread)."""
+    _INTERRUPTED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        _INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
@@ -262,7 +293,8 @@ def main(argv: Sequence[str] = ()) -> int:
     started is stopped)."""
     args = build_parser().parse_args(list(argv))
     try:
-        return _run(args)
+        with _ctrl_c_noted():
+            return _run(args)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
         return 130
@@ -369,6 +401,7 @@ def _run(args: argparse.Namespace) -> int:
             if case.skip:
                 _say(f"[skip] {case.name:<24} {case.skip}")
                 continue
+            _raise_if_interrupted()
             fault_causes.take_warnings()  # what came before this case is not its
             case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
             if case.skip:
@@ -414,6 +447,7 @@ def _run(args: argparse.Namespace) -> int:
             notes += len(verdict.model_notes)
             if not verdict.passed(scripted=scripted):
                 failed.append(case.name)
+        _raise_if_interrupted()
         if not thread.is_alive() and "code" in result:
             _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
         _say("\nLedger (what the dev Horde recorded for each job):")
