@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat.state import lease_fit
+from koboldcpp_horde_chat.state import lease_figures, lease_fit
+from koboldcpp_horde_chat.state.lease_figures import perf_speed
 from koboldcpp_horde_chat.state.lease_fit import (
     MIN_MAX_LENGTH,
     LeaseFit,
@@ -19,7 +20,6 @@ from koboldcpp_horde_chat.state.lease_fit import (
     budget_s,
     fitted_length,
     job_max_length,
-    perf_speed,
     reply_tokens,
     tokens_of_text,
 )
@@ -459,7 +459,7 @@ def test_no_measurement_raises_a_limit_before_the_run_outs_cooloff_ends() -> Non
 def test_koboldcpps_figures_are_read_only_when_they_describe_a_generation(
     perf: dict[str, Any], figures: Any
 ) -> None:
-    assert lease_fit.perf_figures(perf) == figures
+    assert lease_figures.perf_figures(perf) == figures
 
 
 def test_a_run_out_whose_aborted_generation_produced_tokens_was_slow_generation() -> None:

@@ -26,6 +26,7 @@ PURE_CORE = (
     "state/status",
     "state/skipped",
     "state/lease_fit",
+    "state/lease_figures",
     "state/probes",
     "state/refaults",
     "jsonbody",
