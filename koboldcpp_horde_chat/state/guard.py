@@ -1,78 +1,25 @@
-"""Sliding-hour counters that keep an unattended worker out of trouble (pure; no I/O).
+"""Sliding-hour counters that keep an unattended worker out of the Horde's
+maintenance (pure; the caller passes monotonic seconds).
 
-Two guards, each fed plain numbers by the worker (``state/shared.py``) with the clock passed in
-(monotonic seconds), so they can be tested without waiting an hour:
+* :class:`MaintenanceGuard` (seed "7. Fault a job": more than 20 aborted jobs
+  an hour put a worker into maintenance, so a worker that faults every chat
+  job should withdraw its chat declaration). It counts what the Horde counts
+  as aborted (faults, expired leases, ``AbortedGen``, pops whose answer was
+  lost) over an hour and a minute: at 15, chat jobs among them, chat is
+  withdrawn; below 10 it is declared again; at 19 with the jobs in hand the
+  worker stops popping. The Horde's own window always lies within the last
+  hour, so this count is never below the Horde's; the extra minute covers a
+  submit in flight and clocks apart. Faults for size (``prompt_overflow``)
+  count too: a narrower declaration would only turn away requests that fit.
+* :class:`FailureStreak`: generations koboldcpp failed in a row, all kinds and
+  per kind; at 3 the worker stops popping (or withdraws the kind) and probes.
+* :class:`RefusalGuard` (seed "Submit refusals": withdraw a guarantee the
+  backend repeatedly fails): 3 refused replies in an hour withdraw that one
+  declared name for its cool-off (1 h, doubled each time, at most 24 h); its
+  faults count toward stopping the pops, not toward withdrawing chat.
 
-* :class:`MaintenanceGuard` (seed step 7, "7. Fault a job"): the Horde puts a
-  worker that aborts more than 20 jobs in an hour into maintenance, so "a
-  worker that faults every chat job should withdraw its chat declaration
-  instead". The guard counts every job the Horde counts as aborted (a fault,
-  an expired lease, a submit answered ``AbortedGen``, a pop abandoned at a
-  stop) over the last hour and a minute (:data:`COUNT_WINDOW_S`); at 15, when
-  chat jobs are among them, it says to withdraw the chat declaration (text
-  jobs go on), and once fewer than 10 remain it says to declare chat again.
-  With :data:`STOP_POPPING_AT` counted, jobs in hand included (each may still
-  become one), it says to stop popping until the window allows one more
-  (:meth:`MaintenanceGuard.pop_allowed`, :meth:`MaintenanceGuard.resume_at`).
-  A pop whose answer was lost (sent, but no answer came: a timeout, a reset,
-  a 5xx) may have been assigned a job the worker never sees, which expires
-  on the Horde: it is counted at once and until a window after the Horde
-  would expire it (:meth:`MaintenanceGuard.record_lost_pop`).
-
-  The Horde's own window (``log_aborted_job`` in the real Horde's
-  ``horde/classes/base/worker.py``) starts at an aborted job that comes more
-  than an hour after the window began (or at the worker's creation) and counts
-  until the next such job: it always lies within the last hour, so a count
-  over the last hour is never below the Horde's. The extra minute covers the
-  time between the worker's count and the Horde's (a fault's submit in
-  flight, clocks apart).
-
-  What fails for time is narrowed instead (``state.lease_fit``: the
-  declared ``max_length``); what fails for size is not. A chat job faulted
-  ``prompt_overflow`` did not fit the job's own ``max_context_length``
-  (seed step 3), a budget the Horde keeps within the declared
-  ``chat_limits.max_context_length`` (seed step 2): a narrower declaration
-  would only turn away requests that fit (or, where the Horde fills in the
-  declared value for a request without one, shrink its budget), never keep a
-  conversation from overflowing its own. Such faults count here toward the
-  chat withdrawal. koboldcpp
-  cuts the front of a text prompt too long for its context rather than
-  refusing it, so a text job never fails for size.
-* :class:`FailureStreak`: generations koboldcpp failed in a row; at
-  :data:`FAILED_IN_A_ROW` the worker stops popping and probes koboldcpp with a
-  small generation until one succeeds, instead of faulting every job it pops.
-  It counts per kind too: at :data:`FAILED_IN_A_ROW` failed generations of one
-  kind in a row (a koboldcpp that fails only chat completions, its text
-  generations interleaved and succeeding) the worker withdraws that kind
-  (chat: pops without the chat declaration; text: pops with
-  ``prompt_jobs: false`` when chat is still declared, else not at all) and
-  probes that kind until it generates again (``service.gate``).
-* :class:`RefusalGuard` (seed "Submit refusals"): "withdraw a guarantee that
-  the backend repeatedly fails to satisfy". It counts the Horde's refusals of
-  replies per declared guarantee or feature (:func:`refused_reply_features`:
-  ``ChatSubmitNonconformant`` for what the request used,
-  ``ChatSubmitInvalid`` for the tool calls a reply made, such as a small
-  model's call to a function the request did not offer) over the last hour;
-  at 3 it withdraws that name alone from ``chat_features`` for its cool-off
-  (:data:`FEATURE_COOL_OFF_S`, doubled each time the same name is withdrawn
-  again, at most :data:`FEATURE_COOL_OFF_MAX_S`), while plain chat goes on;
-  then the name is declared again and the requests that need it test the
-  backend anew. A name that keeps failing so costs at most 3 refused replies
-  per cool-off. The faults that follow those refusals are still aborted jobs
-  for the Horde (after ``ChatSubmitInvalid``), so they count toward stopping
-  the pops (:meth:`MaintenanceGuard.pop_allowed`), but not toward withdrawing
-  chat as a whole (:meth:`MaintenanceGuard.update`): that is the one feature
-  failing, withdrawn alone.
-
-:func:`refusal_features` attributes a ``ChatSubmitNonconformant`` refusal to
-the names the job's request used (``tool_choice``/``tools`` and
-``response_format``), by the payload only, never by the refusal's message text;
-:func:`refused_reply_features` adds ``ChatSubmitInvalid``, attributed to
-``tools`` by the refused reply's own tool calls.
-
-Every structure here is bounded: a window keeps at most ``maxlen`` times, and
-the refusal counters exist only for the names :func:`refusal_features` can
-return.
+Refusals are attributed by the job's payload and the reply, never by the
+refusal's message text.
 """
 
 from __future__ import annotations
@@ -83,29 +30,19 @@ from typing import Any, Final, Literal
 
 HOUR_S: Final = 3600.0
 HORDE_FAULT_LIMIT_PER_HOUR: Final = 20
-"""The Horde puts a worker that aborts more than this many jobs in an hour into maintenance."""
+"""More aborted jobs than this in an hour put a worker into maintenance."""
 WITHDRAW_CHAT_AT: Final = 15
-"""Faults in the last hour at which the chat declaration is withdrawn (5 short of the limit)."""
 RESTORE_CHAT_BELOW: Final = 10
-"""Chat is declared again once fewer faults than this remain in the last hour."""
 STOP_POPPING_AT: Final = 19
-"""Counted aborts (jobs in hand and pops whose answer was lost included) at which
-the worker stops popping: one short of the Horde's 20, spare for a job no count
-can see (a pop in flight when the process died), so the 21st is never reached."""
+"""One short of the Horde's 20: spare for a job no count can see (a pop in
+flight when the process died)."""
 COUNT_WINDOW_S: Final = HOUR_S + 60.0
-"""The window aborted jobs are counted over, seconds: the Horde's hour and a minute."""
 FAILED_IN_A_ROW: Final = 3
-"""Generations failed in a row after which the worker stops popping and probes koboldcpp."""
 REFUSALS_TO_WITHDRAW: Final = 3
-"""Refused replies in an hour that withdraw the guarantee or feature they point at."""
 FEATURE_COOL_OFF_S: Final = HOUR_S
-"""How long a name withdrawn for its refused replies stays withdrawn the first
-time, seconds; each later withdrawal of the same name doubles it."""
 FEATURE_COOL_OFF_MAX_S: Final = 24 * HOUR_S
-"""The longest cool-off of a withdrawn name, seconds."""
 
 TOOL_NAMES: Final = ("tool_choice_enforced", "tools")
-"""What a tool-choice refusal is attributed to: the guarantee when declared, else the feature."""
 FORMAT_GUARANTEE: Final = "structured_output_enforced"
 FORMAT_TYPES: Final = ("json_object", "json_schema")
 
@@ -113,12 +50,8 @@ Transition = Literal["withdraw", "restore"]
 
 
 class SlidingWindow:
-    """Times of events within the last ``window_s`` seconds.
-
-    Args:
-        window_s: the window, seconds (> 0).
-        maxlen: the most times kept; older ones are forgotten first, so
-            :meth:`count` never exceeds it (keep it above any threshold used).
+    """Times of events within the last ``window_s`` seconds, at most ``maxlen``
+    kept (the oldest forgotten first).
 
     Raises:
         ValueError: a non-positive window or ``maxlen``.
@@ -133,7 +66,6 @@ class SlidingWindow:
         self._times: deque[float] = deque(maxlen=maxlen)
 
     def add(self, now: float) -> None:
-        """Record one event at ``now`` (seconds on the caller's clock)."""
         self._times.append(now)
 
     def count(self, now: float) -> int:
@@ -143,28 +75,14 @@ class SlidingWindow:
         return len(self._times)
 
     def clear(self) -> None:
-        """Forget every event."""
         self._times.clear()
 
 
 class MaintenanceGuard:
-    """Count the jobs the Horde counts as aborted; withdraw chat, then stop popping,
-    before its 20 an hour.
-
-    Call :meth:`record_fault` for each job the Horde counts as aborted (a fault
-    other than one that follows a ``ChatSubmitNonconformant`` refusal, which
-    the Horde counts apart; an expired lease; a submit answered
-    ``AbortedGen``), then :meth:`update` and :meth:`pop_allowed` before each pop.
-
-    Args:
-        withdraw_at: counted aborts in the window at which chat is withdrawn (15).
-        restore_below: chat is declared again below this many (10).
-        window_s: the window, seconds (:data:`COUNT_WINDOW_S`).
-        stop_at: counted aborts, jobs in hand included, at which popping stops (19).
-
-    Attributes:
-        chat_enabled: whether the next pop should declare chat.
-    """
+    """Counts the jobs the Horde counts as aborted: withdraw chat at
+    ``withdraw_at``, declare it again below ``restore_below``, stop popping at
+    ``stop_at`` with the jobs in hand. Call :meth:`update` and
+    :meth:`pop_allowed` before each pop."""
 
     def __init__(
         self,
@@ -188,29 +106,22 @@ class MaintenanceGuard:
         self.chat_enabled = True
 
     def record_fault(self, now: float, kind: str | None = None, feature: str | None = None) -> None:
-        """Count one aborted job at ``now``; ``kind`` is the job's (None: not known,
-        as for a fault kept from an earlier run, taken as possibly chat);
-        ``feature`` the declared name its refused reply pointed at
-        (:func:`refused_reply_features`; :class:`RefusalGuard` withdraws that
-        name alone, so it does not count toward withdrawing chat)."""
-        self._add(now, kind, feature)
-
-    def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
-        """Count a pop whose answer was lost: the Horde may have assigned it a job
-        that expires there at ``expires_at`` (the caller's clock, later than
-        now), an aborted job the worker never sees. Counted from now until a
-        window after ``expires_at``; ``kind`` is ``"text"`` when the pop did not
-        declare chat, else None."""
-        self._add(expires_at, kind)
-
-    def _add(self, at: float, kind: str | None, feature: str | None = None) -> None:
-        """Keep the counted times in order (a lost pop's lies ahead of now)."""
-        self._faults.append((at, kind, feature))
-        if len(self._faults) < 2 or self._faults[-2][0] <= at:
+        """Count one aborted job; ``kind`` None (not known) is taken as possibly
+        chat; one with a ``feature`` (its refused reply's declared name) does
+        not count toward withdrawing chat."""
+        self._faults.append((now, kind, feature))
+        # Kept in order: a lost pop's time lies ahead of now.
+        if len(self._faults) < 2 or self._faults[-2][0] <= now:
             return
         ordered = sorted(self._faults, key=lambda fault: fault[0])
         self._faults.clear()
         self._faults.extend(ordered)
+
+    def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
+        """Count a pop whose answer was lost: a job the Horde may have assigned
+        expires there at ``expires_at`` (later than now), counted until a
+        window after it; ``kind`` ``"text"`` when the pop did not declare chat."""
+        self.record_fault(expires_at, kind)
 
     def _forget(self, now: float) -> None:
         while self._faults and now - self._faults[0][0] >= self.window_s:
@@ -222,20 +133,13 @@ class MaintenanceGuard:
         return len(self._faults)
 
     def chat_recent(self, now: float) -> int:
-        """Counted aborts in the last window that chat as a whole answers for:
-        those not attributed to one feature."""
+        """Counted aborts not attributed to one feature."""
         self._forget(now)
         return sum(1 for _, _, feature in self._faults if feature is None)
 
     def update(self, now: float) -> Transition | None:
-        """Decide the declaration for the next pop.
-
-        Returns ``"withdraw"`` when chat was enabled and ``withdraw_at`` counted
-        aborts not attributed to one feature (:meth:`chat_recent`) are in the
-        window, chat jobs among them (chat fails too), ``"restore"`` when it was
-        withdrawn and fewer than ``restore_below`` of them remain, else None.
-        :attr:`chat_enabled` follows.
-        """
+        """``"withdraw"``, ``"restore"`` or None for the next pop; updates
+        :attr:`chat_enabled`. Withdrawal needs chat jobs among the counted."""
         recent = self.chat_recent(now)
         chat_failed = any(
             kind != "text" for _, kind, feature in self._faults if feature is None
@@ -249,13 +153,11 @@ class MaintenanceGuard:
         return None
 
     def pop_allowed(self, now: float, in_hand: int = 0) -> bool:
-        """Whether one more job may be popped: the counted aborts plus the
-        ``in_hand`` jobs (each may still become one) stay below ``stop_at``."""
+        """The counted aborts plus the jobs in hand stay below ``stop_at``."""
         return self.recent(now) + in_hand < self.stop_at
 
     def resume_at(self, now: float, in_hand: int = 0) -> float:
-        """When :meth:`pop_allowed` becomes true again if nothing more is counted
-        and ``in_hand`` jobs remain (clock of ``now``); ``now`` when it already is."""
+        """When :meth:`pop_allowed` becomes true if nothing more is counted."""
         self._forget(now)
         excess = len(self._faults) + in_hand - self.stop_at + 1
         if excess <= 0:
@@ -266,20 +168,9 @@ class MaintenanceGuard:
 
 
 class FailureStreak:
-    """Generations koboldcpp failed in a row (an error, a crash, a hang), all
-    kinds together and per kind (``"text"``, ``"chat"``).
-
-    Call :meth:`failed` for each job whose generation koboldcpp failed and
-    :meth:`succeeded` for each it answered (or a probe it answered), with the
-    job's kind. A success ends the streak of all kinds together and the one of
-    its own kind, not the other kind's: a koboldcpp that fails every chat
-    completion while its text generations succeed reaches :meth:`kind_failing`
-    for chat though the streak of all kinds keeps being ended by text jobs.
-
-    Args:
-        limit: failures in a row after which :attr:`failing` (all kinds) or
-            :meth:`kind_failing` (one kind) is True (3).
-    """
+    """Generations koboldcpp failed in a row, all kinds together and per kind.
+    A success ends the streak of all kinds and its own kind's only, so a
+    koboldcpp failing only chat reaches :meth:`kind_failing` for chat."""
 
     def __init__(self, limit: int = FAILED_IN_A_ROW) -> None:
         if limit < 1:
@@ -290,18 +181,14 @@ class FailureStreak:
 
     @property
     def failing(self) -> bool:
-        """``limit`` generations failed in a row: stop popping, probe koboldcpp."""
         return self.count >= self.limit
 
     def kind_failing(self, kind: str) -> bool:
-        """``limit`` generations of ``kind`` failed in a row: withdraw that kind,
-        probe it."""
         return self._by_kind.get(kind, 0) >= self.limit
 
     def failed(self, kind: str | None = None) -> bool:
-        """Count a failed generation (of ``kind``, when known); True when this one
-        makes the streak of its kind :meth:`kind_failing` (with no kind: the
-        streak of all kinds :attr:`failing`)."""
+        """Count a failed generation; True when it reaches the limit of its kind
+        (no kind: of all kinds)."""
         self.count += 1
         if kind in self._by_kind:
             self._by_kind[kind] += 1
@@ -309,18 +196,15 @@ class FailureStreak:
         return self.count == self.limit
 
     def probation(self, kind: str | None = None) -> None:
-        """A probe of ``kind`` (None: of all kinds together) generated after a
-        withdrawal: one more failure in a row withdraws it again (its count is
-        ``limit - 1``), not ``limit`` more."""
+        """A probe of ``kind`` (None: all kinds) generated: one more failure
+        withdraws it again."""
         if kind in self._by_kind:
             self._by_kind[kind] = max(self._by_kind[kind], self.limit - 1)
         else:
             self.count = max(self.count, self.limit - 1)
 
     def succeeded(self, kind: str | None = None) -> bool:
-        """A generation (of ``kind``, when known) succeeded; True when this ends a
-        :meth:`kind_failing` streak of that kind (with no kind: a
-        :attr:`failing` streak of all kinds)."""
+        """True when this ends a streak at the limit of its kind (no kind: of all)."""
         was = self.failing
         self.count = 0
         if kind in self._by_kind:
@@ -330,26 +214,11 @@ class FailureStreak:
 
 
 def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> list[str]:
-    """The declared names a ``ChatSubmitNonconformant`` refusal of this job points at.
-
-    Args:
-        payload: the popped job's ``payload`` (a JSON object).
-        declared: the ``chat_features`` of the pop that received the job.
-
-    Returns:
-        Names in this order, each at most once:
-
-        * when the payload has ``tool_choice`` or ``tools``:
-          ``"tool_choice_enforced"`` if declared, else ``"tools"`` if declared;
-        * when ``response_format.type`` is ``json_object`` or ``json_schema``:
-          ``"structured_output_enforced"`` if declared, else that type if declared.
-
-        An empty list when the refusal cannot be attributed (the caller logs it).
-        A guarantee is preferred to the feature: withdrawing it still leaves the
-        worker the best_effort requests that use the feature.
-
-    Seed: "Submit refusals" (the refusal reasons) and "Features and guarantees".
-    """
+    """The ``declared`` names a ``ChatSubmitNonconformant`` refusal of this job
+    points at: for ``tool_choice``/``tools``, ``"tool_choice_enforced"`` else
+    ``"tools"``; for a ``json_object``/``json_schema`` response format,
+    ``"structured_output_enforced"`` else that type. The guarantee is preferred:
+    withdrawing it keeps the best_effort requests (seed "Submit refusals")."""
     names = set(declared)
     found: list[str] = []
     if "tool_choice" in payload or "tools" in payload:
@@ -372,19 +241,10 @@ def refused_reply_features(
     reply: Mapping[str, Any],
     declared: Iterable[str],
 ) -> list[str]:
-    """The declared names the Horde's refusal (``rc``) of a chat ``reply`` (the
-    structured submit it refused) points at.
-
-    * ``ChatSubmitNonconformant``: :func:`refusal_features` (what the request used);
-    * ``ChatSubmitInvalid`` for a reply that made tool calls to a request that
-      offered tools: ``"tools"`` when declared. The Horde refuses a call to a
-      function the request did not offer, or two calls with one id, under
-      either conformance mode (seed "Submit refusals"): the model's calls
-      failed, not chat. Any other ``ChatSubmitInvalid`` (a reply without a
-      valid message, say) and ``ChatModelMismatch`` point at no name.
-
-    Attributed by the payload and the reply, never by the refusal's message text.
-    """
+    """The declared names the Horde's refusal ``rc`` of a chat ``reply`` points
+    at: :func:`refusal_features` for ``ChatSubmitNonconformant``; ``"tools"``
+    for ``ChatSubmitInvalid`` of a reply that made tool calls (the model's calls
+    failed, not chat); nothing otherwise."""
     if rc == "ChatSubmitNonconformant":
         return refusal_features(payload, declared)
     if rc == "ChatSubmitInvalid" and "tools" in payload and "tools" in set(declared):
@@ -396,20 +256,9 @@ def refused_reply_features(
 
 
 class RefusalGuard:
-    """Count refused replies per declared name; withdraw a name at the threshold,
-    for its cool-off.
-
-    Args:
-        threshold: refusals within the window that withdraw a name (3).
-        window_s: the window, seconds (3600).
-        cool_off_s: how long a name is withdrawn the first time, seconds
-            (:data:`FEATURE_COOL_OFF_S`); doubled at each later withdrawal of
-            the same name, up to ``max_cool_off_s``.
-
-    Attributes:
-        withdrawn: the names withdrawn now (until :meth:`restore_due` says
-            their cool-off ended).
-    """
+    """Refused replies per declared name: ``threshold`` within ``window_s``
+    withdraw the name for ``cool_off_s``, doubled at each later withdrawal up
+    to ``max_cool_off_s``."""
 
     def __init__(
         self,
@@ -433,12 +282,7 @@ class RefusalGuard:
         self.withdrawn: frozenset[str] = frozenset()
 
     def record(self, names: Iterable[str], now: float) -> list[str]:
-        """Count one refusal against each of ``names`` at ``now``.
-
-        Returns the names this refusal withdraws (reaching ``threshold``
-        refusals within the window), in the order given; empty otherwise.
-        Each stays withdrawn until :meth:`until` says.
-        """
+        """Count one refusal against each of ``names``; returns those it withdraws."""
         newly: list[str] = []
         for name in dict.fromkeys(names):
             if name in self.withdrawn:
@@ -461,13 +305,11 @@ class RefusalGuard:
         return newly
 
     def until(self, name: str) -> float | None:
-        """When a withdrawn ``name`` is declared again (the clock of ``record``'s
-        ``now``); None when it is not withdrawn."""
+        """When a withdrawn ``name`` is declared again; None when not withdrawn."""
         return self._until.get(name) if name in self.withdrawn else None
 
     def restore_due(self, now: float) -> list[str]:
-        """The withdrawn names whose cool-off ended by ``now``, declared again from
-        now on (sorted); empty when none."""
+        """The withdrawn names whose cool-off ended, declared again from now (sorted)."""
         due = sorted(n for n in self.withdrawn if self._until.get(n, now) <= now)
         if due:
             self.withdrawn = self.withdrawn - frozenset(due)

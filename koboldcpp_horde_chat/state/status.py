@@ -1,23 +1,6 @@
-"""What the worker says about itself: pauses, the Horde's messages, refusals, summaries.
-
-Pure rules (no I/O, the clock passed in) for the loop's one-line state
-events, so an operator running the worker for weeks can tell what it is
-doing without reading the code:
-
-- :class:`PauseTracker`: why the loop is not popping (a local user,
-  koboldcpp busy, busy with its own Horde worker's jobs or with another
-  process's of this worker, or not answering, maintenance, chat withdrawn)
-  and when it pops again, each change said once; short flickers are not said;
-- :func:`moderator_lines`: the Horde's messages to the worker's owner (the
-  pop answer's top-level ``messages``), each said once;
-- what an empty pop's ``skipped`` counts show is ``state.skipped``'s;
-- :func:`summary_line`: the periodic totals line (jobs, kudos, uptime);
-- :func:`earnings_line`: the totals after every job and at the stop, in
-  koboldcpp's own bracketed ``[Total:..., EarnRate:...]`` shape, plus the
-  faults;
-- :func:`aborted_count` and :func:`abort_limit_line`: the guard against the
-  Horde's maintenance, as the operator reads it.
-"""
+"""What the worker says about itself, one line per event: pauses, the Horde's
+messages, pop refusals, totals and the guard against maintenance (pure; the
+clock passed in)."""
 
 from __future__ import annotations
 
@@ -97,23 +80,10 @@ PAUSE_REASONS: Mapping[str, tuple[str, str]] = {
     ),
 }
 
-#: A pause shorter than this, seconds, is not said (a local user's single
-#: request or koboldcpp finishing a request flickers in and out).
+#: A pause shorter than this, seconds, is not said (it flickers).
 PAUSE_REPORT_AFTER_S = 2.0
-#: Pauses said at once: they do not flicker, and the operator should know at once.
-IMMEDIATE_PAUSES = frozenset(
-    {
-        "backend_down",
-        "maintenance",
-        "chat_withdrawn",
-        "refused",
-        "horde_down",
-        "submit_retry",
-        "abort_limit",
-        "backend_failing",
-        "kind_failing",
-    }
-)
+#: Pauses said at once: all but those that flicker in and out.
+IMMEDIATE_PAUSES = frozenset(PAUSE_REASONS) - {"local_user", "busy", "kcpp_worker", "same_worker"}
 #: Seconds between two summary lines.
 SUMMARY_EVERY_S = 600.0
 #: Characters of a moderator message kept in its log line.
@@ -121,16 +91,10 @@ MESSAGE_MAX_CHARS = 500
 
 
 class PauseTracker:
-    """Turns the loop's pass-by-pass state into one line per change.
-
-    Call :meth:`pausing` on every pass that does not pop (with the reason,
-    a key of :data:`PAUSE_REASONS`) and :meth:`popping` on every pass that
-    pops. Each returns the line to log now, or None. A pause is said once
-    it has lasted :data:`PAUSE_REPORT_AFTER_S` (at once for the reasons in
-    :data:`IMMEDIATE_PAUSES`); a change of reason while paused is said
-    again; popping again is said only after a pause that was said, in the
-    words of the last pause said.
-    """
+    """One line per change of the loop's pausing: :meth:`pausing` (a key of
+    :data:`PAUSE_REASONS`) on each pass that does not pop, :meth:`popping` on
+    each that pops; each returns the line to log, or None. Popping again is
+    said only after a pause that was said."""
 
     def __init__(self, **details: object) -> None:
         self._details = details
@@ -140,15 +104,10 @@ class PauseTracker:
 
     @property
     def reason(self) -> str | None:
-        """The current pause's reason, or None while popping."""
         return self._reason
 
     def pausing(self, reason: str, now: float, *, line: str | None = None) -> str | None:
-        """The loop does not pop this pass because of ``reason``.
-
-        ``line`` replaces the reason's own words (a refusal says its ``rc``);
-        a new ``line`` under the same reason is said again.
-        """
+        """``line`` replaces the reason's words; a new ``line`` is said again."""
         key = f"{reason}:{line}" if line else reason
         if reason != self._reason:
             self._reason = reason
@@ -161,7 +120,6 @@ class PauseTracker:
         return None
 
     def popping(self, now: float) -> str | None:
-        """The loop pops this pass."""
         said = self._said
         self._reason = None
         self._said = None
@@ -171,7 +129,6 @@ class PauseTracker:
 
 
 def message_key(message: Mapping[str, Any]) -> str:
-    """What makes a moderator message distinct: its ``id``, else its text."""
     ident = message.get("id")
     if isinstance(ident, (str, int)) and not isinstance(ident, bool) and str(ident):
         return f"id:{ident}"
@@ -179,17 +136,9 @@ def message_key(message: Mapping[str, Any]) -> str:
 
 
 def moderator_lines(messages: object, seen: set[str]) -> list[str]:
-    """Lines for the Horde's messages to the worker's owner that ``seen`` lacks.
-
-    Args:
-        messages: the pop answer's top-level ``messages``: a list of
-            ``{"id", "message", "origin", "expiry", ...}`` (anything else is ignored).
-        seen: keys (:func:`message_key`) already said; updated in place.
-
-    Returns:
-        One line per new message: ``message from the Horde (origin moderator,
-        expires 2026-12-24T00:00:00): <text>``, the text on one line and shortened.
-    """
+    """A line per message of the pop answer's ``messages`` not in ``seen``
+    (updated): ``message from the Horde (origin moderator, expires
+    2026-12-24T00:00:00): <text>``, on one line and shortened."""
     if not isinstance(messages, list):
         return []
     lines = []
@@ -220,10 +169,8 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
 def summary_line(
     *, jobs: int, kudos: float, faults: int, dropped: int, uptime_s: float
 ) -> str:
-    """``"12 jobs, 340 kudos (850 kudos/h), 0 faults, 0 dropped, uptime 0:24:00"``.
-
-    The rate is shown once the worker has run ten minutes.
-    """
+    """``"12 jobs, 340 kudos (850 kudos/h), 0 faults, 0 dropped, uptime 0:24:00"``;
+    the rate once the worker has run ten minutes."""
     rate = f" ({kudos / (uptime_s / 3600.0):.0f} kudos/h)" if uptime_s >= 600 else ""
     seconds = int(max(0.0, uptime_s))
     uptime = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -235,20 +182,8 @@ def summary_line(
 
 def earnings_line(*, kudos: float, jobs: int, faults: int, elapsed_s: float) -> str:
     """``"[Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00 kudos/hr,
-    JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"``: the totals in
-    the bracketed shape koboldcpp's own worker prints after every submit
-    (koboldcpp 1.116.1 ``koboldcpp.py`` L10066-10078: the same fields, order,
-    units and number formats), so what reads koboldcpp's line reads this one;
-    this worker's fault count follows the bracket.
-
-    Args:
-        kudos: kudos earned by accepted submits; jobs: accepted submits;
-        faults: faults sent; elapsed_s: seconds since the worker started (the
-        rates are over it, from the first job on, as koboldcpp's are).
-
-    ``JobCost`` is 0.00 while no job was submitted (koboldcpp prints the line
-    only after a job). Never raises.
-    """
+    JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"``: koboldcpp's own
+    worker's line (same fields and formats), so what reads it reads this one."""
     elapsed = max(1.0, elapsed_s)
     hours = elapsed / 3600.0
     cost = kudos / jobs if jobs > 0 else 0.0
@@ -262,12 +197,8 @@ def earnings_line(*, kudos: float, jobs: int, faults: int, elapsed_s: float) -> 
 
 
 def first_chat_job_line(settings: WorkerSettings) -> str:
-    """The line for the worker's first chat job: the start line promised text jobs,
-    and chat jobs only once the Horde sends them (``hosting.serving_line``).
-
-    E.g. ``"the Horde sends chat jobs: serving chat jobs and text jobs"``
-    (``"... serving chat jobs"`` for a chat-only worker).
-    """
+    """The line for the worker's first chat job (the start line promised chat
+    only once the Horde sends it)."""
     return "the Horde sends chat jobs: serving chat jobs" + (
         " and text jobs" if settings.prompt_jobs else ""
     )
@@ -280,25 +211,15 @@ def _one_line(text: str, limit: int) -> str:
 
 @dataclass(frozen=True)
 class RefusalAdvice:
-    """How the loop answers a refused pop, and what it tells the owner.
-
-    Attributes:
-        action: ``"stop_key"`` (the API key or the worker name is not the
-            owner's: stop, exit 3), ``"stop_config"`` (a setting the Horde will
-            never take: stop, exit 2), ``"owner"`` (the owner must act on the
-            Horde's side: pop again a minute later, so the worker resumes by
-            itself once it is done), or ``"retry"`` (transient: back off).
-        line: the log line: the refusal named by its ``rc`` and what the
-            owner can do.
-    """
+    """How the loop answers a refused pop: ``action`` ``"stop_key"`` (exit 3),
+    ``"stop_config"`` (exit 2), ``"owner"`` (the owner must act: pop again a
+    minute later) or ``"retry"`` (back off); ``line`` says what to do."""
 
     action: str
     line: str
 
 
-#: What each pop refusal means for the owner, by the Horde's ``rc``: (action,
-#: what to do). From the AI Horde's public source (``horde/exceptions.py`` and
-#: the pop's ``validate`` in ``horde/apis/v2/base.py``).
+#: (action, what to do) by the Horde's ``rc`` (its ``horde/exceptions.py``).
 POP_REFUSALS: Mapping[str, tuple[str, str]] = {
     "InvalidAPIKey": (
         "stop_key",
@@ -366,16 +287,9 @@ POP_REFUSALS: Mapping[str, tuple[str, str]] = {
 
 
 def describe_pop_refusal(status: int, rc: str, message: str) -> RefusalAdvice:
-    """The loop's answer to a refused pop (see :data:`POP_REFUSALS`).
-
-    Args:
-        status: the HTTP status (4xx); rc: the Horde's return code, or ``""``;
-        message: the Horde's message (shortened, one line).
-
-    Unknown codes: 401 is a key refusal; any other 4xx is backed off and
-    retried. The line is ``"the Horde refused the pop (403 TooManyWorkers: <its
-    message>): <what to do>"``.
-    """
+    """The loop's answer to a refused pop; an unknown ``rc`` is a key refusal
+    on 401, else retried. The line: ``"the Horde refused the pop (403
+    TooManyWorkers: <its message>): <what to do>"``."""
     action, advice = POP_REFUSALS.get(rc, ("", ""))
     if not action:
         action, advice = (
@@ -391,26 +305,16 @@ def describe_pop_refusal(status: int, rc: str, message: str) -> RefusalAdvice:
 
 
 def aborted_count(count: int, limit: int) -> str:
-    """``"aborted 3 in the Horde's hour (maintenance above 20)"``: the jobs the
-    Horde counts as aborted (faults, expired leases) in its window, as the
-    worker counts them (never fewer than the Horde)."""
+    """``"aborted 3 in the Horde's hour (maintenance above 20)"``."""
     return f"aborted {count} in the Horde's hour (maintenance above {limit})"
 
 
 def abort_limit_line(
     *, count: int, in_hand: int, limit: int, resume_wall: float, wait_s: float
 ) -> str:
-    """The line said when the guard stops popping, e.g. ``"aborted 19 in the
-    Horde's hour (maintenance above 20): not popping, to stay out of maintenance;
-    popping again at 14:05:12 (in 58 min) unless more are counted"``.
-
-    Args:
-        count: aborted jobs counted in the window.
-        in_hand: jobs in hand (each may still become one); said when above 0.
-        limit: the Horde's threshold (20).
-        resume_wall: epoch seconds when popping is allowed again (local time shown).
-        wait_s: seconds until then.
-    """
+    """``"aborted 19 in the Horde's hour (maintenance above 20): not popping, to
+    stay out of maintenance; popping again at 14:05:12 (in 58 min) unless more
+    are counted"``; ``resume_wall`` is epoch seconds, shown in local time."""
     held = f", {in_hand} job{'s' if in_hand != 1 else ''} in hand" if in_hand else ""
     at = time.strftime("%H:%M:%S", time.localtime(resume_wall))
     minutes = max(1, round(wait_s / 60.0))
@@ -420,19 +324,16 @@ def abort_limit_line(
     )
 
 
-#: Tokens per second above which the real Horde suspects an untrusted owner's text
-#: worker (horde/vars.py ``suspicion_thresholds["text"]``, checked at each accepted
-#: submit by horde/classes/base/worker.py ``_record_contribution``; a known model of
-#: 8B, 14B or 70B parameters has a limit of 150, 100 or 30 there too).
+#: Tokens/s above which the Horde suspects an untrusted owner's text worker
+#: (its ``suspicion_thresholds["text"]``).
 SUSPICION_TOKENS_PER_S = 150
-#: Suspicions at which the real Horde pauses an untrusted owner's worker
-#: (horde/classes/base/worker.py ``suspicion_threshold``).
+#: Suspicions at which the Horde pauses an untrusted owner's worker.
 SUSPICIONS_TO_PAUSE = 5
 
 
 def suspicion_line(tokens_per_s: float) -> str:
-    """The one line said when koboldcpp served a job faster than the Horde allows an
-    untrusted owner's worker and the owner is not trusted (``find_user``)."""
+    """The line when koboldcpp served a job faster than the Horde allows an
+    untrusted owner's worker."""
     return (
         f"koboldcpp served a job at {tokens_per_s:.0f} tokens/s, above the "
         f"{SUSPICION_TOKENS_PER_S} tokens/s the Horde allows a worker of an untrusted "
