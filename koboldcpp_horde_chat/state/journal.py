@@ -1,57 +1,21 @@
-"""The job journal: the jobs in hand, on disk, so a restart can end them (I/O edge).
+"""The job journal: the jobs in hand, on disk, so a restart can end them.
 
-When the worker process dies with a job in hand (killed for memory, a crash,
-a power loss, koboldcpp closed), the Horde holds the job until its lease
-ends: the client waits for nothing (150 s, up to 600 s for a trusted streamed
-job) and the worker is charged a dropped job. So the worker records each job
-in a small file as soon as the pop's answer carries it, and the file tells
-the truth at every instant of the job's life:
+A worker that dies with a job in hand leaves it to expire on the Horde (the
+client waits up to 600 s, the worker is charged an aborted job). So each job
+is written as soon as the pop's answer carries it, with the lease the Horde
+really runs and its terminal-action state (a reply is written before it is
+sent, a fault marked before it is sent), and removed as soon as the Horde
+answers. At the next start ``service.recovery`` sends each kept reply again
+(``DuplicateGen`` costs nothing) and faults each job without a terminal
+action, never twice: on the real Horde every fault re-opens the request.
 
-- the lease the Horde really runs: the pop's ``ttl`` from the pop's answer,
-  moved later only after an accepted progress post (seed "Streaming
-  progress");
-- the job's terminal-action state (``state.journal_rules``): ``none`` yet,
-  ``reply_kept`` (the generated reply, kept in the entry), ``reply_sent`` or
-  ``fault_sent`` (sent, the answer not known). A reply is written before it
-  is sent, a fault is marked before it is sent;
-- answered: the job's removal is written as soon as the Horde answers its
-  terminal action, before anything else happens (the next pop's job, a
-  pause, an exit path).
-
-At the next start, as soon as the Horde answers and before the first pop,
-the recovery (``service.recovery``) sends each kept reply again (a reply the
-Horde had stored is answered ``DuplicateGen`` at no cost), faults each job
-without a terminal action whose lease surely runs (seed "7. Fault a job"),
-and never sends a second fault: on the real Horde every faulted submit
-re-opens the request (``wp.n += 1``), also for a job that already ended.
-
-- :class:`JournalEntry` (``state.journal_format``): one job in hand (id,
-  kind, assigned ``model_id``, genkey, lease end in epoch seconds,
-  terminal-action state, kept reply). No API key, no password and no
-  conversation: the only text written is the generated reply, and only until
-  the Horde answers it.
-- where the file lives, one file per worker name: ``state.journal_paths``.
-- :class:`Journal`: the file, shared by the pop loops of one worker. A write
-  is a temporary file (mode 0o600) in the same directory, then
-  ``os.replace``-d over the journal: a process killed at any instant leaves
-  the old file or the new one whole. Only on request (``durable``) is each
-  written ``fsync``-ed, and the directory too where the platform allows. A
-  failed write never stops the worker: it is logged once.
-- the start-up pass over what an earlier process left: ``service.recovery``.
-
-The journal also keeps when the worker's faults the Horde counts toward
-maintenance happened in the last hour (epoch seconds), so that a worker
-restarted after a crash goes on counting them (``guard.MaintenanceGuard``):
-a koboldcpp that crashes on a kind of job, with the worker inside it, would
-otherwise start each time from an empty window. Each write carries the
-clocks' mark (wall, boot id, time since boot: ``journal_rules.ClockMark``),
-so a restart reads the earlier run's times on its own clock, whatever the
-wall clock did meanwhile. The file's format: ``state.journal_format``.
-
-Seed sections: "7. Fault a job" (the faulted submit, the request back to the
-queue), "Streaming progress" (the lease), "Check the completed reply"
-(``DuplicateGen``) and "Worked example: koboldcpp's embedded worker" (abort
-by genkey).
+A write replaces the whole file (a temporary file, mode 0o600, then
+``os.replace``), so a kill at any instant leaves the old or the new file
+whole. No conversation, key or password is written, only the generated reply
+until it is answered. The journal also keeps the last hour's faults that the
+Horde counts toward maintenance, so a restarted worker goes on counting them;
+each write carries the clocks' mark so a restart reads the earlier times on
+its own clock. The format: ``state.journal_format``.
 """
 
 from __future__ import annotations
@@ -96,30 +60,26 @@ __all__ = [
 FAULT_WINDOW_S: Final = 3600.0
 
 
-def _reason(exc: OSError) -> str:
-    """An OS error in a few words (``"Permission denied"``), without a traceback."""
+def reason(exc: OSError) -> str:
+    """An OS error in a few words (``"Permission denied"``), for a log line."""
     return exc.strerror or type(exc).__name__
 
 
-def reason(exc: OSError) -> str:
-    """An OS error in a few words (``"No such file or directory"``), for a log line."""
-    return _reason(exc)
-
-
-def check_directory(directory: Path) -> None:
-    """Make ``directory`` (mode 0o700, with its parents) and check a file can be
-    written in it (a temporary file is created and removed).
-
-    Raises:
-        OSError: it cannot be made (``/proc/nope``: "No such file or
-            directory"; a file in the way: "a file is in the way of its
-            directory") or written ("Permission denied", "Read-only file
-            system").
-    """
+def _make_directory(directory: Path) -> None:
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of its directory") from None
+
+
+def check_directory(directory: Path) -> None:
+    """Make ``directory`` (mode 0o700) and check a file can be written in it.
+
+    Raises:
+        OSError: it cannot be made ("a file is in the way of its directory")
+            or written ("Permission denied").
+    """
+    _make_directory(directory)
     fd, probe = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=directory)
     os.close(fd)
     os.unlink(probe)
@@ -128,23 +88,15 @@ def check_directory(directory: Path) -> None:
 class Journal:
     """The journal file of one worker, shared by its pop loops (thread-safe).
 
-    Args:
-        path: the file (:func:`journal_path`); its directory is created on the
-            first write, mode 0o700.
-        horde: the base URL of the Horde this process pops from (or later
-            :meth:`serve`): each entry added records it (``JournalEntry.horde``).
-
-    The entries live in memory and every change rewrites the whole file (a
-    few hundred bytes). :meth:`load` reads the file left by an earlier
-    process; a change before :meth:`load` loads it first, so those entries are
-    never overwritten unseen. No method raises for an I/O failure: a failed
-    write is logged once in one line, later writes are tried again silently,
-    and the first one that succeeds after a failure is logged once.
+    ``horde`` is the base URL of the Horde this process pops from, recorded in
+    each entry added. The file is read before the first change, so an earlier
+    process's entries are never overwritten unseen. No method raises for an
+    I/O failure: a failed write is logged once, and the first one that
+    succeeds after it.
     """
 
     def __init__(self, path: Path, horde: str | None = None) -> None:
         self.path = Path(path)
-        #: The Horde this process serves (``journal_format.horde_of``), or None.
         self.horde = None if horde is None else horde_of(horde)
         self._lock = threading.Lock()
         self._entries: dict[str, JournalEntry] = {}
@@ -160,22 +112,16 @@ class Journal:
         self._loaded_clock: ClockMark | None = None
 
     def lock(self) -> int | None:
-        """Take the journal for this process, for as long as it lives.
-
-        Two processes serving the same worker name on one machine would share
-        the file: the second one's start would fault (and abort) the first
-        one's jobs in hand. An exclusive lock on ``<file>.lock`` (``flock``;
-        ``msvcrt.locking`` on Windows), which the system drops when the process
-        ends however it ends, prevents that.
+        """Take the journal for this process's life (an exclusive lock on
+        ``<file>.lock``, dropped by the system when the process ends): a second
+        process of the same worker name would fault the first one's jobs.
 
         Returns:
-            None when this process holds it now, else the process id the
-            holder wrote in the lock file (0 when unknown).
+            None when this process holds it, else the holder's process id (0:
+            unknown).
 
         Raises:
-            OSError: the journal cannot be kept in its directory
-                (:func:`check_directory`) or its lock file cannot be opened;
-                nothing is logged (the host says what it does then).
+            OSError: the directory or the lock file cannot be used (not logged).
         """
         if self._lock_fd is not None:
             return None
@@ -200,7 +146,6 @@ class Journal:
         return None
 
     def unlock(self) -> None:
-        """Give the journal up (the process ends, or starts its loops again)."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
@@ -209,40 +154,30 @@ class Journal:
         return f"Journal(path={str(self.path)!r})"
 
     def serve(self, horde: str) -> None:
-        """This process pops from the Horde at base URL ``horde``: the entries
-        added from now on record it, and the recovery leaves alone the entries
-        of another Horde."""
+        """The entries added from now on record this Horde (base URL)."""
         with self._lock:
             self.horde = horde_of(horde)
 
     # -- reading ------------------------------------------------------------------
 
-    def load(self) -> list[JournalEntry]:
-        """The entries an earlier process left, read once (later calls return :meth:`entries`).
+    def entries(self) -> list[JournalEntry]:
+        """What is recorded now, in the order recorded; the file an earlier
+        process left is read first, once.
 
-        A missing file is an empty journal. A file that cannot be read or is
-        not a journal (invalid JSON, truncated, over 64 MiB) is logged in one
-        line and set aside as ``<name>.unreadable-<epoch seconds>`` next to
-        it (left in place when renaming fails); one of a version not read by
-        today's rules (0.1.0's, or a newer program's:
-        ``journal_format``) as ``<name>.version-<n>-<epoch seconds>``, left
-        alone; the journal is then empty. An entry of the wrong
-        shape is skipped and logged in one line. Never raises ``OSError``.
+        A file that cannot be read or is not a journal is set aside as
+        ``<name>.unreadable-<epoch seconds>``, one of another version as
+        ``<name>.version-<n>-<epoch seconds>`` (a line each; the journal is then
+        empty); an entry of the wrong shape is skipped with a line.
         """
         with self._lock:
             self._load_locked()
             return list(self._entries.values())
 
-    def entries(self) -> list[JournalEntry]:
-        """What is recorded now, in the order recorded."""
-        with self._lock:
-            self._load_locked()
-            return list(self._entries.values())
+    load = entries
 
     def clocks(self) -> tuple[ClockMark | None, ClockMark]:
-        """(the clocks' mark the earlier process wrote with the file, None for a
-        file without one; this process's mark when it read the file), for
-        ``journal_rules.plan``."""
+        """(the earlier process's clocks' mark, None without one; this
+        process's mark when it read the file)."""
         with self._lock:
             self._load_locked()
             assert self._loaded_clock is not None
@@ -259,7 +194,7 @@ class Journal:
         except (FileNotFoundError, NotADirectoryError):
             return  # no journal yet (or no directory for one)
         except OSError as exc:
-            self._set_aside(f"cannot be read ({_reason(exc)})")
+            self._set_aside(f"cannot be read ({reason(exc)})")
             return
         try:
             doc = read_document(raw)
@@ -280,9 +215,6 @@ class Journal:
         self._faults = [t + shift for t in doc.faults]
 
     def _set_aside(self, problem: str, suffix: str = "unreadable", *, jobs: int = -1) -> None:
-        """Move the file aside as ``<name>.<suffix>-<epoch seconds>``, whole and
-        never read again, saying so in one line (with ``jobs`` >= 0: how many
-        jobs it holds, which this process sends nothing)."""
         target = self.path.with_name(f"{self.path.name}.{suffix}-{int(time.time())}")
         left = (
             f"; its {jobs} job{' gets' if jobs == 1 else 's get'} nothing from this start"
@@ -292,21 +224,16 @@ class Journal:
             os.replace(self.path, target)
         except OSError as exc:
             log.warning("job journal %s %s; ignored and left in place (%s)%s",
-                        self.path, problem, _reason(exc), left)
+                        self.path, problem, reason(exc), left)
             return
         log.warning("job journal %s %s; set aside as %s%s", self.path, problem, target.name, left)
 
     # -- writing ------------------------------------------------------------------
 
     def add(self, entry: JournalEntry, *, durable: bool = False) -> None:
-        """Record a job in hand (replacing an entry with the same ``job_id``).
-
-        Returns after the file is written (the kernel keeps a killed process's
-        writes: what a SIGKILL, an OOM kill or a crash must survive), or after
-        the write failed (logged; never raised). ``durable`` also waits for the
-        disk (``fsync``), which only a machine going down needs: the worker
-        does not ask for it on a job's path.
-        """
+        """Record a job in hand, written before it returns (what a kill must
+        survive); ``durable`` also waits for the disk (``fsync``), which only a
+        machine going down needs."""
         with self._lock:
             self._load_locked()
             if entry.horde is None and self.horde is not None:
@@ -315,14 +242,9 @@ class Journal:
             self._write_locked(durable=durable)
 
     def remove(self, job_id: str, *, write: bool = True) -> None:
-        """Clear a job whose terminal action the Horde answered (or that ended
-        without one on purpose).
-
-        Written at once, like :meth:`add` but never waited for on disk, so
-        that no restart can send the job anything more; with ``write`` False
-        (a caller batching several changes) written with the next write or
-        :meth:`flush`. A job that is not recorded leaves the file as it is.
-        """
+        """Clear a job whose terminal action was answered (or that ended without
+        one on purpose), written at once unless ``write`` is False (then with
+        the next write or :meth:`flush`)."""
         with self._lock:
             self._load_locked()
             if self._entries.pop(job_id, None) is None:
@@ -335,8 +257,6 @@ class Journal:
                 self._dirty = True
 
     def _change(self, job_id: str, **changes: Any) -> bool:
-        """Replace fields of a recorded entry and write the file; False when the
-        job is not recorded (nothing written)."""
         with self._lock:
             self._load_locked()
             entry = self._entries.get(job_id)
@@ -347,26 +267,21 @@ class Journal:
             return True
 
     def keep_reply(self, job_id: str, body: dict[str, Any], *, sent: bool = True) -> bool:
-        """Keep a job's generated reply (its submit body) before it is sent:
-        ``reply_sent`` (the default: the caller sends it next, so its answer
-        may be lost) or ``reply_kept`` (``sent`` False: not sent yet). A
-        restart sends it again, not a fault, while the lease may run.
-        Returns False when the job is not recorded."""
+        """Keep a job's submit body before it is sent (``sent`` False: not sent
+        next); a restart sends it again. False when the job is not recorded."""
         return self._change(
             job_id, terminal="reply_sent" if sent else "reply_kept", reply=dict(body)
         )
 
     def mark_fault_sent(self, job_id: str) -> bool:
-        """Mark a job's fault as sent, before it is sent: a restart then sends
-        the job nothing more (at most one fault per job). Drops a kept reply
-        (the Horde refused it). Returns False when the job is not recorded."""
+        """Mark a job's fault as sent, before it is sent: a restart sends it
+        nothing more. False when the job is not recorded."""
         return self._change(job_id, terminal="fault_sent", reply=None)
 
     def mark_not_taken(self, job_id: str) -> bool:
-        """The terminal action just sent is known not to have reached the Horde
-        (``journal_rules.known_not_taken``): a fault goes back to ``none``
-        (a restart may fault the job), a reply to ``reply_kept``. Returns
-        False when the job is not recorded."""
+        """The terminal action just sent is known not to have reached the Horde:
+        a fault back to ``none``, a reply to ``reply_kept``. False when the job
+        is not recorded."""
         with self._lock:
             self._load_locked()
             entry = self._entries.get(job_id)
@@ -379,9 +294,8 @@ class Journal:
         return True
 
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
-        """Record a job's new lease end (epoch seconds), after an accepted progress
-        post extended it; an earlier end than recorded is ignored. Returns False
-        when the job is not recorded."""
+        """Record a later lease end (epoch seconds) after an accepted progress
+        post. False when the job is not recorded."""
         with self._lock:
             self._load_locked()
             entry = self._entries.get(job_id)
@@ -392,16 +306,13 @@ class Journal:
             return True
 
     def entry(self, job_id: str) -> JournalEntry | None:
-        """The recorded entry of ``job_id``, or None."""
         with self._lock:
             self._load_locked()
             return self._entries.get(job_id)
 
     def record_fault(self, at: float) -> None:
-        """Keep a fault the Horde counts toward maintenance, made at epoch seconds
-        ``at``; written with the next change (:meth:`add`, :meth:`remove`,
-        :meth:`mark_fault_sent`, :meth:`flush`). Faults older than
-        :data:`FAULT_WINDOW_S` are dropped."""
+        """Keep a fault counted toward maintenance (epoch seconds), written with
+        the next change."""
         with self._lock:
             self._load_locked()
             self._faults = [t for t in self._faults if t > at - FAULT_WINDOW_S][-MAX_FAULTS + 1 :]
@@ -409,15 +320,13 @@ class Journal:
             self._dirty = True
 
     def recent_faults(self, now: float) -> list[float]:
-        """The kept faults within :data:`FAULT_WINDOW_S` before epoch seconds ``now``,
-        oldest first (an earlier process's included)."""
+        """The kept faults of the last hour before epoch ``now``, oldest first."""
         with self._lock:
             self._load_locked()
             return [t for t in self._faults if now - FAULT_WINDOW_S < t <= now]
 
     def flush(self) -> None:
-        """Write changes not written yet (see :meth:`remove`, :meth:`record_fault`);
-        nothing when none."""
+        """Write the changes not written yet."""
         with self._lock:
             if self._dirty:
                 self._write_locked(durable=False)
@@ -429,12 +338,7 @@ class Journal:
         tmp: str | None = None
         try:
             if self._failing or not self._written:
-                try:
-                    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise NotADirectoryError(
-                        errno.ENOTDIR, "a file is in the way of its directory"
-                    ) from None
+                _make_directory(directory)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
@@ -455,7 +359,7 @@ class Journal:
                 log.warning(
                     "job journal %s cannot be written (%s): a job in hand during a crash "
                     "would be left to expire on the Horde; trying again with each job",
-                    self.path, _reason(exc),
+                    self.path, reason(exc),
                 )
             return
         self._written = True
@@ -467,8 +371,6 @@ class Journal:
 
 
 def _lock_file(fd: int) -> None:
-    """An exclusive lock on the open file ``fd`` without waiting; OSError when
-    another process holds it."""
     if sys.platform == "win32":
         import msvcrt
 
@@ -480,7 +382,6 @@ def _lock_file(fd: int) -> None:
 
 
 def _fsync_dir(directory: Path) -> None:
-    """Flush a directory entry (the rename) to disk where the platform allows it."""
     if os.name == "nt":
         return  # directories cannot be opened for fsync on Windows
     try:

@@ -1,18 +1,6 @@
 """The job journal's file: its entries, its format and the clocks' mark.
 
-What ``state.journal`` writes with each change and reads back at a start:
-
-- :class:`JournalEntry`: one job in hand (id, kind, assigned ``model_id``,
-  genkey, lease end in epoch seconds, terminal-action state, kept reply),
-  checked field by field; no API key, no password and no conversation.
-- :func:`document_text`: the whole file's JSON text, and
-  :func:`read_document`: a file's bytes read back (its valid entries, the
-  ones skipped and why, its clocks' mark, its faults), or :class:`NotAJournal`
-  saying in a few words why they are not a journal.
-- :func:`clock_mark`: this instant's clocks' mark (wall, boot id, time since
-  boot: ``journal_rules.ClockMark``), written with each change.
-
-The file (version 2)::
+The file (version 2, ASCII JSON)::
 
     {"version": 2,
      "jobs": [{"job_id": "<id>", "kind": "chat", "model_id": "<model>",
@@ -22,33 +10,12 @@ The file (version 2)::
      "faults": [1700000100.0],
      "clock": {"wall": 1700000042.5, "boot_id": "<uuid>", "boottime": 5321.25}}
 
-(``terminal`` absent means ``none``; ``reply`` is written only with a kept
-reply; ``faults`` only when there are some; ``horde`` is the base URL the job
-was popped from.)
-
-The version changes whenever what an entry means changes, so no program reads
-a file by rules other than the ones it was written by:
-
-- version 1 without ``clock``: written by 0.1.0 (and the development tree
-  until the journal kept the true lease). ``lease_end`` is the pop plus the
-  longest lease progress posts could reach (200 s, 600 s trusted), not the
-  lease the Horde runs, and there is no ``terminal``: every entry was to be
-  faulted. Read by today's rules, an expired job would be faulted (which
-  re-opens its request on the real Horde). :func:`read_document` raises
-  :class:`EarlierJournal`: the file is set aside whole.
-- version 1 with ``clock`` (the development tree after that): ``lease_end``
-  is the lease the Horde runs and ``terminal`` the terminal-action state, as
-  today, but no ``horde``: read as version 2, its jobs taken as the Horde's
-  this start serves.
-- version 2 (today): version 1 with ``clock``, plus each entry's ``horde``.
-  0.1.0 and the earlier development tree set such a file aside as not theirs
-  (``<name>.unreadable-<epoch seconds>``), so they never fault a job whose
-  reply the Horde accepted.
-- a later version: raises :class:`NewerJournal`: the file is set aside and
-  left alone.
-
-Seed sections: "7. Fault a job" (the faulted submit), "Streaming progress"
-(the lease) and "Worked example: koboldcpp's embedded worker" (abort by genkey).
+``terminal`` absent means ``none``; ``reply`` only with a kept reply,
+``faults`` only when there are some. The version changes whenever what an
+entry means changes, so no program reads a file by other rules than it was
+written by: version 1 without ``clock`` (0.1.0's: its lease ends are not the
+Horde's, and it has no terminal states) and any later version are set aside
+whole; version 1 with ``clock`` is read as version 2 without ``horde``.
 """
 
 from __future__ import annotations
@@ -63,30 +30,9 @@ from ..httpbody import redact_url
 from ..jsonbody import finite_number
 from .journal_rules import REPLY_STATES, TERMINAL_STATES, ClockMark
 
-__all__ = [
-    "FILE_VERSION",
-    "GENKEY_PREFIX",
-    "KINDS",
-    "MAX_FAULTS",
-    "MAX_FILE_BYTES",
-    "JournalDocument",
-    "JournalEntry",
-    "NotAJournal",
-    "OtherVersion",
-    "EarlierJournal",
-    "NewerJournal",
-    "clock_mark",
-    "document_text",
-    "horde_of",
-    "read_document",
-]
-
-#: The ``version`` written in the file (see the module docstring for what each meant).
 FILE_VERSION: Final = 2
-#: The version 0.1.0 wrote, read as :data:`FILE_VERSION` when it carries a ``clock``.
 EARLIER_VERSION: Final = 1
-#: A journal file larger than this (bytes) is not one this program wrote (a kept
-#: reply may hold up to 1 MiB of reasoning beside its content, per job in hand).
+#: A larger file is not one this program wrote (a kept reply may hold 1 MiB of reasoning).
 MAX_FILE_BYTES: Final = 64 * 1024 * 1024
 #: The most faults kept (more than the Horde's maintenance threshold ever needs).
 MAX_FAULTS: Final = 100
@@ -97,27 +43,12 @@ GENKEY_PREFIX: Final = "HORDEREQ_"
 
 @dataclass(frozen=True)
 class JournalEntry:
-    """One job in hand, as the journal records it.
-
-    Attributes:
-        job_id: the Horde's job id (non-empty).
-        kind: ``"chat"`` or ``"text"``.
-        model_id: the job's assigned model (the ``model_id`` declared at its
-            pop), for a chat fault body; None when unknown (the worker's
-            configured model is used) and for a text job.
-        genkey: the ``HORDEREQ_`` genkey of the local generation, or ``""``
-            before one was made. Only ``HORDEREQ_`` keys are accepted, so a
-            recovery never aborts a local user's generation.
-        lease_end: epoch seconds when the job's lease ends on the Horde: the
-            pop's ``ttl`` from the pop's answer, later only after an accepted
-            progress post (seed "Streaming progress").
-        terminal: the terminal-action state, one of
-            ``journal_rules.TERMINAL_STATES`` (``"none"``, ``"reply_kept"``,
-            ``"reply_sent"``, ``"fault_sent"``).
-        reply: the submit body of the generated reply (``reply_kept`` and
-            ``reply_sent`` only), sent again by a restart as it is.
-        horde: the Horde the job was popped from (:func:`horde_of` its base
-            URL); None when not recorded (a version 1 file).
+    """One job in hand. ``model_id`` is the model assigned at its pop (None:
+    unknown, or a text job); ``genkey`` only a ``HORDEREQ_`` key or ``""``, so a
+    recovery never aborts a local user's generation; ``lease_end`` epoch
+    seconds (the pop's ``ttl``, later only after an accepted progress post);
+    ``reply`` the submit body, kept with ``reply_kept``/``reply_sent``;
+    ``horde`` the Horde's base URL (None in a version 1 file).
 
     Raises:
         ValueError: a field of the wrong type or value.
@@ -160,9 +91,6 @@ class JournalEntry:
             raise ValueError("horde is not a non-empty string or null")
 
     def to_json(self) -> dict[str, Any]:
-        """The entry as a JSON object: ``{"job_id", "kind", "model_id", "genkey",
-        "lease_end"}``, with ``"terminal"`` when not ``"none"`` and ``"reply"``
-        when one is kept, ``"horde"`` when recorded."""
         obj: dict[str, Any] = {
             "job_id": self.job_id,
             "kind": self.kind,
@@ -180,12 +108,10 @@ class JournalEntry:
 
     @classmethod
     def from_json(cls, obj: object) -> JournalEntry:
-        """The entry a JSON object describes (extra keys are ignored; an entry of
-        an earlier version, without ``terminal``, has none).
+        """The entry a JSON object describes (extra keys ignored).
 
         Raises:
-            ValueError: not an object, a key missing, or a field of the wrong
-                type or value (the message names the field, never its value).
+            ValueError: naming the field, never its value.
         """
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
@@ -205,7 +131,6 @@ class JournalEntry:
 
 
 def _boot_id() -> str:
-    """The kernel's boot id (Linux), ``""`` elsewhere or when unreadable."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             return f.read(64).strip()
@@ -217,8 +142,7 @@ _BOOT_ID: str | None = None
 
 
 def clock_mark(wall: float | None = None) -> ClockMark:
-    """This instant on the wall clock, with the boot id and the time since boot
-    (``CLOCK_BOOTTIME`` where the platform has it): see ``journal_rules``."""
+    """This instant on the wall clock, with the boot id and ``CLOCK_BOOTTIME``."""
     global _BOOT_ID
     if _BOOT_ID is None:
         _BOOT_ID = _boot_id()
@@ -236,18 +160,13 @@ def clock_mark(wall: float | None = None) -> ClockMark:
 
 
 class NotAJournal(ValueError):
-    """The bytes read are not a job journal this program wrote; the message says
-    why in a few words, as a log line goes on after the file's name (``"is not
-    valid JSON"``)."""
+    """Not a job journal this program wrote; the message follows the file's
+    name in a log line (``"is not valid JSON"``)."""
 
 
 class OtherVersion(NotAJournal):
-    """A job journal of a version this program does not read by today's rules.
-
-    Attributes:
-        version: the file's ``version``.
-        jobs: how many entries it holds.
-    """
+    """A job journal of a version not read by today's rules (0.1.0's or a
+    newer program's); ``jobs`` is how many entries it holds."""
 
     def __init__(self, message: str, version: int, jobs: int) -> None:
         super().__init__(message)
@@ -255,34 +174,17 @@ class OtherVersion(NotAJournal):
         self.jobs = jobs
 
 
-class EarlierJournal(OtherVersion):
-    """A version 1 file without ``clock``, written by 0.1.0: its lease ends are
-    not the Horde's and it has no terminal-action states."""
-
-
-class NewerJournal(OtherVersion):
-    """A file of a version later than :data:`FILE_VERSION`, written by a newer
-    program: this one does not know what its entries mean."""
-
-
 def horde_of(url: str) -> str:
-    """The Horde a journal entry names: its base URL as ``scheme://host[:port]/path``
-    (host in lower case, no trailing slash, user part, query or fragment)."""
+    """A Horde's base URL as an entry names it: no user part, query, fragment
+    or trailing slash; host in lower case."""
     return redact_url(url.strip()).rstrip("/")
 
 
 @dataclass(frozen=True)
 class JournalDocument:
-    """A journal file read back (:func:`read_document`).
-
-    Attributes:
-        entries: its entries of the right shape, in the order written.
-        skipped: ``(index, why)`` of each entry of the wrong shape, in order
-            (``why`` names the field, never its value).
-        clock: the clocks' mark it was written with; None for a file without one.
-        faults: its last :data:`MAX_FAULTS` fault times that are finite numbers,
-            epoch seconds on the wall clock of the process that wrote it.
-    """
+    """A journal file read back: its valid entries, ``(index, why)`` of each
+    skipped, its clocks' mark (None: none) and its last faults (epoch seconds
+    of the writer's wall clock)."""
 
     entries: list[JournalEntry]
     skipped: list[tuple[int, str]]
@@ -294,10 +196,8 @@ def read_document(raw: bytes) -> JournalDocument:
     """A journal file's bytes, read back.
 
     Raises:
-        NotAJournal: over :data:`MAX_FILE_BYTES`, not valid JSON (UTF-8), not
-            an object with a ``jobs`` list, or a ``version`` not read here
-            (:class:`EarlierJournal` for 0.1.0's, :class:`NewerJournal` for a
-            later one's).
+        NotAJournal: too large, not JSON, not a journal; :class:`OtherVersion`
+            for 0.1.0's file or a newer program's.
     """
     if len(raw) > MAX_FILE_BYTES:
         raise NotAJournal(f"is over {MAX_FILE_BYTES} bytes")
@@ -311,12 +211,12 @@ def read_document(raw: bytes) -> JournalDocument:
     if isinstance(version, bool) or not isinstance(version, int):
         raise NotAJournal("is not a job journal (no version)")
     if version > FILE_VERSION:
-        raise NewerJournal(
+        raise OtherVersion(
             f"was written by a newer version of the worker (format {version}; this one "
             f"reads up to {FILE_VERSION})", version, len(doc["jobs"]),
         )
     if version == EARLIER_VERSION and "clock" not in doc:
-        raise EarlierJournal(
+        raise OtherVersion(
             f"was written by version 0.1.0 of the worker (format {version}: its lease ends "
             "are not the Horde's, and it does not say which replies were sent)",
             version, len(doc["jobs"]),
@@ -346,9 +246,7 @@ def read_document(raw: bytes) -> JournalDocument:
 def document_text(
     entries: Iterable[JournalEntry], faults: Sequence[float], mark: ClockMark
 ) -> str:
-    """The journal file's text (ASCII JSON, no spaces): ``version``, ``jobs``
-    (:meth:`JournalEntry.to_json` each), ``faults`` (epoch seconds to the
-    millisecond, only when there are some) and ``clock`` (``mark``).
+    """The journal file's text (faults to the millisecond).
 
     Raises:
         ValueError: a kept reply holds a number JSON cannot carry (NaN, infinity).
