@@ -1,22 +1,5 @@
-"""The ports a job run uses: the Horde, koboldcpp, the clock, the stop, the journal.
-
-One :class:`Ports` per pop loop, made by the loop (``service/loop.py``) and
-given to its job driver (``run/driver.py``) and the runs (``run/chat.py``,
-``run/text.py``, ``run/streaming.py``):
-
-- :class:`KoboldcppPort`: the koboldcpp client with what every run needs
-  around it: the notes of the worker's own requests (so a standalone worker
-  does not take them for a local user's), the wait through 503 busy answers
-  within the lease, the best-effort abort, and the stop of a generation from
-  another thread;
-- :class:`StopSignal`: the stop, its deadline, and a job's own pauses bounded
-  by them;
-- the clock (``clock.Clock``, injected: every wait and lease reads it);
-- the Horde client and the job journal.
-
-What moves a job (its phases, its journal entry) is on the job's owner
-(``state.job.JobContext``), not here.
-"""
+"""What a pop loop's job runs use: the Horde, koboldcpp, the clock, the stop
+and the journal (one :class:`Ports` per loop)."""
 
 from __future__ import annotations
 
@@ -43,23 +26,16 @@ ABORT_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class StopSignal:
-    """The worker's stop, as a job run sees it.
-
-    Attributes:
-        event: set when the worker is asked to stop.
-        deadline: the stop's deadline (``clock`` seconds), or None while the
-            worker is not stopping under one.
-        clock: the clock of the deadline and of :meth:`pause`.
-    """
+    """The worker's stop as a job run sees it: ``deadline()`` is None until
+    the worker stops under one."""
 
     event: threading.Event
     deadline: Callable[[], float | None]
     clock: Clock
 
     def pause(self, seconds: float) -> None:
-        """Wait ``seconds`` (a job's own retry pause), never longer: a stop does not
-        shorten it, but its deadline does, so that the retry after it makes its
-        last attempt by the deadline."""
+        """A job's retry pause: a stop does not shorten it, its deadline does (the
+        retry after it then comes by the deadline)."""
         clock = self.clock
         if self.deadline() is None and not self.event.is_set():
             start = clock.monotonic()
@@ -74,17 +50,8 @@ class StopSignal:
 
 @dataclass(frozen=True)
 class KoboldcppPort:
-    """koboldcpp as a job run uses it (see the module docstring).
-
-    Attributes:
-        backend: the koboldcpp client of the loop's thread.
-        abort_backend: a second client, for the stop of a generation sent from
-            another thread (the stop's deadline).
-        clock: the clock of the leases.
-        stop: the stop (busy retries pause through it).
-        note_own_request, note_own_request_done: called before and after each
-            generation request the worker sends (:meth:`own_request`).
-    """
+    """koboldcpp as a job run uses it; ``abort_backend`` is a second client, to
+    stop a generation from another thread."""
 
     backend: KcppAPI
     abort_backend: KcppAPI
@@ -95,8 +62,8 @@ class KoboldcppPort:
 
     @contextmanager
     def own_request(self) -> Iterator[None]:
-        """Around one generation request of the worker's to koboldcpp, so that a
-        standalone worker does not take it for a local user's."""
+        """Around the worker's own generation request, so that a standalone
+        worker does not take it for a local user's."""
         self.note_own_request()
         try:
             yield
@@ -104,13 +71,12 @@ class KoboldcppPort:
             self.note_own_request_done()
 
     def abort_quietly(self, genkey: str) -> None:
-        """Best-effort abort of the local generation (see :func:`abort_quietly`)."""
         abort_quietly(self.backend, genkey)
 
     def stop_generation(self, genkey: str) -> None:
-        """End a job's local generation from another thread (the job was given
-        up): close the connection of its request (with koboldcpp batching an
-        abort by genkey stops nothing), then abort it by its genkey."""
+        """End a given-up job's generation from another thread: hang up its
+        request (with koboldcpp batching, an abort by genkey stops nothing),
+        then abort it by genkey."""
         self.backend.hang_up()
         if genkey:
             abort_quietly(self.abort_backend, genkey)
@@ -118,12 +84,9 @@ class KoboldcppPort:
     def with_busy_retry(
         self, call: Callable[[float], dict[str, Any]], ctx: JobContext
     ) -> dict[str, Any]:
-        """Call the backend for the job in hand, waiting out 503 busy answers
-        while the lease allows.
-
-        ``call`` gets the read timeout in seconds (what is left of the lease
-        before the submit margin). A timeout aborts the local generation (by
-        ``ctx.genkey``) before raising.
+        """Call koboldcpp for the job, waiting out 503 busy answers while the
+        lease allows; ``call`` gets the read timeout (the lease left before the
+        submit margin). A timeout aborts the generation before raising.
 
         Raises:
             BackendError: the lease ran out or the backend failed.
@@ -154,16 +117,7 @@ class KoboldcppPort:
 
 @dataclass(frozen=True)
 class Ports:
-    """The ports of one pop loop's job runs (see the module docstring).
-
-    Attributes:
-        settings: the worker's configuration.
-        horde: the Horde client (progress posts; the only holder of the API key).
-        koboldcpp: koboldcpp (:class:`KoboldcppPort`).
-        clock: the clock of the leases, ``started`` and the journal's lease ends.
-        stop: the stop (:class:`StopSignal`).
-        journal: the worker's job journal (None: no journal).
-    """
+    """The ports of one pop loop's job runs (``journal`` None: none kept)."""
 
     settings: WorkerSettings
     horde: HordeAPI
@@ -174,9 +128,8 @@ class Ports:
 
 
 def abort_quietly(backend: KcppAPI, genkey: str) -> None:
-    """Best-effort abort of the local generation ``genkey``, quick enough to leave
-    the lease's margin to the fault that usually follows (koboldcpp answers in
-    about 0.1 s); a failure is logged at debug level only."""
+    """Best-effort abort of the generation ``genkey``, quick enough to leave the
+    lease's margin to the fault that usually follows."""
     try:
         backend.abort(genkey, timeout_s=ABORT_TIMEOUT_S)
     except BackendError as exc:

@@ -1,28 +1,13 @@
 """When the pop gate probes koboldcpp after failed generations, and with a job
-of which size (pure; no I/O).
+of which size (pure; monotonic seconds).
 
-Seed "7. Fault a job": every job a failing koboldcpp is given is an aborted
-job on the Horde, and more than 20 in its hour put the worker into
-maintenance. ``guard.FailureStreak`` withdraws a failing subject (koboldcpp
-as a whole, ``"all"``, or one kind) after failed generations in a row;
-``service.gate`` probes it until a probe generates, which declares it again.
 A probe that answers while real jobs fail (a koboldcpp that hangs on long
-prompts, or on what the Horde's requests carry and a probe does not) would
-otherwise re-declare it within seconds, every few failures.
-
-:class:`ProbePlan` keeps the rules:
-
-* the probe is a job of the size that failed (:meth:`ProbePlan.size`: the
-  last failed job's prompt tokens and ``max_length``), not a four-word one;
-* each withdrawal waits before its first probe, and each failed probe waits
-  before the next: :data:`FIRST_WAIT_S` (60 s) the first time, then twice the
-  last wait, up to :data:`MAX_WAIT_S` (30 min). A probe that generates ends
-  the wait of that withdrawal only; the next withdrawal of the subject waits
-  twice as long as the last (so withdraw-then-declare cycles are ever rarer);
-* the waits start over at :data:`FIRST_WAIT_S` once :data:`SUSTAINED_SUCCESSES`
-  real jobs of a kind in a row succeeded.
-
-The caller passes monotonic seconds.
+prompts) would re-declare a failing kind within seconds, every few failures,
+each failure an aborted job on the Horde (seed "7. Fault a job"). So a probe
+is the size of the last failed job, and each withdrawal waits before its first
+probe, each failed probe before the next: 60 s at first, then twice the last
+wait, up to 30 min. The waits start over after :data:`SUSTAINED_SUCCESSES`
+real jobs of a kind in a row.
 """
 
 from __future__ import annotations
@@ -30,30 +15,23 @@ from __future__ import annotations
 from typing import Final
 
 FIRST_WAIT_S: Final = 60.0
-"""The wait before the first probe of a subject's first withdrawal, seconds."""
 MAX_WAIT_S: Final = 1800.0
-"""The longest wait before a probe, seconds."""
 SUSTAINED_SUCCESSES: Final = 5
-"""Real jobs of a kind succeeded in a row after which the waits start over."""
 ALL: Final = "all"
-"""The subject of a koboldcpp failing generations of every kind together."""
+"""The subject of a koboldcpp failing every kind together."""
 
 
 class ProbePlan:
-    """The probes' waits and sizes, per subject (:data:`ALL`, ``"text"``,
-    ``"chat"``; see the module docstring)."""
+    """The probes' waits and sizes per subject (:data:`ALL`, ``"text"``, ``"chat"``)."""
 
     def __init__(self) -> None:
-        #: The wait the next withdrawal (or failed probe) of each subject gets.
         self._wait: dict[str, float] = {}
-        #: When each withdrawn subject may be probed (absent: not withdrawn).
         self._next: dict[str, float] = {}
         self._sizes: dict[str, tuple[int, int]] = {}
         self._successes: dict[str, int] = {}
 
     def note_failed(self, kind: str, prompt_tokens: int | None, max_length: int) -> None:
-        """A real ``kind`` job failed with a prompt of ``prompt_tokens`` (None: not
-        known, kept as it was) and ``max_length`` tokens."""
+        """A real job failed (``prompt_tokens`` None: not known, kept as it was)."""
         self._successes[kind] = 0
         old = self._sizes.get(kind)
         prompt = prompt_tokens if prompt_tokens is not None else (old[0] if old else 0)
@@ -62,13 +40,12 @@ class ProbePlan:
         self._sizes[ALL] = self._sizes[kind]
 
     def size(self, subject: str) -> tuple[int, int] | None:
-        """``(prompt tokens, max_length)`` of the last failed job of ``subject``
-        (:data:`ALL`: of any kind), or None when none is known."""
+        """``(prompt tokens, max_length)`` of the last failed job, or None."""
         return self._sizes.get(subject)
 
     def due(self, subject: str, now: float) -> bool:
-        """Whether the withdrawn ``subject`` may be probed at ``now``. The first call
-        for a withdrawal starts its wait (and is False)."""
+        """Whether the withdrawn ``subject`` may be probed; the first call of a
+        withdrawal starts its wait (and is False)."""
         at = self._next.get(subject)
         if at is None:
             self._next[subject] = now + self._take_wait(subject)
@@ -76,21 +53,16 @@ class ProbePlan:
         return now >= at
 
     def next_at(self, subject: str) -> float | None:
-        """When the withdrawn ``subject`` may be probed next (None: not withdrawn)."""
+        """When the withdrawn ``subject`` may be probed (None: not withdrawn)."""
         return self._next.get(subject)
 
     def probe_failed(self, subject: str, now: float) -> None:
-        """A probe of ``subject`` failed at ``now``: the next waits twice as long."""
         self._next[subject] = now + self._take_wait(subject)
 
     def probe_succeeded(self, subject: str) -> None:
-        """A probe of ``subject`` generated: it is declared again (its next
-        withdrawal waits twice as long as this one's last wait)."""
         self._next.pop(subject, None)
 
     def job_succeeded(self, kind: str) -> None:
-        """A real ``kind`` job succeeded; :data:`SUSTAINED_SUCCESSES` in a row start
-        the waits of the kind and of :data:`ALL` over."""
         count = self._successes.get(kind, 0) + 1
         self._successes[kind] = count
         if count >= SUSTAINED_SUCCESSES:
@@ -98,7 +70,6 @@ class ProbePlan:
             self._wait.pop(ALL, None)
 
     def wait_s(self, subject: str) -> float:
-        """The wait the next withdrawal or failed probe of ``subject`` gets, seconds."""
         return self._wait.get(subject, FIRST_WAIT_S)
 
     def _take_wait(self, subject: str) -> float:

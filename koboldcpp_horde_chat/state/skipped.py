@@ -1,16 +1,8 @@
 """What an empty pop's ``skipped`` counts say, in the terms of what the worker
-declared (pure; no I/O).
-
-The Horde answers a pop that found no job with ``skipped``: per reason, how
-many waiting requests its ``can_generate`` passed over for this worker
-(``max_length``: the request asks for more tokens than the worker declared for
-its kind, text ``max_length`` or chat ``chat_limits.max_length``;
-``max_context_length``: a longer context; ``models``: a model the worker does
-not serve; others such as ``bridge_version``, ``untrusted`` or ``kudos``).
-:func:`describe_skipped` words them with the declared values and why a
-``max_length`` is lowered (``lease_fit.LeaseFit.lowered_because``);
-:class:`SkippedReporter` says a line once until it changes.
-"""
+declared (pure). The Horde counts a request under ``max_length`` when it asks
+for more tokens than declared for its kind, ``max_context_length`` for a
+longer context, ``models`` for a model not served; other reasons are said by
+name."""
 
 from __future__ import annotations
 
@@ -24,18 +16,8 @@ SKIPPED_EVERY_S = 60.0
 
 @dataclass(frozen=True)
 class SkipContext:
-    """What the pop that got the ``skipped`` answer declared, for
-    :func:`describe_skipped` to say why requests were skipped in those terms.
-
-    Attributes:
-        max_length: per kind the pop asked for (``"text"``, ``"chat"``), its
-            declared ``max_length`` (text: ``max_length``; chat:
-            ``chat_limits.max_length``), tokens.
-        max_context_length: per kind, the declared context, tokens.
-        models: the models the pop declared.
-        lowered: per kind, why its ``max_length`` is below the operator's
-            (``lease_fit.LeaseFit.lowered_because``), when it is.
-    """
+    """What the pop declared, per kind it asked for, and why a kind's limits are
+    lowered (``LeaseFit.lowered_because``)."""
 
     max_length: Mapping[str, int]
     max_context_length: Mapping[str, int]
@@ -44,7 +26,6 @@ class SkipContext:
 
     @classmethod
     def of_pop(cls, body: Mapping[str, Any], lowered: Mapping[str, str]) -> SkipContext:
-        """The context of a pop ``body`` (``declaration.pop_body``'s shape)."""
         lengths: dict[str, int] = {}
         contexts: dict[str, int] = {}
         if body.get("prompt_jobs") is not False:
@@ -64,8 +45,6 @@ class SkipContext:
 
 
 def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, str]) -> str:
-    """``"the 50 tokens max_length declared for text jobs (lowered: koboldcpp ran
-    out of a lease)"``, or per kind when the kinds' values differ."""
 
     def why(kind: str) -> str:
         return f" (lowered: {lowered[kind]})" if kind in lowered else ""
@@ -82,7 +61,6 @@ def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, 
 
 
 def _skip_reason(name: str, count: int, context: SkipContext | None) -> str:
-    """One reason of ``skipped`` in words (the Horde's ``can_generate`` checks)."""
     they = "they ask" if count != 1 else "it asks"
     if context is not None:
         if name == "max_length" and context.max_length:
@@ -97,23 +75,10 @@ def _skip_reason(name: str, count: int, context: SkipContext | None) -> str:
 
 
 def describe_skipped(skipped: object, context: SkipContext | None = None) -> str | None:
-    """``"3 requests skipped: max_context_length=2, models=1"``, or None when none were.
-
-    With the ``context`` of the pop (:class:`SkipContext`), the Horde's reasons
-    it can word are said in the operator's terms, with the declared value and
-    why it is lowered: ``"2 requests skipped: they ask for more than the 50
-    tokens max_length declared for text jobs (lowered: koboldcpp ran out of a
-    lease)"``. The Horde counts a request under ``max_length`` when it asks for
-    more tokens than the worker declared for its kind (text ``max_length``, chat
-    ``chat_limits.max_length``), under ``max_context_length`` for a longer
-    context, under ``models`` for models the worker does not serve (its
-    ``can_generate``); other reasons are said by their names.
-
-    Args:
-        skipped: the pop answer's ``skipped``: a mapping of reason to count,
-            e.g. ``{"max_context_length": 2, "models": 1}``.
-        context: what the pop declared; None: reasons by their names only.
-    """
+    """``"3 requests skipped: max_context_length=2, models=1"``, or None when none
+    were; with the pop's ``context``, in its terms: ``"2 requests skipped: they
+    ask for more than the 50 tokens max_length declared for text jobs (lowered:
+    koboldcpp ran out of a lease)"``."""
     if not isinstance(skipped, dict):
         return None
     counts = sorted(
@@ -141,15 +106,9 @@ def describe_skipped(skipped: object, context: SkipContext | None = None) -> str
 
 
 class SkippedReporter:
-    """Says what empty pops' ``skipped`` counts show, once until it changes.
-
-    A line is said when the reasons (the ``skipped`` keys with a count) differ
-    from those said last: the same request waiting pop after pop under the
-    same reason is said once, whatever its counts do meanwhile. A pop that
-    skipped nothing forgets what was said, so a reason that comes back is said
-    again. Two lines are at least :data:`SKIPPED_EVERY_S` seconds apart (a
-    change within that time is said once it has passed, if it still holds).
-    """
+    """Says empty pops' ``skipped`` reasons (or the declaration behind them)
+    when they change, whatever their counts do, at most once every
+    :data:`SKIPPED_EVERY_S`; a pop that skipped nothing forgets what was said."""
 
     def __init__(self) -> None:
         self._said_at: float | None = None
@@ -158,9 +117,7 @@ class SkippedReporter:
     def line(
         self, skipped: object, now: float, context: SkipContext | None = None
     ) -> str | None:
-        """The line to log for an empty pop's ``skipped`` at monotonic ``now``, or
-        None; ``context`` is what that pop declared (:func:`describe_skipped`). A
-        changed declaration behind the same reasons is a change too."""
+        """The line to log at monotonic ``now``, or None."""
         line = describe_skipped(skipped, context)
         if line is None:
             self._said = None
