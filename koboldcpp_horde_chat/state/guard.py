@@ -287,11 +287,9 @@ class RefusalGuard:
         for name in dict.fromkeys(names):
             if name in self.withdrawn:
                 continue
-            window = self._windows.get(name)
-            if window is None:
-                window = self._windows[name] = SlidingWindow(
-                    self.window_s, maxlen=self.threshold + 1
-                )
+            window = self._windows.setdefault(
+                name, SlidingWindow(self.window_s, maxlen=self.threshold + 1)
+            )
             window.add(now)
             if window.count(now) >= self.threshold:
                 newly.append(name)

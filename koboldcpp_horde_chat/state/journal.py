@@ -247,13 +247,10 @@ class Journal:
         the next write or :meth:`flush`)."""
         with self._lock:
             self._load_locked()
-            if self._entries.pop(job_id, None) is None:
-                if write and self._dirty:
-                    self._write_locked(durable=False)
-                return
-            if write:
+            removed = self._entries.pop(job_id, None) is not None
+            if write and (removed or self._dirty):
                 self._write_locked(durable=False)
-            else:
+            elif removed:
                 self._dirty = True
 
     def _change(self, job_id: str, **changes: Any) -> bool:
@@ -287,11 +284,8 @@ class Journal:
             entry = self._entries.get(job_id)
         if entry is None:
             return False
-        if entry.terminal == "fault_sent":
-            return self._change(job_id, terminal="none")
-        if entry.terminal == "reply_sent":
-            return self._change(job_id, terminal="reply_kept")
-        return True
+        back = {"fault_sent": "none", "reply_sent": "reply_kept"}.get(entry.terminal)
+        return True if back is None else self._change(job_id, terminal=back)
 
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress

@@ -205,21 +205,16 @@ def record_generated(
 def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
     """The line when ``kind`` failed ``limit`` times in a row; ``others`` are
     the kinds still popped for."""
-    if kind == "chat":
-        action = (
-            "popping without the chat declaration (text jobs continue)"
-            if others else "not popping (no other kind to serve)"
-        )
-        probe = "a chat completion the size of the failed job"
+    if not others:
+        action = "not popping (no other kind to serve)"
+    elif kind == "chat":
+        action = "popping without the chat declaration (text jobs continue)"
     else:
-        action = (
-            "popping for chat jobs only (prompt_jobs false)"
-            if others else "not popping (no other kind to serve)"
-        )
-        probe = "a text generation the size of the failed job"
+        action = "popping for chat jobs only (prompt_jobs false)"
+    probe = "a chat completion" if kind == "chat" else "a text generation"
     return (
         f"{kind} generations failed {limit} times in a row: {action}; probing "
-        f"koboldcpp with {probe} until one succeeds"
+        f"koboldcpp with {probe} the size of the failed job until one succeeds"
     )
 
 

@@ -60,8 +60,7 @@ def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, 
     return f"the {name} declared for their kind ({each})"
 
 
-def _skip_reason(name: str, count: int, context: SkipContext | None) -> str:
-    they = "they ask" if count != 1 else "it asks"
+def _skip_reason(name: str, count: int, context: SkipContext | None, they: str) -> str:
     if context is not None:
         if name == "max_length" and context.max_length:
             words = _declared_words("max_length", context.max_length, context.lowered)
@@ -74,18 +73,22 @@ def _skip_reason(name: str, count: int, context: SkipContext | None) -> str:
     return f"{name}={count}"
 
 
+def _counts(skipped: object) -> list[tuple[str, int]]:
+    if not isinstance(skipped, dict):
+        return []
+    return sorted(
+        (str(name)[:40], int(value))
+        for name, value in skipped.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    )
+
+
 def describe_skipped(skipped: object, context: SkipContext | None = None) -> str | None:
     """``"3 requests skipped: max_context_length=2, models=1"``, or None when none
     were; with the pop's ``context``, in its terms: ``"2 requests skipped: they
     ask for more than the 50 tokens max_length declared for text jobs (lowered:
     koboldcpp ran out of a lease)"``."""
-    if not isinstance(skipped, dict):
-        return None
-    counts = sorted(
-        (str(name)[:40], int(value))
-        for name, value in skipped.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    )
+    counts = _counts(skipped)
     if not counts:
         return None
     total = sum(value for _, value in counts)
@@ -93,16 +96,12 @@ def describe_skipped(skipped: object, context: SkipContext | None = None) -> str
     if context is None:
         return head + ", ".join(f"{name}={value}" for name, value in counts[:12])
     if len(counts) == 1:
-        return head + _skip_reason(counts[0][0], counts[0][1], context)
-    parts = []
-    for name, value in counts[:12]:
-        words = _skip_reason(name, value, context)
-        if words.startswith("they ask"):
-            words = f"{value} ask" + words[len("they ask"):]
-        elif words.startswith("it asks"):
-            words = f"{value} asks" + words[len("it asks"):]
-        parts.append(words)
-    return head + "; ".join(parts)
+        name, value = counts[0]
+        return head + _skip_reason(name, value, context, "they ask" if value != 1 else "it asks")
+    return head + "; ".join(
+        _skip_reason(name, value, context, f"{value} ask" if value != 1 else f"{value} asks")
+        for name, value in counts[:12]
+    )
 
 
 class SkippedReporter:
@@ -122,12 +121,9 @@ class SkippedReporter:
         if line is None:
             self._said = None
             return None
-        assert isinstance(skipped, dict)  # describe_skipped said something
-        reasons = frozenset(
-            str(name)[:40]
-            for name, value in skipped.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-        ) | ({repr(context)} if context is not None else set())
+        reasons = frozenset(name for name, _ in _counts(skipped)) | (
+            {repr(context)} if context is not None else set()
+        )
         if reasons == self._said:
             return None
         if self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S:
