@@ -2,24 +2,16 @@
 maintenance (pure; the caller passes monotonic seconds).
 
 * :class:`MaintenanceGuard` (seed "7. Fault a job": more than 20 aborted jobs
-  an hour put a worker into maintenance, so a worker that faults every chat
-  job should withdraw its chat declaration). It counts what the Horde counts
-  as aborted (faults, expired leases, ``AbortedGen``, pops whose answer was
-  lost) over an hour and a minute: at 15, chat jobs among them, chat is
-  withdrawn; below 10 it is declared again; at 19 with the jobs in hand the
-  worker stops popping. The Horde's own window always lies within the last
-  hour, so this count is never below the Horde's; the extra minute covers a
-  submit in flight and clocks apart. Faults for size (``prompt_overflow``)
-  count too: a narrower declaration would only turn away requests that fit.
+  an hour mean maintenance). It counts what the Horde counts as aborted
+  (faults, expired leases, ``AbortedGen``, pops whose answer was lost) over
+  an hour and a minute, never below the Horde's own count: at 15, chat jobs
+  among them, chat is withdrawn; below 10 it is declared again; at 19 with
+  the jobs in hand the worker stops popping.
 * :class:`FailureStreak`: generations koboldcpp failed in a row, all kinds and
   per kind; at 3 the worker stops popping (or withdraws the kind) and probes.
-* :class:`RefusalGuard` (seed "Submit refusals": withdraw a guarantee the
-  backend repeatedly fails): 3 refused replies in an hour withdraw that one
-  declared name for its cool-off (1 h, doubled each time, at most 24 h); its
-  faults count toward stopping the pops, not toward withdrawing chat.
-
-Refusals are attributed by the job's payload and the reply, never by the
-refusal's message text.
+* :class:`RefusalGuard` (seed "Submit refusals"): 3 refused replies in an
+  hour withdraw that one declared name for its cool-off (1 h, doubled each
+  time, at most 24 h); its faults count toward stopping the pops only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
-"""The job journal: the jobs in hand, on disk, so a restart can end them.
+"""The job journal: the jobs in hand on disk, so a restart can end them.
 
-A worker that dies with a job in hand leaves it to expire on the Horde (the
-client waits up to 600 s, the worker is charged an aborted job). So each job
-is written as soon as the pop's answer carries it, with the lease the Horde
-really runs and its terminal-action state (a reply is written before it is
-sent, a fault marked before it is sent), and removed as soon as the Horde
-answers. At the next start ``service.recovery`` sends each kept reply again
-(``DuplicateGen`` costs nothing) and faults each job without a terminal
-action, never twice: on the real Horde every fault re-opens the request.
-
-A write replaces the whole file (a temporary file, mode 0o600, then
-``os.replace``), so a kill at any instant leaves the old or the new file
-whole. No conversation, key or password is written, only the generated reply
-until it is answered. The journal also keeps the last hour's faults that the
-Horde counts toward maintenance, so a restarted worker goes on counting them;
-each write carries the clocks' mark so a restart reads the earlier times on
-its own clock. The format: ``state.journal_format``.
+Each job is written as soon as the pop's answer carries it, with the lease the
+Horde runs and its terminal-action state (a reply written before it is sent,
+a fault marked before), and removed as soon as the Horde answers. At the next
+start ``service.recovery`` sends kept replies again and faults the jobs
+without a terminal action, never twice (each fault re-opens the request).
+A write replaces the whole file (temporary file, mode 0o600, ``os.replace``),
+so a kill leaves the old or the new file whole. Only a generated reply is
+written, until answered; no conversation or key. The last hour's faults are
+kept so a restart goes on counting them toward maintenance.
 """
 
 from __future__ import annotations

@@ -2,31 +2,20 @@
 koboldcpp processes and generates a job within its lease (pure; no I/O).
 
 Seed "Streaming progress": the lease is the pop's ttl, 150 s; the pop prefers
-workers that generate max_length within 120 s, and a job that outlives its
-lease is an aborted job (more than 20 in an hour: maintenance). The fit
-itself is ``lease_figures.fitted_limits``; this keeps, per kind, ``p``
-(seconds per prompt token) and ``g`` (tokens generated per second) from
-koboldcpp's figures after each job, else the reply's tokens over its seconds.
+workers that generate max_length within 120 s. Per kind this keeps ``p``
+(seconds per prompt token) and ``g`` (tokens/s) from koboldcpp's figures
+after each job, and fits with ``lease_figures.fitted_limits``.
 
-A job that runs out of its lease (:meth:`LeaseFit.ran_out`, prompt ``P``,
-``max_length`` ``L``, ``T`` seconds) teaches:
+A job that runs out of its lease (prompt ``P``, ``max_length`` ``L``, ``T``
+seconds) was a hang when ``P * p + L / g <= T / 2`` (nothing lowered); a slow
+prompt when ``P * p >= L / g`` (``p`` raised to ``(T - L / g) / P``, the
+context refitted); else a slow generation (``max_length`` halved and fitted
+to ``L / T`` tokens/s). With no figure, a prompt of 1024+ tokens was slow.
 
-* predicted within half of ``T`` (``P * p + L / g <= T / 2``): koboldcpp
-  hung; nothing is lowered;
-* the prompt's share the larger (``P * p >= L / g``; with no ``p``, when a
-  prompt token as slow as two generated ones explains it): ``p`` is at least
-  ``(T - L / g) / P`` and the context is refitted;
-* else (or when koboldcpp's figures show tokens generated): ``max_length``
-  drops to half the job's and to what ``L / T`` tokens/s fit;
-* with no figure at all, a prompt of 1024+ tokens (longer than ``L``) was
-  slow; a shorter one teaches nothing.
-
-Raises wait for the kind's cool-off (60 s at first) after a run-out. A kind
-below its caps with no measured job for its cool-off is due a re-measure of
-the size of the job that lowered it (a short probe would raise what a long
-job lowered); the cool-off doubles, up to 30 min, after a re-measure that
-raises nothing and after a run-out within an hour of a raise, and is back to
-60 s at the caps.
+Raises wait for the kind's cool-off (60 s, doubled up to 30 min after a
+re-measure that raises nothing or a run-out within an hour of a raise). A
+kind below its caps and idle for its cool-off is re-measured with a job the
+size of the one that lowered it (a short probe would raise it again).
 """
 
 from __future__ import annotations
