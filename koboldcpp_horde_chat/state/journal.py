@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from .journal_format import (
-    FILE_VERSION,
     GENKEY_PREFIX,
     MAX_FAULTS,
     MAX_FILE_BYTES,
@@ -42,7 +41,6 @@ from .journal_rules import ClockMark, fault_ages_shift
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
 __all__ = [
-    "FILE_VERSION",
     "GENKEY_PREFIX",
     "clock_mark",
     "Journal",

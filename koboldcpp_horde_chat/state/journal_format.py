@@ -20,6 +20,7 @@ whole; version 1 with ``clock`` is read as version 2 without ``horde``.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -130,6 +131,7 @@ class JournalEntry:
         )
 
 
+@functools.cache
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
@@ -138,14 +140,8 @@ def _boot_id() -> str:
         return ""
 
 
-_BOOT_ID: str | None = None
-
-
 def clock_mark(wall: float | None = None) -> ClockMark:
     """This instant on the wall clock, with the boot id and ``CLOCK_BOOTTIME``."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        _BOOT_ID = _boot_id()
     boottime: float | None = None
     clock_id = getattr(time, "CLOCK_BOOTTIME", None)
     if clock_id is not None:
@@ -153,7 +149,7 @@ def clock_mark(wall: float | None = None) -> ClockMark:
             boottime = time.clock_gettime(clock_id)
         except OSError:
             boottime = None
-    return ClockMark(time.time() if wall is None else wall, _BOOT_ID, boottime)
+    return ClockMark(time.time() if wall is None else wall, _boot_id(), boottime)
 
 
 # --------------------------------------------------------------------- the file

@@ -48,7 +48,7 @@ class FiguresReader:
         self._last: tuple[int, float, int, float] | None = None
 
     def saw(self, figures: PerfFigures) -> None:
-        """``figures`` were read elsewhere (koboldcpp's at start): not new."""
+        """``figures`` are known: reading them again is not a new generation."""
         self._seen = figures.generations
         self._last = (figures.prompt_tokens, figures.process_s, figures.tokens, figures.eval_s)
 
@@ -62,11 +62,9 @@ class FiguresReader:
             return None
         if figures is None or figures.generations == self._seen:
             return None
-        self._seen = figures.generations
-        these = (figures.prompt_tokens, figures.process_s, figures.tokens, figures.eval_s)
-        stale = these == self._last
-        self._last = these
-        return None if aborted and stale else figures
+        last = self._last
+        self.saw(figures)
+        return None if aborted and self._last == last else figures
 
 
 class JobMeter:
