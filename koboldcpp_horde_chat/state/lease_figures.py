@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..jsonbody import finite_number
+
 FIT_SHARE: Final = 0.8
 """The share of the lease a job may take (120 s of 150)."""
 MIN_MAX_LENGTH: Final = 16
@@ -120,10 +122,8 @@ def reply_tokens(body: Mapping[str, Any]) -> int:
 
 
 def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
+    number = finite_number(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _generations(perf: Mapping[str, Any]) -> int | None:
