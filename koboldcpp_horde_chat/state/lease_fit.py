@@ -351,9 +351,8 @@ class LeaseFit:
         held = self.held(kind, now)
         changes = []
         old = self._declared[kind]
-        if g is None and length >= old:
-            pass  # nothing measured about generation: not a reason to raise it
-        elif self._moves(old, length, self.cap, held):
+        # Nothing measured about generation is no reason to raise max_length.
+        if (g is not None or length < old) and self._moves(old, length, self.cap, held):
             self._declared[kind] = length
             changes.append(LengthChange(kind, old, length, g, budget, remeasured))
         if self.context_cap:
