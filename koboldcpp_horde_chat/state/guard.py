@@ -4,14 +4,17 @@ maintenance (pure; the caller passes monotonic seconds).
 * :class:`MaintenanceGuard` (seed "7. Fault a job": more than 20 aborted jobs
   an hour mean maintenance). It counts what the Horde counts as aborted
   (faults, expired leases, ``AbortedGen``, pops whose answer was lost) over
-  an hour and a minute, never below the Horde's own count: at 15, chat jobs
-  among them, chat is withdrawn; below 10 it is declared again; at 19 with
-  the jobs in hand the worker stops popping.
+  an hour and a minute (never below the Horde's own count; the minute covers
+  a submit in flight and clocks apart): at 15, chat jobs among them, chat is
+  withdrawn; below 10 it is declared again; at 19 with the jobs in hand the
+  worker stops popping. Faults for size count too: a narrower declaration
+  would only turn away requests that fit.
 * :class:`FailureStreak`: generations koboldcpp failed in a row, all kinds and
   per kind; at 3 the worker stops popping (or withdraws the kind) and probes.
 * :class:`RefusalGuard` (seed "Submit refusals"): 3 refused replies in an
   hour withdraw that one declared name for its cool-off (1 h, doubled each
   time, at most 24 h); its faults count toward stopping the pops only.
+  Refusals are attributed by the payload and the reply, never by message text.
 """
 
 from __future__ import annotations
