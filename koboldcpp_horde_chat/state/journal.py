@@ -13,6 +13,7 @@ kept so a restart goes on counting them toward maintenance.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -128,11 +129,9 @@ class Journal:
                 holder = ""
             os.close(fd)
             return int(holder) if holder.isdigit() else 0
-        try:
+        with contextlib.suppress(OSError):  # the lock holds without the holder's id
             os.ftruncate(fd, 0)
             os.write(fd, str(os.getpid()).encode("ascii"))
-        except OSError:
-            pass  # the lock holds; only the holder's id for the message is missing
         self._lock_fd = fd
         return None
 
@@ -335,10 +334,8 @@ class Journal:
         except OSError as exc:
             self._dirty = True
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
             if not self._failing:
                 self._failing = True
                 log.warning(
@@ -374,8 +371,7 @@ def _fsync_dir(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support it
+        with contextlib.suppress(OSError):  # some file systems do not support it
+            os.fsync(fd)
     finally:
         os.close(fd)
