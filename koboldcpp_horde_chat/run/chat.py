@@ -22,7 +22,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
+from ..errors import BackendError, FetchError, JobFault, PayloadError, ReplyError
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, validate_messages
 from ..jsonbody import encode_json
@@ -33,7 +33,6 @@ from ..koboldcpp.answers import (
     parse_chat_completion,
 )
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
-from ..state.guard import refused_reply_features
 from ..state.job import SUBMIT_MARGIN_S, JobContext, Outcome, payload_keys
 from ..state.ports import Ports
 from ..state.shared import WorkerState
@@ -42,7 +41,6 @@ from ..translate.bodies import chat_request_body
 from ..translate.submits import FAULT_PROMPT_OVERFLOW, chat_submit
 from .downloads import Downloads, fetch_image, fetch_messages
 from .streaming import generate_streamed
-from .submit import refused_reply_fault
 
 log = logging.getLogger("koboldcpp_horde_chat.chat_run")
 
@@ -84,7 +82,6 @@ class ChatRun:
         self.settings = ports.settings
         self.model_id = ctx.model_id
         #: The structured submit built from koboldcpp's reply (once generated).
-        self._reply: dict[str, Any] = {}
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
@@ -280,8 +277,7 @@ class ChatRun:
             f"tokens={submit_body.get('completion_tokens', '?')} "
             f"calls={len(message.get('tool_calls') or [])}"
         )
-        self._reply = submit_body
-        return Outcome(submit_body, detail, self._refusal_fault)
+        return Outcome(submit_body, detail, (ctx, job.payload, self.state))
 
     def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
         """A generation someone aborted on koboldcpp (its stop button) is not a
@@ -307,32 +303,6 @@ class ChatRun:
                 f"koboldcpp's generation was aborted after {backend_reply.completion_tokens} "
                 f"of {budget} tokens (a stop on koboldcpp?): not submitted cut short"
             )
-
-    def _refusal_fault(self, exc: HordeRefusal) -> JobFault:
-        """Seed "Submit refusals": the fault that follows a refused reply.
-
-        A refusal that points at a declared guarantee or feature
-        (``guard.refused_reply_features``: ``ChatSubmitNonconformant`` for what
-        the request used, ``ChatSubmitInvalid`` for the reply's tool calls) is
-        counted against it; at ``guard.REFUSALS_TO_WITHDRAW`` in an hour that
-        name alone is withdrawn from the later pops for its cool-off, and the
-        fault names it, so it does not count toward withdrawing chat as a whole.
-        """
-        names = refused_reply_features(
-            exc.rc, self.job.payload, self._reply, self.ctx.declared_features
-        )
-        if exc.rc == "ChatSubmitNonconformant" and not names:
-            log.warning(
-                "job=%s nonconformant reply not attributable to a declared guarantee "
-                "or feature (payload keys %s)",
-                self.job.id,
-                payload_keys(self.job.payload),
-            )
-        if names:
-            self.state.record_feature_failure(names, self.ports.clock.monotonic())
-        fault = refused_reply_fault(exc)
-        fault.feature = names[0] if names else None
-        return fault
 
 
 def _fetch_images(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
+from ..errors import BackendError, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..koboldcpp.answers import text_completion_tokens, text_generation
 from ..state.job import JobContext, Outcome
@@ -78,7 +78,7 @@ class TextRun:
         # The reply's length in tokens as koboldcpp counted them, as a chat job's.
         tokens = text_completion_tokens(body)
         detail = f"tokens={'?' if tokens is None else tokens}"
-        return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
+        return Outcome(text_submit(job.id, generation), detail)
 
 
 def text_prompt_tokens(payload: dict[str, Any]) -> int:
@@ -92,8 +92,3 @@ def text_prompt_tokens(payload: dict[str, Any]) -> int:
     if isinstance(context, int) and isinstance(length, int) and context > length >= 0:
         tokens = min(tokens, context - length)
     return tokens
-
-
-def _refusal_fault(exc: HordeRefusal) -> JobFault:
-    """A refused text reply is faulted (a text fault carries no reason)."""
-    return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")

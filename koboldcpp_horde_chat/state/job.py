@@ -1,34 +1,34 @@
-"""A job's one owner, from the pop's answer to its terminal action, and what a run returns.
+"""A job's one owner (:class:`JobContext`), from the pop's answer to its terminal
+action; the loop's step thread (:class:`Steps`); and what a run returns (:class:`Outcome`).
 
-A job run (``run/chat.py``, ``run/text.py``) takes one popped job through the
-seed's steps and either returns the outcome to submit or raises
-:class:`~errors.JobFault` (fault it) or :class:`~errors.JobEnded` (nothing to
-send). The job driver (``run/driver.py``) makes the job's moves around the
-run's steps and hands the outcome to the submit pipeline (``run/submit.py``),
-the one place that sends terminal actions.
-
-- :class:`JobContext`: the job's one owner: id, kind, ``model_id``, lease
-  (``horde.pop.Lease``), genkey, phase (``state/life.py``), and the job-life
-  operations: its journal entry, the start of its generation, its blocking
-  steps given up at the stop's deadline.
-- :class:`Steps`: the loop's step thread, where a job's blocking steps run.
-- :class:`Outcome`: what a run returns.
+A run (``run/chat.py``, ``run/text.py``) returns an :class:`Outcome` or raises
+``JobFault`` (fault it) or ``JobEnded`` (nothing to send); only the driver and the
+submit pipeline move the job through its phases (``state/life.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import HordeRefusal, JobFault
+from ..horde.codes import REFUSAL_RCS
 from ..horde.pop import Lease
+from ..translate.submits import FAULT_REPLY_REFUSED
+from .guard import refused_reply_features
 from .journal import GENKEY_PREFIX, Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
+
+if TYPE_CHECKING:
+    from .shared import WorkerState
+
+log = logging.getLogger("koboldcpp_horde_chat.chat_run")
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ T = TypeVar("T")
 SUBMIT_MARGIN_S = 5.0
 
 __all__ = ["SUBMIT_MARGIN_S", "JobContext", "Lease", "Outcome", "Steps", "new_genkey",
-           "payload_keys"]
+           "payload_keys", "refused_reply_fault"]
 
 
 @dataclass
@@ -300,20 +300,54 @@ class JobContext:
                 self._wakers.remove(waker)
 
 
+def refused_reply_fault(exc: HordeRefusal) -> JobFault:
+    """The fault after a refused reply: ``reply_refused`` for the chat refusals
+    (``ChatSubmitInvalid``, ``ChatSubmitNonconformant``, ``ChatModelMismatch``,
+    worked example), none for any other (such as 400 for a token count out of
+    range). A fault after ``ChatSubmitNonconformant`` does not count toward
+    maintenance: the Horde counts it as a nonconformant reply."""
+    return JobFault(
+        f"reply refused ({exc.rc or exc.status}): {exc.message}",
+        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
+        counts=exc.rc != "ChatSubmitNonconformant",
+    )
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What a job run returns: the submit body and how to answer its refusal.
-
-    Attributes:
-        body: the submit body (structured for a chat job, ``generation`` for text).
-        detail: a short description for the accepted submit's log line.
-        on_refused: turns the Horde's refusal of this reply into the fault
-            that follows it (seed "Submit refusals").
-    """
+    """What a job run returns: the submit body, a short ``detail`` for the accepted
+    submit's log line and, for a chat reply, its job, payload and the worker's
+    state, which a refusal is checked against (None for a text reply)."""
 
     body: dict[str, Any]
     detail: str
-    on_refused: Callable[[HordeRefusal], JobFault]
+    chat: tuple[JobContext, dict[str, Any], WorkerState] | None = None
+
+    def on_refused(self, exc: HordeRefusal) -> JobFault:
+        """Seed "Submit refusals": the fault after the Horde refused this reply.
+
+        A text reply's carries no reason. A chat refusal that points at a
+        declared feature (``guard.refused_reply_features``) is counted against
+        it (``WorkerState.record_feature_failure``: enough in an hour withdraw
+        that feature alone) and the fault names it, so it does not count toward
+        withdrawing chat as a whole.
+        """
+        if self.chat is None:
+            return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")
+        ctx, payload, state = self.chat
+        names = refused_reply_features(exc.rc, payload, self.body, ctx.declared_features)
+        if exc.rc == "ChatSubmitNonconformant" and not names:
+            log.warning(
+                "job=%s nonconformant reply not attributable to a declared guarantee "
+                "or feature (payload keys %s)",
+                ctx.id,
+                payload_keys(payload),
+            )
+        if names:
+            state.record_feature_failure(names, ctx.clock.monotonic())
+        fault = refused_reply_fault(exc)
+        fault.feature = names[0] if names else None
+        return fault
 
 
 class Steps:
