@@ -1,19 +1,9 @@
-"""A chat job run: the seed's steps for one chat job, in order.
-
-1. the conversation: ``payload.messages``, or the offloaded ``messages_url``
-   fetched right after the pop (seed "Fetch offloaded messages");
-2. its images, each made a checked data URL (step 5, seed 004);
-3. the fit check, counting JSON and never rendering (step 3);
-4. the generation through koboldcpp's ``/v1/chat/completions``, whole, or
-   streamed as progress posts when the client streams (``run/streaming.py``);
-5. the structured reply to submit (step 6).
-
-:meth:`ChatRun.prepare` takes steps 1 to 3 and :meth:`ChatRun.generate` steps
-4 and 5; the job driver (``run/driver.py``) moves the job between them (to
-``preparing`` before, to ``generating`` between). A step that cannot serve the
-job raises :class:`~errors.JobFault` with the fault reason (or none) and a
-one-line why; the driver hands it to the submit pipeline. A cancel raises
-:class:`~errors.JobEnded`.
+"""A chat job run, the seed's steps in order: the conversation (inline, or the
+offloaded ``messages_url``), its images made checked data URLs (step 5, seed
+004), the fit check (step 3: counting JSON, never rendering), the generation
+through ``/v1/chat/completions`` (whole, or streamed as progress posts), and
+the structured reply (step 6). A step that cannot serve the job raises
+``JobFault``; a cancel raises ``JobEnded``.
 """
 
 from __future__ import annotations
@@ -55,16 +45,7 @@ ABORT_CHECK_TIMEOUT_S = 2.0
 
 
 class ChatRun:
-    """Serve one chat job (see the module docstring): :meth:`prepare`, then
-    :meth:`generate`; the job's moves are the driver's.
-
-    Args:
-        ports: the loop's ports (``state.ports.Ports``).
-        caps: what the backend implements (``vision``).
-        state: the worker's shared state (a nonconformant refusal is counted there).
-        job: the popped chat job.
-        ctx: the job in hand (lease, ``model_id``, genkey).
-    """
+    """Serve one chat job: :meth:`prepare`, then :meth:`generate`."""
 
     def __init__(
         self,
@@ -81,7 +62,6 @@ class ChatRun:
         self.ctx = ctx
         self.settings = ports.settings
         self.model_id = ctx.model_id
-        #: The structured submit built from koboldcpp's reply (once generated).
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
@@ -96,13 +76,8 @@ class ChatRun:
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
 
     def prepare(self) -> list[dict[str, Any]]:
-        """Steps 1 to 3 (see the module docstring; the job is ``preparing``): the
-        conversation, its images, the budget and the fit check. Returns the
-        messages to generate from.
-
-        Raises:
-            JobFault: the job cannot be served (the why says which step).
-        """
+        """The conversation, its images, the budget and the fit check: the messages
+        to generate from. JobFault: the job cannot be served."""
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
@@ -111,7 +86,7 @@ class ChatRun:
         return messages
 
     def _prepare_timeout(self, cap_s: float) -> float:
-        """A step's timeout: at most ``cap_s``, and leaving the submit margin to the fault."""
+        """A step's timeout: at most ``cap_s``, leaving the submit margin to the fault."""
         room = self.ctx.lease.remaining(self.ports.clock.monotonic()) - SUBMIT_MARGIN_S
         return max(1.0, min(cap_s, room))
 
@@ -136,14 +111,8 @@ class ChatRun:
             raise JobFault(f"malformed messages at {exc.path}") from None
 
     def _images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Seed step 5 and seed 004: every image reaches koboldcpp as a checked data URL.
-
-        Signed image URLs are fetched (without credentials, bounded, in
-        parallel up to ``IMAGE_FETCH_THREADS``) and data URLs decoded; each
-        image's media type is taken from its bytes, and one koboldcpp cannot
-        decode faults the job without ``fault_reason`` instead of being
-        answered without the image.
-        """
+        """Every image as a checked data URL (its media type from its bytes); one
+        koboldcpp cannot decode faults the job instead of being left out."""
         if not self.caps.vision:
             raise JobFault("images sent to a worker without vision")
         timeout = self._prepare_timeout(PREPARE_MAX_S)
@@ -201,18 +170,12 @@ class ChatRun:
             )
 
     def generate(self, messages: list[dict[str, Any]], genkey: str) -> Outcome:
-        """Steps 4 and 5 (the job is ``generating``): generate through
-        ``/v1/chat/completions`` under ``genkey`` and build the structured submit.
-
-        The fit check has passed, so koboldcpp is sent a context that cuts none
-        of the job's ``max_length`` (``settings.kcpp_context_keeping_budget``):
-        the job's own, or a little more when koboldcpp's 20 % rule would cut
-        the budget within it. The budget a reply was generated under is then
-        ``max_length``, capped by koboldcpp's ``--genlimit``.
+        """Generate under ``genkey`` and build the structured submit. koboldcpp is
+        sent a context that cuts none of ``max_length`` (its 20 % rule), so the
+        reply's budget is ``max_length`` capped by ``--genlimit``.
 
         Raises:
-            JobFault: the generation failed or was given up (``backend_failed``
-                when koboldcpp failed).
+            JobFault: failed or given up (``backend_failed`` when koboldcpp failed).
             JobEnded: the client cancelled it or the Horde ended it.
         """
         job, ctx, ports = self.job, self.ctx, self.ports
@@ -280,16 +243,9 @@ class ChatRun:
         return Outcome(submit_body, detail, (ctx, job.payload, self.state))
 
     def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
-        """A generation someone aborted on koboldcpp (its stop button) is not a
-        complete reply: fault it rather than submit it cut short.
-
-        koboldcpp says ``"length"`` for an abort as for a stop sequence; its
-        ``/api/extra/perf`` ``stop_reason`` tells them apart. Only with one
-        loop: with several, perf may describe another loop's generation.
-
-        Raises:
-            JobFault: the generation was aborted before its end.
-        """
+        """JobFault for a generation aborted on koboldcpp (its stop button), which
+        says ``"length"`` as for a stop sequence: perf's ``stop_reason`` tells
+        them apart (one loop only: with several, perf may be another's)."""
         if self.settings.threads > 1 or not needs_stop_reason(
             backend_reply.native_finish_reason, backend_reply.completion_tokens, budget
         ):
@@ -308,14 +264,8 @@ class ChatRun:
 def _fetch_images(
     plan: images.ImagePlan, timeout_s: float, downloads: Downloads
 ) -> dict[tuple[int, int], bytes]:
-    """Fetch ``plan.to_fetch`` (without credentials, bounded, in parallel up to
-    ``IMAGE_FETCH_THREADS``): the bytes by ``(message, part)`` index. Each
-    fetch ends early when ``downloads`` is hung up (``Downloads.hang_up``).
-
-    Raises:
-        FetchError: a fetch failed (queued fetches are then cancelled; the
-            caller hangs up those under way).
-    """
+    """Fetch ``plan.to_fetch`` in parallel: the bytes by ``(message, part)``.
+    FetchError when one failed (the queued ones are then cancelled)."""
     fetched: dict[tuple[int, int], bytes] = {}
     workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")

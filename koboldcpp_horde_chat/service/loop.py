@@ -38,9 +38,8 @@ from .pop_ahead import NextPop, Popped
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
-#: Seconds past the pops' stop deadline (``state.shared.STOP_POP_EXTRA_S`` after the
-#: stop's) the loop still waits for the pop sent beside a submit: a backstop, for
-#: the Horde client hangs it up then.
+#: Seconds past the pops' stop deadline the loop still waits for the pop sent ahead
+#: (a backstop: the Horde client hangs it up then).
 DRAIN_POP_EXTRA_S = 0.25
 #: Said when the worker exits with a pop unanswered (and counted as an aborted job).
 POP_LEFT_LINE = (
@@ -55,25 +54,14 @@ class Worker:
     """One pop loop for chat and text jobs.
 
     Args:
-        settings: the worker's configuration.
-        horde: the Horde client (the only holder of the API key).
-        backend: the koboldcpp client.
-        stop_event: set it to stop; the loop then ends after the job in hand.
-        manners: local-use signals from the host.
-        caps: what the backend implements (drives the declaration).
-        worker_id: the loop's number in log lines (koboldcpp counts from 1).
-        state: the state shared with the worker's other loops (a new one on the
-            real clock when None). Its clock (``state.shared.WorkerState.clock``)
-            is the loop's only clock: the pops, leases, submits, pauses, the
-            stop's deadline and the drain all read it; a test gives the state
-            a fake clock.
-        pop_horde: a second Horde client, used only by the pop that overlaps a
-            submit (a ``requests.Session`` is not shared between threads);
-            None: no overlap, each submit ends before the next pop.
+        state: shared with the worker's other loops (a new one when None); its
+            clock is the loop's only clock (a test gives it a fake one).
+        pop_horde: a second Horde client, for the pop sent ahead (a
+            ``requests.Session`` is not shared between threads); None: none.
         abort_backend: a second koboldcpp client for aborts sent from another
-            thread at the end of a stop's grace period (default ``backend``).
+            thread at the stop's deadline (default ``backend``).
         retry_horde: makes a Horde client for a submit retried on a thread of
-            its own (``submit.SubmitPipeline``); None: retries on the loop's thread.
+            its own; None: retries on the loop's thread.
     """
 
     def __init__(
@@ -105,9 +93,7 @@ class Worker:
         self.worker_id = worker_id
         self.pop_horde = pop_horde
         self.abort_backend = abort_backend if abort_backend is not None else backend
-        self.gate = PopGate(
-            self.manners, backend, state, settings, clock=clock.monotonic, wall=clock.time
-        )
+        self.gate = PopGate(self.manners, backend, state, settings, clock)
         stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
         self.ports = Ports(
             settings=settings,
@@ -146,11 +132,8 @@ class Worker:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> int:
-        """Run the pop loop until ``stop_event`` is set or the host stops.
-
-        Returns the exit code: 0 after a requested stop, 2 when the Horde refused
-        the declaration (ChatDeclarationInvalid), 3 when it refused the API key.
-        """
+        """Run the pop loop until it is to stop. Returns the exit code: 0 after a
+        requested stop, 2 when the Horde refused the declaration, 3 the API key."""
         waited = 0
         while not self.stopping():
             if self.backend.ready():
@@ -202,12 +185,10 @@ class Worker:
             self.stop_event.wait(self._error_backoff.next_delay())
 
     def drain(self) -> None:
-        """Take the answer of a pop still in flight, if any: a popped job always
-        gets its terminal action, also when the loop is stopping (a job popped
-        after the stop's signal is faulted at once, see ``run.driver.JobDriver``).
-        Under the stop's deadline the pop is waited for until
-        ``state.shared.STOP_POP_EXTRA_S`` after it (the Horde client hangs it up then);
-        one that did not answer is said and counted (:meth:`_pop_left`)."""
+        """Take the answer of a pop still in flight, if any, so that a popped job gets
+        its terminal action also when stopping. Under the stop's deadline it is
+        waited for until ``STOP_POP_EXTRA_S`` after it; one that did not answer is
+        said and counted."""
         while self.next_pop.ahead is not None:
             deadline = self.state.stop_deadline
             if deadline is not None:
@@ -220,17 +201,15 @@ class Worker:
             self._pass()
 
     def _pop_left(self, what: str, body: dict[str, Any] | None = None) -> None:
-        """A pop got no answer and the worker stops: whatever job the Horde assigned
-        it goes to a worker that is gone and expires there, an aborted job on the
-        worker's count. Say so in one line and count it toward maintenance."""
+        """A pop got no answer and the worker stops: a job the Horde assigned it
+        expires there, an aborted job. Say so and count it toward maintenance."""
         log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
                     POP_LEFT_LINE)
         chat = body is None or "chat_jobs" in body
         self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
 
     def _wait_jobs_ended(self) -> None:
-        """Wait for submits of this loop still retried on threads of their own
-        (bounded by the stop's deadline, or by the longest lease)."""
+        """Wait for this loop's submits retried on threads of their own (bounded)."""
         deadline = self.state.stop_deadline
         bound = (
             deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
@@ -244,11 +223,8 @@ class Worker:
         return self.stop_event.is_set() or self.manners.should_stop()
 
     def run_once(self) -> bool:
-        """One pass of the pop loop. Returns True when a job was served.
-
-        The pop's answer is the one the previous pass sent while it submitted,
-        when there is one; otherwise the loop checks its manners and pops now.
-        """
+        """One pass of the pop loop: the answer of the pop sent ahead, or a pop now
+        when the gate lets it. True when a job was served."""
         summary = self.state.periodic_summary(self.clock.monotonic(), self.clock.time())
         if summary is not None:
             log.info("worker %d: %s", self.worker_id, summary)
@@ -342,13 +318,8 @@ class Worker:
 
     def _drive(self, ctx: JobContext, answer: PopAnswer) -> None:
         """Serve the job in hand and settle it: one terminal action (or none, on
-        purpose), whatever goes wrong.
-
-        Raises:
-            BaseException: a forced exit (a second SIGINT or SIGTERM), after the
-                loop's jobs were faulted with one quick submit each.
-            Exception: an unexpected error after the job's life ended.
-        """
+        purpose), whatever goes wrong. A forced exit (a second SIGINT) re-raises
+        after the loop's jobs were faulted with one quick submit each."""
         try:
             self._serve(ctx, answer)
         except Exception:
@@ -393,10 +364,8 @@ class Worker:
                 driver.reply(ctx, outcome, seconds)
 
     def _backend_changed(self, ctx: JobContext) -> str | None:
-        """What koboldcpp serves now that differs from the job's pop's declaration
-        (a restart with another model or context), or None. Read only for a job
-        that waited since its pop, after koboldcpp failed, or once the host says
-        stop (another loop may have seen koboldcpp come back changed)."""
+        """How koboldcpp now differs from the job's pop's declaration, or None; read
+        only for a job that waited, after koboldcpp failed, or once the host says stop."""
         waited = self.clock.monotonic() - ctx.lease.popped_at
         if (
             waited < RECHECK_AFTER_WAIT_S
@@ -407,8 +376,7 @@ class Worker:
         return self.gate.backend_changed()
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
-        """Name the refusal by its ``rc`` and say what the owner can do
-        (``status.describe_pop_refusal``); stop, wait a minute, or back off."""
+        """Say the refusal and what the owner can do; stop, wait a minute, or back off."""
         advice = describe_pop_refusal(exc.status, exc.rc, exc.message)
         if advice.action == "stop_key":
             self.state.stop_for_key(exc, advice.line)
@@ -441,15 +409,13 @@ class Worker:
     # ------------------------------------------------------------ bounded stop
 
     def fault_job_now(self) -> None:
-        """Fault the jobs this loop holds with one quick submit each (the process
-        exits now; ``run.driver.JobDriver.fault_jobs_now``)."""
+        """Fault the jobs this loop holds with one quick submit each (the process exits now)."""
         self.driver.fault_jobs_now()
 
 
 def _answer_lost(error: HordeError | None) -> bool:
-    """A pop sent whose answer never came (a timeout or a reset after sending,
-    ``sent`` None) or came as a 5xx (the outcome unknown): the Horde may have
-    assigned it a job. Not a 429 or a refusal, which it answers before that."""
+    """A pop whose answer never came or came as a 5xx: the Horde may have assigned
+    it a job (not so after a 429 or a refusal)."""
     if not isinstance(error, HordeUnavailable):
         return False
     return (error.status == 0 and error.sent is not False) or error.status >= 500
