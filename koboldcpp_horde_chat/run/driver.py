@@ -16,6 +16,8 @@ pipeline, the driver is the only code that moves a job through its phases
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,6 +276,24 @@ class JobDriver:
             return
         if user.get("trusted") is False:
             log.warning("%s", suspicion_line(tokens_per_s))
+
+    @contextmanager
+    def serving(self, ctx: JobContext) -> Iterator[None]:
+        """Around the job's steps: one terminal action (or none, on purpose) whatever
+        goes wrong. A forced exit (a second SIGINT) goes on after the loop's jobs
+        were faulted with one quick submit each."""
+        try:
+            yield
+        except Exception:
+            if ctx.settled:
+                raise
+            # Whatever went wrong, a popped job is answered: never left to expire.
+            log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
+            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
+        except BaseException:
+            # A forced exit: stop koboldcpp's generation, one quick fault, then go.
+            self.fault_jobs_now()
+            raise
 
     def fault_jobs_now(self) -> None:
         """Fault the jobs this loop holds with one quick submit each (the process

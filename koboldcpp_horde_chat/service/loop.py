@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..clock import Clock
-from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
+from ..errors import HordeError, HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import PopAnswer, read_pop
@@ -128,8 +128,6 @@ class Worker:
         self.meter = JobMeter(state, backend, clock.monotonic)
         self.gate.figures = self.meter.figures  # one reader: a probe's figures are seen once
         self.driver = JobDriver(self.ports, self.caps, state, self.pipeline, self.meter, worker_id)
-
-    # ------------------------------------------------------------------ loop
 
     def run(self) -> int:
         """Run the pop loop until it is to stop. Returns the exit code: 0 after a
@@ -258,16 +256,16 @@ class Worker:
         """Handle a pop's answer (or its failure): serve the job it carries, if any."""
         body, error, answer = popped.body, popped.error, popped.answer
         if answer is None:
-            if (
-                self.state.stop_deadline is not None
-                and isinstance(error, HordeUnavailable)
-                and error.status == 0
-                and error.sent is not False
-            ):
+            unanswered = isinstance(error, HordeUnavailable) and error.status == 0 and (
+                error.sent is not False
+            )
+            if unanswered and self.state.stop_deadline is not None:
                 # No answer while stopping: the Horde may have assigned a job.
                 self._pop_left("the pop in flight at the stop got no answer", body)
                 return False
-            if _answer_lost(error):  # a job may be assigned that expires unseen
+            if unanswered or (isinstance(error, HordeUnavailable) and error.status >= 500):
+                # The Horde may have assigned a job, which expires unseen (not so
+                # after a 429 or a refusal, answered before that).
                 self.state.record_lost_pop(self.clock.monotonic(), chat="chat_jobs" in body)
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
@@ -275,12 +273,8 @@ class Worker:
                 delay = self._error_backoff.next_delay(
                     error.retry_after_s if isinstance(error, HordeUnavailable) else None
                 )
-                line = self._pauses.pausing("horde_down", self.clock.monotonic())
-                if line is not None:
-                    log.warning("worker %d: %s (%s)", self.worker_id, line, error)
-                else:
-                    log.debug("pop failed: %s; retrying in %.1f s", error, delay)
-                self.stop_event.wait(delay)
+                self._pause("horde_down", delay, None, f" ({error})",
+                            again=f"pop failed: {error}; retrying in {delay:.1f} s")
             return False
         self._error_backoff.reset()
         line = self._pauses.popping(popped.popped_at)
@@ -294,7 +288,8 @@ class Worker:
         if ctx is None:
             return self._no_job(answer, body)
         try:
-            self._drive(ctx, answer)
+            with self.driver.serving(ctx):
+                self._serve(ctx, answer)
         finally:
             self.next_pop.generation_over()
         return True
@@ -316,24 +311,9 @@ class Worker:
             self.stop_event.wait(self._empty_backoff.next_delay())
         return False
 
-    def _drive(self, ctx: JobContext, answer: PopAnswer) -> None:
-        """Serve the job in hand and settle it: one terminal action (or none, on
-        purpose), whatever goes wrong. A forced exit (a second SIGINT) re-raises
-        after the loop's jobs were faulted with one quick submit each."""
-        try:
-            self._serve(ctx, answer)
-        except Exception:
-            if ctx.settled:
-                raise
-            # Whatever went wrong, a popped job is answered: never left to expire.
-            log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
-            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
-        except BaseException:
-            # A forced exit: stop koboldcpp's generation, one quick fault, then go.
-            self.driver.fault_jobs_now()
-            raise
-
     def _serve(self, ctx: JobContext, answer: PopAnswer) -> None:
+        """The job's steps (``run.driver``) and what the loop does around them: the
+        early pop during a text generation, the next pop beside the terminal action."""
         driver, next_pop = self.driver, self.next_pop
         served = driver.open(ctx, answer)
         if served.payload_read:
@@ -346,8 +326,7 @@ class Worker:
             served = driver.generate(ctx, served)
         fault, outcome = served.fault, served.outcome
         if served.backend_failed:
-            # A killed koboldcpp shows as no answer, a reset or a stream cut
-            # short; check it is up before the next pop.
+            # A killed koboldcpp shows as no answer, a reset or a stream cut short.
             self.gate.backend_suspect = True
             if fault is not None and served.job is not None:
                 self.meter.failed(ctx, served.job)
@@ -384,38 +363,27 @@ class Worker:
             self.state.stop_for_config(advice.line)
         elif advice.action == "owner":
             reason = "maintenance" if exc.rc == "WorkerMaintenance" else "refused"
-            line = self._pauses.pausing(reason, self.clock.monotonic(), line=advice.line)
-            if line is not None:
-                log.warning("worker %d: %s", self.worker_id, line)
-            else:
-                log.debug("worker %d: still refused (%s)", self.worker_id, exc.rc or exc.status)
-            self.stop_event.wait(MAINTENANCE_POLL_S)
+            self._pause(reason, MAINTENANCE_POLL_S, advice.line,
+                        again=f"worker {self.worker_id}: still refused ({exc.rc or exc.status})")
         else:
-            # One line when pops start being refused so (and when the refusal changes),
-            # not one per retry; "popping again" when a pop is answered again.
             delay = self._error_backoff.next_delay()
-            line = self._pauses.pausing(
-                "refused",
-                self.clock.monotonic(),
-                line=f"{advice.line}; trying again, up to a minute apart",
-            )
-            if line is not None:
-                log.warning("worker %d: %s", self.worker_id, line)
-            else:
-                log.debug("worker %d: pop refused again (%s); retrying in %.1f s",
-                          self.worker_id, exc.rc or exc.status, delay)
-            self.stop_event.wait(delay)
+            self._pause("refused", delay, f"{advice.line}; trying again, up to a minute apart",
+                        again=f"worker {self.worker_id}: pop refused again "
+                        f"({exc.rc or exc.status}); retrying in {delay:.1f} s")
 
-    # ------------------------------------------------------------ bounded stop
+    def _pause(
+        self, reason: str, wait_s: float, line: str | None, suffix: str = "", *, again: str
+    ) -> None:
+        """Say a pause in one line when it starts or changes (``again``, at debug
+        level, while it lasts; "popping again" once a pop is answered), then wait."""
+        said = self._pauses.pausing(reason, self.clock.monotonic(), line=line)
+        if said is not None:
+            log.warning("worker %d: %s%s", self.worker_id, said, suffix)
+        else:
+            log.debug("%s", again)
+        self.stop_event.wait(wait_s)
 
     def fault_job_now(self) -> None:
         """Fault the jobs this loop holds with one quick submit each (the process exits now)."""
         self.driver.fault_jobs_now()
 
-
-def _answer_lost(error: HordeError | None) -> bool:
-    """A pop whose answer never came or came as a 5xx: the Horde may have assigned
-    it a job (not so after a 429 or a refusal)."""
-    if not isinstance(error, HordeUnavailable):
-        return False
-    return (error.status == 0 and error.sent is not False) or error.status >= 500

@@ -98,7 +98,6 @@ class JobContext:
             self._to_phase(next_phase(self.phase, move))
 
     def _to_phase(self, phase: Phase) -> None:
-        """Set the phase (under the lock), timing the generation."""
         now = self.clock.monotonic()
         if phase is Phase.GENERATING and self.phase is not Phase.GENERATING:
             self._gen_from = (now, self._horde_s)
@@ -147,12 +146,10 @@ class JobContext:
 
     @property
     def in_hand(self) -> bool:
-        """True until the job's life ended."""
         return self.phase not in ENDED
 
     @property
     def chat(self) -> bool:
-        """True for a chat job."""
         return self.kind == "chat"
 
     def begin(self) -> None:
@@ -181,7 +178,6 @@ class JobContext:
             self.journal.set_lease_end(self.id, self._lease_end())
 
     def _lease_end(self) -> float:
-        """The lease end in epoch seconds."""
         return self.clock.time() + self.lease.deadline - self.clock.monotonic()
 
     def start_generation(self) -> str:
@@ -218,7 +214,6 @@ class JobContext:
         self.prompt_tokens = max(0, tokens)
 
     def check_abandoned(self) -> None:
-        """Raise JobFault when the job was given up (see :meth:`give_up`)."""
         if self.abandoned.is_set():
             raise JobFault(self.abandon_why or "the job was given up")
 
@@ -231,7 +226,6 @@ class JobContext:
         waker.set()
 
     def remove_waker(self, waker: threading.Event) -> None:
-        """Stop setting ``waker`` (see :meth:`add_waker`)."""
         with self._lock:
             if waker in self._wakers:
                 self._wakers.remove(waker)
@@ -261,14 +255,9 @@ class Outcome:
     chat: tuple[JobContext, dict[str, Any], WorkerState] | None = None
 
     def on_refused(self, exc: HordeRefusal) -> JobFault:
-        """Seed "Submit refusals": the fault after the Horde refused this reply.
-
-        A text reply's carries no reason. A chat refusal that points at a
-        declared feature (``guard.refused_reply_features``) is counted against
-        it (``WorkerState.record_feature_failure``: enough in an hour withdraw
-        that feature alone) and the fault names it, so it does not count toward
-        withdrawing chat as a whole.
-        """
+        """Seed "Submit refusals": the fault after the Horde refused this reply. A
+        chat refusal pointing at a declared feature is counted against it and the
+        fault names it, so it does not count toward withdrawing chat as a whole."""
         if self.chat is None:
             return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")
         ctx, payload, state = self.chat
