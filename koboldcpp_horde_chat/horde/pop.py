@@ -101,7 +101,6 @@ class Lease:
     deadline: float
 
     def remaining(self, now: float) -> float:
-        """Seconds left at monotonic time ``now`` (negative once it ended)."""
         return self.deadline - now
 
     def extend_to(self, deadline: float) -> bool:
@@ -114,13 +113,9 @@ class Lease:
 
 @dataclass(frozen=True)
 class PopAnswer:
-    """A pop's answer, read once where it arrives.
-
-    ``id`` is None when the answer carries no usable job id; ``job`` is None when
-    there is no job or it is malformed (``error`` says where). ``raw`` is the
-    answer as it came; ``messages`` are the moderators' and ``skipped`` the
-    Horde's reasons for no job.
-    """
+    """A pop's answer, read once where it arrives: ``id`` None without a usable
+    job id, ``job`` None without a job or when ``error`` says it is malformed;
+    ``messages`` are the moderators', ``skipped`` the reasons for no job."""
 
     raw: dict[str, Any]
     id: str | None

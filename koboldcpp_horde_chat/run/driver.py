@@ -46,14 +46,9 @@ FIND_USER_TIMEOUT_S = 10.0
 
 @dataclass
 class Served:
-    """Where a job's serving got to, returned to the loop by each step.
-
-    Exactly one of these ends it: ``outcome`` (the reply to submit), ``fault``
-    (the fault to submit) or ``done`` (nothing to send: held back, cancelled or
-    ended by the Horde). Otherwise the next step follows: ``job`` is parsed,
-    and after :meth:`JobDriver.prepare` ``run`` is ready to generate
-    (``text_max_length`` set for a text job, whose generation has started).
-    """
+    """Where a job's serving got to, returned to the loop by each step: ended by
+    ``outcome`` (the reply to submit), ``fault`` or ``done`` (nothing to send),
+    else ready for the next step (``text_max_length``: a text generation started)."""
 
     job: ChatJob | TextJob | None = None
     outcome: Outcome | None = None
@@ -72,7 +67,6 @@ class Served:
 
     @property
     def ended(self) -> bool:
-        """True once nothing more is to be run for the job."""
         return self.done or self.outcome is not None or self.fault is not None
 
 
@@ -101,16 +95,9 @@ class JobDriver:
         self, body: dict[str, Any], popped: PopAnswer, popped_at: float, *,
         pop_wait_s: float = 0.0,
     ) -> JobContext | None:
-        """Make the job's owner, hold it for the stop and journal it, before anything
-        else happens to it (a SIGKILL from here on leaves it for the next start to
-        fault). None when the answer has no usable job id. Runs on the thread the
-        answer arrived on.
-
-        Args:
-            body: the pop's own body (its ``model_id`` and ``chat_features``).
-            popped_at: when the answer arrived, monotonic seconds.
-            pop_wait_s: seconds the pop waited for it.
-        """
+        """Make the job's owner from the pop's ``body`` and answer, hold it for the
+        stop and journal it before anything else happens to it (a SIGKILL then
+        leaves it for the next start to fault); None without a usable job id."""
         if popped.id is None:
             return None
         settings = self.settings
@@ -165,9 +152,8 @@ class JobDriver:
         return Served(job=job, payload_read=True)
 
     def prepare(self, ctx: JobContext, served: Served, changed: str | None) -> Served:
-        """The run's steps before its generation (a text job's generation starts
-        here). ``changed``: what koboldcpp serves now that differs from the pop's
-        declaration, or None."""
+        """The run's steps before its generation (a text job's starts here); a fault
+        when koboldcpp ``changed`` since the pop's declaration."""
         job = served.job
         try:
             if changed is not None:
@@ -220,16 +206,14 @@ class JobDriver:
         return Served(job=job, done=True, payload_read=True, generation_ended=True)
 
     def reply(self, ctx: JobContext, outcome: Outcome, seconds: float) -> None:
-        """Submit the reply, generated in ``seconds``."""
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
         if seconds > 0:
             self._check_suspicion(reply_tokens(outcome.body) / seconds)
 
     def _held_back(self, ctx: JobContext) -> Served | None:
-        """A job of a request this worker faulted twice lately (``state/refaults.py``):
-        released without a submit so that its lease runs out, and the Horde's sweep
-        aborts it (one aborted job, counted here now) and marks the request faulted,
-        instead of a third fault handing it straight back. None when not held back."""
+        """Release a job of a request faulted here twice lately without a submit: its
+        lease runs out and the Horde marks the request faulted (one aborted job)
+        instead of a third fault handing it straight back. None: not held back."""
         now = self.ports.clock.monotonic()
         with self.state.lock:
             held = bool(ctx.request) and self.state.refaults.hold(ctx.request, now)
@@ -252,9 +236,9 @@ class JobDriver:
         return Served(done=True, payload_read=True, backend_failed=backend_failed)
 
     def _check_suspicion(self, tokens_per_s: float) -> None:
-        """Once, for the first job served faster than the Horde allows an untrusted
-        owner's worker: warn when the key's owner is not trusted (the start's key
-        check, else one ``find_user``; a Horde that does not answer is asked no more)."""
+        """Once, for the first job faster than the Horde allows an untrusted owner's
+        worker: warn when the owner is not trusted (the start's key check said, or
+        one ``find_user``)."""
         if tokens_per_s <= SUSPICION_TOKENS_PER_S:
             return
         with self.state.lock:

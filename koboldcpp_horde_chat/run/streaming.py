@@ -60,7 +60,6 @@ def generate_streamed(
 
 
 class _StreamedGeneration:
-    """One streamed job: the reader thread, the accumulator and the poster."""
 
     def __init__(
         self, ports: Ports, job: ChatJob, ctx: JobContext, body: bytes | bytearray
@@ -174,7 +173,6 @@ class _StreamedGeneration:
                     raise BackendError("the job ended while koboldcpp was busy") from None
 
     def _pump(self, out: queue.Queue[bytes | BaseException | None]) -> None:
-        """Open the stream and read it into ``out``: chunks, then None or the error."""
         try:
             stream = self._open_stream()
             if not self.slot.attach(stream):
@@ -190,7 +188,6 @@ class _StreamedGeneration:
         out.put(None)
 
     def _journal_lease(self) -> None:
-        """Journal the job's lease end when accepted posts moved it later."""
         deadline = self.ctx.lease.deadline
         if deadline > self.journaled_deadline:
             self.journaled_deadline = deadline

@@ -1,14 +1,10 @@
 """The pop gate: whether the pop loop may pop now, and how long to wait when not.
 
 Seed "The pop loop": pop only when the job can be served. The gate yields to a
-local user and to a busy koboldcpp as koboldcpp's own worker does, and waits
-while koboldcpp does not answer, while a submit is retried, while the Horde's
-hour is nearly full of this worker's aborted jobs, while a chat-only worker's
-chat is withdrawn, and while koboldcpp (or one kind of job) fails every
-generation. A failing subject is probed with a generation the size of its
-failed job, a minute after its withdrawal and twice as long after each failed
-probe (``state.probes``). A probe in flight at the stop's deadline is hung up
-and aborted by its genkey, as a job's generation is.
+local user and to a busy koboldcpp, waits while koboldcpp does not answer, while
+a submit is retried, near the Horde's hourly limit of aborted jobs, and while
+chat is withdrawn; it probes a koboldcpp (or a kind of job) that fails every
+generation with one the size of its failed job (``state.probes``).
 """
 
 from __future__ import annotations
@@ -176,8 +172,7 @@ class PopGate:
         return reason
 
     def backend_changed(self) -> str | None:
-        """How koboldcpp, read now, serves something else than the worker declares
-        (it restarted), or None (also inside koboldcpp, where a restart restarts the worker)."""
+        """How koboldcpp, read now, serves something else than declared, or None."""
         return self.manners.recheck()
 
     def own_tail(self) -> bool:
@@ -186,12 +181,10 @@ class PopGate:
         return self._own_running or (own is not None and self.clock.monotonic() - own < OWN_TAIL_S)
 
     def own_generation_started(self) -> None:
-        """The worker's own generation starts: until it ends, a busy koboldcpp with
-        nothing queued is busy with it (the next pop may go)."""
+        """Until it ends, a busy koboldcpp with nothing queued is busy with it."""
         self._own_running = True
 
     def own_generation_ended(self) -> None:
-        """The worker's own request to koboldcpp ended now."""
         self._own_running = False
         self._own_done_at = self.clock.monotonic()
 
@@ -199,14 +192,6 @@ class PopGate:
         """End the worker's own generation if still running (a job broke before its end)."""
         if self._own_running:
             self.own_generation_ended()
-
-    def note_own_request(self) -> None:
-        """The worker sends a generation request now (not a local user's)."""
-        self.manners.note_own_request()
-
-    def note_own_request_done(self) -> None:
-        """One of the worker's generation requests ended now."""
-        self.manners.note_own_request_done()
 
     def _backend_answers(self) -> bool:
         """False while koboldcpp, which failed a job without answering, still does
@@ -220,8 +205,7 @@ class PopGate:
         return False
 
     def _backend_generates(self) -> bool:
-        """False while koboldcpp, failing generations in a row, is not probed back
-        (a text generation the size of the last failed job)."""
+        """False while koboldcpp, failing generations in a row, is not probed back."""
         if not self.state.failure_streak.failing:
             return True
         return self._probe_until_generates(ALL_KINDS, "text")
@@ -255,7 +239,6 @@ class PopGate:
         return True
 
     def _next_probe_in(self, subjects: list[str]) -> float:
-        """Seconds to the next probe of any of ``subjects`` (at least 0.1)."""
         plan = self.state.probe_plan
         times = [at for subject in subjects if (at := plan.next_at(subject)) is not None]
         return max(0.1, min(times, default=self.clock.monotonic() + 0.1) - self.clock.monotonic())
@@ -339,7 +322,7 @@ class PopGate:
         fit = self.state.lease_fit
         timeout_s = max(PROBE_TIMEOUT_S, budget_s(fit.lease_s, fit.margin_s))
         started = self.clock.monotonic()
-        self.note_own_request()
+        self.manners.note_own_request()
         try:
             if kind == "chat":
                 content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
@@ -373,6 +356,6 @@ class PopGate:
                 abort_quietly(self.backend, genkey)  # timed out: it runs on in koboldcpp
             return None
         finally:
-            self.note_own_request_done()
+            self.manners.note_own_request_done()
             self.own_generation_ended()
         return tokens, self.clock.monotonic() - started, self.figures.read()

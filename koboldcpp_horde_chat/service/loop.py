@@ -103,8 +103,8 @@ class Worker:
                 abort_backend=self.abort_backend,
                 clock=clock,
                 stop=stop,
-                note_own_request=self.gate.note_own_request,
-                note_own_request_done=self.gate.note_own_request_done,
+                note_own_request=self.manners.note_own_request,
+                note_own_request_done=self.manners.note_own_request_done,
             ),
             clock=clock,
             stop=stop,
@@ -207,7 +207,6 @@ class Worker:
         self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
 
     def _wait_jobs_ended(self) -> None:
-        """Wait for this loop's submits retried on threads of their own (bounded)."""
         deadline = self.state.stop_deadline
         bound = (
             deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
@@ -217,7 +216,6 @@ class Worker:
         self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
 
     def stopping(self) -> bool:
-        """True once the loop is to stop (its stop event, or the host says stop)."""
         return self.stop_event.is_set() or self.manners.should_stop()
 
     def run_once(self) -> bool:
@@ -253,7 +251,6 @@ class Worker:
         return self._after_pop(Popped(body, answer, None, popped_at, popped_at - sent_at))
 
     def _after_pop(self, popped: Popped) -> bool:
-        """Handle a pop's answer (or its failure): serve the job it carries, if any."""
         body, error, answer = popped.body, popped.error, popped.answer
         if answer is None:
             unanswered = isinstance(error, HordeUnavailable) and error.status == 0 and (

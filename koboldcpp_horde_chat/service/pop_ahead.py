@@ -1,11 +1,7 @@
-"""The next pop, sent on a thread of its own beside a job's submit or during a
-long text generation, and its answer handed to the loop (:class:`Popped`).
-
-As koboldcpp's own worker overlaps its submit with the next pop, so does the
-loop; the job that pop brings is journaled on the pop's thread at once. During
-a text generation that koboldcpp's past ones say is long, the next pop goes out
-before it ends (:class:`EarlyPopTiming`), so that koboldcpp waits for no round
-trip to the Horde between two jobs.
+"""The next pop, sent ahead on a thread of its own: beside a job's submit, as
+koboldcpp's own worker does, or during a text generation that koboldcpp's past
+ones say is long, so that koboldcpp waits for no round trip between two jobs.
+The job it brings is journaled on the pop's thread at once.
 """
 
 from __future__ import annotations
@@ -84,12 +80,8 @@ class EarlyPopTiming:
 
 @dataclass(frozen=True)
 class Popped:
-    """A pop's answer as the loop takes it, from its own pop or the one ahead.
-
-    ``answer`` is None when the pop failed (``error``); ``popped_at`` is when it
-    ended, monotonic seconds; ``wait_s`` how long the pop waited for its answer;
-    ``ctx`` the job already taken in hand on the pop's thread, if any.
-    """
+    """A pop's answer (None when it failed: ``error``) as the loop takes it;
+    ``ctx`` is the job already taken in hand on the pop's thread, if any."""
 
     body: dict[str, Any]
     answer: PopAnswer | None
@@ -100,14 +92,9 @@ class Popped:
 
 
 class PopAhead:
-    """The next pop, on a thread of its own (``horde-pop``).
-
-    The thread first asks :meth:`NextPop.prepare` for the pop body (waiting
-    ``early`` first, for a pop during a generation); None means no pop
-    (``skipped``). A job the answer carries is taken in hand on the thread at
-    once. After :meth:`join`, ``popped`` holds the answer unless skipped, and
-    ``round_trip_s`` the pop's round trip (None: no pop, or it failed).
-    """
+    """The next pop, on a thread of its own (``horde-pop``): ``skipped`` when
+    :meth:`NextPop.prepare` said not now, else after :meth:`join` ``popped``
+    holds its answer and ``round_trip_s`` its round trip (None: it failed)."""
 
     def __init__(
         self, next_pop: NextPop, horde: HordeAPI,
@@ -124,7 +111,6 @@ class PopAhead:
 
     @property
     def ctx(self) -> JobContext | None:
-        """The job the pop brought, taken in hand (None: none, or not yet)."""
         return self.popped.ctx if self.popped is not None else None
 
     def _run(self) -> None:
@@ -169,13 +155,9 @@ class PopAhead:
 
 
 class NextPop:
-    """A loop's next pop sent ahead of time: beside a job's submit, or during a
-    long text generation with the reply then submitted beside the next job.
-
-    Only when the loop would pop now anyway (``PopGate.pause``), never while
-    stopping, and never when the answer to this job's terminal action could
-    change what the next pop declares (``WorkerState.outcome_may_withdraw``).
-    """
+    """A loop's next pop sent ahead: only when the loop would pop now anyway, never
+    while stopping, and never when this job's terminal action could change what
+    the next pop declares (``WorkerState.outcome_may_withdraw``)."""
 
     def __init__(self, loop: Worker) -> None:
         self.loop = loop
@@ -211,15 +193,13 @@ class NextPop:
             self.early_go.set()
 
     def generation_over(self) -> None:
-        """The job's serving ended, however: a pop waiting for its generation's end
-        goes now, and koboldcpp's lock is no longer taken for the worker's own."""
+        """The job's serving ended, however: a pop waiting for it goes now."""
         self.loop.gate.own_generation_over()
         self._text_generation = None
         if self.early_go is not None:
             self.early_go.set()
 
     def _horde(self, ctx: JobContext, *, is_fault: bool, now: float) -> HordeAPI | None:
-        """The Horde client the next pop may go out on now, or None: not now."""
         loop = self.loop
         if (
             self.ahead is not None
@@ -232,10 +212,8 @@ class NextPop:
         return loop.pop_horde
 
     def text_generation_starts(self, ctx: JobContext, max_length: int) -> None:
-        """A text job's generation of at most ``max_length`` tokens starts now: when
-        it is expected to last a while (:class:`EarlyPopTiming`), the next pop goes
-        out during it, timed to answer before it ends (or at once when it ends
-        earlier), and a fault of this job could not change that pop's declaration."""
+        """A text generation of at most ``max_length`` tokens starts: when expected to
+        last a while, the next pop goes out during it, timed to answer before its end."""
         now = self.loop.clock.monotonic()
         self._text_generation = (now, max_length)
         self.loop.gate.own_generation_started()
@@ -247,11 +225,10 @@ class NextPop:
         self.ahead = PopAhead(self, horde, (self.early_go, delay))
 
     def prepare(self, early: tuple[threading.Event, float] | None) -> dict[str, Any] | None:
-        """The next pop's body when the loop may pop now, else None; on the pop's
-        thread. It waits up to ``OWN_TAIL_S`` for koboldcpp to release the lock
-        of the worker's own request. A pop during a generation waits ``early``
-        first, and never goes while a probe or re-measure of koboldcpp is due
-        (the gate would send it beside the worker's generation)."""
+        """The next pop's body when the loop may pop now (waiting up to ``OWN_TAIL_S``
+        for koboldcpp's lock), else None. A pop during a generation waits ``early``
+        first, and never goes while a probe of koboldcpp is due (the gate would
+        send it beside the worker's generation)."""
         loop = self.loop
         if early is not None:
             early[0].wait(early[1])
@@ -272,8 +249,7 @@ class NextPop:
     def reply_beside(self, ctx: JobContext, outcome: Outcome) -> bool:
         """Submit the reply on a thread of its own when the pop sent during the
         generation brought the next job or has yet to answer, so koboldcpp starts
-        that job without waiting for the submit, as its own worker does (one such
-        submit at a time, on a Horde client of its own). False: not sent."""
+        that job at once. False: not sent."""
         ahead, loop = self.ahead, self.loop
         if (
             loop.retry_horde is None
@@ -288,8 +264,7 @@ class NextPop:
         return True
 
     def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
-        """The job's terminal action goes out next: the next pop goes beside it
-        when it may."""
+        """The job's terminal action goes out next: the next pop goes beside it."""
         started, end = self._text_generation, self._generation_end
         if not is_fault and started is not None and end is not None:
             self.timing.generated(end - started[0], started[1])

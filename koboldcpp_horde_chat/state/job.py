@@ -1,9 +1,5 @@
-"""A job's one owner (:class:`JobContext`), from the pop's answer to its terminal
-action; the loop's step thread (:class:`Steps`); and what a run returns (:class:`Outcome`).
-
-A run (``run/chat.py``, ``run/text.py``) returns an :class:`Outcome` or raises
-``JobFault`` (fault it) or ``JobEnded`` (nothing to send); only the driver and the
-submit pipeline move the job through its phases (``state/life.py``).
+"""A job's one owner (:class:`JobContext`), the loop's step thread (:class:`Steps`)
+and what a run returns (:class:`Outcome`; or it raises ``JobFault`` or ``JobEnded``).
 """
 
 from __future__ import annotations
@@ -48,20 +44,13 @@ class JobContext:
     lock; other threads (the stop, the pop sent ahead) only read it.
 
     Attributes:
-        kind: ``"chat"`` or ``"text"``.
         started: monotonic seconds when serving began (the pop's answer until :meth:`begin`).
         model_id: the ``model_id`` declared at the job's pop (seed step 6: the
             job's assigned model); declared_features: its ``chat_features``.
         genkey: the ``HORDEREQ_`` key of the job's local generation, journaled with it.
         popped_in_stop: popped after a stop with a deadline began: faulted, not generated.
-        pop_wait_s: seconds its pop waited for the Horde's answer.
-        stop_generation: ends the job's generation on koboldcpp, given its
-            genkey; :meth:`give_up` calls it from any thread.
+        stop_generation: ends the job's generation on koboldcpp, given its genkey.
         request: the digest of the job's request (``state.refaults``), or empty.
-        abandoned: set when the worker gives the job up; ``abandon_why`` says why.
-
-    :meth:`times` splits the job's time between koboldcpp's generation and its
-    waits on the Horde (the pop, progress posts, submits), for its submit line.
     """
 
     id: str
@@ -93,7 +82,6 @@ class JobContext:
         self._horde_s = max(0.0, self.pop_wait_s)
 
     def move(self, move: Move) -> None:
-        """Move the job on (``state.life.MOVES``); raises IllegalMove when not allowed."""
         with self._lock:
             self._to_phase(next_phase(self.phase, move))
 
@@ -210,7 +198,6 @@ class JobContext:
             stop(self.genkey)
 
     def note_prompt_tokens(self, tokens: int) -> None:
-        """The prompt is ``tokens`` long, for the lease fit (``state.lease_fit``)."""
         self.prompt_tokens = max(0, tokens)
 
     def check_abandoned(self) -> None:
@@ -218,7 +205,6 @@ class JobContext:
             raise JobFault(self.abandon_why or "the job was given up")
 
     def add_waker(self, waker: threading.Event) -> None:
-        """Set ``waker`` when the job is given up (now, if it was)."""
         with self._lock:
             self._wakers.append(waker)
             if not self.abandoned.is_set():
