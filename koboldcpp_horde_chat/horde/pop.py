@@ -69,6 +69,15 @@ class ChatJob:
         return ()
 
 
+_NOT_A: dict[type, str] = {str: "not a string", list: "not a list", dict: "not an object"}
+
+
+def _expect(value: object, kind: type, path: str, job_id: str) -> None:
+    """Raise PayloadError at ``path`` unless ``value`` is a ``kind``."""
+    if not isinstance(value, kind):
+        raise PayloadError(path, _NOT_A[kind], job_id=job_id)
+
+
 def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
     value = payload.get(key)
     if value is None:
@@ -178,24 +187,18 @@ def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
     _check_samplers(payload, job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
-        if not isinstance(stop, list):
-            raise PayloadError("payload.stop_sequence", "not a list", job_id=job_id)
+        _expect(stop, list, "payload.stop_sequence", job_id)
         for i, item in enumerate(stop):
-            if not isinstance(item, str):
-                raise PayloadError(f"payload.stop_sequence[{i}]", "not a string", job_id=job_id)
+            _expect(item, str, f"payload.stop_sequence[{i}]", job_id)
     tools = payload.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise PayloadError("payload.tools", "not a list", job_id=job_id)
+        _expect(tools, list, "payload.tools", job_id)
         for i, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise PayloadError(f"payload.tools[{i}]", "not an object", job_id=job_id)
+            _expect(tool, dict, f"payload.tools[{i}]", job_id)
     response_format = payload.get("response_format")
     if response_format is not None:
-        if not isinstance(response_format, dict):
-            raise PayloadError("payload.response_format", "not an object", job_id=job_id)
-        if not isinstance(response_format.get("type"), str):
-            raise PayloadError("payload.response_format.type", "not a string", job_id=job_id)
+        _expect(response_format, dict, "payload.response_format", job_id)
+        _expect(response_format.get("type"), str, "payload.response_format.type", job_id)
 
 
 def parse_pop(
@@ -276,18 +279,14 @@ def _validate_content(content: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a string, null or a list of parts", job_id=job_id)
     for j, part in enumerate(content):
         part_path = f"{path}[{j}]"
-        if not isinstance(part, dict):
-            raise PayloadError(part_path, "not an object", job_id=job_id)
+        _expect(part, dict, part_path, job_id)
         kind = part.get("type")
         if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise PayloadError(f"{part_path}.text", "not a string", job_id=job_id)
+            _expect(part.get("text"), str, f"{part_path}.text", job_id)
         elif kind == "image_url":
             image = part.get("image_url")
-            if not isinstance(image, dict):
-                raise PayloadError(f"{part_path}.image_url", "not an object", job_id=job_id)
-            if not isinstance(image.get("url"), str):
-                raise PayloadError(f"{part_path}.image_url.url", "not a string", job_id=job_id)
+            _expect(image, dict, f"{part_path}.image_url", job_id)
+            _expect(image.get("url"), str, f"{part_path}.image_url.url", job_id)
         else:
             raise PayloadError(f"{part_path}.type", f"unknown part type {kind!r}", job_id=job_id)
 
@@ -297,13 +296,10 @@ def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a list", job_id=job_id)
     for k, call in enumerate(calls):
         call_path = f"{path}[{k}]"
-        if not isinstance(call, dict):
-            raise PayloadError(call_path, "not an object", job_id=job_id)
+        _expect(call, dict, call_path, job_id)
         function = call.get("function")
-        if not isinstance(function, dict):
-            raise PayloadError(f"{call_path}.function", "not an object", job_id=job_id)
-        if not isinstance(function.get("name"), str):
-            raise PayloadError(f"{call_path}.function.name", "not a string", job_id=job_id)
+        _expect(function, dict, f"{call_path}.function", job_id)
+        _expect(function.get("name"), str, f"{call_path}.function.name", job_id)
 
 
 def validate_messages(
@@ -324,8 +320,7 @@ def validate_messages(
         raise PayloadError(path, "empty", job_id=job_id)
     for i, message in enumerate(messages):
         msg_path = f"{path}[{i}]"
-        if not isinstance(message, dict):
-            raise PayloadError(msg_path, "not an object", job_id=job_id)
+        _expect(message, dict, msg_path, job_id)
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise PayloadError(

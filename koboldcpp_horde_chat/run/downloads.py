@@ -125,18 +125,22 @@ def _fetch(
         sess.mount("https://", adapter)
     headers = {"Accept": accept, "Accept-Encoding": ACCEPT_ENCODING, "User-Agent": USER_AGENT}
     current = url
+
+    def failed(problem: str) -> FetchError:
+        return FetchError(f"{what} {redact_url(current)}: {problem}")
+
     try:
         for hop in range(MAX_REDIRECTS + 1):
             problem = _url_problem(current)
             if problem is not None:
                 if current == url:
-                    raise FetchError(f"{what} {redact_url(url)}: {problem}")
+                    raise failed(problem)
                 raise FetchError(
                     f"{what} {redact_url(url)}: redirected to {redact_url(current)}: {problem}"
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise FetchError(f"{what} {redact_url(current)}: no answer in {timeout_s:g} s")
+                raise failed(f"no answer in {timeout_s:g} s")
             try:
                 response = sess.get(
                     current,
@@ -147,13 +151,9 @@ def _fetch(
                     timeout=(remaining, remaining),
                 )
             except requests.exceptions.Timeout:
-                raise FetchError(
-                    f"{what} {redact_url(current)}: no answer in {timeout_s:g} s"
-                ) from None
+                raise failed(f"no answer in {timeout_s:g} s") from None
             except requests.exceptions.RequestException as exc:
-                raise FetchError(
-                    f"{what} {redact_url(current)}: {netfail.describe(exc)}"
-                ) from None
+                raise failed(netfail.describe(exc)) from None
             try:
                 target = sess.get_redirect_target(response) if response.is_redirect else None
                 if target is not None:
@@ -169,13 +169,11 @@ def _fetch(
                     current = nxt
                     continue
                 if not 200 <= response.status_code < 300:
-                    raise FetchError(
-                        f"{what} {redact_url(current)}: HTTP {response.status_code}"
-                    )
+                    raise failed(f"HTTP {response.status_code}")
                 try:
                     body = read_body(response, max_bytes=max_bytes, deadline=deadline)
                 except FetchError as exc:
-                    raise FetchError(f"{what} {redact_url(current)}: {exc}") from None
+                    raise failed(str(exc)) from None
                 log.debug(
                     "%s %s: HTTP %d, %d bytes decoded (%s) in %.2f s",
                     what, redact_url(current), response.status_code, len(body),

@@ -223,12 +223,8 @@ class _StreamedGeneration:
                 finally:
                     self.ctx.note_horde_wait(clock.monotonic() - sent_at)
                 action = poster.on_response(200, answer, clock.monotonic())
-            except HordeRefusal as exc:
-                action = poster.on_response(
-                    exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
-                )
-            except HordeUnavailable as exc:
-                if exc.status == 429 or exc.status >= 500:
+            except (HordeRefusal, HordeUnavailable) as exc:
+                if isinstance(exc, HordeRefusal) or exc.status == 429 or exc.status >= 500:
                     action = poster.on_response(
                         exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
                     )
