@@ -73,7 +73,6 @@ _NOT_A: dict[type, str] = {str: "not a string", list: "not a list", dict: "not a
 
 
 def _expect(value: object, kind: type, path: str, job_id: str) -> None:
-    """Raise PayloadError at ``path`` unless ``value`` is a ``kind``."""
     if not isinstance(value, kind):
         raise PayloadError(path, _NOT_A[kind], job_id=job_id)
 

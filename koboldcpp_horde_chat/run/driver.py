@@ -54,8 +54,6 @@ class Served:
     outcome: Outcome | None = None
     fault: JobFault | None = None
     done: bool = False
-    #: A job came (valid or malformed): the empty-pop backoff starts over.
-    payload_read: bool = False
     #: koboldcpp failed the job: check it is up before the next pop.
     backend_failed: bool = False
     #: The job's own request to koboldcpp ended (the gate may pop again).
@@ -134,22 +132,22 @@ class JobDriver:
             if popped.error is not None:
                 log.warning("job=%s malformed payload at %s: %s",
                             ctx.id, popped.error.path, popped.error.problem)
-            return Served(fault=JobFault("malformed payload"), payload_read=True)
+            return Served(fault=JobFault("malformed payload"))
         ctx.begin()
         if isinstance(job, ChatJob) and self.state.first_chat_job():
             log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
         except JobFault as abandoned:
-            return Served(job=job, fault=abandoned, payload_read=True)
+            return Served(job=job, fault=abandoned)
         if ctx.popped_in_stop:
             # The stop has a deadline the job's generation cannot be known to
             # meet. Faulted now, the request goes to another worker at once;
             # left to expire, it would wait out the lease first, and the Horde
             # counts either as an aborted job (abort(), then wp.n += 1).
             fault = JobFault("popped after the stop's signal: not generated")
-            return Served(job=job, fault=fault, payload_read=True)
-        return Served(job=job, payload_read=True)
+            return Served(job=job, fault=fault)
+        return Served(job=job)
 
     def prepare(self, ctx: JobContext, served: Served, changed: str | None) -> Served:
         """The run's steps before its generation (a text job's starts here); a fault
@@ -162,11 +160,11 @@ class JobDriver:
                 chat = ChatRun(self.ports, self.caps, self.state, job, ctx)
                 chat.received()
                 ctx.move(Move.PREPARE)
-                return Served(job=job, run=chat, messages=chat.prepare(), payload_read=True)
+                return Served(job=job, run=chat, messages=chat.prepare())
             assert job is not None
             text = TextRun(self.ports, job, ctx)
             text.received()
-            return Served(job=job, run=text, genkey=ctx.start_generation(), payload_read=True,
+            return Served(job=job, run=text, genkey=ctx.start_generation(),
                           text_max_length=job_max_length(job.payload))
         except (JobFault, JobEnded) as exc:
             return self._stopped(ctx, job, exc)
@@ -188,14 +186,14 @@ class JobDriver:
         if ctx.request:  # it does not always fail
             with self.state.lock:
                 self.state.refaults.served(ctx.request)
-        return Served(job=job, outcome=outcome, payload_read=True, generation_ended=True)
+        return Served(job=job, outcome=outcome, generation_ended=True)
 
     def _stopped(
         self, ctx: JobContext, job: ChatJob | TextJob | None, exc: JobFault | JobEnded
     ) -> Served:
         if isinstance(exc, JobFault):
             return Served(
-                job=job, fault=exc, payload_read=True, backend_failed=exc.backend_failed,
+                job=job, fault=exc, backend_failed=exc.backend_failed,
                 generation_ended=ctx.phase is Phase.GENERATING,
             )
         # Cancelled or ended by the Horde: nothing to send.
@@ -203,7 +201,7 @@ class JobDriver:
             self.meter.ended_by_horde(ctx, job)
         ctx.end(Move.NO_SUBMIT)
         self.state.release(ctx)
-        return Served(job=job, done=True, payload_read=True, generation_ended=True)
+        return Served(job=job, done=True, generation_ended=True)
 
     def reply(self, ctx: JobContext, outcome: Outcome, seconds: float) -> None:
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
@@ -233,7 +231,7 @@ class JobDriver:
         self.state.record_dropped()
         ctx.end(Move.NO_SUBMIT)
         self.state.release(ctx)
-        return Served(done=True, payload_read=True, backend_failed=backend_failed)
+        return Served(done=True, backend_failed=backend_failed)
 
     def _check_suspicion(self, tokens_per_s: float) -> None:
         """Once, for the first job faster than the Horde allows an untrusted owner's

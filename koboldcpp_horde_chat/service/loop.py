@@ -313,8 +313,7 @@ class Worker:
         early pop during a text generation, the next pop beside the terminal action."""
         driver, next_pop = self.driver, self.next_pop
         served = driver.open(ctx, answer)
-        if served.payload_read:
-            self._empty_backoff.reset()
+        self._empty_backoff.reset()  # a job came, valid or malformed
         if not served.ended:
             served = driver.prepare(ctx, served, self._backend_changed(ctx))
         if served.text_max_length is not None:
