@@ -62,6 +62,7 @@ class ChatRun:
         self.ctx = ctx
         self.settings = ports.settings
         self.model_id = ctx.model_id
+        self.messages: list[dict[str, Any]] = []
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
@@ -75,15 +76,15 @@ class ChatRun:
         )
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
 
-    def prepare(self) -> list[dict[str, Any]]:
-        """The conversation, its images, the budget and the fit check: the messages
-        to generate from. JobFault: the job cannot be served."""
+    def prepare(self) -> None:
+        """The conversation, its images, the budget and the fit check (``messages``
+        then holds what to generate from). JobFault: the job cannot be served."""
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
         self._check_budget()
         self._check_fit(messages)
-        return messages
+        self.messages = messages
 
     def _prepare_timeout(self, cap_s: float) -> float:
         """A step's timeout: at most ``cap_s``, leaving the submit margin to the fault."""
@@ -169,7 +170,7 @@ class ChatRun:
                 fault_reason=FAULT_PROMPT_OVERFLOW,
             )
 
-    def generate(self, messages: list[dict[str, Any]], genkey: str) -> Outcome:
+    def generate(self, genkey: str) -> Outcome:
         """Generate under ``genkey`` and build the structured submit. koboldcpp is
         sent a context that cuts none of ``max_length`` (its 20 % rule), so the
         reply's budget is ``max_length`` capped by ``--genlimit``.
@@ -187,7 +188,7 @@ class ChatRun:
         )
         backend_body = encode_json(
             chat_request_body(
-                job, messages, genkey=genkey, stream=stream, max_context_length=sent_context
+                job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
             )
         )
         limit = self.settings.kcpp_max_request_bytes

@@ -59,7 +59,6 @@ class Served:
     #: The job's own request to koboldcpp ended (the gate may pop again).
     generation_ended: bool = False
     run: ChatRun | TextRun | None = None
-    messages: list[dict[str, Any]] | None = None
     genkey: str = ""
     text_max_length: int | None = None
 
@@ -160,7 +159,8 @@ class JobDriver:
                 chat = ChatRun(self.ports, self.caps, self.state, job, ctx)
                 chat.received()
                 ctx.move(Move.PREPARE)
-                return Served(job=job, run=chat, messages=chat.prepare())
+                chat.prepare()
+                return Served(job=job, run=chat)
             assert job is not None
             text = TextRun(self.ports, job, ctx)
             text.received()
@@ -174,12 +174,9 @@ class JobDriver:
         run, job = served.run, served.job
         assert job is not None
         try:
-            if isinstance(run, ChatRun):
-                assert served.messages is not None
-                outcome = run.generate(served.messages, ctx.start_generation())
-            else:
-                assert run is not None
-                outcome = run.generate(served.genkey)
+            assert run is not None
+            # A text job's generation started in prepare, a chat job's starts now.
+            outcome = run.generate(served.genkey or ctx.start_generation())
         except (JobFault, JobEnded) as exc:
             return self._stopped(ctx, job, exc)
         ctx.move(Move.OUTCOME)

@@ -131,11 +131,10 @@ class PopAhead:
         sent_at = clock()
         try:
             answer = self._horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
-        except HordeError as exc:
-            self.popped = Popped(body, None, exc, clock())
-            return
         except Exception as exc:  # handed to the loop, which logs it
-            error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
+            error = exc if isinstance(exc, HordeError) else HordeUnavailable(
+                f"pop failed: {type(exc).__name__}"
+            )
             self.popped = Popped(body, None, error, clock())
             return
         popped_at = clock()
