@@ -91,6 +91,7 @@ class PopGate:
         state: WorkerState,
         settings: WorkerSettings,
         clock: Clock,
+        figures: FiguresReader,
     ) -> None:
         self.manners = manners
         self.backend = backend
@@ -99,8 +100,8 @@ class PopGate:
         self.clock = clock
         self.backend_suspect = False
         self._own_done_at: float | None = None
-        #: koboldcpp's figures of each probe; the loop gives the gate its meter's.
-        self.figures = FiguresReader(backend, threads=settings.threads)
+        #: koboldcpp's figures of each probe: the job meter's reader, so each is read once.
+        self.figures = figures
         self._own_running = False
         #: The words of the last pause when not its reason's own, else None.
         self.line: str | None = None

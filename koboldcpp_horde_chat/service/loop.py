@@ -93,7 +93,8 @@ class Worker:
         self.worker_id = worker_id
         self.pop_horde = pop_horde
         self.abort_backend = abort_backend if abort_backend is not None else backend
-        self.gate = PopGate(self.manners, backend, state, settings, clock)
+        self.meter = JobMeter(state, backend, clock.monotonic)
+        self.gate = PopGate(self.manners, backend, state, settings, clock, self.meter.figures)
         stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
         self.ports = Ports(
             settings=settings,
@@ -125,8 +126,6 @@ class Worker:
             failed_in_a_row=FAILED_IN_A_ROW,
         )
         self._skipped = SkippedReporter()
-        self.meter = JobMeter(state, backend, clock.monotonic)
-        self.gate.figures = self.meter.figures  # one reader: a probe's figures are seen once
         self.driver = JobDriver(self.ports, self.caps, state, self.pipeline, self.meter, worker_id)
 
     def run(self) -> int:
