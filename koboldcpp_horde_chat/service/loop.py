@@ -278,9 +278,9 @@ class Worker:
             log.info("worker %d: %s", self.worker_id, line)
         for message in self.state.new_moderator_lines(answer.messages):
             log.warning("worker %d: %s", self.worker_id, message)
-        ctx = popped.ctx or self.driver.take_in_hand(
-            body, answer, popped.popped_at, pop_wait_s=popped.wait_s
-        )
+        ctx = popped.ctx
+        if ctx is None:  # not taken in hand on the pop's thread
+            ctx = self.driver.take_in_hand(body, answer, popped.popped_at, pop_wait_s=popped.wait_s)
         if ctx is None:
             return self._no_job(answer, body)
         try:
