@@ -1,12 +1,8 @@
-"""Popped jobs: the pop's answer parsed and its payload validated (pure; no I/O).
+"""A pop's answer read once (:func:`read_pop`) into a job with a validated payload (pure).
 
-Seed sections: "2. Recognise a chat job", "4. Serve tools and structured
-output" and "8. Keep serving text jobs".
-
-A pop response with ``"chat": true`` at the top level is a chat job; any
-other job is a text job, whose payload is forwarded to koboldcpp unchanged.
-The job's :class:`Lease` starts from the pop's ``ttl`` (seed "Streaming
-progress").
+Seed "2. Recognise a chat job", "4. Serve tools and structured output", "8. Keep
+serving text jobs": ``"chat": true`` at the top level makes a chat job; any other
+job is a text job, whose payload goes to koboldcpp unchanged.
 """
 
 from __future__ import annotations
@@ -32,14 +28,8 @@ _HTTP_URL = re.compile(r"^https?://[^\s/?#]+", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class TextJob:
-    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged.
-
-    Attributes:
-        id: the job id.
-        payload: the pop's ``payload`` as sent.
-        ttl_s: the job's lease, seconds.
-        model: the pop's ``model``, or None.
-    """
+    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged
+    (``ttl_s``: the lease, seconds; ``model``: the pop's, or None)."""
 
     id: str
     payload: dict[str, Any]
@@ -49,19 +39,8 @@ class TextJob:
 
 @dataclass(frozen=True)
 class ChatJob:
-    """A chat job (the pop had ``"chat": true``).
-
-    Attributes:
-        id: the job id.
-        payload: the pop's ``payload`` as sent.
-        ttl_s: the job's lease, seconds.
-        model: the pop's ``model``, or None.
-        messages: the validated conversation, or None when it is offloaded.
-        messages_url: the http(s) URL of the offloaded messages, or None.
-        max_length: the most tokens to generate (reasoning and answer together).
-        max_context_length: the context to render and generate within, tokens.
-        stream_progress: the client streams the reply, so progress is posted.
-    """
+    """A chat job. ``messages`` is None when offloaded to ``messages_url``;
+    ``max_length`` counts reasoning and answer tokens together."""
 
     id: str
     payload: dict[str, Any]
@@ -90,6 +69,14 @@ class ChatJob:
         return ()
 
 
+_NOT_A: dict[type, str] = {str: "not a string", list: "not a list", dict: "not an object"}
+
+
+def _expect(value: object, kind: type, path: str, job_id: str) -> None:
+    if not isinstance(value, kind):
+        raise PayloadError(path, _NOT_A[kind], job_id=job_id)
+
+
 def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
     value = payload.get(key)
     if value is None:
@@ -100,9 +87,8 @@ def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
 
 
 def ttl_seconds(pop: dict[str, Any], default_s: float) -> float:
-    """The pop's ``ttl`` in seconds when it is a usable number (positive, not a
-    boolean; a huge one is infinite), else ``default_s``. The one reading of
-    the ttl: the job's lease starts from it (seed "Streaming progress")."""
+    """The pop's ``ttl`` in seconds when positive (not a boolean; a huge one is
+    infinite), else ``default_s``."""
     ttl = pop.get("ttl")
     if isinstance(ttl, bool) or not isinstance(ttl, int | float):
         return default_s
@@ -115,48 +101,60 @@ def ttl_seconds(pop: dict[str, Any], default_s: float) -> float:
 
 @dataclass
 class Lease:
-    """A job's lease on the monotonic clock: the Horde's, from the pop's ``ttl``,
-    extended by accepted progress posts (seed "Streaming progress", lease).
-
-    One per job: the job's owner holds it and the progress poster
-    (``horde.progress.ProgressPoster``) extends it, on the job's own thread
-    only; other threads (the stop, a submit retried on a thread of its own)
-    read it. One writer and a deadline that only grows: no lock is needed.
-
-    Attributes:
-        popped_at: when the pop answered, monotonic seconds.
-        deadline: when the Horde stops taking the job's submit, monotonic
-            seconds; only :meth:`extend_to` moves it (later, never earlier).
-    """
+    """A job's lease, monotonic seconds: from the pop's ``ttl``, extended by
+    accepted progress posts (seed "Streaming progress"). Only the job's thread
+    extends it and the deadline only grows, so other threads read it without a lock."""
 
     popped_at: float
     deadline: float
 
     def remaining(self, now: float) -> float:
-        """Seconds left at monotonic time ``now`` (negative once it ended)."""
         return self.deadline - now
 
     def extend_to(self, deadline: float) -> bool:
-        """Move the deadline to ``deadline`` (monotonic seconds) when that is later;
-        True when it moved."""
+        """Move the deadline later (never earlier); True when it moved."""
         if deadline <= self.deadline:
             return False
         self.deadline = deadline
         return True
 
-    @classmethod
-    def from_pop(
-        cls,
-        pop: dict[str, Any],
-        popped_at: float,
-        default_s: float,
-        cap_s: float,
-    ) -> Lease:
-        """The lease of a popped job before its payload is parsed: the pop's ``ttl``
-        (:func:`ttl_seconds`, ``default_s`` without a usable one), never past
-        ``cap_s`` (how far progress posts could extend it) from ``popped_at``."""
-        seconds = ttl_seconds(pop, default_s)
-        return cls(popped_at, popped_at + min(seconds, cap_s))
+
+@dataclass(frozen=True)
+class PopAnswer:
+    """A pop's answer, read once where it arrives: ``id`` None without a usable
+    job id, ``job`` None without a job or when ``error`` says it is malformed;
+    ``messages`` are the moderators', ``skipped`` the reasons for no job."""
+
+    raw: dict[str, Any]
+    id: str | None
+    chat: bool
+    ttl_s: float
+    job: TextJob | ChatJob | None
+    error: PayloadError | None
+    messages: object = None
+    skipped: object = None
+
+
+def read_pop(answer: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S) -> PopAnswer:
+    """Parse a pop's answer (:func:`parse_pop`) into a :class:`PopAnswer`; never raises."""
+    raw = answer if isinstance(answer, dict) else {}
+    job_id = raw.get("id")
+    job: TextJob | ChatJob | None = None
+    error: PayloadError | None = None
+    try:
+        job = parse_pop(answer, default_ttl_s=default_ttl_s)
+    except PayloadError as exc:
+        error = exc
+    return PopAnswer(
+        raw=raw,
+        id=job_id if isinstance(job_id, str) and job_id else None,
+        chat=raw.get("chat") is True,
+        ttl_s=ttl_seconds(raw, default_ttl_s),
+        job=job,
+        error=error,
+        messages=raw.get("messages"),
+        skipped=raw.get("skipped"),
+    )
 
 
 #: The sampler fields of a chat payload (seed step 2: always present): each must be
@@ -188,50 +186,30 @@ def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
     _check_samplers(payload, job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
-        if not isinstance(stop, list):
-            raise PayloadError("payload.stop_sequence", "not a list", job_id=job_id)
+        _expect(stop, list, "payload.stop_sequence", job_id)
         for i, item in enumerate(stop):
-            if not isinstance(item, str):
-                raise PayloadError(f"payload.stop_sequence[{i}]", "not a string", job_id=job_id)
+            _expect(item, str, f"payload.stop_sequence[{i}]", job_id)
     tools = payload.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise PayloadError("payload.tools", "not a list", job_id=job_id)
+        _expect(tools, list, "payload.tools", job_id)
         for i, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise PayloadError(f"payload.tools[{i}]", "not an object", job_id=job_id)
+            _expect(tool, dict, f"payload.tools[{i}]", job_id)
     response_format = payload.get("response_format")
     if response_format is not None:
-        if not isinstance(response_format, dict):
-            raise PayloadError("payload.response_format", "not an object", job_id=job_id)
-        if not isinstance(response_format.get("type"), str):
-            raise PayloadError("payload.response_format.type", "not a string", job_id=job_id)
+        _expect(response_format, dict, "payload.response_format", job_id)
+        _expect(response_format.get("type"), str, "payload.response_format.type", job_id)
 
 
 def parse_pop(
     pop: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S
 ) -> TextJob | ChatJob | None:
-    """Turn a pop response into a job.
-
-    Args:
-        pop: the JSON object ``POST /api/v2/generate/text/pop`` returned, e.g.
-            ``{"payload": {...}, "id": "<job-id>", "ttl": 150, "model": "...",
-            "chat": true, ...}``.
-        default_ttl_s: the lease, seconds, when ``ttl`` is missing or not positive.
-
-    Returns:
-        None when the pop returned no job (``id`` missing, null or empty); a
-        :class:`ChatJob` when the top-level ``chat`` is true, else a :class:`TextJob`.
-        A chat job's inline ``messages`` are validated; when the payload has
-        no non-empty inline messages, its ``messages_url`` is used (fetch it,
-        then call :func:`validate_messages`).
+    """The job in the answer of ``POST /api/v2/generate/text/pop``: None when
+    ``id`` is missing, null or empty. Inline ``messages`` are validated; without
+    them the chat job's ``messages_url`` is to be fetched and validated.
 
     Raises:
-        PayloadError: the job is malformed; ``path`` names the field (such as
-            ``"payload.messages[1].role"``) and ``job_id`` the job to fault, when
-            the pop carried a usable id.
-
-    Seed: "2. Recognise a chat job", "8. Keep serving text jobs".
+        PayloadError: ``path`` names the bad field (``"payload.messages[1].role"``)
+            and ``job_id`` the job to fault, when the id is usable.
     """
     if not isinstance(pop, dict):
         raise PayloadError("$", "the pop response is not an object")
@@ -300,18 +278,14 @@ def _validate_content(content: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a string, null or a list of parts", job_id=job_id)
     for j, part in enumerate(content):
         part_path = f"{path}[{j}]"
-        if not isinstance(part, dict):
-            raise PayloadError(part_path, "not an object", job_id=job_id)
+        _expect(part, dict, part_path, job_id)
         kind = part.get("type")
         if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise PayloadError(f"{part_path}.text", "not a string", job_id=job_id)
+            _expect(part.get("text"), str, f"{part_path}.text", job_id)
         elif kind == "image_url":
             image = part.get("image_url")
-            if not isinstance(image, dict):
-                raise PayloadError(f"{part_path}.image_url", "not an object", job_id=job_id)
-            if not isinstance(image.get("url"), str):
-                raise PayloadError(f"{part_path}.image_url.url", "not a string", job_id=job_id)
+            _expect(image, dict, f"{part_path}.image_url", job_id)
+            _expect(image.get("url"), str, f"{part_path}.image_url.url", job_id)
         else:
             raise PayloadError(f"{part_path}.type", f"unknown part type {kind!r}", job_id=job_id)
 
@@ -321,13 +295,10 @@ def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a list", job_id=job_id)
     for k, call in enumerate(calls):
         call_path = f"{path}[{k}]"
-        if not isinstance(call, dict):
-            raise PayloadError(call_path, "not an object", job_id=job_id)
+        _expect(call, dict, call_path, job_id)
         function = call.get("function")
-        if not isinstance(function, dict):
-            raise PayloadError(f"{call_path}.function", "not an object", job_id=job_id)
-        if not isinstance(function.get("name"), str):
-            raise PayloadError(f"{call_path}.function.name", "not a string", job_id=job_id)
+        _expect(function, dict, f"{call_path}.function", job_id)
+        _expect(function.get("name"), str, f"{call_path}.function.name", job_id)
 
 
 def validate_messages(
@@ -335,22 +306,12 @@ def validate_messages(
 ) -> list[dict[str, Any]]:
     """Check a conversation's shape and return it unchanged.
 
-    Each message is an object with ``role`` system, user, assistant or tool and
-    ``content`` a string, null (or absent), or a list of parts
-    ``{"type": "text", "text": str}`` / ``{"type": "image_url", "image_url":
-    {"url": str}}``. An assistant message may carry ``tool_calls``, a list of
-    ``{"function": {"name": str, ...}, ...}``; a tool message needs a string
-    ``tool_call_id``.
-
-    Args:
-        messages: the inline ``payload.messages`` or the fetched ``messages_url`` body.
-        job_id: the job, named in the error.
-        path: the JSON path used in errors.
+    Each message has a ``role`` in :data:`ROLES` and ``content`` a string, null or
+    a list of ``text``/``image_url`` parts; an assistant's ``tool_calls`` name
+    their function; a tool message has a string ``tool_call_id``.
 
     Raises:
         PayloadError: naming the first bad field, e.g. ``payload.messages[2].role``.
-
-    Seed: "2. Recognise a chat job".
     """
     if not isinstance(messages, list):
         raise PayloadError(path, "not a list", job_id=job_id)
@@ -358,8 +319,7 @@ def validate_messages(
         raise PayloadError(path, "empty", job_id=job_id)
     for i, message in enumerate(messages):
         msg_path = f"{path}[{i}]"
-        if not isinstance(message, dict):
-            raise PayloadError(msg_path, "not an object", job_id=job_id)
+        _expect(message, dict, msg_path, job_id)
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise PayloadError(

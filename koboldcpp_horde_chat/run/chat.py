@@ -1,19 +1,9 @@
-"""A chat job run: the seed's steps for one chat job, in order.
-
-1. the conversation: ``payload.messages``, or the offloaded ``messages_url``
-   fetched right after the pop (seed "Fetch offloaded messages");
-2. its images, each made a checked data URL (step 5, seed 004);
-3. the fit check, counting JSON and never rendering (step 3);
-4. the generation through koboldcpp's ``/v1/chat/completions``, whole, or
-   streamed as progress posts when the client streams (``run/streaming.py``);
-5. the structured reply to submit (step 6).
-
-:meth:`ChatRun.prepare` takes steps 1 to 3 and :meth:`ChatRun.generate` steps
-4 and 5; the job driver (``run/driver.py``) moves the job between them (to
-``preparing`` before, to ``generating`` between). A step that cannot serve the
-job raises :class:`~errors.JobFault` with the fault reason (or none) and a
-one-line why; the driver hands it to the submit pipeline. A cancel raises
-:class:`~errors.JobEnded`.
+"""A chat job run, the seed's steps in order: the conversation (inline, or the
+offloaded ``messages_url``), its images made checked data URLs (step 5, seed
+004), the fit check (step 3: counting JSON, never rendering), the generation
+through ``/v1/chat/completions`` (whole, or streamed as progress posts), and
+the structured reply (step 6). A step that cannot serve the job raises
+``JobFault``; a cancel raises ``JobEnded``.
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import BackendError, FetchError, HordeRefusal, JobFault, PayloadError, ReplyError
+from ..errors import BackendError, FetchError, JobFault, PayloadError, ReplyError
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, validate_messages
 from ..jsonbody import encode_json
@@ -33,7 +23,6 @@ from ..koboldcpp.answers import (
     parse_chat_completion,
 )
 from ..settings import MIB, kcpp_context_keeping_budget, kcpp_effective_max_length
-from ..state.guard import refused_reply_features
 from ..state.job import SUBMIT_MARGIN_S, JobContext, Outcome, payload_keys
 from ..state.ports import Ports
 from ..state.shared import WorkerState
@@ -42,7 +31,6 @@ from ..translate.bodies import chat_request_body
 from ..translate.submits import FAULT_PROMPT_OVERFLOW, chat_submit
 from .downloads import Downloads, fetch_image, fetch_messages
 from .streaming import generate_streamed
-from .submit import refused_reply_fault
 
 log = logging.getLogger("koboldcpp_horde_chat.chat_run")
 
@@ -57,16 +45,7 @@ ABORT_CHECK_TIMEOUT_S = 2.0
 
 
 class ChatRun:
-    """Serve one chat job (see the module docstring): :meth:`prepare`, then
-    :meth:`generate`; the job's moves are the driver's.
-
-    Args:
-        ports: the loop's ports (``state.ports.Ports``).
-        caps: what the backend implements (``vision``).
-        state: the worker's shared state (a nonconformant refusal is counted there).
-        job: the popped chat job.
-        ctx: the job in hand (lease, ``model_id``, genkey).
-    """
+    """Serve one chat job: :meth:`prepare`, then :meth:`generate`."""
 
     def __init__(
         self,
@@ -83,8 +62,7 @@ class ChatRun:
         self.ctx = ctx
         self.settings = ports.settings
         self.model_id = ctx.model_id
-        #: The structured submit built from koboldcpp's reply (once generated).
-        self._reply: dict[str, Any] = {}
+        self.messages: list[dict[str, Any]] = []
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
@@ -98,23 +76,18 @@ class ChatRun:
         )
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
 
-    def prepare(self) -> list[dict[str, Any]]:
-        """Steps 1 to 3 (see the module docstring; the job is ``preparing``): the
-        conversation, its images, the budget and the fit check. Returns the
-        messages to generate from.
-
-        Raises:
-            JobFault: the job cannot be served (the why says which step).
-        """
+    def prepare(self) -> None:
+        """The conversation, its images, the budget and the fit check (``messages``
+        then holds what to generate from). JobFault: the job cannot be served."""
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
         self._check_budget()
         self._check_fit(messages)
-        return messages
+        self.messages = messages
 
     def _prepare_timeout(self, cap_s: float) -> float:
-        """A step's timeout: at most ``cap_s``, and leaving the submit margin to the fault."""
+        """A step's timeout: at most ``cap_s``, leaving the submit margin to the fault."""
         room = self.ctx.lease.remaining(self.ports.clock.monotonic()) - SUBMIT_MARGIN_S
         return max(1.0, min(cap_s, room))
 
@@ -139,14 +112,8 @@ class ChatRun:
             raise JobFault(f"malformed messages at {exc.path}") from None
 
     def _images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Seed step 5 and seed 004: every image reaches koboldcpp as a checked data URL.
-
-        Signed image URLs are fetched (without credentials, bounded, in
-        parallel up to ``IMAGE_FETCH_THREADS``) and data URLs decoded; each
-        image's media type is taken from its bytes, and one koboldcpp cannot
-        decode faults the job without ``fault_reason`` instead of being
-        answered without the image.
-        """
+        """Every image as a checked data URL (its media type from its bytes); one
+        koboldcpp cannot decode faults the job instead of being left out."""
         if not self.caps.vision:
             raise JobFault("images sent to a worker without vision")
         timeout = self._prepare_timeout(PREPARE_MAX_S)
@@ -203,19 +170,13 @@ class ChatRun:
                 fault_reason=FAULT_PROMPT_OVERFLOW,
             )
 
-    def generate(self, messages: list[dict[str, Any]], genkey: str) -> Outcome:
-        """Steps 4 and 5 (the job is ``generating``): generate through
-        ``/v1/chat/completions`` under ``genkey`` and build the structured submit.
-
-        The fit check has passed, so koboldcpp is sent a context that cuts none
-        of the job's ``max_length`` (``settings.kcpp_context_keeping_budget``):
-        the job's own, or a little more when koboldcpp's 20 % rule would cut
-        the budget within it. The budget a reply was generated under is then
-        ``max_length``, capped by koboldcpp's ``--genlimit``.
+    def generate(self, genkey: str) -> Outcome:
+        """Generate under ``genkey`` and build the structured submit. koboldcpp is
+        sent a context that cuts none of ``max_length`` (its 20 % rule), so the
+        reply's budget is ``max_length`` capped by ``--genlimit``.
 
         Raises:
-            JobFault: the generation failed or was given up (``backend_failed``
-                when koboldcpp failed).
+            JobFault: failed or given up (``backend_failed`` when koboldcpp failed).
             JobEnded: the client cancelled it or the Horde ended it.
         """
         job, ctx, ports = self.job, self.ctx, self.ports
@@ -227,7 +188,7 @@ class ChatRun:
         )
         backend_body = encode_json(
             chat_request_body(
-                job, messages, genkey=genkey, stream=stream, max_context_length=sent_context
+                job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
             )
         )
         limit = self.settings.kcpp_max_request_bytes
@@ -280,20 +241,12 @@ class ChatRun:
             f"tokens={submit_body.get('completion_tokens', '?')} "
             f"calls={len(message.get('tool_calls') or [])}"
         )
-        self._reply = submit_body
-        return Outcome(submit_body, detail, self._refusal_fault)
+        return Outcome(submit_body, detail, (ctx, job.payload, self.state))
 
     def _check_not_aborted(self, backend_reply: BackendReply, budget: int) -> None:
-        """A generation someone aborted on koboldcpp (its stop button) is not a
-        complete reply: fault it rather than submit it cut short.
-
-        koboldcpp says ``"length"`` for an abort as for a stop sequence; its
-        ``/api/extra/perf`` ``stop_reason`` tells them apart. Only with one
-        loop: with several, perf may describe another loop's generation.
-
-        Raises:
-            JobFault: the generation was aborted before its end.
-        """
+        """JobFault for a generation aborted on koboldcpp (its stop button), which
+        says ``"length"`` as for a stop sequence: perf's ``stop_reason`` tells
+        them apart (one loop only: with several, perf may be another's)."""
         if self.settings.threads > 1 or not needs_stop_reason(
             backend_reply.native_finish_reason, backend_reply.completion_tokens, budget
         ):
@@ -308,44 +261,12 @@ class ChatRun:
                 f"of {budget} tokens (a stop on koboldcpp?): not submitted cut short"
             )
 
-    def _refusal_fault(self, exc: HordeRefusal) -> JobFault:
-        """Seed "Submit refusals": the fault that follows a refused reply.
-
-        A refusal that points at a declared guarantee or feature
-        (``guard.refused_reply_features``: ``ChatSubmitNonconformant`` for what
-        the request used, ``ChatSubmitInvalid`` for the reply's tool calls) is
-        counted against it; at ``guard.REFUSALS_TO_WITHDRAW`` in an hour that
-        name alone is withdrawn from the later pops for its cool-off, and the
-        fault names it, so it does not count toward withdrawing chat as a whole.
-        """
-        names = refused_reply_features(
-            exc.rc, self.job.payload, self._reply, self.ctx.declared_features
-        )
-        if exc.rc == "ChatSubmitNonconformant" and not names:
-            log.warning(
-                "job=%s nonconformant reply not attributable to a declared guarantee "
-                "or feature (payload keys %s)",
-                self.job.id,
-                payload_keys(self.job.payload),
-            )
-        if names:
-            self.state.record_feature_failure(names, self.ports.clock.monotonic())
-        fault = refused_reply_fault(exc)
-        fault.feature = names[0] if names else None
-        return fault
-
 
 def _fetch_images(
     plan: images.ImagePlan, timeout_s: float, downloads: Downloads
 ) -> dict[tuple[int, int], bytes]:
-    """Fetch ``plan.to_fetch`` (without credentials, bounded, in parallel up to
-    ``IMAGE_FETCH_THREADS``): the bytes by ``(message, part)`` index. Each
-    fetch ends early when ``downloads`` is hung up (``Downloads.hang_up``).
-
-    Raises:
-        FetchError: a fetch failed (queued fetches are then cancelled; the
-            caller hangs up those under way).
-    """
+    """Fetch ``plan.to_fetch`` in parallel: the bytes by ``(message, part)``.
+    FetchError when one failed (the queued ones are then cancelled)."""
     fetched: dict[tuple[int, int], bytes] = {}
     workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")

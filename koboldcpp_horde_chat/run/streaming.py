@@ -2,11 +2,9 @@
 
 Seed "Streaming progress": for a job with ``stream_progress: true`` (and no
 tools) the worker reads koboldcpp's ``/v1/chat/completions`` stream and posts
-the text produced since the previous post about once a second. The decisions
-are the pure core's (``sse`` decodes, ``stream`` accumulates, ``progress``
-says what each answer means); this module does the reading, posting and
-waiting. The poster extends the job's own lease (``horde.pop.Lease``) as
-posts are accepted; this module journals it when it moved.
+the text produced since the previous post about once a second. The pure core
+decides (``sse``, ``chat_stream``, ``progress``); this module reads, posts and
+waits, and journals the lease when accepted posts moved it.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import (
@@ -44,40 +41,25 @@ POLL_S = 0.1
 def generate_streamed(
     ports: Ports, job: ChatJob, ctx: JobContext, backend_body: bytes | bytearray
 ) -> BackendReply:
-    """Seed "Streaming progress": relay koboldcpp's SSE stream as progress posts.
+    """The whole reply of koboldcpp's stream of ``backend_body``, relayed as progress posts.
 
-    koboldcpp is opened and read on a thread of its own (its answer's
-    headers wait for koboldcpp's model lock, and it sends nothing during
-    prompt processing), so this loop keeps the job's lease: every 0.1 s at
-    most it posts what is due and checks the deadline, which each accepted
-    post with new text moves to 150 s after the post (up to the cap from
-    pop). The stream's read timeout is only a backstop at the latest end the
-    lease can reach, so neither a silent prompt processing nor a pause in a
-    stream whose lease the posts extended is cut short by it. When the lease
-    would end within ``SUBMIT_MARGIN_S``, the generation is aborted and the
-    job faulted rather than submitted late.
-
-    Args:
-        ports: the loop's ports; job: the chat job; ctx: the job in hand (its
-            ``genkey`` set); backend_body: the encoded chat request, ``stream: true``.
-
-    Returns:
-        The whole reply to submit.
+    The stream is read on a thread of its own (koboldcpp is silent while it
+    waits for its model lock and processes the prompt), so this thread keeps
+    the lease: every 0.1 s at most it posts what is due and checks the
+    deadline, which accepted posts extend. The read timeout is only a backstop
+    at the latest end the lease can reach. A lease ending within
+    ``SUBMIT_MARGIN_S`` aborts the generation and faults the job.
 
     Raises:
-        JobEnded: the client cancelled or the Horde ended the job (the local
-            generation was aborted; nothing is submitted).
+        JobEnded: cancelled or ended by the Horde (the generation aborted).
         JobFault: the lease ran out while streaming.
-        BackendError, ReplyError: for the caller to fault (the local
-            generation is aborted first): a failed stream, an in-band error
-            (without waiting for the stream's end), or a stream that ended
-            without a finish reason.
+        BackendError, ReplyError: a failed stream, an in-band error, or an end
+            without a finish reason (the generation aborted first).
     """
     return _StreamedGeneration(ports, job, ctx, backend_body).run()
 
 
 class _StreamedGeneration:
-    """One streamed job: the reader thread, the accumulator and the poster."""
 
     def __init__(
         self, ports: Ports, job: ChatJob, ctx: JobContext, body: bytes | bytearray
@@ -105,10 +87,7 @@ class _StreamedGeneration:
         decoder = SSEDecoder()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
         reader = threading.Thread(
-            target=_pump,
-            args=(self._open_stream, self.slot, chunks),
-            name=f"kcpp-stream-{ctx.id}",
-            daemon=True,
+            target=self._pump, args=(chunks,), name=f"kcpp-stream-{ctx.id}", daemon=True
         )
         reader.start()
         try:
@@ -156,11 +135,8 @@ class _StreamedGeneration:
             self.slot.close()
 
     def _take(self, item: bytes | BaseException | None, decoder: SSEDecoder) -> bool:
-        """Feed one item of the reader's queue; True when the stream ended.
-
-        Raises BackendError (the stream failed) or ReplyError (koboldcpp reported
-        an error in the stream), after aborting the local generation.
-        """
+        """Feed one item of the reader's queue; True when the stream ended. Raises
+        BackendError or ReplyError (in-band) after aborting the generation."""
         accumulator = self.accumulator
         if item is None:
             for event in decoder.close():
@@ -182,14 +158,8 @@ class _StreamedGeneration:
         return accumulator.done
 
     def _open_stream(self) -> KcppStream:
-        """Open koboldcpp's stream (on the reader thread), waiting out 503 busy answers.
-
-        The read timeout is a backstop at the latest end the lease can reach
-        (the pop's ttl or the lease cap from pop, whichever is later): the job
-        thread enforces the lease itself and closes the stream. Raises
-        BackendError when the job ended (the slot was closed) while koboldcpp
-        was busy, and whatever ``open_chat_stream`` raises otherwise.
-        """
+        """Open koboldcpp's stream, waiting out 503 busy answers (BackendError when
+        the job ended meanwhile); the read timeout is the lease's latest end."""
         ports, lease = self.ports, self.ctx.lease
         while True:
             now = ports.clock.monotonic()
@@ -202,8 +172,22 @@ class _StreamedGeneration:
                 if self.slot.closed.wait(2.0):
                     raise BackendError("the job ended while koboldcpp was busy") from None
 
+    def _pump(self, out: queue.Queue[bytes | BaseException | None]) -> None:
+        try:
+            stream = self._open_stream()
+            if not self.slot.attach(stream):
+                return
+            while True:
+                chunk = stream.read_chunk()
+                if not chunk:
+                    break
+                out.put(chunk)
+        except BaseException as exc:  # handed to the job thread, which decides
+            out.put(exc)
+            return
+        out.put(None)
+
     def _journal_lease(self) -> None:
-        """Journal the job's lease end when accepted posts moved it later."""
         deadline = self.ctx.lease.deadline
         if deadline > self.journaled_deadline:
             self.journaled_deadline = deadline
@@ -221,17 +205,10 @@ class _StreamedGeneration:
             self._post(body)
 
     def _post(self, body: dict[str, Any]) -> None:
-        """Post one progress body, retrying as the state machine says.
-
-        A lost answer (no answer, a reset, or a 2xx answer that could not be
-        read: the post may have been processed) is retried with the identical
-        body; 429 and 5xx are answers for ``on_response``. Retries stop when the
-        lease nears its end (the caller then faults the job), and nothing more
-        is posted once the job is given up (the caller faults it).
-
-        Raises JobEnded when the job ended (cancelled or ChatJobAborted): the
-        local generation is then aborted and nothing is submitted.
-        """
+        """Post one progress body, retrying as ``ProgressPoster`` says (a lost
+        answer with the identical body) until the lease nears its end; nothing
+        once the job is given up. Raises JobEnded (the generation aborted) when
+        the job was cancelled or ended by the Horde."""
         ports, poster, lease = self.ports, self.poster, self.ctx.lease
         clock = ports.clock
         while True:
@@ -246,12 +223,8 @@ class _StreamedGeneration:
                 finally:
                     self.ctx.note_horde_wait(clock.monotonic() - sent_at)
                 action = poster.on_response(200, answer, clock.monotonic())
-            except HordeRefusal as exc:
-                action = poster.on_response(
-                    exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
-                )
-            except HordeUnavailable as exc:
-                if exc.status == 429 or exc.status >= 500:
+            except (HordeRefusal, HordeUnavailable) as exc:
+                if isinstance(exc, HordeRefusal) or exc.status == 429 or exc.status >= 500:
                     action = poster.on_response(
                         exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
                     )
@@ -286,21 +259,15 @@ class _StreamedGeneration:
             return
 
     def _close_and_abort(self) -> None:
-        """Stop the local generation: close the stream, then abort by ``genkey``.
-
-        The abort also covers a request still queued for koboldcpp's model lock
-        (koboldcpp keeps one pending abort key, 1.116.1 ``koboldcpp.py`` L6537-6539).
-        """
+        """Close the stream, then abort by ``genkey`` (which also covers a request
+        still queued for koboldcpp's model lock)."""
         self.slot.close()
         self.ports.koboldcpp.abort_quietly(self.ctx.genkey)
 
 
 class _StreamSlot:
-    """A job's koboldcpp stream, shared by the job thread and its reader thread.
-
-    ``close()`` may come before the stream is open (koboldcpp still waiting
-    for its model lock): the reader then closes the stream as soon as it opens.
-    """
+    """A job's koboldcpp stream, shared by the job thread and its reader; a
+    ``close()`` before it opens closes it as soon as it opens."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -323,24 +290,3 @@ class _StreamSlot:
             stream = self._stream
         if stream is not None:
             stream.close()
-
-
-def _pump(
-    open_stream: Callable[[], KcppStream],
-    slot: _StreamSlot,
-    out: queue.Queue[bytes | BaseException | None],
-) -> None:
-    """Open a backend stream and read it into a queue: bytes chunks, then None or the error."""
-    try:
-        stream = open_stream()
-        if not slot.attach(stream):
-            return
-        while True:
-            chunk = stream.read_chunk()
-            if not chunk:
-                break
-            out.put(chunk)
-    except BaseException as exc:  # handed to the job thread, which decides
-        out.put(exc)
-        return
-    out.put(None)

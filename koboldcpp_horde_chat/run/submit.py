@@ -34,14 +34,15 @@ from typing import Any
 
 from ..errors import HordeError, HordeRefusal, HordeUnavailable, JobFault
 from ..horde.api import HordeAPI
-from ..horde.codes import REFUSAL_RCS, is_key_refusal
+from ..horde.codes import is_key_refusal
 from ..jsonbody import finite_number
 from ..settings import WorkerSettings
 from ..state.job import JobContext, Outcome
+from ..state.job import refused_reply_fault as refused_reply_fault  # recovery.py imports it here
 from ..state.journal_rules import known_not_taken, next_start_plan
 from ..state.life import Move, Phase
 from ..state.shared import WorkerState
-from ..translate.submits import FAULT_REPLY_REFUSED, job_fault_submit
+from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
 
@@ -52,19 +53,6 @@ STOP_SUBMIT_MIN_TIMEOUT_S = 0.1
 
 RefusalHandler = Callable[[HordeRefusal], JobFault]
 """Turns the Horde's refusal of a reply into the fault that follows it."""
-
-
-def refused_reply_fault(exc: HordeRefusal) -> JobFault:
-    """The fault after a refused reply: ``reply_refused`` for the chat refusals
-    (``ChatSubmitInvalid``, ``ChatSubmitNonconformant``, ``ChatModelMismatch``,
-    worked example), none for any other (such as 400 for a token count out of
-    range). A fault after ``ChatSubmitNonconformant`` does not count toward
-    maintenance: the Horde counts it as a nonconformant reply."""
-    return JobFault(
-        f"reply refused ({exc.rc or exc.status}): {exc.message}",
-        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
-        counts=exc.rc != "ChatSubmitNonconformant",
-    )
 
 
 class SubmitPipeline:

@@ -1,15 +1,11 @@
-"""A text job run (seed "8. Keep serving text jobs").
+"""A text job run (seed "8. Keep serving text jobs"): the payload goes to koboldcpp's
+``/api/v1/generate`` as koboldcpp's own worker sends it, the reply is submitted
+as ``generation``.
 
-The payload goes to koboldcpp's ``/api/v1/generate`` as koboldcpp's own
-worker sends it (with a ``HORDEREQ_`` genkey), and the reply is submitted as
-``generation``. A failure raises :class:`~errors.JobFault`. There is nothing
-to prepare: the job driver (``run/driver.py``) moves the job to
-``generating`` right after :meth:`TextRun.received`.
-
-Its ``max_context_length`` is sent as the job has it, even where koboldcpp's
-20 % rule then cuts ``max_length`` (unlike a chat job's): a text prompt is one
-raw string that koboldcpp trims to ``context - max_length`` and there is no
-fit check, so a larger context would change what the model reads.
+Its ``max_context_length`` is sent as the job has it, even where koboldcpp's 20 %
+rule then cuts ``max_length`` (unlike a chat job's): koboldcpp trims a text
+prompt to ``context - max_length`` and there is no fit check, so a larger
+context would change what the model reads.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import BackendError, HordeRefusal, JobFault, ReplyError
+from ..errors import BackendError, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..koboldcpp.answers import text_completion_tokens, text_generation
 from ..state.job import JobContext, Outcome
@@ -30,14 +26,7 @@ log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
 class TextRun:
-    """Serve one text job: :meth:`received`, then :meth:`generate` (the job's
-    moves are the driver's, ``run/driver.py``).
-
-    Args:
-        ports: the loop's ports (``state.ports.Ports``).
-        job: the popped text job.
-        ctx: the job in hand.
-    """
+    """Serve one text job: :meth:`received`, then :meth:`generate`."""
 
     def __init__(self, ports: Ports, job: TextJob, ctx: JobContext) -> None:
         self.ports = ports
@@ -55,12 +44,8 @@ class TextRun:
         )
 
     def generate(self, genkey: str) -> Outcome:
-        """Generate the job under ``genkey`` (it is ``generating``) and return its
-        submit (``{"id", "generation", "state": "ok"}``).
-
-        Raises:
-            JobFault: koboldcpp failed or its answer has no text (``backend_failed``).
-        """
+        """Generate under ``genkey``; JobFault (``backend_failed``) when koboldcpp
+        failed or its answer has no text."""
         job, ctx, kcpp = self.job, self.ctx, self.ports.koboldcpp
         ctx.note_prompt_tokens(text_prompt_tokens(job.payload))
         try:
@@ -78,22 +63,15 @@ class TextRun:
         # The reply's length in tokens as koboldcpp counted them, as a chat job's.
         tokens = text_completion_tokens(body)
         detail = f"tokens={'?' if tokens is None else tokens}"
-        return Outcome(text_submit(job.id, generation), detail, _refusal_fault)
+        return Outcome(text_submit(job.id, generation), detail)
 
 
 def text_prompt_tokens(payload: dict[str, Any]) -> int:
-    """The tokens of a text job's prompt that koboldcpp processes, estimated as
-    the Horde counts text (``lease_fit.tokens_of_text``), at most what the
-    job's context keeps beside its ``max_length`` (koboldcpp cuts the front of
-    a longer prompt)."""
+    """The prompt's tokens koboldcpp processes, estimated as the Horde counts text,
+    at most what the context keeps beside ``max_length`` (koboldcpp cuts the rest)."""
     prompt = payload.get("prompt")
     tokens = tokens_of_text(prompt if isinstance(prompt, str) else "")
     context, length = payload.get("max_context_length"), payload.get("max_length")
     if isinstance(context, int) and isinstance(length, int) and context > length >= 0:
         tokens = min(tokens, context - length)
     return tokens
-
-
-def _refusal_fault(exc: HordeRefusal) -> JobFault:
-    """A refused text reply is faulted (a text fault carries no reason)."""
-    return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")

@@ -1,19 +1,11 @@
 """Retry delays (pure; computes seconds, never sleeps).
 
-Two policies:
-
-* :class:`Backoff`: exponential backoff with *equal jitter* for retrying a call
-  that failed (a Horde 5xx or 429, a lost connection, a busy koboldcpp). The
-  n-th delay (n = 0, 1, ...) is drawn uniformly from ``[d/2, d]`` with
-  ``d = min(cap_s, base_s * factor**n)``. Equal jitter rather than full jitter
-  (``[0, d]``): it still spreads workers apart, but never retries at once
-  against a server that just said it is overloaded. A server's ``Retry-After``
-  is a floor for the delay.
-* :class:`EmptyPopBackoff`: the wait after a pop that returned no job, the same
-  steps as koboldcpp's embedded worker (1.116.1 ``koboldcpp.py`` L10158-10160):
-  1 s, then 2 s after 10 empty pops in a row, then 3 s after 25.
-
-Seed section: "The pop loop" (a pop without a job is followed by another pop).
+:class:`Backoff` retries a failed call with exponential backoff and *equal
+jitter*: the n-th delay is drawn from ``[d/2, d]``, ``d = min(cap_s, base_s *
+factor**n)``, so it spreads workers apart yet never retries at once against a
+server that said it is overloaded; a ``Retry-After`` is a floor.
+:class:`EmptyPopBackoff` waits after a pop without a job as koboldcpp's own
+worker does (1.116.1 ``koboldcpp.py`` L10158-10160).
 """
 
 from __future__ import annotations
@@ -26,20 +18,9 @@ RETRY_AFTER_CAP_S = 600.0
 
 
 class Backoff:
-    """Exponential backoff with equal jitter.
-
-    Args:
-        base_s: the first delay's upper bound, seconds (> 0).
-        cap_s: the largest delay drawn from the exponential schedule, seconds
-            (>= base_s).
-        factor: growth per attempt (>= 1).
-        rng: the random source (a seeded ``random.Random`` in tests).
-        retry_after_cap_s: the largest delay a server's ``Retry-After`` can ask
-            for, seconds; the effective ceiling is ``max(cap_s, retry_after_cap_s)``.
-
-    Raises:
-        ValueError: on a non-positive base, a cap below the base or a factor below 1.
-    """
+    """Exponential backoff with equal jitter, seconds; a ``Retry-After`` may ask
+    for up to ``max(cap_s, retry_after_cap_s)``. ValueError for a non-positive
+    base, a cap below it or a factor below 1."""
 
     def __init__(
         self,
@@ -65,18 +46,8 @@ class Backoff:
         self.attempts = 0
 
     def next_delay(self, retry_after_s: float | None = None) -> float:
-        """The delay before the next retry, seconds; advances the schedule.
-
-        Args:
-            retry_after_s: the server's ``Retry-After`` in seconds, when it sent
-                one. The delay is then at least this value, but never more than
-                ``max(cap_s, retry_after_cap_s)``. Negative or non-finite values
-                are ignored.
-
-        Returns:
-            A delay in ``[d/2, d]`` (``d = min(cap_s, base_s * factor**attempts)``),
-            raised to ``retry_after_s`` when that is larger.
-        """
+        """The delay before the next retry, seconds, at least a positive finite
+        ``retry_after_s``; advances the schedule."""
         bound = self._bound
         delay = bound / 2 + self._rng.uniform(0.0, bound / 2)
         self.attempts += 1
@@ -92,40 +63,22 @@ class Backoff:
 
 
 class EmptyPopBackoff:
-    """The wait after an empty pop: 1 s, 2 s after 10 empty pops in a row, 3 s after 25.
-
-    Call ``next_delay()`` after each pop that returned no job and ``reset()``
-    after a pop that returned one.
-
-    Attributes:
-        empty_pops: empty pops in a row so far.
-    """
+    """The wait after an empty pop: 1 s, 2 s after 10 empty pops in a row, 3 s after 25."""
 
     STEPS: tuple[tuple[int, float], ...] = ((25, 3.0), (10, 2.0))
     """(more than this many empty pops, delay in seconds), largest first."""
     FIRST_DELAY_S = 1.0
-    LOW_POWER_AFTER = 20
-    """koboldcpp logs "entering low power mode" at this many empty pops."""
 
     def __init__(self) -> None:
         self.empty_pops = 0
 
     def next_delay(self) -> float:
-        """Count one more empty pop and return the wait before the next pop, seconds.
-
-        Returns:
-            1.0 for empty pops 1 to 10, 2.0 for 11 to 25, 3.0 from the 26th on.
-        """
+        """Count one more empty pop: the wait before the next pop, seconds."""
         self.empty_pops += 1
         for after, delay in self.STEPS:
             if self.empty_pops > after:
                 return delay
         return self.FIRST_DELAY_S
-
-    @property
-    def low_power(self) -> bool:
-        """True once the worker has seen ``LOW_POWER_AFTER`` empty pops in a row."""
-        return self.empty_pops >= self.LOW_POWER_AFTER
 
     def reset(self) -> None:
         """A pop returned a job: start again at 1 s."""

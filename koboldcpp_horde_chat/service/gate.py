@@ -1,20 +1,10 @@
-"""Whether the pop loop may pop now, and how long to wait when not (the pop gate).
+"""The pop gate: whether the pop loop may pop now, and how long to wait when not.
 
-Seed "The pop loop": pop only when the job can be served. The gate yields to
-a local user and to a busy koboldcpp as koboldcpp's own worker does (the
-local-use signals are ``koboldcpp.manners``'), waits while koboldcpp does not
-answer, while a submit is being retried, while koboldcpp fails every
-generation (probing it with a short one), while the Horde's hour is nearly
-full of this worker's aborted jobs (``guard.MaintenanceGuard``), while a
-chat-only worker's chat declaration is withdrawn, and while every kind it may
-pop for failed its generations in a row (each probed until it generates). Both
-probes are one rule (``PopGate._probe_until_generates``, ``state.probes``): a
-failing subject, koboldcpp as a whole or one kind, gets a generation the size
-of its failed job, a minute after its withdrawal and ever less often after,
-until one succeeds. Before a pop it re-measures
-koboldcpp's speed for a ``max_length`` lowered and left idle (the rule in
-``lease_fit``'s docstring). A probe or re-measure in flight at the stop's
-deadline is hung up then and aborted by its genkey, as a job's generation is.
+Seed "The pop loop": pop only when the job can be served. The gate yields to a
+local user and to a busy koboldcpp, waits while koboldcpp does not answer, while
+a submit is retried, near the Horde's hourly limit of aborted jobs, and while
+chat is withdrawn; it probes a koboldcpp (or a kind of job) that fails every
+generation with one the size of its failed job (``state.probes``).
 """
 
 from __future__ import annotations
@@ -24,8 +14,8 @@ import math
 import re
 import secrets
 import threading
-from collections.abc import Callable
 
+from ..clock import Clock
 from ..errors import BackendError, ReplyError
 from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
@@ -85,23 +75,14 @@ ALL_KINDS = ALL
 
 
 def probe_prompt(tokens: int) -> str:
-    """A prompt of about ``tokens`` tokens: :data:`PROBE_PROMPT` and, for a
-    larger size, :data:`PROBE_WORDS` repeated."""
+    """A prompt of about ``tokens`` tokens (:data:`PROBE_PROMPT`, then :data:`PROBE_WORDS`)."""
     extra = max(0, tokens - 4)
     words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(extra)]
     return " ".join([PROBE_PROMPT, *words])
 
 
 class PopGate:
-    """Whether the pop loop may pop now, and how long to wait when not.
-
-    Args:
-        manners: local-use signals from the host.
-        backend: the koboldcpp client (its readiness GET after a failed job).
-        state: the worker's shared state (chat withdrawal).
-        settings: ``local_idle_s``, ``prompt_jobs``.
-        clock: monotonic seconds; wall: epoch seconds.
-    """
+    """Whether the pop loop may pop now, and how long to wait when not."""
 
     def __init__(
         self,
@@ -109,54 +90,39 @@ class PopGate:
         backend: KcppAPI,
         state: WorkerState,
         settings: WorkerSettings,
-        *,
-        clock: Callable[[], float],
-        wall: Callable[[], float],
+        clock: Clock,
+        figures: FiguresReader,
     ) -> None:
         self.manners = manners
         self.backend = backend
         self.state = state
         self.settings = settings
         self.clock = clock
-        self.wall = wall
         self.backend_suspect = False
         self._own_done_at: float | None = None
-        #: koboldcpp's figures of each probe (``/api/extra/perf``); the loop gives
-        #: the gate its job meter's, so that each generation's are read once.
-        self.figures = FiguresReader(backend, threads=settings.threads)
+        #: koboldcpp's figures of each probe: the job meter's reader, so each is read once.
+        self.figures = figures
         self._own_running = False
-        #: The words of the last pause, when they are not its reason's own
-        #: (``status.abort_limit_line``); None otherwise.
+        #: The words of the last pause when not its reason's own, else None.
         self.line: str | None = None
         self._abort_line: tuple[tuple[int, int], str] | None = None
 
     def pause(self) -> tuple[str, float] | None:
         """Why the loop must not pop now (a ``status.PAUSE_REASONS`` key) and how
-        many seconds to wait; None to pop.
-
-        Yields to a local user (``local_idle_s`` after their last generation)
-        and to a busy koboldcpp as koboldcpp's own worker does; waits while
-        koboldcpp, which failed a job or a read of its perf, does not answer
-        (its readiness GET); pauses a chat-only
-        worker whose chat declaration is withdrawn. While koboldcpp has failed
-        generations in a row it probes it; while the aborted jobs of the Horde's
-        hour are too many it waits until the window allows one more
-        (:attr:`line` then says until when). A kind whose generations failed in
-        a row is probed (:meth:`_kinds_generate`); with no kind left to pop for
-        it pauses. Before it lets the loop pop it re-measures koboldcpp's speed
-        for a lowered ``max_length`` that is due it (:meth:`remeasure`).
-        """
+        many seconds to wait; None to pop (after any re-measure that is due).
+        Probes a failing koboldcpp or kind of job when due; :attr:`line` says
+        until when the aborted-job limit waits."""
         self.line = None
         last_local = self.manners.last_local_request_time()
         if self.manners.unreachable:
             # Not answering even an idle read: do not pop a job it cannot serve.
             self.backend_suspect = True
-        if last_local is not None and self.wall() - last_local < self.settings.local_idle_s:
+        if last_local is not None and self.clock.time() - last_local < self.settings.local_idle_s:
             return self._who_else("local_user"), LOCAL_USER_POLL_S
         # koboldcpp holds its lock 50 ms after answering the worker's own request:
         # when nobody waits for it, pop now (the next request only queues behind
         # that tail).
-        if self.manners.model_busy() and (not self.own_tail() or self._others_queued()):
+        if self.manners.model_busy() and (not self.own_tail() or self.manners.requests_queued()):
             wait_s = OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
             return self._who_else("busy", genkey=self.manners.running_genkey()), wait_s
         if not self._backend_answers():
@@ -166,23 +132,23 @@ class PopGate:
             return "submit_retry", SUBMIT_RETRY_POLL_S
         if not self._backend_generates():
             return "backend_failing", self._next_probe_in([ALL_KINDS])
-        limit = self.state.abort_limit(self.clock())
+        limit = self.state.abort_limit(self.clock.monotonic())
         if limit is not None:
             count, in_hand, resume_at = limit
-            wait_s = max(0.0, resume_at - self.clock())
+            wait_s = max(0.0, resume_at - self.clock.monotonic())
             if self._abort_line is None or self._abort_line[0] != (count, in_hand):
                 # Worded once per count: said again only when it changes.
                 line = abort_limit_line(
                     count=count,
                     in_hand=in_hand,
                     limit=HORDE_FAULT_LIMIT_PER_HOUR,
-                    resume_wall=math.ceil(self.wall() + wait_s),
+                    resume_wall=math.ceil(self.clock.time() + wait_s),
                     wait_s=wait_s,
                 )
                 self._abort_line = ((count, in_hand), line)
             self.line = self._abort_line[1]
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
-        if not self.state.update_chat_withdrawal(self.clock()):
+        if not self.state.update_chat_withdrawal(self.clock.monotonic()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
         if not self._kinds_generate():
             streak = self.state.failure_streak
@@ -193,13 +159,10 @@ class PopGate:
         return None
 
     def _who_else(self, reason: str, *, genkey: str | None = None) -> str:
-        """``reason`` (``"local_user"``, ``"busy"``) named by who keeps koboldcpp
-        busy, when the worker can tell: ``"kcpp_worker"`` when koboldcpp's own
-        Horde worker runs (koboldcpp says so, or its generation has that
-        worker's genkey, ``HORDEREQ_`` and three digits), ``"same_worker"``
-        when the generation has a genkey of this package's shape that no job of
-        this process holds (another process of this worker on this koboldcpp).
-        """
+        """``reason`` named by who keeps koboldcpp busy, when the worker can tell:
+        ``"kcpp_worker"`` (koboldcpp's own Horde worker, by its flag or its
+        three-digit genkey) or ``"same_worker"`` (a genkey of this package's
+        shape that no job of this process holds: another process)."""
         if genkey is not None and genkey.startswith(GENKEY_PREFIX):
             if KCPP_WORKER_GENKEY.fullmatch(genkey):
                 return "kcpp_worker"
@@ -209,56 +172,32 @@ class PopGate:
             return "kcpp_worker"
         return reason
 
-    def _others_queued(self) -> bool:
-        """Requests wait for koboldcpp's model lock (``LocalManners.requests_queued``)."""
-        return self.manners.requests_queued()
-
     def backend_changed(self) -> str | None:
-        """Whether koboldcpp came back (restarted) serving something else than the
-        worker declares, read now: how, or None (also for hosts that cannot
-        tell: inside koboldcpp a restart restarts the worker too)."""
+        """How koboldcpp, read now, serves something else than declared, or None."""
         return self.manners.recheck()
 
     def own_tail(self) -> bool:
-        """True while the worker's own generation runs (:meth:`own_generation_started`)
-        and within ``OWN_TAIL_S`` of its end."""
+        """True while the worker's own generation runs and within ``OWN_TAIL_S`` of its end."""
         own = self._own_done_at
-        return self._own_running or (own is not None and self.clock() - own < OWN_TAIL_S)
+        return self._own_running or (own is not None and self.clock.monotonic() - own < OWN_TAIL_S)
 
     def own_generation_started(self) -> None:
-        """The worker's own generation request goes to koboldcpp now: until it ends,
-        a busy koboldcpp with nothing queued is busy with it (the next pop may go)."""
+        """Until it ends, a busy koboldcpp with nothing queued is busy with it."""
         self._own_running = True
 
     def own_generation_ended(self) -> None:
-        """The worker's own request to koboldcpp ended now."""
         self._own_running = False
-        self._own_done_at = self.clock()
+        self._own_done_at = self.clock.monotonic()
 
     def own_generation_over(self) -> None:
-        """End the worker's own generation when it is still taken to run (a job
-        whose serving broke before its end was heard)."""
+        """End the worker's own generation if still running (a job broke before its end)."""
         if self._own_running:
             self.own_generation_ended()
 
-    def note_own_request(self) -> None:
-        """The worker sends a generation request now (not a local user's)."""
-        self.manners.note_own_request()
-
-    def note_own_request_done(self) -> None:
-        """One of the worker's generation requests ended now."""
-        self.manners.note_own_request_done()
-
     def _backend_answers(self) -> bool:
-        """False while koboldcpp, which failed a job without answering, still does not answer.
-
-        A crashed or restarting koboldcpp would otherwise fault every job
-        popped meanwhile (each one an aborted job on the Horde, on the way to
-        maintenance). The probe is koboldcpp's own readiness GET. A koboldcpp
-        that answers again is read again before the next pop: one that came
-        back serving another model or context is not popped for under the old
-        declaration (the manners then say stop, and the host declares anew).
-        """
+        """False while koboldcpp, which failed a job without answering, still does
+        not answer its readiness GET (a crashed koboldcpp would fault every job
+        popped meanwhile), or came back serving another model or context."""
         if not self.backend_suspect:
             return True
         if self.backend.ready():
@@ -267,29 +206,15 @@ class PopGate:
         return False
 
     def _backend_generates(self) -> bool:
-        """False while koboldcpp, which failed generations in a row
-        (``guard.FailureStreak``), is not probed back.
-
-        An answering koboldcpp that fails every generation would fault every job
-        popped meanwhile. Its probe (:meth:`_probe_until_generates` of all kinds
-        together) is a text generation the size of the last failed job; its
-        answer is measured like a job's.
-        """
+        """False while koboldcpp, failing generations in a row, is not probed back."""
         if not self.state.failure_streak.failing:
             return True
         return self._probe_until_generates(ALL_KINDS, "text")
 
     def _kinds_generate(self) -> bool:
-        """Probe each kind whose generations failed in a row (``guard.FailureStreak``,
-        :meth:`_probe_until_generates`); False while no kind is left to pop for
-        (the pause waits for the next probe).
-
-        A kind that fails alone (koboldcpp fails its chat completions, say, and
-        its text generations succeed) is withdrawn from the pops
-        (``WorkerState.pop_body``) until its probe generates: a text probe is a
-        text generation, a chat probe a one-message chat completion, each the
-        size of the kind's last failed job and with a genkey of the worker's own.
-        """
+        """Probe each kind that failed alone (withdrawn from the pops until its
+        probe, of its own kind and its failed job's size, generates); False
+        while no kind is left to pop for."""
         streak = self.state.failure_streak
         for kind in ("text", "chat"):
             if streak.kind_failing(kind):
@@ -297,21 +222,17 @@ class PopGate:
         return bool(self.state.kinds_to_pop())
 
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
-        """The one rule of a failing subject (all kinds together, :data:`ALL_KINDS`,
-        or one kind; ``state.probes.ProbePlan``): no probe before the
-        withdrawal's wait (60 s the first time, twice the last one after), then
-        a generation of ``kind`` the size of the subject's last failed job
-        (:meth:`_probe`), each failed one waiting twice as long again. True when
-        this probe generated: the subject is declared again on probation (one
-        more failure withdraws it again, ``guard.FailureStreak.probation``)."""
+        """Probe a failing subject (:data:`ALL_KINDS` or one kind) when its wait is
+        over (60 s, then twice the last); True when the probe generated (the
+        subject is declared again, on probation)."""
         plan = self.state.probe_plan
         with self.state.lock:
-            if not plan.due(subject, self.clock()):
+            if not plan.due(subject, self.clock.monotonic()):
                 return False
             size = plan.size(subject)
         if self._probe(kind, size) is None:
             with self.state.lock:
-                plan.probe_failed(subject, self.clock())
+                plan.probe_failed(subject, self.clock.monotonic())
             return False
         with self.state.lock:
             plan.probe_succeeded(subject)
@@ -319,22 +240,17 @@ class PopGate:
         return True
 
     def _next_probe_in(self, subjects: list[str]) -> float:
-        """Seconds to the next probe of any of ``subjects`` (at least 0.1)."""
         plan = self.state.probe_plan
         times = [at for subject in subjects if (at := plan.next_at(subject)) is not None]
-        return max(0.1, min(times, default=self.clock() + 0.1) - self.clock())
+        return max(0.1, min(times, default=self.clock.monotonic() + 0.1) - self.clock.monotonic())
 
     def remeasure(self) -> None:
-        """Re-measure koboldcpp for the kinds whose lowered limits are due it
-        (``lease_fit.LeaseFit.recheck_due``: no measured job for the kind's
-        cool-off), each with a generation of its own the size of the kind's job
-        that ran out (``lease_fit.LeaseFit.probe_size``; a genkey of its own),
-        and refit them from its figures: a koboldcpp that is fast again gets its
-        limits back although no request small enough to measure it arrives (one
-        line per change). A probe that fails (also one that does not end within
-        a job's budget) refits nothing and doubles the cool-off."""
+        """Re-measure koboldcpp for each kind whose lowered limits are due it, with a
+        generation the size of the job that ran out, and refit them from its
+        figures (one line per change): a koboldcpp fast again gets its limits
+        back. A failed probe refits nothing and doubles the cool-off."""
         with self.state.lock:
-            due = self.state.lease_fit.recheck_due(self.clock())
+            due = self.state.lease_fit.recheck_due(self.clock.monotonic())
             sizes = [(kind, self.state.lease_fit.probe_size(kind)) for kind in due]
         for kind, (prompt_tokens, max_length) in sizes:
             measured = self._generate(kind, prompt_tokens, max_length)
@@ -350,17 +266,15 @@ class PopGate:
                 elif prompt_tokens >= 16 and seconds > 0:
                     # No figures: all its time on the prompt (an upper bound).
                     process_s = seconds / prompt_tokens
-            now = self.clock()
+            now = self.clock.monotonic()
             with self.state.lock:
                 changes = self.state.lease_fit.remeasured(kind, speed, now, process_s=process_s)
             for change in changes:
                 log.warning("%s", change.line())
 
     def _probe(self, kind: str, size: tuple[int, int] | None) -> tuple[int, float] | None:
-        """One probe of ``kind`` of ``size`` (``(prompt tokens, max_length)``; None:
-        :data:`PROBE_PROMPT` and :data:`PROBE_MAX_LENGTH`) (:meth:`_generate`);
-        its answer is measured like a job's (``meter.record_generated``, which
-        ends the kind's streak)."""
+        """One probe of ``kind`` of ``size`` (``(prompt tokens, max_length)``, None:
+        the default probe), measured like a job's: ``(tokens, seconds)`` or None."""
         prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
         max_length = max_length or PROBE_MAX_LENGTH
         measured = self._generate(kind, prompt_tokens, max_length)
@@ -374,7 +288,7 @@ class PopGate:
             seconds,
             max_length=max_length,
             ttl_s=self.state.lease_fit.lease_s,
-            now=self.clock(),
+            now=self.clock.monotonic(),
             figures=figures,
         )
         return tokens, seconds
@@ -382,12 +296,9 @@ class PopGate:
     def _generate(
         self, kind: str, prompt_tokens: int, max_length: int
     ) -> tuple[int, float, PerfFigures | None] | None:
-        """A generation of ``kind`` of a prompt of about ``prompt_tokens`` tokens
-        (:func:`probe_prompt`) and ``max_length``, sent to koboldcpp as the
-        worker's own (a ``HORDEREQ_`` genkey, so koboldcpp does not take it for
-        a local user's), within a job's budget (``lease_fit.budget_s``):
-        ``(tokens, seconds, koboldcpp's figures of it or None)``, or None when
-        it failed (one that timed out is aborted by its genkey)."""
+        """A generation of ``kind`` sent as the worker's own (a ``HORDEREQ_`` genkey,
+        so koboldcpp does not take it for a local user's), within a job's budget:
+        ``(tokens, seconds, koboldcpp's figures or None)``, or None when it failed."""
         genkey = f"{GENKEY_PREFIX}probe{secrets.token_hex(8)}"
         cancel = threading.Event()
 
@@ -411,8 +322,8 @@ class PopGate:
     ) -> tuple[int, float, PerfFigures | None] | None:
         fit = self.state.lease_fit
         timeout_s = max(PROBE_TIMEOUT_S, budget_s(fit.lease_s, fit.margin_s))
-        started = self.clock()
-        self.note_own_request()
+        started = self.clock.monotonic()
+        self.manners.note_own_request()
         try:
             if kind == "chat":
                 content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
@@ -446,6 +357,6 @@ class PopGate:
                 abort_quietly(self.backend, genkey)  # timed out: it runs on in koboldcpp
             return None
         finally:
-            self.note_own_request_done()
+            self.manners.note_own_request_done()
             self.own_generation_ended()
-        return tokens, self.clock() - started, self.figures.read()
+        return tokens, self.clock.monotonic() - started, self.figures.read()

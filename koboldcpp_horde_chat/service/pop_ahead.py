@@ -1,13 +1,7 @@
-"""The next pop, sent on a thread of its own beside a job's submit, or during
-a long text generation.
-
-koboldcpp's own worker overlaps its submit with the next pop; so does this
-worker's loop (``service.loop``), and a job the early pop brings is taken in
-hand (``run.driver.JobDriver.take_in_hand``) on this thread as soon as the
-answer arrives (journaled before the loop is free to serve it). During a
-text generation that koboldcpp's past ones say is long, the next pop goes out
-before it ends, timed by :class:`EarlyPopTiming`, so that koboldcpp waits for
-no round trip to the Horde between two jobs.
+"""The next pop, sent ahead on a thread of its own: beside a job's submit, as
+koboldcpp's own worker does, or during a text generation that koboldcpp's past
+ones say is long, so that koboldcpp waits for no round trip between two jobs.
+The job it brings is journaled on the pop's thread at once.
 """
 
 from __future__ import annotations
@@ -16,12 +10,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HordeError, HordeUnavailable
 from ..horde.api import HordeAPI
-from ..state.job import JobContext
+from ..horde.pop import PopAnswer, read_pop
+from ..koboldcpp.manners import OWN_TAIL_S
+from ..run.submit import ReplyBeside
+from ..state.job import JobContext, Outcome
+from .gate import OWN_TAIL_POLL_S
+
+if TYPE_CHECKING:
+    from .loop import Worker
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
 
@@ -38,15 +39,13 @@ ROUND_TRIP_WEIGHT = 0.5
 
 
 class EarlyPopTiming:
-    """When the next pop goes out during a text generation (pure; monotonic seconds).
+    """When the next pop goes out during a text generation (pure; seconds).
 
-    It keeps koboldcpp's last :data:`EARLY_POP_SAMPLES` text generations, as
-    seconds per token of the job's ``max_length``, and a running round trip of
-    the pops. A generation of ``max_length`` tokens is taken to last at least
-    the fastest of them times ``max_length``; the pop goes out that long after
-    its start less the round trip and :data:`EARLY_POP_MARGIN_S`, so that its
-    answer is in before the generation ends (a slower one leaves the job in
-    hand a moment; a faster one, the loop wakes the pop at its end).
+    A generation of ``max_length`` tokens is taken to last at least the fastest
+    of the last :data:`EARLY_POP_SAMPLES` per token; the pop goes out that long
+    after its start less the pops' running round trip and
+    :data:`EARLY_POP_MARGIN_S`, so that its answer is in before the generation
+    ends (one that ends sooner wakes the pop at once).
     """
 
     def __init__(self) -> None:
@@ -68,9 +67,9 @@ class EarlyPopTiming:
         )
 
     def delay_s(self, max_length: int) -> float | None:
-        """Seconds after the start of a text generation of ``max_length`` tokens at
-        which the next pop goes out; None: not during it (nothing measured yet,
-        or the generation is expected shorter than :data:`EARLY_POP_MIN_GEN_S`)."""
+        """Seconds after the generation's start at which the next pop goes out;
+        None: not during it (nothing measured yet, or expected shorter than
+        :data:`EARLY_POP_MIN_GEN_S`)."""
         if not self._per_token or self.round_trip_s is None or max_length <= 0:
             return None
         expected = min(self._per_token) * max_length
@@ -79,102 +78,198 @@ class EarlyPopTiming:
         return max(0.0, expected - self.round_trip_s - EARLY_POP_MARGIN_S)
 
 
-class TakeInHand(Protocol):
-    """The driver's ``take_in_hand`` (``run.driver.JobDriver.take_in_hand``)."""
+@dataclass(frozen=True)
+class Popped:
+    """A pop's answer (None when it failed: ``error``) as the loop takes it;
+    ``ctx`` is the job already taken in hand on the pop's thread, if any."""
 
-    def __call__(
-        self,
-        body: dict[str, Any],
-        pop: dict[str, Any],
-        popped_at: float,
-        *,
-        pop_wait_s: float = 0.0,
-    ) -> JobContext | None: ...
+    body: dict[str, Any]
+    answer: PopAnswer | None
+    error: HordeError | None
+    popped_at: float
+    wait_s: float = 0.0
+    ctx: JobContext | None = None
 
 
 class PopAhead:
-    """The next pop, sent on a thread of its own while the loop submits a job.
-
-    koboldcpp's own worker submits on a thread of its own so that its next pop
-    overlaps the submit; this is the same overlap the other way round: the
-    terminal action goes out on the loop's thread and the pop beside it. The
-    thread first asks ``prepare`` for the pop body (the loop's checks of
-    whether to pop now, which may read koboldcpp: the submit does not wait for
-    them); None means no pop (``skipped``). When the pop answers, ``take_in_hand``
-    takes the job it carries in hand on this thread at once (journaled before
-    the loop is free to serve it). ``join()`` waits for the thread: then
-    ``answer`` (the pop's JSON) or ``error`` (a ``HordeError``) is set,
-    ``popped_at`` (monotonic seconds) is when it arrived and ``ctx`` the job
-    in hand (None when the answer carried no job id); ``round_trip_s`` the
-    pop's round trip in seconds (None: no pop, or it failed).
-
-    Args:
-        horde: a Horde client used by no other thread meanwhile.
-        prepare: returns the pop body, or None not to pop now.
-        take_in_hand: takes ``(body, answer, popped_at, pop_wait_s=...)`` and
-            returns the job in hand, or None (the loop's driver's).
-        timeout_s: the pop's read timeout, seconds.
-        clock: monotonic seconds.
-    """
+    """The next pop, on a thread of its own (``horde-pop``): ``skipped`` when
+    :meth:`NextPop.prepare` said not now, else after :meth:`join` ``popped``
+    holds its answer and ``round_trip_s`` its round trip (None: it failed)."""
 
     def __init__(
-        self,
-        horde: HordeAPI,
-        prepare: Callable[[], dict[str, Any] | None],
-        take_in_hand: TakeInHand,
-        timeout_s: float,
-        clock: Callable[[], float],
+        self, next_pop: NextPop, horde: HordeAPI,
+        early: tuple[threading.Event, float] | None = None,
     ) -> None:
-        self.body: dict[str, Any] = {}
-        self.skipped = False
-        self.answer: dict[str, Any] | None = None
-        self.error: HordeError | None = None
-        self.popped_at = 0.0
-        self.ctx: JobContext | None = None
-        self.round_trip_s: float | None = None
+        self.next_pop = next_pop
+        self.early = early
         self._horde = horde
-        self._prepare = prepare
-        self._take_in_hand = take_in_hand
-        self._timeout_s = timeout_s
-        self._clock = clock
+        self.skipped = False
+        self.popped: Popped | None = None
+        self.round_trip_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
+
+    @property
+    def ctx(self) -> JobContext | None:
+        return self.popped.ctx if self.popped is not None else None
 
     def _run(self) -> None:
         # Let the loop's thread have the interpreter first: its submit goes on
         # the wire before this thread's Python work, which then runs while the
         # submit waits for its answer.
         time.sleep(0)
+        loop = self.next_pop.loop
         try:
-            body = self._prepare()
+            body = self.next_pop.prepare(self.early)
         except Exception:  # the loop pops the usual way instead, and logs what breaks there
             log.debug("the pop beside the submit was not prepared", exc_info=True)
             body = None
         if body is None:
             self.skipped = True
             return
-        self.body = body
-        sent_at = self._clock()
+        clock = loop.clock.monotonic
+        sent_at = clock()
         try:
-            answer = self._horde.pop(body, timeout_s=self._timeout_s)
-        except HordeError as exc:
-            self.error = exc
+            answer = self._horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
         except Exception as exc:  # handed to the loop, which logs it
-            self.error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
-        else:
-            self.popped_at = self._clock()
-            self.round_trip_s = self.popped_at - sent_at
-            try:
-                self.ctx = self._take_in_hand(
-                    body, answer, self.popped_at, pop_wait_s=self.popped_at - sent_at
-                )
-            except Exception:  # the loop takes the job in hand itself
-                log.debug("the job popped beside the submit was not received", exc_info=True)
-            self.answer = answer
+            error = exc if isinstance(exc, HordeError) else HordeUnavailable(
+                f"pop failed: {type(exc).__name__}"
+            )
+            self.popped = Popped(body, None, error, clock())
             return
-        self.popped_at = self._clock()
+        popped_at = clock()
+        self.round_trip_s = popped_at - sent_at
+        popped = read_pop(answer, default_ttl_s=loop.settings.lease_s)
+        ctx = None
+        try:
+            ctx = loop.driver.take_in_hand(body, popped, popped_at, pop_wait_s=self.round_trip_s)
+        except Exception:  # the loop takes the job in hand itself
+            log.debug("the job popped beside the submit was not received", exc_info=True)
+        self.popped = Popped(body, popped, None, popped_at, self.round_trip_s, ctx)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for the pop (at most ``timeout_s``); True when it ended."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+class NextPop:
+    """A loop's next pop sent ahead: only when the loop would pop now anyway, never
+    while stopping, and never when this job's terminal action could change what
+    the next pop declares (``WorkerState.outcome_may_withdraw``)."""
+
+    def __init__(self, loop: Worker) -> None:
+        self.loop = loop
+        self.ahead: PopAhead | None = None
+        self.timing = EarlyPopTiming()
+        #: Wakes the pop sent during the generation (set when the generation ends).
+        self.early_go: threading.Event | None = None
+        #: (monotonic start, max_length) of the text generation under way, and when it ended.
+        self._text_generation: tuple[float, int] | None = None
+        self._generation_end: float | None = None
+        self._beside: ReplyBeside | None = None
+
+    def take(self) -> Popped | None:
+        """The answer of the pop sent ahead, once it came; None: no such pop."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        early = self.early_go is not None
+        ahead.join()
+        self.early_go = None
+        self.timing.popped(ahead.round_trip_s)
+        if early and ahead.ctx is not None and self.loop.stopping():
+            # It waited behind the last generation: its own could not be known
+            # to end by the stop's deadline. Faulted now, never generated.
+            ahead.ctx.give_up("popped during the last generation, not generated at the stop")
+        return None if ahead.skipped else ahead.popped
+
+    def generation_ended(self) -> None:
+        """The job's own request to koboldcpp ended (``PopGate.own_generation_ended``)."""
+        self._generation_end = self.loop.clock.monotonic()
+        self.loop.gate.own_generation_ended()
+        if self.early_go is not None:
+            self.early_go.set()
+
+    def generation_over(self) -> None:
+        """The job's serving ended, however: a pop waiting for it goes now."""
+        self.loop.gate.own_generation_over()
+        self._text_generation = None
+        if self.early_go is not None:
+            self.early_go.set()
+
+    def _horde(self, ctx: JobContext, *, is_fault: bool, now: float) -> HordeAPI | None:
+        loop = self.loop
+        if (
+            self.ahead is not None
+            or loop.gate.backend_suspect
+            or loop.state.failure_streak.failing
+            or loop.stopping()
+            or loop.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=now)
+        ):
+            return None
+        return loop.pop_horde
+
+    def text_generation_starts(self, ctx: JobContext, max_length: int) -> None:
+        """A text generation of at most ``max_length`` tokens starts: when expected to
+        last a while, the next pop goes out during it, timed to answer before its end."""
+        now = self.loop.clock.monotonic()
+        self._text_generation = (now, max_length)
+        self.loop.gate.own_generation_started()
+        delay = self.timing.delay_s(max_length)
+        horde = None if delay is None else self._horde(ctx, is_fault=True, now=now)
+        if delay is None or horde is None:
+            return
+        self.early_go = threading.Event()
+        self.ahead = PopAhead(self, horde, (self.early_go, delay))
+
+    def prepare(self, early: tuple[threading.Event, float] | None) -> dict[str, Any] | None:
+        """The next pop's body when the loop may pop now (waiting up to ``OWN_TAIL_S``
+        for koboldcpp's lock), else None. A pop during a generation waits ``early``
+        first, and never goes while a probe of koboldcpp is due (the gate would
+        send it beside the worker's generation)."""
+        loop = self.loop
+        if early is not None:
+            early[0].wait(early[1])
+            with loop.state.lock:
+                due = bool(loop.state.lease_fit.recheck_due(loop.clock.monotonic()))
+                failing = any(loop.state.failure_streak.kind_failing(k) for k in ("text", "chat"))
+            if due or failing or loop.state.failure_streak.failing:
+                return None
+        deadline = loop.clock.monotonic() + OWN_TAIL_S
+        while True:
+            pause = loop.gate.pause()
+            if pause is None:
+                return None if loop.stopping() else loop.state.pop_body(loop.caps)
+            if pause[0] != "busy" or loop.clock.monotonic() >= deadline or loop.stopping():
+                return None
+            loop.stop_event.wait(OWN_TAIL_POLL_S)
+
+    def reply_beside(self, ctx: JobContext, outcome: Outcome) -> bool:
+        """Submit the reply on a thread of its own when the pop sent during the
+        generation brought the next job or has yet to answer, so koboldcpp starts
+        that job at once. False: not sent."""
+        ahead, loop = self.ahead, self.loop
+        if (
+            loop.retry_horde is None
+            or ahead is None
+            or self.early_go is None  # not the pop sent during the generation
+            or (ahead.join(0) and ahead.ctx is None)  # it brought no job
+        ):
+            return False
+        if self._beside is None:
+            self._beside = ReplyBeside(loop.pipeline, loop.retry_horde)
+        self._beside.send(ctx, outcome)
+        return True
+
+    def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
+        """The job's terminal action goes out next: the next pop goes beside it."""
+        started, end = self._text_generation, self._generation_end
+        if not is_fault and started is not None and end is not None:
+            self.timing.generated(end - started[0], started[1])
+        early = self.ahead
+        if early is not None and early.join(0) and early.skipped:
+            self.ahead = self.early_go = None  # that pop did not go: one beside
+        horde = self._horde(ctx, is_fault=is_fault, now=self.loop.clock.monotonic())
+        if horde is not None:
+            self.ahead = PopAhead(self, horde)

@@ -112,12 +112,3 @@ def test_a_job_resets_the_empty_pop_wait_to_one_second() -> None:
     e.reset()
     assert e.empty_pops == 0
     assert e.next_delay() == 1.0
-
-
-def test_low_power_starts_at_twenty_empty_pops() -> None:
-    e = EmptyPopBackoff()
-    for _ in range(19):
-        e.next_delay()
-    assert not e.low_power
-    e.next_delay()
-    assert e.low_power

@@ -17,7 +17,7 @@ import pytest
 
 from bench.harness.fakes import FakeBackend, FakeClock, FakeHorde, FakeStopEvent
 from koboldcpp_horde_chat.errors import JobFault
-from koboldcpp_horde_chat.horde.pop import Lease
+from koboldcpp_horde_chat.horde.pop import Lease, read_pop
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state.job import JobContext
@@ -275,7 +275,7 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     journal = Journal(tmp_path / "jobs.json")
     worker = overlapping_worker(horde, clock, journal)
     body = worker.state.pop_body(worker.caps)
-    job = worker.driver.take_in_hand(body, tools_pop("j9"), clock())
+    job = worker.driver.take_in_hand(body, read_pop(tools_pop("j9")), clock())
     assert job is not None and job.phase is Phase.JOURNALED
     (entry,) = journal.entries()
     assert entry.job_id == "j9" and entry.genkey == job.genkey

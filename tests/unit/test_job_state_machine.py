@@ -496,7 +496,7 @@ class JobLife(RuleBasedStateMachine):
         flight), then let the submits retried on their own go on, one by one,
         unless they are held."""
         for worker, ahead in zip(self.workers, self.ahead, strict=True):
-            pending = worker._ahead
+            pending = worker.next_pop.ahead
             if pending is not None:
                 wait_until(lambda p=pending, a=ahead: p.join(0.001) or a.held > 0,  # type: ignore[misc]
                            "the pop beside a submit")
@@ -524,7 +524,7 @@ class JobLife(RuleBasedStateMachine):
             where.append("a pop in flight beside a submit")
         if self.ws.retrying_submits:
             where.append("a submit retried")
-        if any(w._ahead is not None and w._ahead.ctx is not None for w in self.workers):
+        if any(w.next_pop.ahead is not None and w.next_pop.ahead.ctx is not None for w in self.workers):
             where.append("a job waiting behind a submit")
         return f"{what} with " + (", ".join(where) or "no job in hand")
 
@@ -709,8 +709,8 @@ class JobLife(RuleBasedStateMachine):
         if self.state is None or self.exited:
             return
         waiting = {
-            w._ahead.ctx.id for w in self.workers
-            if w._ahead is not None and w._ahead.ctx is not None
+            w.next_pop.ahead.ctx.id for w in self.workers
+            if w.next_pop.ahead is not None and w.next_pop.ahead.ctx is not None
         }
         for ctx in self.ws.jobs_in_hand():
             assert ctx.id in waiting or ctx.phase is Phase.SETTLING, (
@@ -846,7 +846,7 @@ def test_a_job_popped_beside_a_submit_is_not_served_once_koboldcpp_is_known_to_h
         pop_horde=horde,
     )
     worker.run_once()  # j1 served; j2 popped beside its submit
-    ahead = worker._ahead
+    ahead = worker.next_pop.ahead
     assert ahead is not None and ahead.join(5.0) and ahead.ctx is not None
     manners.changed = "koboldcpp restarted with koboldcpp/fake (context 2048)"
     worker.run_once()
