@@ -130,10 +130,7 @@ class Worker:
             stop=stop,
             journal=state.journal,
         )
-        self.pipeline = SubmitPipeline(
-            settings, horde, state, clock=clock.monotonic, wall=clock.time, pause=stop.pause,
-            retry_horde=retry_horde,
-        )
+        self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
         self._ahead: PopAhead | None = None
         self.retry_horde = retry_horde
         #: Wakes the pop sent during the generation (set when the generation ends).
@@ -480,7 +477,7 @@ class Worker:
         ):
             return False
         if self._beside is None:
-            self._beside = ReplyBeside(self.pipeline, self.retry_horde)
+            self._beside = ReplyBeside(self.pipeline)
         self._beside.send(ctx, outcome)
         return True
 

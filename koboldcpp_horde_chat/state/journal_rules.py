@@ -147,6 +147,7 @@ class RestartPlan:
 
     action: str
     lease_left_s: float
+    least_left_s: float
 
 
 def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> RestartPlan:
@@ -173,12 +174,11 @@ def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> Resta
     most_left = left_at_write - least
     least_left = left_at_write - most
     if terminal == "fault_sent":
-        return RestartPlan("fault_sent", least_left)
+        return RestartPlan("fault_sent", least_left, least_left)
     if terminal in REPLY_STATES and isinstance(entry.get("reply"), dict):
-        return RestartPlan("reply" if most_left > 0 else "expired", most_left)
-    if least_left > FAULT_MARGIN_S:
-        return RestartPlan("fault", least_left)
-    return RestartPlan("expired", least_left)
+        return RestartPlan("reply" if most_left > 0 else "expired", most_left, least_left)
+    action = "fault" if least_left > FAULT_MARGIN_S else "expired"
+    return RestartPlan(action, least_left, least_left)
 
 
 def fault_ages_shift(then: ClockMark | None, now: ClockMark) -> float:
