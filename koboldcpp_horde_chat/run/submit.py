@@ -1,13 +1,10 @@
 """The submit pipeline: the one place that sends a job's reply or fault.
 
-The journal follows every step (``state.journal``): a reply is kept before it
-is sent (a restart sends the same reply again, never a fault), a fault is
-marked sent before it goes (a restart never sends a second one), and the job
-is cleared as soon as the Horde answers. The answers are read by
-``state.submit_answers``. A reply whose answer was lost is sent again with
-the same body while the lease lasts; a fault only when it is known not to
-have reached the Horde. A refused API key stops the worker; any other refused
-reply is faulted instead (seed "Submit refusals").
+The journal keeps a reply before it is sent and marks a fault sent before it
+goes; the job leaves it once the Horde answers (read by
+``state.submit_answers``). A lost answer is sent again while the lease lasts,
+a fault only when it surely did not reach the Horde. A refused API key stops
+the worker; another refused reply is faulted instead (seed "Submit refusals").
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import HordeRefusal, HordeUnavailable, JobFault
@@ -25,7 +23,7 @@ from ..state.journal_rules import next_start_plan
 from ..state.life import Move, Phase
 from ..state.ports import StopSignal
 from ..state.shared import WorkerState
-from ..state.submit_answers import Answer, Reading, read_answer
+from ..state.submit_answers import Answer, Answered, Reading, read_answer
 from ..state.submit_answers import refused_reply_fault as refused_reply_fault  # run/chat.py
 from ..translate.submits import job_fault_submit
 
@@ -40,16 +38,25 @@ RefusalHandler = Callable[[HordeRefusal], JobFault]
 """Turns the Horde's refusal of a reply into the fault that follows it."""
 
 
+@dataclass
+class _Submit:
+    """A terminal action being sent (``on_refused`` None: a fault)."""
+
+    ctx: JobContext
+    body: dict[str, Any]
+    detail: str
+    on_refused: RefusalHandler | None
+    started: float
+    attempts: int = 0
+
+
 class SubmitPipeline:
     """Sends terminal actions for one pop loop, on ``state``'s clock.
 
     Each method takes the job's terminal action (``JobContext.settle``) first,
-    so a job never gets two, and releases the job (``WorkerState.release``)
-    once the Horde's answer is definitive. A submit whose first attempt got no
-    answer is retried after ``stop.pause`` (seconds) on a thread of its own
-    with a client from ``retry_horde`` (None: on the caller's thread), so a
-    job popped beside it is served meanwhile; the loop pops nothing while any
-    submit is retried (``WorkerState.retrying_submits``).
+    and releases the job once the answer is definitive. A lost answer is retried
+    after ``stop.pause`` on a thread of its own with a client from
+    ``retry_horde`` (None: on the caller's), while the loop pops nothing.
     """
 
     def __init__(
@@ -85,7 +92,7 @@ class SubmitPipeline:
         journal = self.state.journal
         if journal is not None:  # a restart sends this reply, not a fault
             journal.keep_reply(ctx.id, body)
-        if not self._send(ctx, body, detail=detail, on_refused=on_refused):
+        if not self._send(_Submit(ctx, body, detail, on_refused, ctx.started)):
             self.state.release(ctx)
 
     def fault(self, ctx: JobContext, fault: JobFault) -> None:
@@ -115,7 +122,7 @@ class SubmitPipeline:
         )
         body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id, fault.fault_reason)
         self._mark_fault_sent(ctx)
-        return self._send(ctx, body, detail="fault", on_refused=None, started=self._now())
+        return self._send(_Submit(ctx, body, "fault", None, self._now()))
 
     def _mark_fault_sent(self, ctx: JobContext) -> None:
         if self.state.journal is not None:
@@ -161,9 +168,8 @@ class SubmitPipeline:
         """One submit, its answer read and journaled."""
         sent_at = self._now()
         try:
-            answer: dict[str, Any] | HordeRefusal | HordeUnavailable = self.horde.submit(
-                body, timeout_s=self._timeout() if timeout is None else timeout
-            )
+            timeout_s = self._timeout() if timeout is None else timeout
+            answer: Answered = self.horde.submit(body, timeout_s=timeout_s)
         except (HordeRefusal, HordeUnavailable) as exc:
             answer = exc
         finally:
@@ -175,44 +181,34 @@ class SubmitPipeline:
             self.state.record_expired(self._now(), ctx.kind)
         return reading
 
-    def _send(
-        self,
-        ctx: JobContext,
-        body: dict[str, Any],
-        *,
-        detail: str,
-        on_refused: RefusalHandler | None,
-        started: float | None = None,
-        attempts: int = 0,
-    ) -> bool:
-        """Send one submit (``on_refused`` None: a fault), its lost answers again
-        while the lease lasts. True when the retries were handed to a thread of
-        their own, False when the job's life ended here."""
-        is_fault = on_refused is None
-        started = ctx.started if started is None else started
+    def _send(self, sub: _Submit) -> bool:
+        """Send one submit, its lost answers again while the lease lasts. True when
+        the retries went to a thread of their own, False when the job's life ended
+        here."""
+        ctx, is_fault = sub.ctx, sub.on_refused is None
         while True:
-            attempts += 1
-            reading = self._attempt(ctx, body, fault=is_fault)
+            sub.attempts += 1
+            reading = self._attempt(ctx, sub.body, fault=is_fault)
             if reading.answer is Answer.RETRY:
-                delay = self._retry_delay(ctx, reading, attempts, is_fault)
+                delay = self._retry_delay(sub, reading)
                 if delay is None:
                     return False
                 if self.retry_horde is not None:
-                    self._retry_elsewhere(ctx, body, detail, on_refused, started, attempts, delay)
+                    self._retry_elsewhere(sub, delay)
                     return True
                 self._pause_for_horde(ctx, delay)
                 if is_fault:
                     self._mark_fault_sent(ctx)
                 continue
-            if reading.answer is Answer.REFUSED and on_refused is not None:
+            if reading.answer is Answer.REFUSED and sub.on_refused is not None:
                 # The job is still open on the Horde: fault it now rather than let it expire.
                 log.warning("job=%s reply refused: %s", ctx.id, reading.why)
-                return self._fault(ctx, on_refused(reading.refusal))
+                return self._fault(ctx, sub.on_refused(reading.refusal))
             if reading.answer is Answer.ACCEPTED:
                 ctx.end(Move.SETTLED)
                 # Out of the journal before the line: a kill after it leaves nothing to send.
                 self.state.release(ctx)
-                self._log_accepted(ctx, reading, detail, started, attempts, is_fault)
+                self._log_accepted(sub, reading)
             else:
                 self._log_ended(ctx, reading)
                 ctx.end(Move.SETTLED)
@@ -238,29 +234,26 @@ class SubmitPipeline:
             else:
                 log.error("job=%s submit refused: %s; dropped", ctx.id, reading.why)
 
-    def _log_accepted(
-        self, ctx: JobContext, reading: Reading, detail: str, started: float, attempts: int,
-        is_fault: bool,
-    ) -> None:
-        seconds = self._now() - started + (0.0 if is_fault else ctx.pop_wait_s)
-        retried = f", at attempt {attempts}" if attempts > 1 else ""  # the failures' end
-        if is_fault:
+    def _log_accepted(self, sub: _Submit, reading: Reading) -> None:
+        ctx = sub.ctx
+        seconds = self._now() - sub.started + (0.0 if sub.on_refused is None else ctx.pop_wait_s)
+        retried = f", at attempt {sub.attempts}" if sub.attempts > 1 else ""  # the failures' end
+        if sub.on_refused is None:
             log.info("job=%s kind=%s fault accepted (%.1f s%s)", ctx.id, ctx.kind, seconds, retried)
             return
         self.state.record_reward(reading.kudos)
         gen_s, horde_s = ctx.times()
         log.info(
             "job=%s kind=%s submitted: %s, %.1f s (gen %.1f s, horde %.1f s)%s, %.2f kudos | %s",
-            ctx.id, ctx.kind, detail, seconds, gen_s, horde_s, retried, reading.kudos,
+            ctx.id, ctx.kind, sub.detail, seconds, gen_s, horde_s, retried, reading.kudos,
             self.state.summary(self.state.clock.time()),
         )
 
-    def _retry_delay(
-        self, ctx: JobContext, reading: Reading, attempts: int, is_fault: bool
-    ) -> float | None:
+    def _retry_delay(self, sub: _Submit, reading: Reading) -> float | None:
         """Seconds before the next attempt; None when the job's life ended here
         (stopping past the grace: left to the next start; the lease over after
         3 attempts: dropped)."""
+        ctx, attempts = sub.ctx, sub.attempts
         remaining = ctx.lease.remaining(self._now())
         if ctx.abandoned.is_set() or self.state.stop_overdue():
             self.state.record_dropped()
@@ -272,7 +265,7 @@ class SubmitPipeline:
             return None
         if attempts >= 3 and remaining <= 0:
             self.state.record_dropped()
-            if not is_fault:  # the job expires on the Horde: an aborted job there
+            if sub.on_refused is not None:  # the job expires on the Horde: an aborted job there
                 self.state.record_expired(self._now(), ctx.kind)
             log.error(
                 "job=%s submit failed (%s), the lease is over; dropped after %d attempts",
@@ -300,19 +293,10 @@ class SubmitPipeline:
         finally:
             ctx.note_horde_wait(self._now() - paused_at)
 
-    def _retry_elsewhere(
-        self,
-        ctx: JobContext,
-        body: dict[str, Any],
-        detail: str,
-        on_refused: RefusalHandler | None,
-        started: float,
-        attempts: int,
-        delay: float,
-    ) -> None:
-        """Go on retrying ``body`` on a thread of its own (``submit-retry-<job id>``)."""
+    def _retry_elsewhere(self, sub: _Submit, delay: float) -> None:
+        """Go on retrying on a thread of its own (``submit-retry-<job id>``)."""
         assert self.retry_horde is not None
-        make_horde = self.retry_horde
+        make_horde, ctx = self.retry_horde, sub.ctx
         with self.state.lock:
             self.state.retrying_submits += 1
 
@@ -321,12 +305,9 @@ class SubmitPipeline:
             sender = SubmitPipeline(self.settings, horde, self.state, stop=self.stop)
             try:
                 sender._pause_for_horde(ctx, delay)
-                if on_refused is None:
+                if sub.on_refused is None:
                     sender._mark_fault_sent(ctx)
-                sender._send(
-                    ctx, body, detail=detail, on_refused=on_refused, started=started,
-                    attempts=attempts,
-                )
+                sender._send(sub)
             except Exception:  # never lose the job to an unexpected error: fault it
                 log.exception("job=%s unexpected error while retrying its submit", ctx.id)
                 if ctx.phase is Phase.SETTLING:

@@ -1,16 +1,12 @@
 """The start-up recovery: ends the jobs an earlier process left in the journal.
 
-Before the first pop, :func:`recover` sends for each entry what its plan says
-(``state.journal_rules.plan``): a kept reply again while its lease may run
-(the Horde answers ``DuplicateGen`` when it had it: no cost); a fault for a
-job without a terminal action while its lease surely runs, then its genkey
-aborted on koboldcpp; nothing for a job whose fault went before or whose
-lease may have ended (on the real Horde every fault re-opens the request, also
-for a job that ended). Jobs popped from another Horde stay in the journal.
-The answers are read by ``state.submit_answers``. A submit not answered is
-sent again after 1 s, 2 s, 4 s... (at most 30 s, or the Horde's
-``Retry-After``) until its lease ends; a fault only when it is known not to
-have reached the Horde, so a job gets at most one.
+Before the first pop, :func:`recover` sends what each entry's plan says
+(``state.journal_rules.plan``): a kept reply again, a fault (then the genkey
+aborted on koboldcpp), or nothing; jobs popped from another Horde stay in the
+journal. The answers are read by ``state.submit_answers``. A submit not
+answered is sent again after 1 s, 2 s, 4 s... (at most 30 s, or the Horde's
+``Retry-After``) until its lease ends; a fault only when it surely did not
+reach the Horde.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
 from ..koboldcpp.api import KcppAPI
 from ..state.journal import Journal, JournalEntry, clock_mark
 from ..state.journal_rules import FAULT_MARGIN_S, plan
-from ..state.submit_answers import Answer, Reading, read_answer, refused_reply_fault
+from ..state.submit_answers import Answer, Answered, Reading, read_answer, refused_reply_fault
 from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
@@ -39,8 +35,7 @@ log = logging.getLogger("koboldcpp_horde_chat.journal")
 RECOVERY_PAUSE_FIRST_S: Final = 1.0
 #: The longest pause between two of those attempts, seconds.
 RECOVERY_PAUSE_MAX_S: Final = 30.0
-#: While stopping, the last attempt of a pending job starts this many seconds
-#: before the stop's deadline (none starts after it).
+#: While stopping, the last attempts start this many seconds before the stop's deadline.
 STOP_LAST_ATTEMPT_LEAD_S: Final = 0.25
 #: How often a pause reads its clock again, seconds (so a test's clock ends it).
 PAUSE_SLICE_S: Final = 0.1
@@ -48,12 +43,10 @@ PAUSE_SLICE_S: Final = 0.1
 
 @dataclass
 class RecoveryResult:
-    """How many jobs :func:`recover` ended each way: ``faulted`` (faults accepted),
-    ``settled`` (``AbortedGen``, ``DuplicateGen`` or 404, or a fault sent before
-    the restart), ``expired`` (the lease may have ended: nothing sent), ``failed``
-    (left to expire), ``kept`` (left in the journal: a refused API key, a stop),
-    ``replied`` (kept replies accepted, earning ``kudos``); ``key_refused``: the
-    Horde refused the API key."""
+    """How many jobs :func:`recover` ended each way: ``settled`` (already ended on
+    the Horde, or its fault sent before), ``expired`` (nothing sent), ``failed``
+    (left to expire), ``kept`` (left in the journal), ``replied`` (earning
+    ``kudos``)."""
 
     faulted: int = 0
     settled: int = 0
@@ -66,32 +59,22 @@ class RecoveryResult:
 
     @property
     def total(self) -> int:
-        """Every job the journal held."""
-        return (
-            self.faulted + self.settled + self.expired + self.failed + self.kept + self.replied
-        )
+        return self.faulted + self.settled + self.expired + self.failed + self.kept + self.replied
 
 
+@dataclass
 class RecoveryStop:
-    """The worker's stop as the recovery reads it: ``event`` set at the stop, its
-    deadline from ``deadlines`` (None: no deadline, the pending jobs are kept at
-    once); pauses on ``clock`` that the stop ends early."""
+    """The worker's stop as the recovery reads it: ``event``, its deadline from
+    ``deadlines`` (None: none), pauses on ``clock`` that the stop ends early."""
 
-    def __init__(
-        self,
-        clock: Clock = SYSTEM_CLOCK,
-        event: threading.Event | None = None,
-        deadlines: CallDeadlines | None = None,
-    ) -> None:
-        self.clock = clock
-        self.event = event if event is not None else threading.Event()
-        self.deadlines = deadlines
+    clock: Clock = SYSTEM_CLOCK
+    event: threading.Event = field(default_factory=threading.Event)
+    deadlines: CallDeadlines | None = None
 
     def stopped(self) -> bool:
         return self.event.is_set()
 
     def stop_deadline(self) -> float | None:
-        """The stop's deadline, epoch seconds."""
         return None if self.deadlines is None else self.deadlines.stop_at_wall()
 
     def pause(self, seconds: float) -> None:
@@ -127,20 +110,14 @@ def recover(
     abort_timeout_s: float = 2.0,
     stop: RecoveryStop | None = None,
 ) -> RecoveryResult:
-    """End the jobs an earlier process left (see the module docstring); call at
-    start, before the first pop. Nothing is raised for the Horde's or
-    koboldcpp's answers.
+    """End the jobs an earlier process left; call at start, before the first pop.
 
-    ``backend`` is None inside koboldcpp, whose restart ended every earlier
-    generation; its aborts are best effort. ``clock``'s epoch seconds date the
-    journal's marks, the leases and the pauses. A chat fault names the entry's
-    ``model_id``, else ``model_id_default``. A refused API key (401, or 403 for
-    the credentials) ends the recovery: that job and the ones left stay in the
-    journal. A stop with a deadline gives each pending job its last attempt by
-    then and none after; without one the pending jobs are kept at once. A job
-    not answered by then stays in the journal as it is (a fault whose answer
-    was lost as sent). Each job ends in one ``job=<id>`` line and leaves the
-    journal at once; the faults the Horde counts go to its history.
+    ``backend``: None inside koboldcpp (its restart ended every generation);
+    aborts are best effort. ``clock``'s epoch seconds date the marks, leases
+    and pauses. A refused API key ends the recovery: the jobs left stay in the
+    journal. A stop gives each pending job its last attempt by its deadline
+    (none without one), then keeps it as it is. Each job ends in one
+    ``job=<id>`` line; nothing is raised for the answers.
     """
     run = _Pass(journal, horde, clock, model_id_default, submit_timeout_s,
                 stop if stop is not None else RecoveryStop(clock))
@@ -165,8 +142,6 @@ def recover(
 
 @dataclass
 class _Pass:
-    """One pass over the journal: the counts, and the faulted generations to abort."""
-
     journal: Journal
     horde: HordeAPI
     clock: Clock
@@ -184,9 +159,8 @@ class _Pass:
         self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
         aborted: bool = False, remove: bool = True,
     ) -> bool:
-        """Count the job done with (``count``: a :class:`RecoveryResult` field), say
-        so in its line, and clear it from the journal (``remove``). ``aborted``: the
-        Horde counts an aborted job for it (kept in the journal's fault history)."""
+        """Count the job in ``count`` (a :class:`RecoveryResult` field), log its line,
+        clear it from the journal; ``aborted``: the Horde counts an aborted job."""
         setattr(self.counts, count, getattr(self.counts, count) + 1)
         if aborted:
             self.journal.record_fault(self.clock.time())
@@ -196,7 +170,6 @@ class _Pass:
         return True
 
     def plan(self) -> list[_Pending]:
-        """The jobs to send something to; the others are ended now."""
         entries = self.journal.load()
         earlier, _ = self.journal.clocks()
         now = clock_mark(self.clock.time())
@@ -221,8 +194,7 @@ class _Pass:
         return pending
 
     def _last_attempt_at(self) -> float | None:
-        """While stopping: when the last attempts start (epoch seconds; ``-inf``
-        for a stop without a deadline: none more). None while not stopping."""
+        """While stopping, the stop's deadline (``-inf`` without one); else None."""
         if not self.stop.stopped():
             return None
         at = self.stop.stop_deadline()
@@ -233,7 +205,6 @@ class _Pass:
         return self.counts.key_refused or (last is not None and self.clock.time() > last)
 
     def serve(self, pending: list[_Pending]) -> None:
-        """Send the pending jobs' submits, each at its time, until each is done with."""
         while pending:
             if self._over():
                 why = ("the Horde refused the API key" if self.counts.key_refused
@@ -257,8 +228,7 @@ class _Pass:
                     pending.remove(item)
 
     def _attempt(self, item: _Pending) -> bool:
-        """One attempt at a job's submit; True when the job is done with
-        (answered, given up or kept), False to try again at ``item.next_at``."""
+        """One attempt; True when the job is done with, False to try again at ``next_at``."""
         entry, fault = item.entry, item.action == "fault"
         if self.clock.time() >= item.ends_at:
             return self._give_up(item, "the lease ended before the Horde answered")
@@ -266,9 +236,7 @@ class _Pass:
             self.journal.mark_fault_sent(entry.job_id)  # before it goes: never a second one
         item.attempts += 1
         try:
-            answer: dict[str, Any] | HordeRefusal | HordeUnavailable = self.horde.submit(
-                item.body, timeout_s=self.timeout_s
-            )
+            answer: Answered = self.horde.submit(item.body, timeout_s=self.timeout_s)
         except (HordeRefusal, HordeUnavailable) as exc:
             answer = exc
         reading = read_answer(answer, fault=fault)
@@ -310,8 +278,8 @@ class _Pass:
                          "submitted after a restart (%.0f kudos)", reading.kudos)
 
     def _unanswered(self, item: _Pending, reading: Reading) -> bool:
-        """The schedule after a lost answer: kept at the stop's last attempt, given
-        up past the lease (or when a fault may have been taken), else tried again."""
+        """After a lost answer: kept at the stop's last attempt, given up past the
+        lease or when a fault may have been taken, else tried again."""
         lost, last = reading.answer is Answer.LOST, self._last_attempt_at()
         if last is not None and (lost or self.clock.time() >= last - STOP_LAST_ATTEMPT_LEAD_S):
             # The stop's last attempt: the job stays in the journal as it is.
@@ -324,11 +292,8 @@ class _Pass:
         if lost:  # it may have been counted: a second fault would re-open the request again
             why = f"the fault's answer was lost ({reading.why}); not sent twice"
             return self._give_up(item, why)
-        delay = min(
-            RECOVERY_PAUSE_MAX_S,
-            max(RECOVERY_PAUSE_FIRST_S * 2 ** (item.attempts - 1), reading.retry_after_s),
-        )
-        next_at = self.clock.time() + delay
+        backoff = RECOVERY_PAUSE_FIRST_S * 2 ** (item.attempts - 1)
+        next_at = self.clock.time() + min(RECOVERY_PAUSE_MAX_S, max(backoff, reading.retry_after_s))
         if last is not None:  # stopping: the last attempt comes before the deadline
             next_at = min(next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         if next_at >= item.ends_at:
@@ -339,36 +304,29 @@ class _Pass:
         item.next_at = next_at
         return False
 
-    def _give_up(self, item: _Pending, why: str) -> bool:
-        # expired, or its fault taken: an aborted job on the Horde
+    def _give_up(self, item: _Pending, why: str) -> bool:  # expired, or its fault taken
         return self._end(item.entry, "failed", logging.ERROR, "left to expire: %s", why,
                          aborted=True)
 
 
 def _this_hordes(entries: list[JournalEntry], horde: str | None) -> list[JournalEntry]:
-    """The entries popped from ``horde`` (or that do not say); the others stay in
-    the journal for a start against their Horde (this one would answer 404)."""
-    if horde is None:
-        return entries
-    elsewhere = Counter(e.horde for e in entries if e.horde not in (None, horde))
-    for other, count in elsewhere.items():
+    """The entries popped from ``horde`` (or that do not say); this Horde would
+    answer the others 404."""
+    mine = [e for e in entries if horde is None or e.horde in (None, horde)]
+    for other, count in Counter(e.horde for e in entries if e not in mine).items():
         log.warning(
             "job journal: %d job%s popped from %s left alone (this start serves %s); "
             "kept in the journal for a start against that Horde",
             count, "" if count == 1 else "s", other, horde,
         )
-    return [e for e in entries if e.horde in (None, horde)]
+    return mine
 
 
 class Recovery:
-    """:func:`recover` on a thread of its own (``journal-recovery``), started at
-    once: a host starts it before koboldcpp answers; the pop loops :meth:`wait`.
-
-    The factories make the clients on that thread (closed after;
-    ``backend_factory`` None: no aborts). ``stop_event``: the worker's stop;
-    ``deadlines``: its deadlines (``inflight.CallDeadlines``, the clients' too;
-    None: a stop keeps the pending jobs at once); ``clock``: theirs.
-    """
+    """:func:`recover` on a thread of its own, started at once (before koboldcpp
+    answers); the pop loops :meth:`wait` for it. The factories make its clients
+    there (closed after); ``deadlines``: the stop's (None: a stop keeps the
+    pending jobs at once), on ``clock``."""
 
     def __init__(
         self,
@@ -382,8 +340,6 @@ class Recovery:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.journal = journal
-        self.clock = clock
-        self.deadlines = deadlines
         self.stop_event = stop_event
         self.result: RecoveryResult | None = None
         self._done = threading.Event()
@@ -400,7 +356,7 @@ class Recovery:
             horde = horde_factory()
             backend = backend_factory() if backend_factory is not None else None
             self.result = recover(
-                self.journal, horde=horde, backend=backend, clock=self.clock,
+                self.journal, horde=horde, backend=backend, clock=self._stop.clock,
                 model_id_default=self._model_id_default, stop=self._stop,
             )
         except Exception:  # never let the recovery hold the worker's start
@@ -414,35 +370,31 @@ class Recovery:
 
     @property
     def done(self) -> bool:
-        """True once the recovery ended."""
         return self._done.is_set()
 
     def finish(self, grace_s: float) -> bool:
-        """The host exits: end the recovery by the stop's deadline and wait for it
-        (call it before the journal is released); True when it ended.
-
-        When it still runs, the stop is made if it was not (``deadlines`` set
-        ``grace_s`` from now, then ``stop_event``); the wait lasts at most until
-        the submits' deadline (the stop's + ``STOP_SUBMIT_EXTRA_S``) and 0.5 s.
-        """
+        """The host exits (before the journal is released): stop the recovery,
+        its deadline ``grace_s`` from now unless set, and wait for it until the
+        submits' deadline and 0.5 s more; True when it ended."""
         if self._done.is_set():
             return True
-        if self.deadlines is not None:
-            self.deadlines.set(stop_call_ends(self.clock.monotonic() + grace_s))  # kept if set
+        clock, deadlines = self._stop.clock, self._stop.deadlines
+        if deadlines is not None:
+            deadlines.set(stop_call_ends(clock.monotonic() + grace_s))  # kept if set
         self.stop_event.set()
-        left = None if self.deadlines is None else self.deadlines.left("submit")
+        left = None if deadlines is None else deadlines.left("submit")
         timeout_s = (grace_s + STOP_SUBMIT_EXTRA_S if left is None else max(0.0, left)) + 0.5
         return self._done.wait(timeout_s)
 
     def wait(
         self, stop_event: threading.Event | None = None, timeout_s: float | None = None
     ) -> bool:
-        """Wait until the recovery ended (True), ``stop_event`` is set or
-        ``timeout_s`` passed on its clock."""
-        end = None if timeout_s is None else self.clock.monotonic() + timeout_s
+        """Wait until it ended (True), ``stop_event`` is set or ``timeout_s`` passed."""
+        clock = self._stop.clock
+        end = None if timeout_s is None else clock.monotonic() + timeout_s
         while not self._done.wait(0.1):
             if stop_event is not None and stop_event.is_set():
                 return self._done.is_set()
-            if end is not None and self.clock.monotonic() >= end:
+            if end is not None and clock.monotonic() >= end:
                 return False
         return True

@@ -18,6 +18,9 @@ from ..jsonbody import finite_number
 from ..translate.submits import FAULT_REPLY_REFUSED
 from .journal_rules import known_not_taken
 
+#: What the Horde client gives for a submit: the accepted JSON body, or its error.
+Answered = dict[str, Any] | HordeRefusal | HordeUnavailable
+
 
 class Answer(Enum):
     """What the Horde's answer means for the job."""
@@ -62,11 +65,8 @@ class Reading:
         return self.error
 
 
-def read_answer(
-    answer: dict[str, Any] | HordeRefusal | HordeUnavailable, *, fault: bool
-) -> Reading:
-    """Read the answer to a reply's submit (``fault`` False) or a fault's: the
-    accepted JSON body, or the error the Horde client raised."""
+def read_answer(answer: Answered, *, fault: bool) -> Reading:
+    """Read the answer to a reply's submit (``fault`` False) or a fault's."""
     if isinstance(answer, dict):
         return Reading(Answer.ACCEPTED, kudos=0.0 if fault else reward_kudos(answer.get("reward")))
     if isinstance(answer, HordeUnavailable):
