@@ -113,13 +113,8 @@ class SubmitPipeline:
         if ctx.request:  # the Horde hands the request back at once (state/refaults.py)
             with self.state.lock:
                 self.state.refaults.faulted(ctx.request, now, backend_failed=fault.backend_failed)
-        log.warning(
-            "job=%s kind=%s faulted%s: %s",
-            ctx.id,
-            ctx.kind,
-            f" ({fault.fault_reason})" if fault.fault_reason else "",
-            fault.why,
-        )
+        reason = f" ({fault.fault_reason})" if fault.fault_reason else ""
+        log.warning("job=%s kind=%s faulted%s: %s", ctx.id, ctx.kind, reason, fault.why)
         body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id, fault.fault_reason)
         self._mark_fault_sent(ctx)
         return self._send(_Submit(ctx, body, "fault", None, self._now()))

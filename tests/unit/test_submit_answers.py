@@ -31,6 +31,7 @@ from tests.unit.test_journal import (
     journal_with,
     run_recover,
 )
+from tests.unit.test_pure_core import PACKAGE, violations
 from tests.unit.test_submit_lines import JOB, job_in_hand, pipeline, reply_body
 
 
@@ -44,6 +45,14 @@ def lost(status: int = 0, sent: bool | None = None, retry_after_s: float | None 
 
 
 # --- the reading, on plain values ----------------------------------------------------------
+
+
+def test_the_reading_does_no_io() -> None:
+    """It imports, besides the pure core, only two modules as pure as the core."""
+    pure_too = {"from horde.codes import ...", "from state.journal_rules import ..."}
+    for name in ("state/submit_answers", "state/journal_rules", "horde/codes"):
+        source = (PACKAGE / f"{name}.py").read_text(encoding="utf-8")
+        assert set(violations(source, name.replace("/", "."))) <= pure_too
 
 
 def test_an_accepted_reply_is_read_with_its_reward_and_a_fault_without() -> None:
