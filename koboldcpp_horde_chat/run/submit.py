@@ -116,12 +116,7 @@ class SubmitPipeline:
         reason = f" ({fault.fault_reason})" if fault.fault_reason else ""
         log.warning("job=%s kind=%s faulted%s: %s", ctx.id, ctx.kind, reason, fault.why)
         body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id, fault.fault_reason)
-        self._mark_fault_sent(ctx)
         return self._send(_Submit(ctx, body, "fault", None, self._now()))
-
-    def _mark_fault_sent(self, ctx: JobContext) -> None:
-        if self.state.journal is not None:
-            self.state.journal.mark_fault_sent(ctx.id)
 
     def _next_start_plan(self, ctx: JobContext) -> str:
         journal = self.state.journal
@@ -135,7 +130,6 @@ class SubmitPipeline:
             return
         body = job_fault_submit(ctx.id, ctx.kind, ctx.model_id)
         timeout = min(EXIT_SUBMIT_TIMEOUT_S, self._timeout())
-        self._mark_fault_sent(ctx)
         reading = self._attempt(ctx, body, fault=True, timeout=timeout)
         if reading.answer is Answer.ACCEPTED:
             log.warning("job=%s faulted: the worker is exiting now", ctx.id)
@@ -160,7 +154,11 @@ class SubmitPipeline:
     def _attempt(
         self, ctx: JobContext, body: dict[str, Any], *, fault: bool, timeout: float | None = None
     ) -> Reading:
-        """One submit, its answer read and journaled."""
+        """One submit, its answer read and journaled (a fault marked sent before it
+        goes: a restart never sends a second one)."""
+        journal = self.state.journal
+        if fault and journal is not None:
+            journal.mark_fault_sent(ctx.id)
         sent_at = self._now()
         try:
             timeout_s = self._timeout() if timeout is None else timeout
@@ -170,8 +168,8 @@ class SubmitPipeline:
         finally:
             ctx.note_horde_wait(self._now() - sent_at)
         reading = read_answer(answer, fault=fault)
-        if reading.not_taken and self.state.journal is not None:
-            self.state.journal.mark_not_taken(ctx.id)  # the next start may send it
+        if reading.not_taken and journal is not None:
+            journal.mark_not_taken(ctx.id)  # the next start may send it
         if reading.aborted:  # the Horde ended the job first (lease or cancel): an aborted job
             self.state.record_expired(self._now(), ctx.kind)
         return reading
@@ -192,8 +190,6 @@ class SubmitPipeline:
                     self._retry_elsewhere(sub, delay)
                     return True
                 self._pause_for_horde(ctx, delay)
-                if is_fault:
-                    self._mark_fault_sent(ctx)
                 continue
             if reading.answer is Answer.REFUSED and sub.on_refused is not None:
                 # The job is still open on the Horde: fault it now rather than let it expire.
@@ -300,8 +296,6 @@ class SubmitPipeline:
             sender = SubmitPipeline(self.settings, horde, self.state, stop=self.stop)
             try:
                 sender._pause_for_horde(ctx, delay)
-                if sub.on_refused is None:
-                    sender._mark_fault_sent(ctx)
                 sender._send(sub)
             except Exception:  # never lose the job to an unexpected error: fault it
                 log.exception("job=%s unexpected error while retrying its submit", ctx.id)
