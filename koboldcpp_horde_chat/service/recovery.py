@@ -159,12 +159,12 @@ class _Pass:
         self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
         aborted: bool = False, remove: bool = True,
     ) -> bool:
-        """Count the job in ``count`` (a :class:`RecoveryResult` field), log its line,
-        clear it from the journal; ``aborted``: the Horde counts an aborted job."""
+        """Count the job in ``count`` (a :class:`RecoveryResult` field), log ``line``
+        (its id and kind first), clear it from the journal; ``aborted``: an aborted job."""
         setattr(self.counts, count, getattr(self.counts, count) + 1)
         if aborted:
             self.journal.record_fault(self.clock.time())
-        log.log(level, f"job=%s kind=%s {line}", entry.job_id, entry.kind, *args)
+        log.log(level, line, entry.job_id, entry.kind, *args)
         if remove:
             self.journal.remove(entry.job_id)
         return True
@@ -184,13 +184,13 @@ class _Pass:
                 body = self._fault_body(entry)
                 pending.append(_Pending(entry, "fault", body, fault_ends_at, fault_ends_at))
             elif step.action == "fault_sent":  # the Horde may have counted it
-                self._end(entry, "settled", logging.WARNING, "its fault was sent before the "
-                          "restart; nothing more sent (a second fault would re-open the request "
-                          "again)", aborted=True)
+                self._end(entry, "settled", logging.WARNING, "job=%s kind=%s: its fault was sent "
+                          "before the restart; nothing more sent (a second fault would re-open "
+                          "the request again)", aborted=True)
             else:
-                self._end(entry, "expired", logging.WARNING, "expired on the Horde while the "
-                          "worker was down (lease ended %.0f s ago, or may have): nothing sent",
-                          max(0.0, -step.lease_left_s), aborted=True)
+                self._end(entry, "expired", logging.WARNING, "job=%s kind=%s expired on the Horde "
+                          "while the worker was down (lease ended %.0f s ago, or may have): "
+                          "nothing sent", max(0.0, -step.lease_left_s), aborted=True)
         return pending
 
     def _last_attempt_at(self) -> float | None:
@@ -210,8 +210,8 @@ class _Pass:
                 why = ("the Horde refused the API key" if self.counts.key_refused
                        else "the worker stopped first")
                 for item in pending:
-                    self._end(item.entry, "kept", logging.WARNING, "kept in the journal: %s",
-                              why, remove=False)
+                    self._end(item.entry, "kept", logging.WARNING,
+                              "job=%s kind=%s kept in the journal: %s", why, remove=False)
                 return
             now, last = self.clock.time(), self._last_attempt_at()
             if last is not None:  # a stop: no pause runs past its deadline
@@ -251,9 +251,9 @@ class _Pass:
             self.counts.key_refused = True
             if fault:
                 self.journal.mark_not_taken(entry.job_id)  # it never reached the Horde
-            return self._end(entry, "kept", logging.ERROR, "not ended after a restart: the "
-                             "Horde refused the API key (%s); kept in the journal", why,
-                             remove=False)
+            return self._end(entry, "kept", logging.ERROR, "job=%s kind=%s not ended after a "
+                             "restart: the Horde refused the API key (%s); kept in the journal",
+                             why, remove=False)
         if kind is Answer.REFUSED and not fault:
             # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
             log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, why)
@@ -263,19 +263,19 @@ class _Pass:
             return False
         if kind is Answer.REFUSED:
             return self._end(entry, "failed", logging.ERROR,
-                             "left to expire: the Horde refused the fault (%s)", why)
+                             "job=%s kind=%s left to expire: the Horde refused the fault (%s)", why)
         if kind is not Answer.ACCEPTED:
             settled = reading.refusal.rc or reading.refusal.status
-            return self._end(entry, "settled", logging.INFO,
-                             "already settled on the Horde (%s): nothing more to send", settled)
+            return self._end(entry, "settled", logging.INFO, "job=%s kind=%s already settled on "
+                             "the Horde (%s): nothing more to send", settled)
         if fault:
             if entry.genkey:
                 self.aborts.append((entry.job_id, entry.genkey))
-            return self._end(entry, "faulted", logging.WARNING, "faulted after a restart: the "
-                             "worker stopped with it in hand", aborted=True)
+            return self._end(entry, "faulted", logging.WARNING, "job=%s kind=%s faulted after a "
+                             "restart: the worker stopped with it in hand", aborted=True)
         self.counts.kudos += reading.kudos
-        return self._end(entry, "replied", logging.WARNING, "reply kept at the last stop "
-                         "submitted after a restart (%.0f kudos)", reading.kudos)
+        return self._end(entry, "replied", logging.WARNING, "job=%s kind=%s reply kept at the "
+                         "last stop submitted after a restart (%.0f kudos)", reading.kudos)
 
     def _unanswered(self, item: _Pending, reading: Reading) -> bool:
         """After a lost answer: kept at the stop's last attempt, given up past the
@@ -284,8 +284,8 @@ class _Pass:
         if last is not None and (lost or self.clock.time() >= last - STOP_LAST_ATTEMPT_LEAD_S):
             # The stop's last attempt: the job stays in the journal as it is.
             return self._end(
-                item.entry, "kept", logging.WARNING, "kept in the journal: the worker stopped "
-                "before the Horde answered its %s (%s)%s", item.action, reading.why,
+                item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the journal: the "
+                "worker stopped before the Horde answered its %s (%s)%s", item.action, reading.why,
                 "; the fault may have been taken, so none will be sent again" if lost else "",
                 remove=False,
             )
@@ -305,8 +305,8 @@ class _Pass:
         return False
 
     def _give_up(self, item: _Pending, why: str) -> bool:  # expired, or its fault taken
-        return self._end(item.entry, "failed", logging.ERROR, "left to expire: %s", why,
-                         aborted=True)
+        return self._end(item.entry, "failed", logging.ERROR, "job=%s kind=%s left to expire: %s",
+                         why, aborted=True)
 
 
 def _this_hordes(entries: list[JournalEntry], horde: str | None) -> list[JournalEntry]:

@@ -28,6 +28,7 @@ from tests.unit.test_journal import (
     ScriptedHorde,
     _fixed_clock_mark,  # noqa: F401  (autouse: the journal's clocks read NOW)
     chat_entry,
+    job_lines,
     journal_with,
     run_recover,
 )
@@ -206,3 +207,14 @@ def test_both_paths_read_the_answer_with_the_one_reading(
     live(tmp_path / "live", "reply", [refusal(400, "ChatSubmitInvalid"), {}])
     recovered(tmp_path / "restart", "reply", [refusal(400, "ChatSubmitInvalid"), {}])
     assert calls == [("live", False), ("live", True), ("recovery", False), ("recovery", True)]
+
+
+def test_the_recoverys_line_for_a_fault_sent_before_the_restart_keeps_its_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = journal_with(tmp_path, chat_entry(JOB, terminal="fault_sent"))
+    run_recover(path, ScriptedHorde())
+    assert job_lines(caplog, JOB) == [
+        f"job={JOB} kind=chat: its fault was sent before the restart; nothing more sent "
+        "(a second fault would re-open the request again)"
+    ]
