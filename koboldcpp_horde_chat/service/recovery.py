@@ -346,8 +346,7 @@ class Recovery:
         self._stop = RecoveryStop(clock, stop_event, deadlines)
         self._factories = (horde_factory, backend_factory)
         self._model_id_default = model_id_default
-        self._thread = threading.Thread(target=self._run, name="journal-recovery", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="journal-recovery", daemon=True).start()
 
     def _run(self) -> None:
         horde_factory, backend_factory = self._factories
