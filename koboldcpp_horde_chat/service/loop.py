@@ -111,10 +111,7 @@ class Worker:
             stop=stop,
             journal=state.journal,
         )
-        self.pipeline = SubmitPipeline(
-            settings, horde, state, clock=clock.monotonic, wall=clock.time, pause=stop.pause,
-            retry_horde=retry_horde,
-        )
+        self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
         self.retry_horde = retry_horde
         self.next_pop = NextPop(self)
         self._error_backoff = Backoff(1.0, 60.0)

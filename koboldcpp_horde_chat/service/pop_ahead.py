@@ -258,7 +258,7 @@ class NextPop:
         ):
             return False
         if self._beside is None:
-            self._beside = ReplyBeside(loop.pipeline, loop.retry_horde)
+            self._beside = ReplyBeside(loop.pipeline)
         self._beside.send(ctx, outcome)
         return True
 

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import HordeRefusal, JobFault
-from ..horde.codes import REFUSAL_RCS
 from ..horde.pop import Lease
-from ..translate.submits import FAULT_REPLY_REFUSED
 from .guard import refused_reply_features
 from .journal import GENKEY_PREFIX, Journal, JournalEntry
 from .life import ENDED, Move, Phase, may, next_phase
+from .submit_answers import refused_reply_fault
 
 if TYPE_CHECKING:
     from .shared import WorkerState
@@ -32,7 +31,7 @@ T = TypeVar("T")
 SUBMIT_MARGIN_S = 5.0
 
 __all__ = ["SUBMIT_MARGIN_S", "JobContext", "Lease", "Outcome", "Steps", "new_genkey",
-           "payload_keys", "refused_reply_fault"]
+           "payload_keys"]
 
 
 @dataclass
@@ -215,19 +214,6 @@ class JobContext:
         with self._lock:
             if waker in self._wakers:
                 self._wakers.remove(waker)
-
-
-def refused_reply_fault(exc: HordeRefusal) -> JobFault:
-    """The fault after a refused reply: ``reply_refused`` for the chat refusals
-    (``ChatSubmitInvalid``, ``ChatSubmitNonconformant``, ``ChatModelMismatch``,
-    worked example), none for any other (such as 400 for a token count out of
-    range). A fault after ``ChatSubmitNonconformant`` does not count toward
-    maintenance: the Horde counts it as a nonconformant reply."""
-    return JobFault(
-        f"reply refused ({exc.rc or exc.status}): {exc.message}",
-        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
-        counts=exc.rc != "ChatSubmitNonconformant",
-    )
 
 
 @dataclass(frozen=True)

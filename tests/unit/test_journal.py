@@ -556,13 +556,22 @@ class RecordingBackend:
 
 
 class Pauses:
+    """The recovery's stop (``recovery.RecoveryStop``) that never comes; its pauses
+    move the wall clock."""
+
     def __init__(self, wall: Wall) -> None:
         self.wall = wall
         self.waited: list[float] = []
 
-    def __call__(self, seconds: float) -> None:
+    def pause(self, seconds: float) -> None:
         self.waited.append(seconds)
         self.wall.now += seconds
+
+    def stopped(self) -> bool:
+        return False
+
+    def stop_deadline(self) -> float | None:
+        return None
 
 
 def journal_with(tmp_path: Path, *entries: JournalEntry) -> Path:
@@ -582,7 +591,7 @@ def run_recover(
     result = recover(
         Journal(path), horde=horde, backend=backend or RecordingBackend(), clock=wall,
         model_id_default="koboldcpp/default", submit_timeout_s=7.0, abort_timeout_s=1.5,
-        pause=pauses,
+        stop=pauses,  # type: ignore[arg-type]
     )
     return result, pauses
 

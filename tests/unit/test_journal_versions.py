@@ -131,7 +131,7 @@ def test_a_start_against_another_horde_leaves_those_jobs_alone_and_keeps_them(
     horde = ScriptedHorde()
     wall = Wall()
     result = recover(on_b, horde=horde, backend=RecordingBackend(), clock=wall,
-                     model_id_default="d", pause=Pauses(wall))
+                     model_id_default="d", stop=Pauses(wall))  # type: ignore[arg-type]
     assert horde.bodies == [] and result.total == 0
     lines = journal_lines(caplog)
     assert lines == [
@@ -142,5 +142,5 @@ def test_a_start_against_another_horde_leaves_those_jobs_alone_and_keeps_them(
     # A start against their Horde ends them.
     on_a = Journal(path, horde=HORDE_A)
     result = recover(on_a, horde=horde, backend=RecordingBackend(), clock=wall,
-                     model_id_default="d", pause=Pauses(wall))
+                     model_id_default="d", stop=Pauses(wall))  # type: ignore[arg-type]
     assert result.faulted == 2 and Journal(path).load() == []

@@ -70,12 +70,25 @@ class StoppingHorde(ScriptedHorde):
         return super().submit(body, timeout_s=timeout_s)
 
 
+class StopPauses(Pauses):
+    """Pauses on the wall clock, and the stop that ``stop`` makes."""
+
+    def __init__(self, stop: StopAfter) -> None:
+        super().__init__(stop.wall)
+        self.stop = stop
+
+    def stopped(self) -> bool:
+        return self.stop.stopped()
+
+    def stop_deadline(self) -> float | None:
+        return self.stop.stop_deadline()
+
+
 def run(path: Path, horde: StoppingHorde) -> tuple[RecoveryResult, Pauses]:
-    pauses = Pauses(horde.stop.wall)
+    pauses = StopPauses(horde.stop)
     result = recover(
         Journal(path), horde=horde, backend=RecordingBackend(), clock=horde.stop.wall,
-        model_id_default="koboldcpp/default", pause=pauses,
-        stopped=horde.stop.stopped, stop_deadline=horde.stop.stop_deadline,
+        model_id_default="koboldcpp/default", stop=pauses,  # type: ignore[arg-type]
     )
     return result, pauses
 

@@ -58,13 +58,18 @@ class OutageHorde:
         return {"reward": 12.5}
 
 
+class ClockPauses:
+    """The pipeline's pauses (``StopSignal.pause``) move the fake clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.pause = clock.advance
+
+
 def pipeline(
     horde: OutageHorde, clock: FakeClock, journal: Journal | None
 ) -> tuple[SubmitPipeline, WorkerState]:
-    state = WorkerState(settings(), journal=journal)
-    return SubmitPipeline(
-        settings(), horde, state, clock=clock, wall=clock, pause=clock.advance  # type: ignore[arg-type]
-    ), state
+    state = WorkerState(settings(), journal=journal, clock=clock)
+    return SubmitPipeline(settings(), horde, state, stop=ClockPauses(clock)), state  # type: ignore[arg-type]
 
 
 def job_in_hand(state: WorkerState, clock: FakeClock, lease_s: float = 150.0) -> JobContext:
