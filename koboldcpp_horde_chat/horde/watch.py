@@ -1,20 +1,16 @@
 """When the Horde stops answering and when it answers again: one line each per episode.
 
-Every call a worker's Horde clients make (pop, submit, progress, the key
-check) tells one :class:`HordeWatch` when it starts and how it ended: answered
-(any answer the Horde gave: 2xx or a refusal) or failed (no answer, 429, 5xx,
-an unreadable answer: ``errors.HordeUnavailable``). The Horde is *not
-answering* once no call has been answered for ``quiet_after_s`` (10 s) while
-a call waits, or once ``failures`` (3) calls in a row failed; it *answers
-again* at the next answered call. Each is said once per episode, not per call
-or retry::
+Every Horde call tells :class:`HordeWatch` when it starts and whether it was
+answered (2xx or a refusal) or failed (``errors.HordeUnavailable``). The Horde is
+not answering once no call was answered for ``quiet_after_s`` (10 s) while one
+waits, or after ``failures`` (3) failed calls in a row; it answers again at the
+next answered call::
 
     Horde not answering for 12 s (pop): waiting
     Horde answering again after 31 s
 
-The seconds count from the start of the first call left unanswered. A call
-still waiting is noticed by a monitor thread (``horde-watch``), started with
-the first call and ended after ``LINGER_S`` without calls in flight.
+Seconds count from the start of the first unanswered call. A waiting call is
+noticed by the ``horde-watch`` thread, which ends after ``LINGER_S`` without calls.
 """
 
 from __future__ import annotations
@@ -26,23 +22,13 @@ from collections.abc import Callable
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
-#: Seconds without an answer, while a call waits, after which the Horde is not answering.
 QUIET_AFTER_S = 10.0
-#: Failed calls in a row after which the Horde is not answering.
 FAILURES_IN_A_ROW = 3
-#: Seconds the monitor thread stays once no call is in flight.
 LINGER_S = 30.0
 
 
 class HordeWatch:
-    """Watches a worker's calls to the Horde (see the module docstring); thread-safe.
-
-    Args:
-        quiet_after_s: seconds without an answer while a call waits (None:
-            :data:`QUIET_AFTER_S`).
-        failures: failed calls in a row (None: :data:`FAILURES_IN_A_ROW`).
-        clock: monotonic seconds.
-    """
+    """Watches a worker's calls to the Horde; thread-safe. ``clock``: monotonic seconds."""
 
     def __init__(
         self,
@@ -57,16 +43,15 @@ class HordeWatch:
         self._cond = threading.Condition()
         self._next_token = 0
         self._in_flight: dict[int, tuple[str, float]] = {}
-        #: When the Horde last stopped answering: the start of the first call
-        #: made since the last answer (None: the last call was answered).
+        # The start of the first call made since the last answer (None: none).
         self._quiet_since: float | None = None
         self._failed_in_a_row = 0
-        #: The start of the episode said (None: none said).
+        # The start of the episode said (None: none said).
         self._said_since: float | None = None
         self._monitor: threading.Thread | None = None
 
     def started(self, kind: str) -> int:
-        """A call of ``kind`` (``"pop"``, ``"submit"``...) starts now; its token."""
+        """A call of ``kind`` (``"pop"``...) starts now; returns its token."""
         with self._cond:
             now = self._clock()
             self._next_token += 1
@@ -83,7 +68,6 @@ class HordeWatch:
             return token
 
     def answered(self, token: int) -> None:
-        """The call ``token`` got the Horde's answer (2xx or a refusal)."""
         line = None
         with self._cond:
             now = self._clock()
@@ -99,7 +83,6 @@ class HordeWatch:
             log.info("%s", line)
 
     def failed(self, token: int) -> None:
-        """The call ``token`` got no usable answer (``errors.HordeUnavailable``)."""
         line = None
         with self._cond:
             now = self._clock()
@@ -114,19 +97,17 @@ class HordeWatch:
             log.warning("%s", line)
 
     def _say(self, now: float, what: str) -> str:
-        """Start the episode said now (under the lock); its line."""
+        """Start the episode said now (under the lock); returns its line."""
         since = self._quiet_since if self._quiet_since is not None else now
         self._said_since = since
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
     def _due(self) -> float | None:
-        """When a waiting call makes the Horde not answering (None: nothing to watch)."""
         if self._said_since is not None or not self._in_flight or self._quiet_since is None:
             return None
         return self._quiet_since + self.quiet_after_s
 
     def _watch(self) -> None:
-        """The monitor: says the episode when a call waits too long."""
         idle_since = self._clock()
         while True:
             line = None
