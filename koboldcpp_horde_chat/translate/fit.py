@@ -1,14 +1,6 @@
-"""The fit check of a chat job, without rendering the template (pure; no I/O).
-
-Seed section: "3. Render and fit the conversation" ("koboldcpp's embedded
-worker therefore does not render for the check").
-
-Rendering through koboldcpp's chat transform can run a hidden tool-choice
-generation, so the worker counts the tokens of the JSON of ``messages``,
-``tools`` and ``response_format`` instead (the count itself is done by
-koboldcpp's ``/api/extra/tokencount``, outside this module), then adds 32
-tokens, 16 per message and 512 per image.
-"""
+"""The fit check of a chat job without rendering the template (pure; seed "3. Render
+and fit the conversation"): rendering can run a hidden tool-choice generation, so
+the tokens of the JSON of the conversation are counted instead, plus allowances."""
 
 from __future__ import annotations
 
@@ -22,20 +14,13 @@ log = logging.getLogger("koboldcpp_horde_chat.fit")
 BASE_TOKENS = 32
 PER_MESSAGE_TOKENS = 16
 PER_IMAGE_TOKENS = 512
+#: Stands in for each image URL in the counted text: image bytes are never tokenised.
 IMAGE_PLACEHOLDER = "<image>"
-"""Stands in for each image URL in the counted text, so image bytes are never tokenised."""
 
 
 @dataclass(frozen=True)
 class FitResult:
-    """The outcome of :func:`check_fit`, all in tokens.
-
-    Attributes:
-        estimate: the prompt estimate (counted tokens plus the allowances).
-        needed: ``estimate + max_length``.
-        limit: the context the job must fit (``max_context_length``).
-        fits: ``needed <= limit``.
-    """
+    """In tokens: ``needed`` is ``estimate + max_length``, ``fits`` ``needed <= limit``."""
 
     estimate: int
     needed: int
@@ -48,7 +33,6 @@ def _is_image_part(part: object) -> bool:
 
 
 def _without_image_data(messages: list[Any]) -> list[Any]:
-    """A copy of ``messages`` whose image_url parts carry the placeholder as url."""
     result: list[Any] = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -69,13 +53,8 @@ def _without_image_data(messages: list[Any]) -> list[Any]:
 
 
 def fit_prompt(messages: list[Any], tools: object = None, response_format: object = None) -> str:
-    """The text whose tokens are counted for the fit check.
-
-    The JSON (``ensure_ascii=False``) of ``messages``, then of ``tools`` and of
-    ``response_format`` when they are not None, joined by ``"\\n"``. Every
-    image_url part's ``url`` is replaced by ``"<image>"``; images are paid for
-    by :data:`PER_IMAGE_TOKENS` instead. The inputs are not modified.
-    """
+    """The JSON of ``messages`` (image URLs replaced by ``"<image>"``), ``tools`` and
+    ``response_format`` when not None, one per line: the text counted."""
     pieces = [json.dumps(_without_image_data(messages), ensure_ascii=False)]
     if tools is not None:
         pieces.append(json.dumps(tools, ensure_ascii=False))
@@ -85,7 +64,6 @@ def fit_prompt(messages: list[Any], tools: object = None, response_format: objec
 
 
 def count_images(messages: list[Any]) -> int:
-    """How many image_url parts the messages hold."""
     count = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -97,20 +75,8 @@ def count_images(messages: list[Any]) -> int:
 def check_fit(
     counted_tokens: int, messages: list[Any], *, max_length: int, max_context_length: int
 ) -> FitResult:
-    """Whether a conversation fits the context.
-
-    Args:
-        counted_tokens: koboldcpp's token count of :func:`fit_prompt`'s text.
-        messages: the conversation (for the per-message and per-image allowances).
-        max_length: the job's generation budget, tokens.
-        max_context_length: the context the prompt and reply must share, tokens.
-
-    Returns:
-        ``FitResult`` with ``estimate = counted_tokens + 32 + 16 * len(messages)
-        + 512 * images`` and ``fits`` when ``estimate + max_length <=
-        max_context_length``. When it does not fit the job is faulted with
-        ``prompt_overflow`` (seed step 3 and 7).
-    """
+    """Tokens: ``estimate = counted_tokens + 32 + 16 * messages + 512 * images``; a job
+    that does not fit is faulted with ``prompt_overflow`` (seed steps 3 and 7)."""
     estimate = (
         counted_tokens
         + BASE_TOKENS
