@@ -1,15 +1,11 @@
-"""The Horde API client: pop, submit, progress posts and the key check (seed 000:
-"1. Declare chat on pop", "6. Submit the reply", "7. Fault a job", "Streaming progress").
+"""The Horde API client (seed 000 steps 1, 6, 7 and "Streaming progress").
 
-Errors go by HTTP status and ``rc``, never by message text: 2xx without a JSON
-object, 429, 5xx, 1xx, no answer or an answer over the cap (64 MiB for pop, which
-may carry base64 images; 1 MiB otherwise) raise :class:`HordeUnavailable`; a 3xx
-(not followed: the ``apikey`` header goes only to the configured host) or another
-4xx raises :class:`HordeRefusal`. Without an answer, ``sent`` is False when the
-request certainly did not leave (refused, DNS, connect timeout), None when it may
-have; the message says what failed in a few words, never the HTTP library's text.
-While the worker stops, a call ends by the stop's deadline for its route
-(``inflight.CallDeadlines``). The API key never appears in a message, a repr or a log.
+Errors go by status and ``rc``, never by message text: a 3xx (not followed, so the
+API key stays with the configured host) or another 4xx raises ``HordeRefusal``;
+429, 5xx, no answer, a 2xx without a JSON object or an answer over the cap (64 MiB
+for pop, which may carry base64 images; 1 MiB otherwise) ``HordeUnavailable``, with
+``sent`` False when the request certainly did not leave, None when it may have.
+The API key never appears in a message, a repr or a log line.
 """
 
 from __future__ import annotations
@@ -38,18 +34,10 @@ from .watch import HordeWatch
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
-#: Horde URLs already warned about as plain http: once per process (a worker makes
-#: several clients).
+#: Horde URLs warned about as plain http, once per process (a worker has several clients).
 _PLAIN_HTTP_WARNED: set[str] = set()
 _PLAIN_HTTP_LOCK = threading.Lock()
 
-
-def _warn_plain_http_once(base_url: str) -> None:
-    with _PLAIN_HTTP_LOCK:
-        if base_url in _PLAIN_HTTP_WARNED:
-            return
-        _PLAIN_HTTP_WARNED.add(base_url)
-    log.warning("the Horde URL %s is plain http: the API key travels unencrypted", base_url)
 
 ROUTE_POP: Final = "/api/v2/generate/text/pop"
 ROUTE_SUBMIT: Final = "/api/v2/generate/text/submit"
@@ -70,9 +58,7 @@ RETRY_AFTER_MAX_S: Final = 3600.0
 def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
     """``Retry-After`` (seconds or an HTTP date, counted from ``now``) in seconds,
     clamped to 0..3600; None when absent or invalid."""
-    if value is None:
-        return None
-    value = value.strip()
+    value = (value or "").strip()
     if not value:
         return None
     try:
@@ -91,16 +77,12 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
 
 
 class HordeClient:
-    """A client for the Horde's text worker routes; one per thread (one
-    ``requests.Session`` each).
+    """A client for the Horde's text worker routes; one per thread.
 
-    ``base_url`` is http(s)://host with an optional path prefix; ``api_key`` goes
-    as ``apikey`` to that host only; ``bridge_agent`` is the ``User-Agent``
-    (``Client-Agent`` names this package). A session the client makes reads the
-    proxy and CA bundle variables once, never ``.netrc``; a passed ``session`` is
-    used as it is. ``deadlines``: the stop's deadlines, shared by the worker's
-    clients; ``watch``: told of every call. Raises ConfigError for an unusable
-    URL or key (never quoting the key).
+    ``api_key`` goes as ``apikey`` to ``base_url``'s host only; ``bridge_agent`` is the
+    ``User-Agent``. A session the client makes reads the proxy and CA bundle variables
+    once, never ``.netrc``. While the worker stops, a call ends by ``deadlines``' time
+    for its route. Raises ConfigError for an unusable URL or key (never quoting it).
     """
 
     def __init__(
@@ -138,7 +120,12 @@ class HordeClient:
         self._base_url = redact_url(base_url.strip()).rstrip("/")
         self._host = self._base_url.split("://", 1)[1].split("/", 1)[0]
         if parts.scheme.lower() == "http" and host not in ("127.0.0.1", "localhost", "::1"):
-            _warn_plain_http_once(self._base_url)
+            with _PLAIN_HTTP_LOCK:
+                first = self._base_url not in _PLAIN_HTTP_WARNED
+                _PLAIN_HTTP_WARNED.add(self._base_url)
+            if first:
+                log.warning("the Horde URL %s is plain http: the API key travels unencrypted",
+                            self._base_url)
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._own_session = session is None
@@ -235,20 +222,10 @@ class HordeClient:
             else json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         )
         kind = ROUTE_KINDS.get(route, route)
-        watch = self._watch
-        if watch is None:
+        if self._watch is None:
             return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-        token = watch.started(route.rsplit("/", 1)[-1])
-        try:
-            answer = self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-        except HordeRefusal:
-            watch.answered(token)
-            raise
-        except BaseException:
-            watch.failed(token)
-            raise
-        watch.answered(token)
-        return answer
+        with self._watch.call(route.rsplit("/", 1)[-1]):
+            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
 
     def _send(
         self,

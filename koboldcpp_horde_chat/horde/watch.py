@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from ..errors import HordeRefusal
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
@@ -50,8 +53,10 @@ class HordeWatch:
         self._said_since: float | None = None
         self._monitor: threading.Thread | None = None
 
-    def started(self, kind: str) -> int:
-        """A call of ``kind`` (``"pop"``...) starts now; returns its token."""
+    @contextmanager
+    def call(self, kind: str) -> Iterator[None]:
+        """Around one call of ``kind`` (``"pop"``...): answered when it returns or
+        raises ``HordeRefusal``, failed on any other exception."""
         with self._cond:
             now = self._clock()
             self._next_token += 1
@@ -65,9 +70,17 @@ class HordeWatch:
                 )
                 self._monitor.start()
             self._cond.notify_all()
-            return token
+        try:
+            yield
+        except HordeRefusal:
+            self._answered(token)
+            raise
+        except BaseException:
+            self._failed(token)
+            raise
+        self._answered(token)
 
-    def answered(self, token: int) -> None:
+    def _answered(self, token: int) -> None:
         line = None
         with self._cond:
             now = self._clock()
@@ -82,7 +95,7 @@ class HordeWatch:
         if line is not None:
             log.info("%s", line)
 
-    def failed(self, token: int) -> None:
+    def _failed(self, token: int) -> None:
         line = None
         with self._cond:
             now = self._clock()

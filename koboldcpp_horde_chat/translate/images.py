@@ -1,17 +1,9 @@
 """Images of chat jobs made checked data URLs (pure; seed 000 "5. Serve images",
-"7. Fault a job", seed 004).
-
-The Horde sends every image as a JPEG (quality 90) in a signed URL or a ``data:``
-URL. koboldcpp reads only data URLs and silently drops an image it cannot decode,
-so each image becomes a data URL of its sniffed type after a structure check, or
-the job is faulted::
-
-    plan = plan_images(messages)                  # data URLs decoded, URLs listed
-    fetched = {(i, j): <bytes> for i, j, url in plan.to_fetch}
-    messages = finish_images(messages, plan, fetched)
-
-JPEG and PNG (stb_image decodes both) are accepted; another type is faulted by its
-name. Errors never quote a URL or image bytes.
+seed 004). koboldcpp reads only data URLs and silently drops an image it cannot
+decode, so each image, fetched (:func:`plan_images`) or inline, becomes a data URL
+of its sniffed type after a structure check (:func:`finish_images`), or the job is
+faulted. JPEG and PNG (stb_image decodes both) are accepted; errors never quote a
+URL or image bytes.
 """
 
 from __future__ import annotations
@@ -230,13 +222,9 @@ def _check_png(data: bytes) -> tuple[int, int]:
 
 
 def check_decodable(data: bytes) -> str:
-    """``"image/jpeg"`` or ``"image/png"`` for bytes koboldcpp can read: a JPEG with
-    an 8-bit baseline, extended or progressive Huffman frame, or a PNG (bytes after the
-    end ignored, pixels and checksums not checked).
-
-    Raises ImageError naming the problem (``"GIF image, not JPEG or PNG"``,
-    ``"truncated JPEG"``, ``"12-bit JPEG is not readable by koboldcpp"``).
-    """
+    """``"image/jpeg"`` or ``"image/png"`` for bytes koboldcpp can read (an 8-bit
+    Huffman JPEG or a PNG; pixels and checksums not checked). Raises ImageError naming
+    the problem (``"GIF image, not JPEG or PNG"``, ``"truncated JPEG"``)."""
     if not data:
         raise ImageError("empty image")
     data = bytes(data)
@@ -376,12 +364,8 @@ def finish_images(
     fetched: Mapping[tuple[int, int], bytes],
 ) -> list[dict[str, Any]]:
     """A deep copy of ``messages`` with every image a checked data URL of its sniffed
-    type (a canonical one kept as it is); ``fetched`` holds every ``plan.to_fetch``.
-    More than :data:`MAX_IMAGES` pass with a warning.
-
-    Raises ImageError (not fetched, over a cap, unreadable), ValueError when ``plan``
-    or ``fetched`` does not match ``messages`` (a caller's bug).
-    """
+    type (a canonical one kept); ``fetched`` holds every ``plan.to_fetch``. Raises
+    ImageError, or ValueError when the plan or ``fetched`` does not match (a bug)."""
     wanted = {(i, j) for i, j, _ in plan.to_fetch}
     parts = {(i, j) for i, j, _ in image_urls(messages)}
     if parts != wanted | set(plan.inline) or not set(fetched) <= wanted:
