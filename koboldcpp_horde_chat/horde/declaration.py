@@ -11,7 +11,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..settings import WorkerSettings
@@ -177,17 +177,12 @@ def chat_declaration(
     withholding ``vision`` drops the image transports too."""
     withheld = frozenset(withhold) | settings.chat_withhold
     features = chat_features(caps, withheld)
-    transport_caps = caps
-    if caps.vision and "vision" not in features:
-        transport_caps = BackendCapabilities(
-            vision=False, messages_url=caps.messages_url, image_url=caps.image_url
-        )
     body: dict[str, Any] = {
         "chat_jobs": True,
         "chat_features": features,
         "chat_limits": chat_limits(settings),
         "model_id": settings.model_id,
-        "image_transports": image_transports(transport_caps),
+        "image_transports": image_transports(replace(caps, vision="vision" in features)),
     }
     if settings.prompt_jobs is False:
         body["prompt_jobs"] = False
@@ -228,14 +223,11 @@ def pop_body(
         body["threads"] = settings.threads
     if chat_jobs and caps.chat:
         body.update(chat_declaration(settings, caps, withhold=withhold))
-        limits = dict(body["chat_limits"])
-        if chat_max_length is not None:
-            limits["max_length"] = _at_most(chat_max_length, settings.declared_max_length)
-        if chat_max_context_length is not None:
-            limits["max_context_length"] = _at_most(
-                chat_max_context_length, settings.max_context_length
-            )
-        body["chat_limits"] = limits
+        body["chat_limits"] = {
+            **body["chat_limits"],
+            "max_length": _at_most(chat_max_length, settings.declared_max_length),
+            "max_context_length": _at_most(chat_max_context_length, settings.max_context_length),
+        }
         if not prompt_jobs:
             body["prompt_jobs"] = False
     return body

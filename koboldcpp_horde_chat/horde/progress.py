@@ -55,7 +55,8 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def _trim_utf8(text: str, max_bytes: int) -> str:
+def utf8_prefix(text: str, max_bytes: int) -> str:
+    """The longest prefix of ``text`` within ``max_bytes`` of UTF-8."""
     if max_bytes <= 0:
         return ""
     raw = text.encode("utf-8")
@@ -111,10 +112,8 @@ class ProgressPoster:
 
         self._buf_content: list[str] = []
         self._buf_reasoning: list[str] = []
-        self._posted_content = ""
-        self._posted_reasoning = ""
-        # (seq, content chars, reasoning chars, utf-8 bytes) of each accepted post.
-        self._history: list[tuple[int, int, int, int]] = []
+        # (seq, content, reasoning, utf-8 bytes) of each accepted post.
+        self._history: list[tuple[int, str, str, int]] = []
 
         self._in_flight: dict[str, Any] | None = None
         self._in_flight_bytes = 0
@@ -170,11 +169,11 @@ class ProgressPoster:
 
     @property
     def posted_content(self) -> str:
-        return self._posted_content
+        return "".join(post[1] for post in self._history)
 
     @property
     def posted_reasoning(self) -> str:
-        return self._posted_reasoning
+        return "".join(post[2] for post in self._history)
 
     def on_response(self, status: int, body: object, now: float) -> ProgressAction:
         """Handle the Horde's answer (``body`` decoded; not a dict counts as ``{}``).
@@ -242,9 +241,9 @@ class ProgressPoster:
         if r_bytes + c_bytes >= remaining:
             last = True
             if r_bytes + c_bytes > remaining:
-                reasoning = _trim_utf8(reasoning, remaining)
+                reasoning = utf8_prefix(reasoning, remaining)
                 r_bytes = _utf8_len(reasoning)
-                content = _trim_utf8(content, remaining - r_bytes)
+                content = utf8_prefix(content, remaining - r_bytes)
                 c_bytes = _utf8_len(content)
                 log.debug(
                     "job=%s progress byte cap of %d bytes reached; last post trimmed",
@@ -267,12 +266,8 @@ class ProgressPoster:
         """Record the post in flight as accepted; True when it was the last."""
         assert self._in_flight is not None
         delta = self._in_flight["delta"]
-        content: str = delta["content"]
-        reasoning: str = delta.get("reasoning_content", "")
-        self._posted_content += content
-        self._posted_reasoning += reasoning
-        self._history.append((self._in_flight["seq"], len(content), len(reasoning),
-                              self._in_flight_bytes))
+        self._history.append((self._in_flight["seq"], delta["content"],
+                              delta.get("reasoning_content", ""), self._in_flight_bytes))
         self.bytes_accepted += self._in_flight_bytes
         self.posts_accepted += 1
         if extend:
@@ -317,15 +312,9 @@ class ProgressPoster:
         self._conflicts_in_row = conflicts
         keep = [h for h in self._history if h[0] < expected]
         drop = self._history[len(keep):]
-        c_chars = sum(h[1] for h in drop)
-        r_chars = sum(h[2] for h in drop)
+        c_tail = "".join(h[1] for h in drop)
+        r_tail = "".join(h[2] for h in drop)
         d_bytes = sum(h[3] for h in drop)
-        c_cut = len(self._posted_content) - c_chars
-        r_cut = len(self._posted_reasoning) - r_chars
-        c_tail, self._posted_content = self._posted_content[c_cut:], self._posted_content[:c_cut]
-        r_tail, self._posted_reasoning = (
-            self._posted_reasoning[r_cut:], self._posted_reasoning[:r_cut]
-        )
         self._history = keep
         self.bytes_accepted -= d_bytes
         self.posts_accepted -= len(drop)

@@ -260,12 +260,6 @@ class KoboldClient:
         """
         return self._in_flight.hang_up()
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self._password:
-            headers["Authorization"] = f"Bearer {self._password}"
-        return headers
-
     def _deadline(self, timeout_s: float) -> float:
         """When a whole call must be over (connect, wait and body), monotonic seconds."""
         return time.monotonic() + self.connect_timeout_s + timeout_s
@@ -314,9 +308,9 @@ class KoboldClient:
         *,
         extra_headers: dict[str, str] | None = None,
     ) -> requests.Response:
-        headers = self._headers()
-        if method == "GET":
-            headers.pop("Content-Type")
+        headers: dict[str, str] = {} if method == "GET" else {"Content-Type": "application/json"}
+        if self._password:
+            headers["Authorization"] = f"Bearer {self._password}"
         headers.update(extra_headers or {})
         data: bytes | bytearray | None = None
         if isinstance(body, bytes | bytearray):

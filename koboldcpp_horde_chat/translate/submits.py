@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from ..errors import ReplyError
+from ..horde.progress import utf8_prefix
 from ..koboldcpp.answers import BackendReply
 from ..koboldcpp.reasoning import split_reasoning
 
@@ -128,13 +129,6 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
     return result
 
 
-def _cap_utf8(text: str, max_bytes: int) -> str:
-    encoded = text.encode("utf-8")
-    if len(encoded) <= max_bytes:
-        return text
-    return encoded[:max_bytes].decode("utf-8", errors="ignore")
-
-
 def _count_ok(value: int | None, name: str) -> bool:
     if value is None:
         return False
@@ -175,7 +169,7 @@ def chat_submit(
         content = ""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if split.reasoning:
-        reasoning = _cap_utf8(split.reasoning, REASONING_MAX_BYTES)
+        reasoning = utf8_prefix(split.reasoning, REASONING_MAX_BYTES)
         if len(reasoning) < len(split.reasoning):
             log.warning("job %s: reasoning_content cut to %d bytes", job_id, REASONING_MAX_BYTES)
         message["reasoning_content"] = reasoning
