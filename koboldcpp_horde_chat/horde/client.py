@@ -335,10 +335,9 @@ class HordeClient:
         rc_raw = body.get("rc")
         rc = self._safe(rc_raw) if isinstance(rc_raw, str) else ""
         msg_raw = body.get("message")
-        if isinstance(msg_raw, str) and msg_raw.strip():
-            message = self._safe(msg_raw)
-        else:
-            message = self._safe(f"{route}: HTTP {status} {response.reason or ''}".rstrip())
+        if not (isinstance(msg_raw, str) and msg_raw.strip()):
+            msg_raw = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
+        message = self._safe(msg_raw)
 
         if 300 <= status < 400:
             location = response.headers.get("Location")

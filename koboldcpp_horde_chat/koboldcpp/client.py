@@ -191,45 +191,32 @@ class KoboldClient:
         for bytes, the prompt processing included. A JSON answer raises BackendError;
         ``cancel`` and :meth:`hang_up` as for :meth:`chat_completion`.
         """
-        payload: dict[str, Any] | bytes | bytearray
-        if isinstance(body, dict):
-            payload = dict(body)
-            payload["stream"] = True
-        else:
-            payload = body
+        payload = {**body, "stream": True} if isinstance(body, dict) else body
         path = "/v1/chat/completions"
         with self._in_flight.generation(f"POST {path}", cancel):
-            return self._open_stream(path, payload, read_timeout_s)
-
-    def _open_stream(
-        self, path: str, payload: dict[str, Any] | bytes | bytearray, read_timeout_s: float
-    ) -> BackendStream:
-        deadline = self._deadline(read_timeout_s)
-        response = self._request(
-            "POST",
-            path,
-            payload,
-            read_timeout_s,
-            extra_headers={"Accept": "text/event-stream", "Accept-Encoding": "identity"},
-        )
-        status = response.status_code
-        content_type = response.headers.get("content-type", "")
-        if 200 <= status < 300 and "text/event-stream" in content_type.lower():
-            stream = BackendStream(response, password=self._password)
-            with self._in_flight.lock:
-                self._in_flight.stream = stream
-            return stream
-        try:
-            if not 200 <= status < 300:
-                self._decode(response, path, deadline)  # raises the mapped error
-            decoded = self._decode(response, path, deadline)
-            keys = ", ".join(sorted(decoded)[:8])
-            raise BackendError(
-                f"{path}: a whole JSON answer (keys: {keys}) instead of an event stream",
-                status=status,
+            deadline = self._deadline(read_timeout_s)
+            response = self._request(
+                "POST",
+                path,
+                payload,
+                read_timeout_s,
+                extra_headers={"Accept": "text/event-stream", "Accept-Encoding": "identity"},
             )
-        finally:
-            response.close()
+            status = response.status_code
+            content_type = response.headers.get("content-type", "")
+            if 200 <= status < 300 and "text/event-stream" in content_type.lower():
+                stream = BackendStream(response, password=self._password)
+                with self._in_flight.lock:
+                    self._in_flight.stream = stream
+                return stream
+            try:
+                keys = ", ".join(sorted(self._decode(response, path, deadline))[:8])
+                raise BackendError(
+                    f"{path}: a whole JSON answer (keys: {keys}) instead of an event stream",
+                    status=status,
+                )
+            finally:
+                response.close()
 
     def abort(self, genkey: str, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
         """Stop the generation with ``genkey``; False when it was not running

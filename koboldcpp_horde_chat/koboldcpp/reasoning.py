@@ -156,23 +156,8 @@ def _partial_start(buf: str, needles: list[str]) -> int | None:
     return None
 
 
-def _has_tag(text: str) -> bool:
-    return any(tag in text for tag in START_TAGS + END_TAGS)
-
-
-def _opened_by_template(text: str) -> bool:
-    """True when the first tag in ``text`` is an end tag (the prompt opened the block)."""
-    first = _earliest(
-        text, [(t, _START) for t in START_TAGS] + [(t, _END) for t in END_TAGS]
-    )
-    return first is not None and first[2] == _END
-
-
 def _clean(text: str | None) -> str | None:
-    if text is None:
-        return None
-    text = text.strip()
-    return text or None
+    return (text or "").strip() or None
 
 
 def split_reasoning(content: str | None, reasoning: str | None) -> ReasoningSplit:
@@ -180,14 +165,14 @@ def split_reasoning(content: str | None, reasoning: str | None) -> ReasoningSpli
     the content); empty reasoning is None. ``"<think>Hmm</think>\\n\\nBlue."`` gives
     ``("\\n\\nBlue.", "Hmm", False)``, ``"<think>Hmm"`` gives ``("", "Hmm", True)``.
     """
-    if content is None or not _has_tag(content):
+    tags = [(t, _START) for t in START_TAGS] + [(t, _END) for t in END_TAGS]
+    first = None if content is None else _earliest(content, tags)
+    if content is None or first is None:
         return ReasoningSplit(content=content, reasoning=_clean(reasoning), unclosed=False)
-    splitter = StreamSplitter(start_in_reasoning=_opened_by_template(content))
+    # An end tag first: the prompt opened the block.
+    splitter = StreamSplitter(start_in_reasoning=first[2] == _END)
     splitter._buffer = content
-    pieces = splitter._process(final=True)
-    unclosed = splitter.in_reasoning
-    found = "".join(text for is_reasoning, text in pieces if is_reasoning)
-    answer = "".join(text for is_reasoning, text in pieces if not is_reasoning)
+    found, answer = _join(splitter._process(final=True))
     return ReasoningSplit(
-        content=answer, reasoning=_clean((reasoning or "") + found), unclosed=unclosed
+        content=answer, reasoning=_clean((reasoning or "") + found), unclosed=splitter.in_reasoning
     )

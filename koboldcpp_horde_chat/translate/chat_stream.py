@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ReplyError
@@ -52,7 +52,7 @@ class _ToolCall:
     id: str | None = None
     type: str | None = None
     name: str | None = None
-    arguments: list[str] | None = None
+    arguments: list[str] = field(default_factory=list)
 
 
 class ChatStreamAccumulator:
@@ -162,20 +162,14 @@ class ChatStreamAccumulator:
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far, in index order: id, type and name from the first fragment
         carrying them, arguments joined (checked later by ``submits.normalise_tool_calls``)."""
-        calls: list[dict[str, Any]] = []
-        for index in sorted(self._tool_calls):
-            call = self._tool_calls[index]
-            calls.append(
-                {
-                    "id": call.id,
-                    "type": call.type if call.type is not None else "function",
-                    "function": {
-                        "name": call.name,
-                        "arguments": "".join(call.arguments or ()),
-                    },
-                }
-            )
-        return calls
+        return [
+            {
+                "id": call.id,
+                "type": call.type if call.type is not None else "function",
+                "function": {"name": call.name, "arguments": "".join(call.arguments)},
+            }
+            for _, call in sorted(self._tool_calls.items())
+        ]
 
     def result(self) -> BackendReply:
         """The whole reply (flushed). ``content`` is None when no content came and
@@ -266,8 +260,6 @@ class ChatStreamAccumulator:
                 continue
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
-            if call.arguments is None:
-                call.arguments = []
             call.arguments.append(arguments)
         return None
 

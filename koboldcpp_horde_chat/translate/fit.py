@@ -32,30 +32,29 @@ def _is_image_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") == "image_url"
 
 
-def _without_image_data(messages: list[Any]) -> list[Any]:
-    result: list[Any] = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(_is_image_part(p) for p in content):
-            result.append(message)
-            continue
-        parts: list[Any] = []
-        for part in content:
-            if _is_image_part(part):
-                image = part.get("image_url")
-                new_image = dict(image) if isinstance(image, dict) else {}
-                new_image["url"] = IMAGE_PLACEHOLDER
-                parts.append({**part, "image_url": new_image})
-            else:
-                parts.append(part)
-        result.append({**message, "content": parts})
-    return result
+def _parts(message: Any) -> list[Any]:
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, list) else []
+
+
+def _placeholder(part: Any) -> Any:
+    """An image_url part with the placeholder as its url; another part as it is."""
+    if not _is_image_part(part):
+        return part
+    image = part.get("image_url")
+    return {**part, "image_url": {**(image if isinstance(image, dict) else {}),
+                                  "url": IMAGE_PLACEHOLDER}}
 
 
 def fit_prompt(messages: list[Any], tools: object = None, response_format: object = None) -> str:
     """The JSON of ``messages`` (image URLs replaced by ``"<image>"``), ``tools`` and
     ``response_format`` when not None, one per line: the text counted."""
-    pieces = [json.dumps(_without_image_data(messages), ensure_ascii=False)]
+    shown = [
+        {**message, "content": [_placeholder(part) for part in _parts(message)]}
+        if _parts(message) else message
+        for message in messages
+    ]
+    pieces = [json.dumps(shown, ensure_ascii=False)]
     if tools is not None:
         pieces.append(json.dumps(tools, ensure_ascii=False))
     if response_format is not None:
@@ -64,12 +63,7 @@ def fit_prompt(messages: list[Any], tools: object = None, response_format: objec
 
 
 def count_images(messages: list[Any]) -> int:
-    count = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            count += sum(1 for part in content if _is_image_part(part))
-    return count
+    return sum(1 for message in messages for part in _parts(message) if _is_image_part(part))
 
 
 def check_fit(
