@@ -94,7 +94,6 @@ class HordeClient:
         connect_timeout_s: float = 10.0,
         session: requests.Session | None = None,
         pop_max_bytes: int = POP_MAX_BYTES,
-        max_bytes: int = RESPONSE_MAX_BYTES,
         deadlines: CallDeadlines | None = None,
         watch: HordeWatch | None = None,
     ) -> None:
@@ -144,7 +143,6 @@ class HordeClient:
         self._deadlines = deadlines
         self._call = Call()
         self._pop_max_bytes = pop_max_bytes
-        self._max_bytes = max_bytes
         self._headers = {
             "apikey": api_key,
             "Client-Agent": CLIENT_AGENT,
@@ -185,19 +183,15 @@ class HordeClient:
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a submit; ``{"reward": <kudos>}``."""
-        return self._request("POST", ROUTE_SUBMIT, body, timeout_s=timeout_s,
-                             max_bytes=self._max_bytes)
+        return self._request("POST", ROUTE_SUBMIT, body, timeout_s=timeout_s)
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a progress post; ``{"accepted_seq": n, "cancelled": false}``."""
-        return self._request("POST", ROUTE_PROGRESS, body, timeout_s=timeout_s,
-                             max_bytes=self._max_bytes)
+        return self._request("POST", ROUTE_PROGRESS, body, timeout_s=timeout_s)
 
     def find_user(self, *, timeout_s: float) -> dict[str, Any]:
         """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``)."""
-        return self._request(
-            "GET", ROUTE_FIND_USER, None, timeout_s=timeout_s, max_bytes=self._max_bytes
-        )
+        return self._request("GET", ROUTE_FIND_USER, None, timeout_s=timeout_s)
 
     def _safe(self, text: str) -> str:
         """``text`` without the API key, on one line, shortened."""
@@ -213,7 +207,7 @@ class HordeClient:
         body: dict[str, Any] | None,
         *,
         timeout_s: float,
-        max_bytes: int,
+        max_bytes: int = RESPONSE_MAX_BYTES,
     ) -> dict[str, Any]:
         raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None

@@ -46,8 +46,8 @@ class SSEDecoder:
         self._pending: list[bytes] = []  # an unterminated line, in pieces
         self._pending_len = 0
         self._skip_lf = False  # the previous read ended in CR
-        self._bom_done = False
-        self._head = b""  # the first bytes while the BOM check waits for three
+        # The first bytes while the BOM check waits for three (None: checked).
+        self._head: bytes | None = b""
         self._data: list[str] = []
         self._event_type = ""
         self._event_retry: int | None = None
@@ -62,13 +62,12 @@ class SSEDecoder:
             raise ValueError("SSEDecoder.feed() after close()")
         if not data:
             return []
-        if not self._bom_done:
+        if self._head is not None:
             head = self._head + data
             if len(head) < len(_BOM) and _BOM.startswith(head):
                 self._head = head
                 return []
-            self._bom_done = True
-            self._head = b""
+            self._head = None
             data = head[len(_BOM) :] if head.startswith(_BOM) else head
             if not data:
                 return []
@@ -82,13 +81,11 @@ class SSEDecoder:
         if end < 0:
             self._keep(data)
             return []
+        block = data[: end + 1]  # the whole read itself when it ends a line
         if self._pending:
-            self._pending.append(data[: end + 1])
-            block = b"".join(self._pending)
+            block = b"".join([*self._pending, block])
             self._pending = []
             self._pending_len = 0
-        else:
-            block = data[: end + 1] if end + 1 < len(data) else data
         if end + 1 < len(data):
             self._keep(data[end + 1 :])
         elif data[end] == _CR:
@@ -111,7 +108,7 @@ class SSEDecoder:
             log.debug(
                 "event stream ended inside an event; discarded %d unterminated bytes "
                 "and %d data lines",
-                self._pending_len + len(self._head),
+                self._pending_len + len(self._head or b""),
                 len(self._data),
             )
         self._pending = []
