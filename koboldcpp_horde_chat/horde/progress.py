@@ -292,6 +292,8 @@ class ProgressPoster:
         if expected == seq:
             return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} expecting our own seq {seq}")
         conflicts = self._conflicts_in_row + 1
+        last = False
+        drop: list[tuple[int, str, str, int]] = []
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
             log.debug(
@@ -300,27 +302,22 @@ class ProgressPoster:
                 self.job_id, expected, seq,
             )
             last = self._accept(now, extend=False)
-            self._conflicts_in_row = conflicts
-            self.seq = expected
-            if conflicts >= MAX_CONFLICTS:
-                return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
-            if last:
-                return self._stop_posting(f"cap reached at seq {seq}")
-            return ProgressAction.CONTINUE
-        # expected < seq: the horde lacks our posts from `expected` on. Merge their
-        # text with the post in flight and send it as `expected`.
+        else:
+            # The horde lacks our posts from `expected` on: their text goes with the post
+            # in flight, sent as `expected`.
+            keep = [h for h in self._history if h[0] < expected]
+            drop = self._history[len(keep):]
+            self._history = keep
+            self.bytes_accepted -= sum(h[3] for h in drop)
+            self.posts_accepted -= len(drop)
         self._conflicts_in_row = conflicts
-        keep = [h for h in self._history if h[0] < expected]
-        drop = self._history[len(keep):]
-        c_tail = "".join(h[1] for h in drop)
-        r_tail = "".join(h[2] for h in drop)
-        d_bytes = sum(h[3] for h in drop)
-        self._history = keep
-        self.bytes_accepted -= d_bytes
-        self.posts_accepted -= len(drop)
         self.seq = expected
         if conflicts >= MAX_CONFLICTS:
             return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
+        if last:
+            return self._stop_posting(f"cap reached at seq {seq}")
+        if expected > seq:
+            return ProgressAction.CONTINUE
         delta = self._in_flight["delta"]
         log.warning(
             "job=%s progress: the Horde expects seq %d, below our seq %d; "
@@ -330,10 +327,10 @@ class ProgressPoster:
         self._in_flight = _make_body(
             self.job_id,
             expected,
-            c_tail + delta["content"],
-            r_tail + delta.get("reasoning_content", ""),
+            "".join(h[1] for h in drop) + delta["content"],
+            "".join(h[2] for h in drop) + delta.get("reasoning_content", ""),
         )
-        self._in_flight_bytes += d_bytes
+        self._in_flight_bytes += sum(h[3] for h in drop)
         self._in_flight_resent = True
         self._in_flight_last = self._in_flight_last or expected >= self.max_posts
         return ProgressAction.RETRY

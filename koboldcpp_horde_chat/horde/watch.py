@@ -115,11 +115,6 @@ class HordeWatch:
         self._said_since = since
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
-    def _due(self) -> float | None:
-        if self._said_since is not None or not self._in_flight or self._quiet_since is None:
-            return None
-        return self._quiet_since + self.quiet_after_s
-
     def _watch(self) -> None:
         idle_since = self._clock()
         while True:
@@ -131,7 +126,9 @@ class HordeWatch:
                 elif now - idle_since >= LINGER_S:
                     self._monitor = None
                     return
-                due = self._due()
+                due = None  # when a waiting call makes the Horde not answering
+                if self._said_since is None and self._in_flight and self._quiet_since is not None:
+                    due = self._quiet_since + self.quiet_after_s
                 if due is not None and now >= due:
                     oldest = min(self._in_flight.values(), key=lambda call: call[1])
                     line = self._say(now, oldest[0])

@@ -72,14 +72,21 @@ def parse_chat_completion(body: object) -> BackendReply:
     )
 
 
+def _first_result(body: object) -> dict[str, Any] | None:
+    results = body.get("results") if isinstance(body, dict) else None
+    if isinstance(results, list) and results and isinstance(results[0], dict):
+        return results[0]
+    return None
+
+
 def text_generation(body: object) -> str:
     """The text of ``{"results": [{"text": str, ...}]}``; ReplyError for another shape."""
     if not isinstance(body, dict):
         raise ReplyError("the generate answer is not a JSON object")
-    results = body.get("results")
-    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+    first = _first_result(body)
+    if first is None:
         raise ReplyError("the generate answer has no results")
-    text = results[0].get("text")
+    text = first.get("text")
     if not isinstance(text, str):
         raise ReplyError("results[0].text is not a string")
     return text
@@ -88,12 +95,8 @@ def text_generation(body: object) -> str:
 def text_completion_tokens(body: object) -> int | None:
     """``results[0].completion_tokens`` (1.116.1 L5340-5341), or None (an older
     koboldcpp). Never raises."""
-    if not isinstance(body, dict):
-        return None
-    results = body.get("results")
-    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
-        return None
-    return _optional_count(results[0], "completion_tokens")
+    first = _first_result(body)
+    return None if first is None else _optional_count(first, "completion_tokens")
 
 
 #: ``/api/extra/perf``'s ``stop_reason`` for a generation out of tokens: its budget,
