@@ -49,88 +49,40 @@ class FeatureRow:
     reason: str
 
 
-FEATURE_TABLE: tuple[FeatureRow, ...] = (
-    FeatureRow(
-        "seed",
-        "feature",
-        "always",
-        "koboldcpp reads the chat body's seed as its sampler seed.",
-    ),
-    FeatureRow(
-        "presence_penalty",
-        "feature",
-        "always",
-        "koboldcpp applies presence_penalty from the chat body.",
-    ),
-    FeatureRow(
-        "tools",
-        "feature",
-        "always",
-        "koboldcpp renders tool definitions, assistant tool calls and tool results, "
-        "and returns the model's calls as tool_calls.",
-    ),
-    FeatureRow(
-        "json_object",
-        "feature",
-        "always",
-        "koboldcpp roots its own json_object grammar at an array, so the worker "
-        "replaces response_format json_object with a GBNF grammar rooted at an object "
-        "(translate.bodies.OBJECT_JSON_GRAMMAR).",
-    ),
-    FeatureRow(
-        "json_schema",
-        "feature",
-        "always",
-        "koboldcpp converts response_format.json_schema.schema to a grammar.",
-    ),
-    FeatureRow(
-        "reasoning_effort",
-        "feature",
-        "always",
-        "koboldcpp maps reasoning_effort to a thinking budget.",
-    ),
-    FeatureRow(
-        "prompt_overflow_refused",
-        "guarantee",
-        "always",
-        "The worker's fit check faults a conversation that does not fit with "
-        "prompt_overflow instead of letting koboldcpp cut its front.",
-    ),
-    FeatureRow(
-        "vision",
-        "feature",
-        "with vision",
-        "Declared only while a multimodal projector that reads images is loaded.",
-    ),
-    FeatureRow(
-        "frequency_penalty",
-        "feature",
-        "never",
-        "koboldcpp reads frequency_penalty only as a fallback for a missing presence "
-        "penalty, so it is not applied as a separate penalty.",
-    ),
-    FeatureRow(
-        "tools_with_response_format",
-        "feature",
-        "never",
-        "koboldcpp's tool grammar replaces the response format grammar, so a request "
-        "with both is left to other workers.",
-    ),
-    FeatureRow(
-        "tool_choice_enforced",
-        "guarantee",
-        "never",
-        "koboldcpp decides on a tool call with a model poll and does not check the reply "
-        "against tool_choice, so a strict tool_choice is left to other workers.",
-    ),
-    FeatureRow(
-        "structured_output_enforced",
-        "guarantee",
-        "never",
-        "koboldcpp discards a schema it cannot convert to a grammar and generates "
-        "unconstrained, so conformance to response_format is not guaranteed.",
-    ),
-)
+FEATURE_TABLE: tuple[FeatureRow, ...] = tuple(FeatureRow(*row) for row in (
+    ("seed", "feature", "always",
+     "koboldcpp reads the chat body's seed as its sampler seed."),
+    ("presence_penalty", "feature", "always",
+     "koboldcpp applies presence_penalty from the chat body."),
+    ("tools", "feature", "always",
+     "koboldcpp renders tool definitions, assistant tool calls and tool results, and returns "
+     "the model's calls as tool_calls."),
+    ("json_object", "feature", "always",
+     "koboldcpp roots its own json_object grammar at an array, so the worker replaces "
+     "response_format json_object with a GBNF grammar rooted at an object "
+     "(translate.bodies.OBJECT_JSON_GRAMMAR)."),
+    ("json_schema", "feature", "always",
+     "koboldcpp converts response_format.json_schema.schema to a grammar."),
+    ("reasoning_effort", "feature", "always",
+     "koboldcpp maps reasoning_effort to a thinking budget."),
+    ("prompt_overflow_refused", "guarantee", "always",
+     "The worker's fit check faults a conversation that does not fit with prompt_overflow "
+     "instead of letting koboldcpp cut its front."),
+    ("vision", "feature", "with vision",
+     "Declared only while a multimodal projector that reads images is loaded."),
+    ("frequency_penalty", "feature", "never",
+     "koboldcpp reads frequency_penalty only as a fallback for a missing presence penalty, so "
+     "it is not applied as a separate penalty."),
+    ("tools_with_response_format", "feature", "never",
+     "koboldcpp's tool grammar replaces the response format grammar, so a request with both is "
+     "left to other workers."),
+    ("tool_choice_enforced", "guarantee", "never",
+     "koboldcpp decides on a tool call with a model poll and does not check the reply against "
+     "tool_choice, so a strict tool_choice is left to other workers."),
+    ("structured_output_enforced", "guarantee", "never",
+     "koboldcpp discards a schema it cannot convert to a grammar and generates unconstrained, "
+     "so conformance to response_format is not guaranteed."),
+))
 
 
 def chat_features(

@@ -269,14 +269,7 @@ def _error_text(chunk: dict[str, Any]) -> str:
     if value is None:
         value = chunk.get("detail")
     if isinstance(value, dict):
-        for key in ("message", "msg", "error", "type"):
-            text = value.get(key)
-            if isinstance(text, str) and text:
-                break
-        else:
-            text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, str):
-        text = value
-    else:
-        text = json.dumps(value, ensure_ascii=False)
+        texts = [value.get(key) for key in ("message", "msg", "error", "type")]
+        value = next((text for text in texts if isinstance(text, str) and text), value)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text[:_ERROR_TEXT_MAX]
