@@ -289,31 +289,29 @@ class HordeClient:
     ) -> dict[str, Any]:
         status = response.status_code
         ok = 200 <= status < 300
-        text: str | None = None
+        raw: bytes | None = None
         read_problem = ""
         try:
             raw = read_body(
                 response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
                 deadline=deadline,
             )
-            text = raw.decode("utf-8")
         except FetchError as exc:
             read_problem = str(exc)
-        except UnicodeDecodeError:
-            read_problem = "invalid JSON (not UTF-8)"
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
         obj: dict[str, Any] | None = None
-        if text is not None:
+        if raw is not None:
             try:
+                text = raw.decode("utf-8")
                 parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
-            except (json.JSONDecodeError, RecursionError):
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 parsed = None
             obj = parsed if isinstance(parsed, dict) else None
 
         if ok:
-            if read_problem and not read_problem.startswith("invalid JSON"):
+            if read_problem:
                 raise HordeUnavailable(
                     self._safe(f"{route}: the Horde's answer could not be read: {read_problem}"),
                     status=status, job_id=job_id, sent=True,
