@@ -92,7 +92,6 @@ class ProgressPoster:
         if lease is None:
             lease = Lease(popped_at, popped_at + base_lease_s)
         self.job_id = job_id
-        self.max_length = max_length
         self.interval_s = interval_s
         self.max_posts = max_posts
         self.max_unavailable = max(1, max_unavailable)
