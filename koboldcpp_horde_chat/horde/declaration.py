@@ -125,7 +125,7 @@ def chat_declaration(
     *,
     withhold: Iterable[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The chat fields of a pop body. ``withhold`` adds to ``settings.chat_withhold``;
+    """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
     withholding ``vision`` drops the image transports too."""
     withheld = frozenset(withhold) | settings.chat_withhold
     features = chat_features(caps, withheld)

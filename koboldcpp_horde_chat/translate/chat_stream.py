@@ -2,7 +2,7 @@
 "6. Submit the reply").
 
 Input: each SSE event's ``data`` of ``/v1/chat/completions`` (1.116.1 L5368-5768):
-``chat.completion.chunk`` objects whose ``choices[0].delta`` holds ``content`` and
+chunks (``"object": "chat.completion.chunk"``) whose ``choices[0].delta`` holds ``content`` and
 ``reasoning_content``, the last one the finish reason; a ``"choices": []`` chunk
 with ``usage``; for tools, after generation, a chunk per call with its id and name,
 then one per call with its arguments; ``[DONE]``.
