@@ -20,7 +20,7 @@ JOB_ABORTED: Final = "ChatJobAborted"
 
 #: 403 codes that mean the API key (or the worker name's owner) is wrong.
 CREDENTIAL_RCS: Final = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
-#: A submit's answer that says the job was already settled or ended on the Horde.
+#: A submit refused because the job was already submitted or ended on the Horde.
 SETTLED_RCS: Final = frozenset({ABORTED_GEN, DUPLICATE_GEN})
 #: Refusals of a chat reply; the fault after them names ``reply_refused``.
 REFUSAL_RCS: Final = frozenset(
