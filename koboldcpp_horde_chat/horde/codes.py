@@ -1,10 +1,6 @@
-"""The Horde's return codes a worker acts on, in one place (pure; no I/O).
-
-The Horde names each refusal by ``rc`` in its JSON answer (seed "Submit
-refusals", "7. Fault a job"; the rest from the AI Horde's public API). The
-pop's refusals, each with what the owner can do, are ``state.status``'s
-table, since they are said to the owner.
-"""
+"""The Horde's return codes (``rc``) the worker acts on (seed "Submit refusals",
+"7. Fault a job", "Streaming progress"). The pop's refusals, with what the owner
+can do, are in ``state.status``'s table."""
 
 from __future__ import annotations
 
@@ -12,16 +8,26 @@ from typing import Final
 
 from ..errors import HordeRefusal
 
+ABORTED_GEN: Final = "AbortedGen"
+DUPLICATE_GEN: Final = "DuplicateGen"
+CHAT_SUBMIT_INVALID: Final = "ChatSubmitInvalid"
+CHAT_SUBMIT_NONCONFORMANT: Final = "ChatSubmitNonconformant"
+USER_NOT_FOUND: Final = "UserNotFound"
+WORKER_MAINTENANCE: Final = "WorkerMaintenance"
+#: Progress answers: 409 with ``expected_seq``, and 404 for a job that ended.
+PROGRESS_OUT_OF_SEQUENCE: Final = "ChatProgressOutOfSequence"
+JOB_ABORTED: Final = "ChatJobAborted"
+
 #: 403 codes that mean the API key (or the worker name's owner) is wrong.
 CREDENTIAL_RCS: Final = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
-#: A submit's answer that says the job was already settled or ended on the Horde.
-SETTLED_RCS: Final = frozenset({"AbortedGen", "DuplicateGen"})
-#: The refusals of a chat reply that the fault after them names ``reply_refused``.
+#: A submit refused because the job was already submitted or ended on the Horde.
+SETTLED_RCS: Final = frozenset({ABORTED_GEN, DUPLICATE_GEN})
+#: Refusals of a chat reply; the fault after them names ``reply_refused``.
 REFUSAL_RCS: Final = frozenset(
-    {"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"}
+    {CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT, "ChatModelMismatch"}
 )
 
 
 def is_key_refusal(exc: HordeRefusal) -> bool:
-    """401, or 403 with a credentials ``rc``: the API key is wrong (by status and rc only)."""
+    """401, or 403 with a credentials ``rc``: the API key is wrong."""
     return exc.status == 401 or (exc.status == 403 and exc.rc in CREDENTIAL_RCS)

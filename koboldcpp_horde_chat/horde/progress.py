@@ -1,62 +1,26 @@
-"""Streaming progress posts for one job, as a pure state machine (no I/O, no clock).
+"""Streaming progress posts for one job: a pure state machine (no I/O, no clock).
 
-The worker owns the clock and the HTTP calls; this module decides what to post
-and what to do with each answer (one :class:`ProgressPoster` per streamed job)::
+Seed section "Streaming progress". The caller owns the clock and the HTTP calls::
 
-    poster.add(content_delta, reasoning_delta)     # client-visible text as it arrives
-    body = poster.due(now)                          # a post to send now, or None
-    ... POST <horde>/api/v2/generate/text/progress with body ...
+    poster.add(content, reasoning)          # released text
+    body = poster.due(now)                  # a post to send now, or None
     action = poster.on_response(status, json_body, now)   # or poster.on_lost(now)
-    RETRY -> send poster.retry_body() again; STOP_GENERATING -> abort, do not submit;
-    STOP_POSTING -> keep generating, post nothing more; CONTINUE -> carry on.
-    before submitting: poster.pending_final(now) for the last buffered text.
+    RETRY: send poster.retry_body(); STOP_GENERATING: abort, do not submit;
+    STOP_POSTING: keep generating, post no more. Before the submit: pending_final(now).
 
-Post body (seed "Streaming progress"): ``{"id": "<job-id>", "seq": 1, "delta":
-{"content": "Blue", "reasoning_content": "..."}}``; ``content`` always
-(``""`` while only reasoning came), ``reasoning_content`` only when there is some.
-
-Rules implemented, with the seed's values:
-
-* seq is 1 for the first post and one more for each accepted post; one post in
-  flight at a time; about one post per ``interval_s`` (1 s); a lost response is
-  retried with the identical body (same seq, content and reasoning).
-* The cap: at most 1000 posts and 16 bytes per ``max_length`` token of UTF-8
-  content plus reasoning over all posts. A post that would pass it is trimmed (on
-  a character boundary, reasoning kept before content) and is the last one.
-* ``200``: accepted; ``"cancelled": true`` means stop generating and do not
-  submit (checked on every response, retries included).
-* ``409 ChatProgressOutOfSequence`` with ``expected_seq`` (the seq the horde
-  wants next), compared with the seq of the post in flight, ``s``:
-
-  - ``expected_seq > s``: the horde already holds post ``s`` (an earlier copy of
-    it was accepted). It counts as accepted and the next post uses
-    ``expected_seq``.
-  - ``expected_seq < s``: the horde holds only posts ``1 .. expected_seq-1``;
-    the posts we believed accepted from ``expected_seq`` on never reached it.
-    Their text and the text in flight are merged into one post sent under
-    ``expected_seq`` (returned as ``RETRY``; ``retry_body()`` gives it). Posts
-    the horde holds are never sent again or changed, so no accepted text is
-    rewritten ("do not rewrite text already posted"), and the client still
-    receives every character once.
-  - ``expected_seq == s`` or a missing/invalid ``expected_seq``: the horde's
-    state cannot be reconciled; stop posting.
-  - Three 409s in a row: stop posting.
-* ``404 ChatJobAborted``: stop generating, do not submit. ``404
-  ChatProgressNotStreaming``, ``413 ChatProgressCapReached`` and any other 4xx
-  but 429: stop posting, keep generating. ``503 ChatProgressUnavailable``, any
-  other 5xx and 429: retry the same body; the ``max_unavailable``-th in a row
-  (3) stops posting. A lost response (timeout, reset): retry the same body; the
-  ``max_lost``-th in a row (3) stops posting.
-* The lease: the job's own (``horde.pop.Lease``), the pop's ttl (``base_lease_s``,
-  150 s) from ``popped_at``. A post
-  with new text accepted on its first send extends it to 150 s after the post
-  was sent (the time passed to ``due``/``pending_final``; the response time when
-  none was given), never past ``popped_at + lease_cap_s`` (200 s untrusted, 600 s
-  trusted) and never backwards. A post that needed a resend (lost response,
-  503, 409) does not extend it: the horde does not extend for a retried post, and
-  the worker cannot tell which copy the horde counted.
-
-Seed section: "Streaming progress" (and the pop-loop flowchart: progress posts).
+Body: ``{"id", "seq", "delta": {"content", "reasoning_content" (only when some)}}``.
+The seed's values: seq starts at 1, one post in flight, about one post per second;
+at most 1000 posts and 16 UTF-8 bytes per ``max_length`` token (the post that
+passes it is trimmed, reasoning kept first, and is the last). 409
+``ChatProgressOutOfSequence``: an ``expected_seq`` above ours means the Horde holds
+our post (accepted); below ours, the posts it lacks are merged into one resent as
+``expected_seq`` (accepted text is never rewritten); equal or invalid, or three
+409s in a row: stop posting. 404 ``ChatJobAborted`` or ``"cancelled": true``:
+stop generating. 429, 5xx and lost answers are retried with the same body, the
+third in a row stops posting; any other 4xx stops posting. An accepted post sent
+once extends the lease to 150 s after it was sent, never past ``popped_at +
+lease_cap_s`` (200 s untrusted, 600 s trusted); a resent post does not (the Horde
+does not extend for a retried post).
 """
 
 from __future__ import annotations
@@ -65,46 +29,34 @@ import enum
 import logging
 from typing import Any
 
+from .codes import JOB_ABORTED, PROGRESS_OUT_OF_SEQUENCE
 from .pop import Lease
 
 log = logging.getLogger("koboldcpp_horde_chat.progress")
 
 MAX_POSTS = 1000
-"""The horde's cap on progress posts per job."""
 CAP_BYTES_PER_TOKEN = 16
-"""The horde's cap on posted UTF-8 bytes (content + reasoning) per ``max_length`` token."""
 BASE_LEASE_S = 150.0
 UNTRUSTED_LEASE_CAP_S = 200.0
-TRUSTED_LEASE_CAP_S = 600.0
+#: 409 answers in a row after which posting stops.
 MAX_CONFLICTS = 3
-"""409 answers in a row after which posting stops."""
-
-RC_OUT_OF_SEQUENCE = "ChatProgressOutOfSequence"
-RC_JOB_ABORTED = "ChatJobAborted"
-RC_NOT_STREAMING = "ChatProgressNotStreaming"
-RC_CAP_REACHED = "ChatProgressCapReached"
-RC_UNAVAILABLE = "ChatProgressUnavailable"
 
 
 class ProgressAction(enum.Enum):
     """What the worker does after a progress answer."""
 
     CONTINUE = "continue"
-    """The post was accepted; keep generating and posting."""
     RETRY = "retry"
-    """Send ``retry_body()`` (possibly after a short backoff)."""
     STOP_POSTING = "stop_posting"
-    """Post nothing more for this job; keep generating and submit as usual."""
     STOP_GENERATING = "stop_generating"
-    """The client cancelled or the job ended: abort generation and do not submit."""
 
 
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def _trim_utf8(text: str, max_bytes: int) -> str:
-    """The longest prefix of ``text`` whose UTF-8 encoding fits ``max_bytes``."""
+def utf8_prefix(text: str, max_bytes: int) -> str:
+    """The longest prefix of ``text`` within ``max_bytes`` of UTF-8."""
     if max_bytes <= 0:
         return ""
     raw = text.encode("utf-8")
@@ -114,37 +66,13 @@ def _trim_utf8(text: str, max_bytes: int) -> str:
 
 
 class ProgressPoster:
-    """Progress posting for one streamed job.
+    """Progress posting for one streamed job; times are seconds on the caller's clock.
 
-    Args:
-        job_id: the job's id (the post body's ``id``).
-        max_length: the job's ``payload.max_length`` in tokens; the byte cap is
-            ``16 * max_length`` bytes of UTF-8 content plus reasoning.
-        interval_s: the least time between two posts, seconds (the seed's "about
-            once a second").
-        max_posts: the post cap (1000).
-        max_unavailable: 503/5xx/429 answers in a row after which posting stops.
-        max_lost: lost responses in a row after which posting stops.
-        lease: the job's lease, extended here (``Lease.extend_to``) as posts are
-            accepted; None: one of the poster's own, ``base_lease_s`` from
-            ``popped_at``.
-        popped_at: when the job was popped, seconds on the caller's clock (the
-            same clock as every ``now`` argument, e.g. ``time.monotonic()``);
-            ignored when ``lease`` is given (its ``popped_at``).
-        base_lease_s: the pop's ``ttl``, seconds (150): how long after a post
-            the lease it extends runs.
-        lease_cap_s: the longest lease from pop, seconds (200 untrusted, 600 trusted).
-
-    Attributes:
-        posting: False once posting stopped for good (any STOP action, or the cap).
-        seq: the seq of the post in flight, or of the next post.
-        lease: the job's lease.
-        lease_deadline: when the job's lease ends, absolute seconds on the caller's clock.
-        bytes_accepted: UTF-8 bytes of content plus reasoning accepted so far.
-        posts_accepted: posts accepted so far.
-        stopped_generating: None, or ``"cancelled"`` / ``"aborted"`` after a
-            STOP_GENERATING answer.
-        stop_reason: why posting stopped (for the log), or None.
+    ``max_length`` (tokens) sets the byte cap; ``lease`` is the job's lease,
+    extended as posts are accepted (None: one of ``base_lease_s`` from
+    ``popped_at``). ``posting`` turns False for good at any stop;
+    ``stopped_generating`` is then None, ``"cancelled"`` or ``"aborted"``;
+    ``stop_reason`` says why, for the log.
     """
 
     def __init__(
@@ -164,7 +92,6 @@ class ProgressPoster:
         if lease is None:
             lease = Lease(popped_at, popped_at + base_lease_s)
         self.job_id = job_id
-        self.max_length = max_length
         self.interval_s = interval_s
         self.max_posts = max_posts
         self.max_unavailable = max(1, max_unavailable)
@@ -184,10 +111,8 @@ class ProgressPoster:
 
         self._buf_content: list[str] = []
         self._buf_reasoning: list[str] = []
-        self._posted_content = ""
-        self._posted_reasoning = ""
-        # (seq, content chars, reasoning chars, utf-8 bytes) of each accepted post.
-        self._history: list[tuple[int, int, int, int]] = []
+        # (seq, content, reasoning, utf-8 bytes) of each accepted post.
+        self._history: list[tuple[int, str, str, int]] = []
 
         self._in_flight: dict[str, Any] | None = None
         self._in_flight_bytes = 0
@@ -202,26 +127,11 @@ class ProgressPoster:
 
     @property
     def lease_deadline(self) -> float:
-        """When the job's lease ends, seconds on the caller's clock."""
         return self.lease.deadline
 
-    # --- text in -----------------------------------------------------------------
-
     def add(self, content: str, reasoning: str) -> None:
-        """Buffer client-visible text not yet posted.
-
-        Args:
-            content: new answer text (reasoning blocks, tool-call markup and stop
-                sequences already removed), may be ``""``.
-            reasoning: new reasoning text, may be ``""``.
-
-        Both as the chat stream's accumulator
-        (``translate.chat_stream.ChatStreamAccumulator``) releases them: without
-        U+0000 and with the reasoning's surrounding whitespace held back, so
-        the posts add up to the submitted reply.
-
-        Ignored once posting has stopped (the submit carries the whole reply).
-        """
+        """Buffer released text (as the chat stream's accumulator gives it, so the
+        posts add up to the submitted reply); ignored once posting stopped."""
         if not self.posting:
             return
         if content:
@@ -231,88 +141,43 @@ class ProgressPoster:
 
     @property
     def has_buffered(self) -> bool:
-        """True when text waits for a post."""
         return bool(self._buf_content or self._buf_reasoning)
 
-    # --- posts out ---------------------------------------------------------------
-
     def due(self, now: float) -> dict[str, Any] | None:
-        """The next post to send now, or None.
-
-        A post is due when posting is on, no post is in flight, text is buffered
-        and at least ``interval_s`` seconds passed since the previous post was
-        sent (the first post goes as soon as there is text). The returned body is
-        then in flight: send it and report the answer with ``on_response`` or
-        ``on_lost``.
-
-        Args:
-            now: the current time, seconds on the caller's clock.
-
-        Returns:
-            ``{"id", "seq", "delta": {"content", ["reasoning_content"]}}`` or None.
-        """
-        if not self.posting or self._in_flight is not None or not self.has_buffered:
-            return None
+        """The next post, now in flight, or None: nothing buffered, a post in flight,
+        posting stopped, or less than ``interval_s`` since the last post."""
         if self._last_sent_at is not None and now - self._last_sent_at < self.interval_s:
             return None
-        return self._send(now)
+        return self.pending_final(now)
 
     def pending_final(self, now: float | None = None) -> dict[str, Any] | None:
-        """A last post of the buffered text before the submit, ignoring the interval.
-
-        Returns None when nothing is buffered, posting stopped, or a post is still
-        in flight (wait for its answer, then ask again). The returned body is in
-        flight like one from ``due``.
-
-        Args:
-            now: the current time, seconds (used for the lease; optional).
-        """
+        """Like :meth:`due` without the interval: the last post before the submit."""
         if not self.posting or self._in_flight is not None or not self.has_buffered:
             return None
         return self._send(now)
 
     def retry_body(self) -> dict[str, Any]:
-        """The post in flight, to send again after a RETRY.
-
-        Raises:
-            RuntimeError: no post is in flight.
-        """
+        """The post in flight, to send again. Raises RuntimeError without one."""
         if self._in_flight is None:
             raise RuntimeError("no progress post in flight")
         return _copy_body(self._in_flight)
 
     @property
     def in_flight(self) -> dict[str, Any] | None:
-        """A copy of the post awaiting its answer, or None."""
         return None if self._in_flight is None else _copy_body(self._in_flight)
 
     @property
     def posted_content(self) -> str:
-        """The content of every accepted post, concatenated."""
-        return self._posted_content
+        return "".join(post[1] for post in self._history)
 
     @property
     def posted_reasoning(self) -> str:
-        """The reasoning of every accepted post, concatenated."""
-        return self._posted_reasoning
-
-    # --- answers in --------------------------------------------------------------
+        return "".join(post[2] for post in self._history)
 
     def on_response(self, status: int, body: object, now: float) -> ProgressAction:
-        """Handle the horde's answer to the post in flight.
+        """Handle the Horde's answer (``body`` decoded; not a dict counts as ``{}``).
 
-        Args:
-            status: the HTTP status.
-            body: the decoded JSON body (anything not a dict counts as ``{}``),
-                e.g. ``{"accepted_seq": 3, "cancelled": false}`` or
-                ``{"rc": "ChatProgressOutOfSequence", "expected_seq": 4, ...}``.
-            now: the time the answer arrived, seconds.
-
-        Returns:
-            The :class:`ProgressAction` for the worker (see the module docstring).
-
-        Raises:
-            RuntimeError: no post is in flight.
+        Raises RuntimeError when no post is in flight.
         """
         if self._in_flight is None:
             raise RuntimeError("progress answer without a post in flight")
@@ -336,9 +201,9 @@ class ProgressPoster:
             return ProgressAction.CONTINUE
         if cancelled:
             return self._stop_generating("cancelled", f"cancelled on seq {seq} ({status})")
-        if status == 404 and rc == RC_JOB_ABORTED:
+        if status == 404 and rc == JOB_ABORTED:
             return self._stop_generating("aborted", f"{status} {rc}")
-        if status == 409 and rc == RC_OUT_OF_SEQUENCE:
+        if status == 409 and rc == PROGRESS_OUT_OF_SEQUENCE:
             return self._out_of_sequence(data.get("expected_seq"), now)
         if status >= 500 or status == 429:
             self._unavailable_in_row += 1
@@ -351,15 +216,7 @@ class ProgressPoster:
         return self._stop_posting(f"{status} {rc}".strip())
 
     def on_lost(self, now: float) -> ProgressAction:
-        """Handle a post whose answer never arrived (timeout, reset connection).
-
-        Returns RETRY (resend ``retry_body()``, the identical body) or, at the
-        ``max_lost``-th lost answer in a row, STOP_POSTING. A post that was
-        resent does not extend the lease when it is accepted.
-
-        Raises:
-            RuntimeError: no post is in flight.
-        """
+        """Handle a post whose answer never came. Raises RuntimeError without one."""
         if self._in_flight is None:
             raise RuntimeError("lost progress answer without a post in flight")
         self._lost_in_row += 1
@@ -367,8 +224,6 @@ class ProgressPoster:
             return self._stop_posting(f"{self._lost_in_row} lost answers in a row")
         self._in_flight_resent = True
         return ProgressAction.RETRY
-
-    # --- internals ---------------------------------------------------------------
 
     def _send(self, now: float | None) -> dict[str, Any] | None:
         if self.seq > self.max_posts:
@@ -385,9 +240,9 @@ class ProgressPoster:
         if r_bytes + c_bytes >= remaining:
             last = True
             if r_bytes + c_bytes > remaining:
-                reasoning = _trim_utf8(reasoning, remaining)
+                reasoning = utf8_prefix(reasoning, remaining)
                 r_bytes = _utf8_len(reasoning)
-                content = _trim_utf8(content, remaining - r_bytes)
+                content = utf8_prefix(content, remaining - r_bytes)
                 c_bytes = _utf8_len(content)
                 log.debug(
                     "job=%s progress byte cap of %d bytes reached; last post trimmed",
@@ -407,15 +262,11 @@ class ProgressPoster:
         return _copy_body(body)
 
     def _accept(self, now: float, *, extend: bool) -> bool:
-        """Record the post in flight as accepted; returns True when it was the last."""
+        """Record the post in flight as accepted; True when it was the last."""
         assert self._in_flight is not None
         delta = self._in_flight["delta"]
-        content: str = delta["content"]
-        reasoning: str = delta.get("reasoning_content", "")
-        self._posted_content += content
-        self._posted_reasoning += reasoning
-        self._history.append((self._in_flight["seq"], len(content), len(reasoning),
-                              self._in_flight_bytes))
+        self._history.append((self._in_flight["seq"], delta["content"],
+                              delta.get("reasoning_content", ""), self._in_flight_bytes))
         self.bytes_accepted += self._in_flight_bytes
         self.posts_accepted += 1
         if extend:
@@ -434,10 +285,14 @@ class ProgressPoster:
         assert self._in_flight is not None
         seq: int = self._in_flight["seq"]
         if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
-            return self._stop_posting(f"409 {RC_OUT_OF_SEQUENCE} without a valid expected_seq")
+            return self._stop_posting(
+                f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid expected_seq"
+            )
         if expected == seq:
-            return self._stop_posting(f"409 {RC_OUT_OF_SEQUENCE} expecting our own seq {seq}")
+            return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} expecting our own seq {seq}")
         conflicts = self._conflicts_in_row + 1
+        last = False
+        drop: list[tuple[int, str, str, int]] = []
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
             log.debug(
@@ -446,33 +301,22 @@ class ProgressPoster:
                 self.job_id, expected, seq,
             )
             last = self._accept(now, extend=False)
-            self._conflicts_in_row = conflicts
-            self.seq = expected
-            if conflicts >= MAX_CONFLICTS:
-                return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
-            if last:
-                return self._stop_posting(f"cap reached at seq {seq}")
-            return ProgressAction.CONTINUE
-        # expected < seq: the horde lacks our posts from `expected` on. Merge their
-        # text with the post in flight and send it as `expected`.
+        else:
+            # The horde lacks our posts from `expected` on: their text goes with the post
+            # in flight, sent as `expected`.
+            keep = [h for h in self._history if h[0] < expected]
+            drop = self._history[len(keep):]
+            self._history = keep
+            self.bytes_accepted -= sum(h[3] for h in drop)
+            self.posts_accepted -= len(drop)
         self._conflicts_in_row = conflicts
-        keep = [h for h in self._history if h[0] < expected]
-        drop = self._history[len(keep):]
-        c_chars = sum(h[1] for h in drop)
-        r_chars = sum(h[2] for h in drop)
-        d_bytes = sum(h[3] for h in drop)
-        c_cut = len(self._posted_content) - c_chars
-        r_cut = len(self._posted_reasoning) - r_chars
-        c_tail, self._posted_content = self._posted_content[c_cut:], self._posted_content[:c_cut]
-        r_tail, self._posted_reasoning = (
-            self._posted_reasoning[r_cut:], self._posted_reasoning[:r_cut]
-        )
-        self._history = keep
-        self.bytes_accepted -= d_bytes
-        self.posts_accepted -= len(drop)
         self.seq = expected
         if conflicts >= MAX_CONFLICTS:
             return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
+        if last:
+            return self._stop_posting(f"cap reached at seq {seq}")
+        if expected > seq:
+            return ProgressAction.CONTINUE
         delta = self._in_flight["delta"]
         log.warning(
             "job=%s progress: the Horde expects seq %d, below our seq %d; "
@@ -482,10 +326,10 @@ class ProgressPoster:
         self._in_flight = _make_body(
             self.job_id,
             expected,
-            c_tail + delta["content"],
-            r_tail + delta.get("reasoning_content", ""),
+            "".join(h[1] for h in drop) + delta["content"],
+            "".join(h[2] for h in drop) + delta.get("reasoning_content", ""),
         )
-        self._in_flight_bytes += d_bytes
+        self._in_flight_bytes += sum(h[3] for h in drop)
         self._in_flight_resent = True
         self._in_flight_last = self._in_flight_last or expected >= self.max_posts
         return ProgressAction.RETRY

@@ -1,20 +1,16 @@
 """When the Horde stops answering and when it answers again: one line each per episode.
 
-Every call a worker's Horde clients make (pop, submit, progress, the key
-check) tells one :class:`HordeWatch` when it starts and how it ended: answered
-(any answer the Horde gave: 2xx or a refusal) or failed (no answer, 429, 5xx,
-an unreadable answer: ``errors.HordeUnavailable``). The Horde is *not
-answering* once no call has been answered for ``quiet_after_s`` (10 s) while
-a call waits, or once ``failures`` (3) calls in a row failed; it *answers
-again* at the next answered call. Each is said once per episode, not per call
-or retry::
+Every Horde call tells :class:`HordeWatch` when it starts and whether it was
+answered (2xx or a refusal) or failed (``errors.HordeUnavailable``). The Horde is
+not answering once no call was answered for ``quiet_after_s`` (10 s) while one
+waits, or after ``failures`` (3) failed calls in a row; it answers again at the
+next answered call::
 
     Horde not answering for 12 s (pop): waiting
     Horde answering again after 31 s
 
-The seconds count from the start of the first call left unanswered. A call
-still waiting is noticed by a monitor thread (``horde-watch``), started with
-the first call and ended after ``LINGER_S`` without calls in flight.
+Seconds count from the start of the first unanswered call. A waiting call is
+noticed by the ``horde-watch`` thread, which ends after ``LINGER_S`` without calls.
 """
 
 from __future__ import annotations
@@ -22,27 +18,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from ..errors import HordeRefusal
 
 log = logging.getLogger("koboldcpp_horde_chat.horde")
 
-#: Seconds without an answer, while a call waits, after which the Horde is not answering.
 QUIET_AFTER_S = 10.0
-#: Failed calls in a row after which the Horde is not answering.
 FAILURES_IN_A_ROW = 3
-#: Seconds the monitor thread stays once no call is in flight.
 LINGER_S = 30.0
 
 
 class HordeWatch:
-    """Watches a worker's calls to the Horde (see the module docstring); thread-safe.
-
-    Args:
-        quiet_after_s: seconds without an answer while a call waits (None:
-            :data:`QUIET_AFTER_S`).
-        failures: failed calls in a row (None: :data:`FAILURES_IN_A_ROW`).
-        clock: monotonic seconds.
-    """
+    """Watches a worker's calls to the Horde; thread-safe. ``clock``: monotonic seconds."""
 
     def __init__(
         self,
@@ -57,16 +46,17 @@ class HordeWatch:
         self._cond = threading.Condition()
         self._next_token = 0
         self._in_flight: dict[int, tuple[str, float]] = {}
-        #: When the Horde last stopped answering: the start of the first call
-        #: made since the last answer (None: the last call was answered).
+        # The start of the first call made since the last answer (None: none).
         self._quiet_since: float | None = None
         self._failed_in_a_row = 0
-        #: The start of the episode said (None: none said).
+        # The start of the episode said (None: none said).
         self._said_since: float | None = None
         self._monitor: threading.Thread | None = None
 
-    def started(self, kind: str) -> int:
-        """A call of ``kind`` (``"pop"``, ``"submit"``...) starts now; its token."""
+    @contextmanager
+    def call(self, kind: str) -> Iterator[None]:
+        """Around one call of ``kind`` (``"pop"``...): answered when it returns or
+        raises ``HordeRefusal``, failed on any other exception."""
         with self._cond:
             now = self._clock()
             self._next_token += 1
@@ -80,10 +70,17 @@ class HordeWatch:
                 )
                 self._monitor.start()
             self._cond.notify_all()
-            return token
+        try:
+            yield
+        except HordeRefusal:
+            self._answered(token)
+            raise
+        except BaseException:
+            self._failed(token)
+            raise
+        self._answered(token)
 
-    def answered(self, token: int) -> None:
-        """The call ``token`` got the Horde's answer (2xx or a refusal)."""
+    def _answered(self, token: int) -> None:
         line = None
         with self._cond:
             now = self._clock()
@@ -98,8 +95,7 @@ class HordeWatch:
         if line is not None:
             log.info("%s", line)
 
-    def failed(self, token: int) -> None:
-        """The call ``token`` got no usable answer (``errors.HordeUnavailable``)."""
+    def _failed(self, token: int) -> None:
         line = None
         with self._cond:
             now = self._clock()
@@ -114,19 +110,12 @@ class HordeWatch:
             log.warning("%s", line)
 
     def _say(self, now: float, what: str) -> str:
-        """Start the episode said now (under the lock); its line."""
+        """Start the episode said now (under the lock); returns its line."""
         since = self._quiet_since if self._quiet_since is not None else now
         self._said_since = since
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
-    def _due(self) -> float | None:
-        """When a waiting call makes the Horde not answering (None: nothing to watch)."""
-        if self._said_since is not None or not self._in_flight or self._quiet_since is None:
-            return None
-        return self._quiet_since + self.quiet_after_s
-
     def _watch(self) -> None:
-        """The monitor: says the episode when a call waits too long."""
         idle_since = self._clock()
         while True:
             line = None
@@ -137,7 +126,9 @@ class HordeWatch:
                 elif now - idle_since >= LINGER_S:
                     self._monitor = None
                     return
-                due = self._due()
+                due = None  # when a waiting call makes the Horde not answering
+                if self._said_since is None and self._in_flight and self._quiet_since is not None:
+                    due = self._quiet_since + self.quiet_after_s
                 if due is not None and now >= due:
                     oldest = min(self._in_flight.values(), key=lambda call: call[1])
                     line = self._say(now, oldest[0])

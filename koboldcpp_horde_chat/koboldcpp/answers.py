@@ -1,11 +1,5 @@
-"""koboldcpp's answers to a generation, read (pure; no I/O).
-
-A chat completion, whole (:func:`parse_chat_completion`) or streamed (the
-stream accumulator in ``chat_stream`` builds the same :class:`BackendReply`),
-a text generation (:func:`text_generation`), and koboldcpp's raw stop reason
-that tells an abort from a stop sequence. The submit built from them is
-``translate.submits``'s.
-"""
+"""koboldcpp's answers to a generation, read (pure): a chat completion, a text
+generation, and the raw stop reason that tells an abort from a stop sequence."""
 
 from __future__ import annotations
 
@@ -17,18 +11,8 @@ from ..errors import ReplyError
 
 @dataclass(frozen=True)
 class BackendReply:
-    """What koboldcpp returned for one chat generation, whole or streamed.
-
-    Attributes:
-        content: the reply text as koboldcpp sent it (may still hold reasoning tags),
-            or None when it sent null.
-        reasoning_content: reasoning koboldcpp already split off, or None.
-        tool_calls: the calls as koboldcpp sent them (list of
-            ``{"id", "type", "function": {"name", "arguments"}}``); empty when none.
-        native_finish_reason: koboldcpp's ``finish_reason`` (``"stop"``, ``"length"``,
-            ``"tool_calls"``, ``"error"``...), or None when it sent none.
-        prompt_tokens, completion_tokens: the counts koboldcpp reported, or None.
-    """
+    """One chat generation as koboldcpp sent it, whole or streamed: ``content`` may
+    still hold reasoning tags; None where koboldcpp sent null or nothing."""
 
     content: str | None
     reasoning_content: str | None = None
@@ -46,21 +30,9 @@ def _optional_count(usage: dict[str, Any], key: str) -> int | None:
 
 
 def parse_chat_completion(body: object) -> BackendReply:
-    """Read koboldcpp's ``/v1/chat/completions`` answer.
+    """The first choice of a decoded ``/v1/chat/completions`` answer.
 
-    Args:
-        body: the decoded JSON, e.g. ``{"choices": [{"message": {"role":
-            "assistant", "content": "Blue.", "tool_calls": [],
-            "reasoning_content": "..."}, "finish_reason": "stop"}], "usage":
-            {"prompt_tokens": 21, "completion_tokens": 3}}``.
-
-    Returns:
-        A :class:`BackendReply` with the first choice's content, reasoning,
-        tool calls (as sent) and finish reason, and the usage counts when they
-        are integers.
-
-    Raises:
-        ReplyError: no first choice, no message object, or a field of the wrong type.
+    Raises ReplyError: no first choice or message, or a field of the wrong type.
     """
     if not isinstance(body, dict):
         raise ReplyError("the chat completion is not a JSON object")
@@ -100,56 +72,44 @@ def parse_chat_completion(body: object) -> BackendReply:
     )
 
 
+def _first_result(body: object) -> dict[str, Any] | None:
+    results = body.get("results") if isinstance(body, dict) else None
+    if isinstance(results, list) and results and isinstance(results[0], dict):
+        return results[0]
+    return None
+
+
 def text_generation(body: object) -> str:
-    """The generated text of koboldcpp's ``/api/v1/generate`` answer.
-
-    Args:
-        body: ``{"results": [{"text": str, ...}]}``.
-
-    Raises:
-        ReplyError: the body does not have that shape.
-    """
+    """The text of ``{"results": [{"text": str, ...}]}``; ReplyError for another shape."""
     if not isinstance(body, dict):
         raise ReplyError("the generate answer is not a JSON object")
-    results = body.get("results")
-    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+    first = _first_result(body)
+    if first is None:
         raise ReplyError("the generate answer has no results")
-    text = results[0].get("text")
+    text = first.get("text")
     if not isinstance(text, str):
         raise ReplyError("results[0].text is not a string")
     return text
 
 
 def text_completion_tokens(body: object) -> int | None:
-    """The tokens koboldcpp generated for a ``/api/v1/generate`` answer
-    (``results[0].completion_tokens``, koboldcpp 1.116.1 L5340-5341), or None
-    when it does not say (an older koboldcpp). Never raises."""
-    if not isinstance(body, dict):
-        return None
-    results = body.get("results")
-    if not isinstance(results, list) or not results or not isinstance(results[0], dict):
-        return None
-    return _optional_count(results[0], "completion_tokens")
+    """``results[0].completion_tokens`` (1.116.1 L5340-5341), or None (an older
+    koboldcpp). Never raises."""
+    first = _first_result(body)
+    return None if first is None else _optional_count(first, "completion_tokens")
 
 
-#: koboldcpp's C++ stop reason for a generation that ran out of tokens: its budget,
-#: or an abort (``/api/extra/perf`` ``stop_reason``; koboldcpp 1.116.1 ``expose.h`` L24,
-#: ``gpttype_adapter.cpp`` L5217).
+#: ``/api/extra/perf``'s ``stop_reason`` for a generation out of tokens: its budget,
+#: or an abort (1.116.1 ``expose.h`` L24, ``gpttype_adapter.cpp`` L5217).
 KCPP_STOP_OUT_OF_TOKENS = 0
 
 
 def needs_stop_reason(native: str | None, completion_tokens: int | None, max_length: int) -> bool:
-    """True when koboldcpp's ``"length"`` below the budget may be an abort.
-
-    koboldcpp reports ``"length"`` for its budget, a stop sequence hit and an
-    abort alike; below the budget it is one of the last two, told apart only
-    by koboldcpp's raw stop reason (:func:`aborted_short`).
-    """
+    """True for ``"length"`` below the budget: a stop sequence or an abort, told
+    apart only by the raw stop reason (:func:`aborted_short`)."""
     return native == "length" and completion_tokens is not None and completion_tokens < max_length
 
 
 def aborted_short(stop_reason: object) -> bool:
-    """koboldcpp's raw stop reason of a ``"length"`` generation below its budget
-    (:func:`needs_stop_reason`): True for an abort (``0``, out of tokens before
-    the budget), False for a stop sequence (``2``) or anything unknown."""
+    """True for an abort (``0``), False for a stop sequence (``2``) or unknown."""
     return stop_reason == KCPP_STOP_OUT_OF_TOKENS and not isinstance(stop_reason, bool)

@@ -1,28 +1,17 @@
-"""koboldcpp's connections: a streamed answer read from the socket, and a
-generation request that another thread can hang up (I/O edge, for ``koboldcpp.client``).
+"""koboldcpp's connections: a streamed answer read raw from the socket, and the
+generation request in flight, which another thread can hang up.
 
-:class:`BackendStream` reads a Server-Sent Events answer raw and may be closed
-from another thread. The tracked connection classes (``inflight``) tell the
-generation call in flight (:class:`InFlight`) which connection it sends on, so that
-``KoboldClient.hang_up`` can shut that socket down from another thread: with
-koboldcpp batching, an abort by genkey stops nothing.
-
-``KoboldClient.hang_up`` closes the connection of the generation request
-in flight. With koboldcpp batching (``--parallelrequests`` > 1) an abort by
-genkey stops nothing: ``/api/extra/abort`` only sets the single-slot abort flag,
-which batched requests never check (koboldcpp 1.116.1 ``koboldcpp.py``
-L6532-6541, ``gpttype_adapter.cpp`` L3802-3809 against L4443). koboldcpp ends
-a batched *streamed* generation when its client hangs up (``koboldcpp.py``
-L5752-5753); a non-streamed one runs on to its end whatever the client does
-(no disconnect check outside streams, L5798-5812), but the hang-up still
-frees the worker at once.
+Hanging up is how a batched generation is stopped: with ``--parallelrequests`` > 1
+an abort by genkey stops nothing (it sets the single-slot flag only; koboldcpp
+1.116.1 ``koboldcpp.py`` L6532-6541, ``gpttype_adapter.cpp`` L3802-3809). koboldcpp
+ends a streamed generation whose client hung up (L5752-5753); a non-streamed one
+runs on to its end (L5798-5812), but the worker is free at once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -39,23 +28,15 @@ log = logging.getLogger("koboldcpp_horde_chat.backend")
 
 #: Characters of an error body kept in an error message.
 DETAIL_CHARS = 200
-
 STREAM_READ_BYTES = 65536
-"""The most bytes one :meth:`BackendStream.read_chunk` returns."""
 
 
 class BackendStream:
     """An open ``text/event-stream`` answer from ``/v1/chat/completions``.
 
-    koboldcpp streams over HTTP/1.0 without chunked encoding and closes the
-    connection at the end (1.116.1 ``koboldcpp.py`` L5764-5768), so the body is read raw:
-    :meth:`read_chunk` returns whatever has arrived (up to 64 KiB) as soon as
-    anything arrives, and ``b""`` at the end of the stream. Decode the bytes
-    with ``sse.SSEDecoder``.
-
-    :meth:`close` may be called from another thread while :meth:`read_chunk`
-    blocks: it shuts the socket down, which wakes the reader; ``read_chunk``
-    then returns ``b""``. Usable as a context manager.
+    koboldcpp streams over HTTP/1.0 and closes the connection at the end (1.116.1
+    L5764-5768), so the body is read raw. :meth:`close` may come from another
+    thread while :meth:`read_chunk` blocks: it shuts the socket down to wake it.
     """
 
     def __init__(self, response: requests.Response, *, password: str = "") -> None:
@@ -67,22 +48,11 @@ class BackendStream:
 
     @property
     def status(self) -> int:
-        """The HTTP status (200)."""
         return int(self._response.status_code)
 
-    @property
-    def headers(self) -> dict[str, str]:
-        """The response headers (as received)."""
-        return dict(self._response.headers)
-
     def read_chunk(self) -> bytes:
-        """The next bytes of the stream, ``b""`` at its end or after :meth:`close`.
-
-        Returns as soon as at least one byte has arrived, never waiting to fill
-        a fixed size. Raises ``BackendError`` (status 0) on a read timeout (the
-        client's ``read_timeout_s`` without a byte), a reset or a broken
-        connection.
-        """
+        """The bytes arrived (up to 64 KiB), as soon as there is one; ``b""`` at the end
+        or after :meth:`close`. Raises BackendError on a read timeout or a reset."""
         if self._closed.is_set():
             return b""
         raw = self._response.raw
@@ -103,7 +73,7 @@ class BackendStream:
         return bytes(data or b"")
 
     def close(self) -> None:
-        """Close the connection; safe to call twice and from another thread."""
+        """Close the connection; safe twice and from another thread."""
         with self._lock:
             if self._closed.is_set():
                 return
@@ -125,7 +95,6 @@ class BackendStream:
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close`."""
         return self._closed.is_set()
 
     def __enter__(self) -> BackendStream:
@@ -141,20 +110,14 @@ class BackendStream:
 
 
 class InFlight(Call):
-    """The generation request a :class:`KoboldClient` has in flight (for ``hang_up``).
-
-    A :class:`~..inflight.Call` (``active``, ``thread``, ``conn``) that also
-    keeps ``stream``, the last stream :meth:`KoboldClient.open_chat_stream`
-    opened. Every field is read and written under ``lock``.
-    """
+    """The generation request a ``KoboldClient`` has in flight, and the last stream it
+    opened; every field under ``lock``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stream: BackendStream | None = None
 
     def hang_up(self) -> bool:
-        """Close the connection of the generation request in flight (any thread);
-        True when something was hung up (see ``KoboldClient.hang_up``)."""
         with self.lock:
             stream, self.stream = self.stream, None
         hung = super().hang_up()
@@ -165,15 +128,8 @@ class InFlight(Call):
 
     @contextmanager
     def generation(self, what: str, cancel: threading.Event | None) -> Iterator[None]:
-        """Around one generation request on this thread: :meth:`hang_up` can end it.
-
-        Armed before ``cancel`` is looked at, so that a job given up (``cancel``
-        set, then :meth:`hang_up`) is either never sent or hung up.
-
-        Raises:
-            BackendError: ``cancel`` was set (nothing sent), or the request
-                failed ("hung up by the worker" after :meth:`hang_up`).
-        """
+        """Around one generation request on this thread, so :meth:`hang_up` can end it.
+        Armed before ``cancel`` is read: a job given up is never sent or hung up."""
         with self.lock:
             self.stream = None
         with self.running():
@@ -190,7 +146,6 @@ class InFlight(Call):
 
 
 def socket_of(response: requests.Response) -> socket.socket | None:
-    """The socket under a streamed response, when urllib3 exposes it."""
     raw = response.raw
     connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
     sock = getattr(connection, "sock", None)
@@ -198,39 +153,27 @@ def socket_of(response: requests.Response) -> socket.socket | None:
 
 
 def describe_failure(exc: BaseException, what: str, password: str) -> str:
-    """``"<what> <what went wrong>"`` in a few words, e.g. ``"GET /api/v1/model
-    connection failed (refused)"`` or ``"reading the chat stream timed out"``.
-
-    Only the exception's type and what it wraps are described
-    (:func:`.netfail.describe`), never its text; the password is masked all the same.
-    """
+    """``"<what> <what went wrong>"`` (``"GET /api/v1/model connection failed
+    (refused)"``), never the exception's text; the password masked all the same."""
     message = f"{what} {netfail.describe(exc)}"
     if password:
         message = message.replace(password, "***")
     return message
 
 
-def ca_bundle_from_env() -> str | bool:
-    """What requests itself would verify with: ``REQUESTS_CA_BUNDLE`` or
-    ``CURL_CA_BUNDLE`` when set and not empty, else True (its default bundle)."""
-    return os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-
-
 def error_detail(raw: bytes) -> str:
-    """A short description of an error body, led by a space: koboldcpp's
-    ``detail.msg`` when present; ``""`` for an empty body."""
-    return f" {_detail(raw)}" if raw.strip() else ""
-
-
-def _detail(raw: bytes) -> str:
+    """A short description of an error body, led by a space (koboldcpp's
+    ``detail.msg`` when present); ``""`` for an empty body."""
+    if not raw.strip():
+        return ""
     try:
         decoded = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return repr(raw[:DETAIL_CHARS].decode("utf-8", "replace"))
+        return " " + repr(raw[:DETAIL_CHARS].decode("utf-8", "replace"))
     if isinstance(decoded, dict):
         detail = decoded.get("detail")
         if isinstance(detail, dict) and isinstance(detail.get("msg"), str):
-            return str(detail["msg"])[:DETAIL_CHARS]
+            return " " + str(detail["msg"])[:DETAIL_CHARS]
         if isinstance(decoded.get("message"), str):
-            return str(decoded["message"])[:DETAIL_CHARS]
-    return json.dumps(decoded)[:DETAIL_CHARS]
+            return " " + str(decoded["message"])[:DETAIL_CHARS]
+    return " " + json.dumps(decoded)[:DETAIL_CHARS]

@@ -1,27 +1,13 @@
-"""Split reasoning blocks off a reply, whole or streamed (pure; no I/O).
+"""Split reasoning blocks off a reply, whole or streamed (pure; seed "6. Submit the
+reply" and "Streaming progress").
 
-Seed section: "6. Submit the reply" (``message.reasoning_content``) and
-"Streaming progress" (reasoning posted apart from content).
-
-koboldcpp usually splits the reasoning off itself (``reasoning_content`` in
-its chat completion and in its stream deltas). This module handles what is
-left: content that still holds reasoning tags, from any of koboldcpp's five
-tag pairs (``thinkformats``, 1.116.1 ``koboldcpp.py`` L182-186):
-
-- a closed block ``<think>...</think>`` moves to the reasoning;
-- an end tag without a start tag (the template opened the block) makes the
-  text before it reasoning;
-- a start tag that never closes makes everything after it reasoning
-  (generation stopped inside the block).
-
-One rule for a reply's text, whole or streamed, posted or submitted: the
-content is the text generated outside reasoning blocks, exactly as generated
-(koboldcpp keeps it so too); the reasoning is the text generated inside them,
-in order and joined as generated, without the whitespace around the whole
-(``"\\n  Let me ponder.\\n\\n"`` gives ``"Let me ponder."``). Progress posts cannot
-take text back, so a stream holds back the reasoning's leading whitespace and
-any trailing whitespace until more reasoning follows (see :mod:`.stream`); the
-posted reasoning then equals the submitted one.
+koboldcpp usually splits reasoning off itself; this handles content that still holds
+one of its tag pairs (``thinkformats``, 1.116.1 L182-186): a closed block becomes
+reasoning, an end tag without a start makes the text before it reasoning, a start
+tag never closed makes the rest reasoning. The content is the text outside blocks
+exactly as generated; the reasoning the text inside, joined, without the whitespace
+around the whole. A stream holds that whitespace back (posts cannot take text
+back), so the posted reasoning equals the submitted one.
 """
 
 from __future__ import annotations
@@ -39,7 +25,6 @@ THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<|START_THINKING|>", "<|END_THINKING|>"),
     ("<|channel>thought", "<channel|>"),
 )
-"""koboldcpp's reasoning tag pairs, (start, end)."""
 
 START_TAGS: tuple[str, ...] = tuple(start for start, _ in THINK_TAGS)
 END_TAGS: tuple[str, ...] = tuple(end for _, end in THINK_TAGS)
@@ -49,15 +34,7 @@ _START, _END, _SWALLOW, _STOP = "start", "end", "swallow", "stop"
 
 @dataclass(frozen=True)
 class ReasoningSplit:
-    """A reply's content and reasoning, separated.
-
-    Attributes:
-        content: the answer text without reasoning blocks; None when the
-            backend sent null content.
-        reasoning: the reasoning text, or None when there was none.
-        unclosed: the reply ended inside a reasoning block that a start tag
-            opened and no end tag closed (generation stopped while thinking).
-    """
+    """``unclosed``: the reply ended inside a block a start tag opened."""
 
     content: str | None
     reasoning: str | None
@@ -65,26 +42,13 @@ class ReasoningSplit:
 
 
 class StreamSplitter:
-    """Separate reasoning from content across streamed text chunks.
+    """Separates reasoning from content across streamed chunks split anywhere: a
+    tail that could still become a tag or a stop sequence is held back. Stray tags
+    are dropped; the first stop sequence in the content ends it. ``start_in_reasoning``:
+    the prompt opened a block.
 
-    Feed the content deltas in order; each call returns the reasoning and the
-    content that can be released so far. Chunk boundaries may fall anywhere,
-    even inside a tag or a stop sequence: a tail that could still become a
-    tag or a stop sequence is held back until the next chunk or :meth:`flush`.
-    Reasoning tags are removed; a stray start tag inside reasoning and a stray
-    end tag inside content are dropped. The first complete stop sequence in
-    the content ends the content: it and everything after it are discarded.
-
-    Args:
-        stop_sequences: the job's stop sequences (applied to content only).
-        start_in_reasoning: the prompt opened a reasoning block (the template
-            ended with a start tag), so the output begins as reasoning.
-
-    Example::
-
-        s = StreamSplitter()
-        s.feed("<thi")          # ("", "")   held: could be "<think>"
-        s.feed("nk>Hmm</think>Blue.")  # ("Hmm", "Blue.")
+    ``feed("<thi")`` gives ``("", "")``, then ``feed("nk>Hmm</think>Blue.")``
+    gives ``("Hmm", "Blue.")``.
     """
 
     def __init__(
@@ -97,27 +61,21 @@ class StreamSplitter:
 
     @property
     def in_reasoning(self) -> bool:
-        """True while the text is inside a reasoning block."""
         return self._in_reasoning
 
     @property
     def stopped(self) -> bool:
-        """True once a stop sequence ended the content; later text is ignored."""
         return self._stopped
 
     def feed(self, text: str) -> tuple[str, str]:
-        """Add a chunk; return ``(reasoning_delta, content_delta)`` ready to release."""
+        """Add a chunk; returns ``(reasoning, content)`` ready to release."""
         if self._stopped:
             return "", ""
         self._buffer += text
         return _join(self._process(final=False))
 
     def flush(self) -> tuple[str, str]:
-        """Release the held tail at the end of the stream.
-
-        A partial tag or partial stop sequence left at the end is real text.
-        Returns ``(reasoning_delta, content_delta)``.
-        """
+        """Release the held tail at the end (a partial tag there is text)."""
         if self._stopped:
             return "", ""
         return _join(self._process(final=True))
@@ -132,7 +90,7 @@ class StreamSplitter:
         )
 
     def _process(self, *, final: bool) -> list[tuple[bool, str]]:
-        """Consume the buffer as far as possible; return ``(is_reasoning, text)`` pieces."""
+        """Consume the buffer as far as possible; ``(is_reasoning, text)`` pieces."""
         pieces: list[tuple[bool, str]] = []
 
         def emit(text: str) -> None:
@@ -198,54 +156,23 @@ def _partial_start(buf: str, needles: list[str]) -> int | None:
     return None
 
 
-def _has_tag(text: str) -> bool:
-    return any(tag in text for tag in START_TAGS + END_TAGS)
-
-
-def _opened_by_template(text: str) -> bool:
-    """True when the first tag in ``text`` is an end tag (the prompt opened the block)."""
-    first = _earliest(
-        text, [(t, _START) for t in START_TAGS] + [(t, _END) for t in END_TAGS]
-    )
-    return first is not None and first[2] == _END
-
-
 def _clean(text: str | None) -> str | None:
-    if text is None:
-        return None
-    text = text.strip()
-    return text or None
+    return (text or "").strip() or None
 
 
 def split_reasoning(content: str | None, reasoning: str | None) -> ReasoningSplit:
-    """Separate reasoning from a whole reply's content.
-
-    Args:
-        content: the reply's ``message.content`` (may hold reasoning tags), or None.
-        reasoning: the ``reasoning_content`` koboldcpp already split off, or None.
-
-    Returns:
-        A :class:`ReasoningSplit` under the module's rule: the content is the
-        text outside reasoning blocks as generated (content without tags is
-        returned unchanged); the reasoning is koboldcpp's reasoning followed by
-        the text of every block left in the content, joined as generated, with
-        the whitespace around the whole removed; empty reasoning is None.
-        ``unclosed`` is True when a start tag never closed (then the content is
-        the text before that tag, usually ``""``).
-
-    Example: ``split_reasoning("<think>Hmm</think>\\n\\nBlue.", None)`` gives
-    ``ReasoningSplit("\\n\\nBlue.", "Hmm", False)`` (koboldcpp's own split of
-    that text keeps the same content); ``split_reasoning("<think>Hmm", None)``
-    gives ``ReasoningSplit("", "Hmm", True)``.
+    """A whole reply's content and reasoning (koboldcpp's, then the blocks left in
+    the content); empty reasoning is None. ``"<think>Hmm</think>\\n\\nBlue."`` gives
+    ``("\\n\\nBlue.", "Hmm", False)``, ``"<think>Hmm"`` gives ``("", "Hmm", True)``.
     """
-    if content is None or not _has_tag(content):
+    tags = [(t, _START) for t in START_TAGS] + [(t, _END) for t in END_TAGS]
+    first = None if content is None else _earliest(content, tags)
+    if content is None or first is None:
         return ReasoningSplit(content=content, reasoning=_clean(reasoning), unclosed=False)
-    splitter = StreamSplitter(start_in_reasoning=_opened_by_template(content))
+    # An end tag first: the prompt opened the block.
+    splitter = StreamSplitter(start_in_reasoning=first[2] == _END)
     splitter._buffer = content
-    pieces = splitter._process(final=True)
-    unclosed = splitter.in_reasoning
-    found = "".join(text for is_reasoning, text in pieces if is_reasoning)
-    answer = "".join(text for is_reasoning, text in pieces if not is_reasoning)
+    found, answer = _join(splitter._process(final=True))
     return ReasoningSplit(
-        content=answer, reasoning=_clean((reasoning or "") + found), unclosed=unclosed
+        content=answer, reasoning=_clean((reasoning or "") + found), unclosed=splitter.in_reasoning
     )

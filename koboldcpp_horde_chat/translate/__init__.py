@@ -1,3 +1,2 @@
-"""Between the two sides, pure: a popped job made koboldcpp's request body, the
-fit check, images made data URLs, koboldcpp's chat stream accumulated, and
-koboldcpp's answer made the Horde's structured submit."""
+"""Between the two sides, pure: koboldcpp's request bodies, the fit check, images,
+the chat stream, and the Horde's submits."""

@@ -1,39 +1,18 @@
-"""Accumulate koboldcpp's streamed chat completion (pure; no I/O).
+"""Accumulate koboldcpp's streamed chat completion (pure; seed "Streaming progress",
+"6. Submit the reply").
 
-Input: the ``data`` of each SSE event of koboldcpp's ``/v1/chat/completions``
-stream (see :mod:`.sse`), in order. koboldcpp sends (1.116.1 ``koboldcpp.py``
-L5368-5768, L7165-7360):
+Input: each SSE event's ``data`` of ``/v1/chat/completions`` (1.116.1 L5368-5768):
+chunks (``"object": "chat.completion.chunk"``) whose ``choices[0].delta`` holds ``content`` and
+``reasoning_content``, the last one the finish reason; a ``"choices": []`` chunk
+with ``usage``; for tools, after generation, a chunk per call with its id and name,
+then one per call with its arguments; ``[DONE]``.
 
-* chunks ``{"id", "object": "chat.completion.chunk", "created", "model",
-  "choices": [{"index": 0, "finish_reason": null|"stop"|"length"|...,
-  "delta": {"role": "assistant", "content": "...", "reasoning_content": "..."}}]}``;
-  the last chunk carries the finish reason and an empty delta text;
-* with ``stream_options.include_usage``, a chunk with ``"choices": []`` and
-  ``"usage": {"prompt_tokens", "completion_tokens", "total_tokens"}``;
-* for tool requests, a "fake stream" after generation: a chunk per call with
-  ``tool_calls: [{"index", "id", "type", "function": {"name", "arguments": ""}}]``,
-  then a chunk per call with ``tool_calls: [{"index", "function": {"arguments": "<json>"}}]``,
-  then the finish chunk;
-* ``[DONE]`` at the end.
-
-Each event yields a :class:`StreamDelta` of *client-visible* text: content goes
-through :class:`.reasoning.StreamSplitter`, which moves reasoning tags' contents
-to the reasoning, holds back a tail that could still be a tag or a stop
-sequence, and ends the content at a stop sequence. ``reasoning_content`` that
-koboldcpp split off itself is passed through as reasoning. U+0000 is removed
-from both as they are read (the Horde refuses a post or submit holding it).
-The reasoning follows :mod:`.reasoning`'s rule: its leading whitespace is never
-released and trailing whitespace is held back until more reasoning follows, so
-the released reasoning is the whole reasoning without its surrounding
-whitespace, which is what the submit stores.
-
-An in-band error (an object with ``error`` or ``detail``) or a data line that is
-not a JSON object sets ``error``; ``result()`` then raises ``ReplyError`` and
-later events are ignored.
-
-Seed sections: "Streaming progress" (what is posted: content without reasoning
-blocks or stop sequences, reasoning apart) and "6. Submit the reply" (the reply
-submitted after the stream).
+Each event releases client-visible text: content goes through
+``reasoning.StreamSplitter`` (reasoning tags, stop sequences), koboldcpp's own
+``reasoning_content`` passes through, U+0000 is removed from both, and the
+reasoning's surrounding whitespace is held back, so the released text is what the
+submit stores. An in-band error (``error`` or ``detail``) or data that is not a
+JSON object sets ``error``: ``result()`` then raises ReplyError.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ReplyError
@@ -56,12 +35,7 @@ _ERROR_TEXT_MAX = 300
 
 @dataclass(frozen=True, slots=True)
 class StreamDelta:
-    """New client-visible text released by one event or by ``flush()``.
-
-    Attributes:
-        content: answer text (no reasoning tags, no stop sequence), may be ``""``.
-        reasoning: reasoning text, may be ``""``.
-    """
+    """New client-visible text released by one event or by ``flush()``."""
 
     content: str = ""
     reasoning: str = ""
@@ -78,24 +52,12 @@ class _ToolCall:
     id: str | None = None
     type: str | None = None
     name: str | None = None
-    arguments: list[str] | None = None
+    arguments: list[str] = field(default_factory=list)
 
 
 class ChatStreamAccumulator:
-    """The state of one streamed chat completion.
-
-    Args:
-        stop_sequences: the job's stop sequences; content ends at the first one.
-        start_in_reasoning: the prompt opened a reasoning block, so content
-            text starts as reasoning until an end tag.
-
-    Attributes:
-        done: ``[DONE]`` arrived.
-        error: a description of the in-band error or malformed event, or None.
-        native_finish_reason: the last ``finish_reason`` koboldcpp sent, or None.
-        prompt_tokens, completion_tokens: from the usage chunk, or None.
-        events: events fed so far.
-    """
+    """One streamed chat completion: ``done`` once ``[DONE]`` came, ``error`` the
+    in-band error or malformed event, the finish reason and usage as last sent."""
 
     def __init__(
         self, *, stop_sequences: Iterable[str] = (), start_in_reasoning: bool = False
@@ -119,21 +81,9 @@ class ChatStreamAccumulator:
         self.completion_tokens: int | None = None
         self.events = 0
 
-    # --- input ---------------------------------------------------------------------
-
     def feed_event(self, data: str) -> StreamDelta:
-        """Take one SSE event's data.
-
-        Args:
-            data: the event's data string: a chunk's JSON text or ``"[DONE]"``.
-
-        Returns:
-            The client-visible text this event released (often empty: a held-back
-            tail, a usage chunk, a tool-call chunk, ``[DONE]``).
-
-        Never raises: a malformed event or an in-band error sets ``error``, and
-        every event after ``[DONE]`` or an error is ignored.
-        """
+        """The text one event's data releases (often none). Never raises; events after
+        ``[DONE]`` or an error are ignored."""
         if self.done or self.error is not None:
             return _EMPTY
         self.events += 1
@@ -188,11 +138,7 @@ class ChatStreamAccumulator:
         return self._emit(split_content, reasoning + split_reasoning)
 
     def flush(self) -> StreamDelta:
-        """Release the text held back at the end of the stream.
-
-        Trailing whitespace of the reasoning still held back is dropped.
-        Returns the released text; a second call returns an empty delta.
-        """
+        """Release the held-back text at the end (trailing reasoning whitespace dropped)."""
         if self._flushed:
             return _EMPTY
         self._flushed = True
@@ -201,59 +147,35 @@ class ChatStreamAccumulator:
         self._reasoning_held = ""
         return released
 
-    # --- output --------------------------------------------------------------------
-
     @property
     def content_so_far(self) -> str:
-        """The client-visible content released so far."""
         return "".join(self._content)
 
     @property
     def reasoning_so_far(self) -> str:
-        """The reasoning released so far."""
         return "".join(self._reasoning)
 
     @property
     def stopped_on_sequence(self) -> bool:
-        """True when a stop sequence ended the content (later content was dropped)."""
         return self._splitter.stopped
 
     def tool_calls(self) -> list[dict[str, Any]]:
-        """The calls accumulated so far, in index order.
-
-        Each is ``{"id", "type", "function": {"name", "arguments"}}``: id, type and
-        name from the first fragment that carried them, arguments concatenated
-        from every fragment (``""`` when none came). Validation is left to
-        :func:`koboldcpp_horde_chat.translate.submits.normalise_tool_calls`.
-        """
-        calls: list[dict[str, Any]] = []
-        for index in sorted(self._tool_calls):
-            call = self._tool_calls[index]
-            calls.append(
-                {
-                    "id": call.id,
-                    "type": call.type if call.type is not None else "function",
-                    "function": {
-                        "name": call.name,
-                        "arguments": "".join(call.arguments or ()),
-                    },
-                }
-            )
-        return calls
+        """The calls so far, in index order: id, type and name from the first fragment
+        carrying them, arguments joined (checked later by ``submits.normalise_tool_calls``)."""
+        return [
+            {
+                "id": call.id,
+                "type": call.type if call.type is not None else "function",
+                "function": {"name": call.name, "arguments": "".join(call.arguments)},
+            }
+            for _, call in sorted(self._tool_calls.items())
+        ]
 
     def result(self) -> BackendReply:
-        """The whole reply, held-back text included (this calls ``flush()``).
+        """The whole reply (flushed). ``content`` is None when no content came and
+        there are tool calls; ``reasoning_content`` None when empty.
 
-        Returns:
-            ``BackendReply`` with ``content`` (None when no content field came and
-            there are tool calls, ``""`` when none came otherwise),
-            ``reasoning_content`` (the released reasoning, without surrounding
-            whitespace; None when empty), ``tool_calls``,
-            ``native_finish_reason`` (None if the stream ended without one) and the
-            usage counts (None when not reported).
-
-        Raises:
-            ReplyError: the stream carried an in-band error or a malformed event.
+        Raises ReplyError after an in-band error or a malformed event.
         """
         if self.error is not None:
             raise ReplyError(self.error)
@@ -272,8 +194,6 @@ class ChatStreamAccumulator:
             completion_tokens=self.completion_tokens,
         )
 
-    # --- internals -----------------------------------------------------------------
-
     def _emit(self, content: str, reasoning: str) -> StreamDelta:
         if reasoning:
             reasoning = self._trim_reasoning(reasoning)
@@ -286,12 +206,8 @@ class ChatStreamAccumulator:
         return StreamDelta(content, reasoning)
 
     def _trim_reasoning(self, text: str) -> str:
-        """The part of new reasoning ``text`` that can be released now.
-
-        Leading whitespace of the whole reasoning is dropped; a trailing
-        whitespace run is held back and released in front of the next
-        reasoning that is not whitespace (dropped by ``flush()``).
-        """
+        """The part of new reasoning releasable now: the whole reasoning's leading
+        whitespace dropped, a trailing run held back until more reasoning follows."""
         if not self._reasoning_started:
             text = text.lstrip()
             if not text:
@@ -344,8 +260,6 @@ class ChatStreamAccumulator:
                 continue
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
-            if call.arguments is None:
-                call.arguments = []
             call.arguments.append(arguments)
         return None
 
@@ -355,14 +269,7 @@ def _error_text(chunk: dict[str, Any]) -> str:
     if value is None:
         value = chunk.get("detail")
     if isinstance(value, dict):
-        for key in ("message", "msg", "error", "type"):
-            text = value.get(key)
-            if isinstance(text, str) and text:
-                break
-        else:
-            text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, str):
-        text = value
-    else:
-        text = json.dumps(value, ensure_ascii=False)
+        texts = [value.get(key) for key in ("message", "msg", "error", "type")]
+        value = next((text for text in texts if isinstance(text, str) and text), value)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text[:_ERROR_TEXT_MAX]

@@ -1,20 +1,9 @@
-"""Images of chat jobs: media type from the bytes, JPEG/PNG checks, data URLs, caps (pure; no I/O).
-
-Seed sections: "5. Serve images" and "7. Fault a job" (seed 000), and seed 004
-("Send chat images to workers by the transport each worker declares").
-
-The Horde stores every image as JPEG at quality 90 and sends each worker that JPEG
-as a signed URL or a ``data:image/jpeg;base64,`` URL, also inside offloaded messages
-(seed 004). koboldcpp reads only ``data:image`` URLs and silently drops an image it
-cannot decode, so every image becomes a checked data URL or the job is faulted::
-
-    plan = images.plan_images(messages)            # data: URLs decoded, http(s) URLs listed
-    fetched = {(i, j): fetch.fetch_image(url, timeout_s=..., max_bytes=images.MAX_IMAGE_BYTES)
-               for i, j, url in plan.to_fetch}     # the ``url`` transport, bounded fetches
-    messages = images.finish_images(messages, plan, fetched)   # every image checked
-
-JPEG and PNG (koboldcpp's loader, stb_image, decodes both) are accepted; any other
-type is faulted by its sniffed name. Errors never quote a URL or image bytes.
+"""Images of chat jobs made checked data URLs (pure; seed 000 "5. Serve images",
+seed 004). koboldcpp reads only data URLs and silently drops an image it cannot
+decode, so each image, fetched (:func:`plan_images`) or inline, becomes a data URL
+of its sniffed type after a structure check (:func:`finish_images`), or the job is
+faulted. JPEG and PNG (stb_image decodes both) are accepted; errors never quote a
+URL or image bytes.
 """
 
 from __future__ import annotations
@@ -35,31 +24,25 @@ from ..settings import MIB
 log = logging.getLogger("koboldcpp_horde_chat.images")
 
 
+#: Seed 004 states no value: a stored JPEG (quality 90, at most 2048 px) stays under
+#: about 8 MiB even for noise, so this refuses none.
 MAX_IMAGE_BYTES: Final = 10 * MIB
-"""Cap on one image's bytes (seed 004 states no value): a stored JPEG (quality 90, longest
-side at most 2048 px) stays under about 8 MiB even for noise, so this refuses none."""
-
+#: Seed 004: the 36 MiB body cap (seed 000) fits every image as base64: 36 x 3/4.
 MAX_REQUEST_IMAGE_BYTES: Final = 27 * MIB
-"""Cap on one job's image bytes. Seed 004: "The body cap fits a request at every cap as
-base64 data URLs"; the body cap is 36 MiB (seed 000), as base64 36 x 3/4 = 27 MiB."""
-
+#: koboldcpp keeps only a request's last 16 images (``images_max``): a warning, not a cap.
 MAX_IMAGES: Final = 16
-"""koboldcpp keeps only the last 16 images of a request (``images_max``); not a cap, since
-the Horde decides how many a request holds: :func:`finish_images` logs a warning."""
 
 
 class ImageError(FetchError):
-    """An image koboldcpp cannot use (not JPEG or PNG, malformed, truncated, over a cap): as a
-    FetchError, the job is faulted without ``fault_reason`` (seed 000 step 7). The message
-    names the image's place (``messages[1].content[0]``) where known."""
+    """An image koboldcpp cannot use; as a FetchError the job is faulted without a
+    reason. The message names the part (``messages[1].content[0]``) where known."""
 
-
-# --- sniffing -------------------------------------------------------------------------
 
 JPEG: Final = "image/jpeg"
 PNG: Final = "image/png"
 ACCEPTED: Final[frozenset[str]] = frozenset({JPEG, PNG})  # what check_decodable passes
 
+# (media type, name, magic number): the common formats, so that a fault names what arrived.
 _MAGIC: Final[tuple[tuple[str, str, re.Pattern[bytes]], ...]] = tuple(
     (media_type, name, re.compile(pattern, re.DOTALL))
     for media_type, name, pattern in (
@@ -83,18 +66,13 @@ _MAGIC: Final[tuple[tuple[str, str, re.Pattern[bytes]], ...]] = tuple(
         ("image/svg+xml", "SVG", rb"(?i)[\xef\xbb\xbf \t\r\n]*<(?:svg|\?xml.*<svg)"),
     )
 )
-"""(media type, name, magic number): the common formats, so that a fault names what arrived."""
 
 _NAMES: Final = {media_type: name for media_type, name, _ in _MAGIC} | {"image/x-tga": "TGA"}
 
 
 def sniff_media_type(data: bytes) -> str | None:
-    """The media type of image bytes (any length) from their magic number, or None.
-
-    Seed 000 step 5: "take the media type from the bytes", never from a
-    ``Content-Type`` or a data URL's label. Returns ``"image/jpeg"``,
-    ``"image/png"`` or another type of ``_MAGIC`` (``"image/gif"``...) or ``"image/x-tga"``.
-    """
+    """The media type from the magic number (seed step 5: from the bytes, never a
+    label), or None."""
     head = bytes(data[:1024])
     for media_type, _name, magic in _MAGIC:
         if magic.match(head):
@@ -102,9 +80,6 @@ def sniff_media_type(data: bytes) -> str | None:
     if bytes(data[-18:]) == b"TRUEVISION-XFILE.\x00":  # TGA has a footer, no magic number
         return "image/x-tga"
     return None
-
-
-# --- JPEG and PNG structure, as stb_image (koboldcpp's loader) reads it -------------------
 
 
 def _unreadable(what: str) -> ImageError:
@@ -123,9 +98,8 @@ _JPEG_MARKER_IN_SCAN: Final = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 
 def _check_jpeg(data: bytes) -> tuple[int, int]:
-    """Walks a JPEG's segments from SOI to EOI, checking frame and scan headers as stb_image
-    does; returns (width, height). Stray bytes between segments are skipped before the
-    frame header, as stb_image skips them; after it they end decoding early: refused."""
+    """Walk a JPEG from SOI to EOI as stb_image does; returns (width, height). Stray
+    bytes between segments are skipped before the frame header, refused after it."""
     n, pos = len(data), 2
     width = height = scans = 0
     ids: frozenset[int] | None = None  # the frame's component ids, once it is read
@@ -198,8 +172,8 @@ def _check_jpeg(data: bytes) -> tuple[int, int]:
 
 
 def _check_png(data: bytes) -> tuple[int, int]:
-    """Walks a PNG's chunks from IHDR to IEND as stb_image reads them; returns (width,
-    height). Apple's ``CgBI`` may come before IHDR; CRCs are not checked."""
+    """Walk a PNG from IHDR to IEND as stb_image does; returns (width, height).
+    Apple's ``CgBI`` may come first; CRCs are not checked."""
     n, pos = len(data), 8
     size: tuple[int, int] | None = None
     color, palette, idat = 0, False, False
@@ -248,20 +222,9 @@ def _check_png(data: bytes) -> tuple[int, int]:
 
 
 def check_decodable(data: bytes) -> str:
-    """``"image/jpeg"`` or ``"image/png"`` for image bytes koboldcpp can read (seed 004).
-
-    The type is sniffed (:func:`sniff_media_type`) and the structure walked as
-    stb_image reads it: a JPEG from SOI to EOI with a baseline, extended or
-    progressive Huffman frame of 8-bit samples; a PNG from IHDR through IDAT to
-    IEND. Bytes after the end (zero padding) are ignored; pixels and checksums are
-    not checked (stb_image does not verify checksums either).
-
-    Raises:
-        ImageError: ``"empty image"``; ``"unknown image format (first bytes ...)"``;
-            another type by name (``"GIF image, not JPEG or PNG"``); ``"truncated
-            JPEG"`` (or ``PNG``); ``"corrupt JPEG: ..."``; a variant or size stb_image
-            refuses (``"12-bit JPEG is not readable by koboldcpp"``).
-    """
+    """``"image/jpeg"`` or ``"image/png"`` for bytes koboldcpp can read (an 8-bit
+    Huffman JPEG or a PNG; pixels and checksums not checked). Raises ImageError naming
+    the problem (``"GIF image, not JPEG or PNG"``, ``"truncated JPEG"``)."""
     if not data:
         raise ImageError("empty image")
     data = bytes(data)
@@ -277,14 +240,12 @@ def check_decodable(data: bytes) -> str:
     return media_type
 
 
-# --- data URLs ----------------------------------------------------------------------------
-
 _MEDIA_TYPE: Final = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*")
 _BASE64: Final = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 def _a2b_base64_strict(data: str | bytes) -> bytes:
-    """``a2b_base64(data, strict_mode=True)``; by hand on Python 3.10. Raises binascii.Error."""
+    """Strict base64; by hand on Python 3.10. Raises binascii.Error."""
     if sys.version_info >= (3, 11):
         return binascii.a2b_base64(data, strict_mode=True)
     text = data if isinstance(data, str) else data.decode("latin-1")
@@ -294,10 +255,8 @@ def _a2b_base64_strict(data: str | bytes) -> bytes:
 
 
 def _parse_data_url(url: str) -> tuple[bytes, str | None]:
-    """A base64 ``data:`` URL's bytes, and its declared media type (lower case) when ``url``
-    is already what :func:`to_data_url` writes for that type. Case-insensitive; parameters
-    before ``;base64`` are ignored and whitespace in the base64 removed, the rest is decoded
-    strictly. Raises ImageError, never quoting the URL."""
+    """A base64 ``data:`` URL's bytes, and its media type when the URL is already what
+    :func:`to_data_url` writes. Whitespace in the base64 is removed. Raises ImageError."""
     if url[:5].lower() != "data:":
         raise ImageError("not a data: URL")
     comma = url.find(",", 5)
@@ -327,11 +286,7 @@ def _parse_data_url(url: str) -> tuple[bytes, str | None]:
 
 
 def to_data_url(media_type: str, data: bytes) -> str:
-    """``"data:<media_type>;base64,<base64, padded, no line breaks>"``, as koboldcpp reads it."""
     return f"data:{media_type};base64,{binascii.b2a_base64(data, newline=False).decode('ascii')}"
-
-
-# --- image parts in messages ---------------------------------------------------------------
 
 
 def _where(i: int, j: int) -> str:
@@ -339,9 +294,8 @@ def _where(i: int, j: int) -> str:
 
 
 def image_urls(messages: Sequence[Any]) -> list[tuple[int, int, str]]:
-    """Every ``{"type": "image_url", "image_url": {"url": str}}`` part of the messages'
-    ``content`` lists, in order, as ``[(message index, part index, url)]``; other shapes
-    are skipped (they are ``horde.pop.validate_messages``'s business)."""
+    """``[(message index, part index, url)]`` of every image_url part with a string
+    url; other shapes are ``horde.pop``'s business."""
     found: list[tuple[int, int, str]] = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -356,7 +310,7 @@ def image_urls(messages: Sequence[Any]) -> list[tuple[int, int, str]]:
 
 
 def _check_caps(images: Mapping[tuple[int, int], bytes]) -> None:
-    """Seed 004's caps on one job's images ``{(i, j): bytes}``; their number is not capped."""
+    """Seed 004's byte caps on one job's images ``{(i, j): bytes}``."""
     for (i, j), data in images.items():
         if len(data) > MAX_IMAGE_BYTES:
             raise ImageError(
@@ -373,14 +327,8 @@ def _check_caps(images: Mapping[tuple[int, int], bytes]) -> None:
 
 @dataclass(frozen=True)
 class ImagePlan:
-    """A job's images sorted by transport (from :func:`plan_images`); keys are ``(i, j)``.
-
-    Attributes:
-        to_fetch: ``[(i, j, url)]``, every http(s) URL (the ``url`` transport).
-        inline: ``{(i, j): bytes}`` decoded from every ``data:`` URL.
-        canonical: ``{(i, j): declared media type}`` of the data URLs already as
-            :func:`to_data_url` writes them; one of its sniffed type is passed on as is.
-    """
+    """A job's images by transport, keyed ``(i, j)``: URLs to fetch, inline bytes, and
+    the declared type of data URLs already canonical (kept as they are if it matches)."""
 
     to_fetch: list[tuple[int, int, str]] = field(default_factory=list)
     inline: dict[tuple[int, int], bytes] = field(default_factory=dict)
@@ -388,17 +336,8 @@ class ImagePlan:
 
 
 def plan_images(messages: Sequence[Any]) -> ImagePlan:
-    """Sorts a job's image parts into URLs to fetch and inline data URLs (decoded here).
-
-    Seed 000 step 5, seed 004: an image arrives as a signed http(s) URL (``url``)
-    or a ``data:image/jpeg;base64,`` URL (``base64`` and offloaded messages).
-    Inline images are checked against the caps before any fetch, formats by
-    :func:`finish_images`. A job without images gives ``ImagePlan()``.
-
-    Raises:
-        ImageError: a malformed data URL or invalid base64, a scheme other than
-            ``data``, ``http`` and ``https``, or inline images over a cap; the
-            message names the part (``messages[1].content[0]: ...``).
+    """Sort a job's images into URLs to fetch and decoded data URLs, inline ones checked
+    against the caps. Raises ImageError for a malformed data URL, another scheme, or a cap.
     """
     plan = ImagePlan()
     for i, j, url in image_urls(messages):
@@ -424,22 +363,9 @@ def finish_images(
     plan: ImagePlan,
     fetched: Mapping[tuple[int, int], bytes],
 ) -> list[dict[str, Any]]:
-    """A deep copy of ``messages`` with every image a checked ``data:`` URL of its sniffed type.
-
-    ``fetched`` holds ``{(i, j): bytes}`` for every entry of ``plan.to_fetch``. All
-    images are checked together against the caps (seed 004), then each with
-    :func:`check_decodable`, and each url becomes ``to_data_url(sniffed type,
-    bytes)`` (a PNG labelled ``image/jpeg`` becomes ``data:image/png;base64,...``)
-    unless ``plan.canonical`` shows it is that already: then the string is kept.
-    Other keys of a part (``detail``) are kept. More than :data:`MAX_IMAGES`
-    images are let through with a warning.
-
-    Raises:
-        ImageError: an image not fetched, over the caps, or not a JPEG or PNG
-            koboldcpp can read; the message names the part
-            (``"messages[0].content[1]: GIF image, not JPEG or PNG"``).
-        ValueError: ``plan`` or ``fetched`` does not match ``messages`` (a caller's bug).
-    """
+    """A deep copy of ``messages`` with every image a checked data URL of its sniffed
+    type (a canonical one kept); ``fetched`` holds every ``plan.to_fetch``. Raises
+    ImageError, or ValueError when the plan or ``fetched`` does not match (a bug)."""
     wanted = {(i, j) for i, j, _ in plan.to_fetch}
     parts = {(i, j) for i, j, _ in image_urls(messages)}
     if parts != wanted | set(plan.inline) or not set(fetched) <= wanted:

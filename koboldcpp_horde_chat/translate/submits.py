@@ -1,12 +1,9 @@
-"""The structured submit and the fault submit (pure; no I/O).
+"""The structured submit and the fault submit (pure; seed "6. Submit the reply",
+"Submit refusals", "7. Fault a job").
 
-Seed sections: "6. Submit the reply", "Submit refusals", "7. Fault a job".
-
-The Horde's database cannot store U+0000, so the Horde refuses a submit whose
-JSON holds it (400 ``NulByteInPayload``); models do emit it. The submit
-builders here remove it from everything the model produced (:func:`strip_nul`,
-:func:`strip_nul_json`); the streamed text loses it where the stream is read
-(:mod:`.stream`), so the posts and the submit agree.
+The Horde refuses a submit holding U+0000 (400 ``NulByteInPayload``) and models do
+emit it: it is removed here from all the model produced, and from the stream where
+it is read, so the posts and the submit agree.
 """
 
 from __future__ import annotations
@@ -17,57 +14,37 @@ import re
 from typing import Any
 
 from ..errors import ReplyError
+from ..horde.progress import utf8_prefix
 from ..koboldcpp.answers import BackendReply
 from ..koboldcpp.reasoning import split_reasoning
 
 log = logging.getLogger("koboldcpp_horde_chat.reply")
 
-
-# --- constants ------------------------------------------------------------------
-
+#: The finish reasons the Horde accepts in a structured submit.
 FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
-"""The finish reasons the Horde accepts in a structured submit."""
-
 FAULT_PROMPT_OVERFLOW = "prompt_overflow"
 FAULT_REPLY_REFUSED = "reply_refused"
-"""Return codes of a refused reply: the job is then faulted with ``reply_refused``."""
-
 NATIVE_FINISH_REASON_MAX_CHARS = 32
 REASONING_MAX_BYTES = 1024 * 1024
-"""``reasoning_content`` is capped at 1 MiB of UTF-8."""
+#: The Horde refuses token counts outside 0..10,000,000: they are left out.
 TOKEN_COUNT_MAX = 10_000_000
-"""Token counts outside 0..10,000,000 are refused by the Horde, so they are left out."""
-
-
-# --- U+0000 ------------------------------------------------------------------------
 
 _NUL = "\x00"
+#: A JSON ``\\u0000`` escape whose backslash is not itself escaped.
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
-"""A JSON ``\\u0000`` escape whose backslash is not itself escaped (pairs of
-backslashes before it are kept)."""
 
 
 def strip_nul(text: str) -> str:
-    """``text`` without any U+0000 character (``"Blue\\x00."`` -> ``"Blue."``)."""
     return text.replace(_NUL, "") if _NUL in text else text
 
 
 def strip_nul_json(text: str) -> str:
-    """JSON text (a tool call's ``arguments``) without U+0000, literal or escaped.
-
-    Removes every literal U+0000 character and every real ``\\u0000`` escape,
-    which a client would decode to U+0000; an escaped backslash followed by
-    ``u0000`` is text and stays. E.g. ``'{"a": "x\\u0000y"}'`` ->
-    ``'{"a": "xy"}'``, ``'{"a": "x\\\\u0000"}'`` unchanged. The text need not
-    be valid JSON.
-    """
+    """JSON text (need not be valid) without U+0000, literal or as a real ``\\u0000``
+    escape; ``'{"a": "x\\\\u0000"}'`` (an escaped backslash) is kept."""
     text = strip_nul(text)
     if "\\u0000" not in text:
         return text
     return _NUL_ESCAPE.sub(r"\1", text)
-
-
-# --- koboldcpp's answers ----------------------------------------------------------
 
 
 def map_finish_reason(
@@ -77,23 +54,12 @@ def map_finish_reason(
     completion_tokens: int | None,
     max_length: int,
 ) -> str:
-    """Map koboldcpp's finish reason onto the Horde's four.
+    """koboldcpp's finish reason as one of the Horde's four.
 
-    ``max_length`` is the budget koboldcpp generated under: the job's
-    ``max_length`` after koboldcpp's own cut
-    (:func:`.settings.kcpp_effective_max_length`), which can be below the job's.
-
-    - ``"length"``: koboldcpp reports it for the budget and also for a stop
-      sequence hit or an abort (1.116.1 ``koboldcpp.py`` L5194), so it stays ``"length"`` only when
-      ``completion_tokens`` is None or reached ``max_length``; else ``"stop"``.
-    - ``"stop"`` gives ``"stop"``; ``"content_filter"`` gives itself.
-    - ``"tool_calls"`` gives ``"tool_calls"`` when there are calls, else ``"stop"``.
-    - Calls with ``"stop"`` or ``"length"`` keep the mapped reason (a forced
-      ``tool_choice`` may finish with stop and calls).
-
-    Raises:
-        ReplyError: ``"error"``, None or any other value (the job is faulted
-            without a reason; seed worked example).
+    koboldcpp says ``"length"`` for a stop sequence or an abort too (1.116.1 L5194):
+    it stays ``"length"`` only when ``completion_tokens`` is unknown or reached
+    ``max_length`` (the budget after koboldcpp's own cut). ``"tool_calls"`` without
+    calls is ``"stop"``. Raises ReplyError for ``"error"``, None or another value.
     """
     if native == "length":
         if completion_tokens is None or completion_tokens >= max_length:
@@ -109,21 +75,11 @@ def map_finish_reason(
 
 
 def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
-    """The backend's tool calls in the submit's shape.
+    """The tool calls as ``{"id", "type": "function", "function": {"name",
+    "arguments": str}}``, without U+0000: arguments JSON-encoded (missing: ``"{}"``),
+    a missing id minted ``call_<n>``, a repeated one suffixed ``_<n>``.
 
-    Each call becomes ``{"id": str, "type": "function", "function": {"name":
-    str, "arguments": str}}``: non-string ``arguments`` are JSON-encoded
-    (missing ones become ``"{}"``), a missing ``type`` is ``"function"``, a
-    missing or empty ``id`` is minted as ``call_<n>``. An id that collides with
-    an earlier call's id gets a ``_<n>`` suffix; other ids are kept as the
-    backend minted them. Other keys (such as ``index``) are dropped. U+0000 is
-    removed from ids and names, and from ``arguments`` both as a character and
-    as a JSON ``\\u0000`` escape (:func:`strip_nul_json`).
-
-    Raises:
-        ReplyError: ``raw`` is not a list (None is an empty list), a call is not
-            an object, its type is not ``function``, or its function has no name
-            (its ``feature`` is ``"tools"``).
+    Raises ReplyError (``feature`` ``"tools"``) for a malformed call or list.
     """
     if raw is None:
         return []
@@ -173,13 +129,6 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
     return result
 
 
-def _cap_utf8(text: str, max_bytes: int) -> str:
-    encoded = text.encode("utf-8")
-    if len(encoded) <= max_bytes:
-        return text
-    return encoded[:max_bytes].decode("utf-8", errors="ignore")
-
-
 def _count_ok(value: int | None, name: str) -> bool:
     if value is None:
         return False
@@ -189,48 +138,18 @@ def _count_ok(value: int | None, name: str) -> bool:
     return False
 
 
-# --- submit bodies ------------------------------------------------------------------
-
-
 def chat_submit(
     job_id: str, model_id: str, reply: BackendReply, *, max_length: int
 ) -> dict[str, Any]:
-    """The structured submit body of a served chat job.
+    """The structured submit of a served chat job, e.g. ``{"id": "<job-id>", "message":
+    {"role": "assistant", "content": "Blue."}, "finish_reason": "stop",
+    "native_finish_reason": "stop", "prompt_tokens": 21, "completion_tokens": 3,
+    "model_id": "<model-name>", "state": "ok"}``.
 
-    Returns ``{"id", "message": {"role": "assistant", "content", optional
-    "reasoning_content", optional "tool_calls"}, "finish_reason", optional
-    "native_finish_reason" (at most 32 characters), optional "prompt_tokens"
-    and "completion_tokens" (only when reported and within 0..10,000,000),
-    "model_id", "state": "ok"}``, e.g. the seed's ``{"id": "<job-id>",
-    "message": {"role": "assistant", "content": "Blue."}, "finish_reason":
-    "stop", "native_finish_reason": "stop", "prompt_tokens": 21,
-    "completion_tokens": 3, "model_id": "<model-name>", "state": "ok"}``.
-
-    U+0000 is removed first from the content, the reasoning, the tool calls
-    and the native finish reason (the Horde refuses a submit holding it).
-    Reasoning tags left in the content are split off (:func:`split_reasoning`);
-    a block that never closed becomes ``reasoning_content`` with the content
-    before it (usually ``""``). The content is otherwise kept as generated;
-    ``reasoning_content`` is the reasoning without its surrounding whitespace,
-    the same text the progress posts of a streamed job carry. It is cut to
-    1 MiB of UTF-8 on a character boundary and left out when empty.
-    ``content`` is null only when there are tool calls and no text; otherwise
-    ``""`` is a valid reply.
-
-    Args:
-        job_id: the job.
-        model_id: the job's assigned model (the declaration's ``model_id``).
-        reply: what koboldcpp returned.
-        max_length: the budget koboldcpp generated under, in tokens: the job's
-            ``max_length`` after koboldcpp's cut
-            (:func:`.settings.kcpp_effective_max_length`), to tell a real
-            ``length`` apart from a stop sequence hit.
-
-    Raises:
-        ReplyError: an unusable finish reason or a malformed tool call; the job
-            is then faulted without a reason.
-
-    Seed: "6. Submit the reply", "Submit refusals".
+    Reasoning tags left in the content are split off; ``reasoning_content`` is cut
+    to 1 MiB of UTF-8; ``content`` is null only for tool calls without text.
+    ``max_length``: the budget koboldcpp generated under, tokens. Raises ReplyError
+    (the job is then faulted without a reason).
     """
     calls = normalise_tool_calls(reply.tool_calls)
     finish_reason = map_finish_reason(
@@ -250,7 +169,7 @@ def chat_submit(
         content = ""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if split.reasoning:
-        reasoning = _cap_utf8(split.reasoning, REASONING_MAX_BYTES)
+        reasoning = utf8_prefix(split.reasoning, REASONING_MAX_BYTES)
         if len(reasoning) < len(split.reasoning):
             log.warning("job %s: reasoning_content cut to %d bytes", job_id, REASONING_MAX_BYTES)
         message["reasoning_content"] = reasoning
@@ -270,14 +189,7 @@ def chat_submit(
 
 
 def fault_submit(job_id: str, model_id: str, fault_reason: str | None = None) -> dict[str, Any]:
-    """The faulted submit body: ``{"id", "state": "faulted", "model_id"}``.
-
-    ``fault_reason`` (``"prompt_overflow"``, ``"reply_refused"``...) is added
-    only when given; a failed fetch or generation faults without one. The
-    ``model_id`` marks the body as a chat submit, which needs no generation.
-
-    Seed: "7. Fault a job".
-    """
+    """A chat job's fault; ``model_id`` marks it a chat submit (no generation needed)."""
     body: dict[str, Any] = {"id": job_id, "state": "faulted", "model_id": model_id}
     if fault_reason:
         body["fault_reason"] = fault_reason
@@ -285,27 +197,13 @@ def fault_submit(job_id: str, model_id: str, fault_reason: str | None = None) ->
 
 
 def text_submit(job_id: str, generation: str) -> dict[str, Any]:
-    """A text job's submit body: ``{"id", "generation", "state": "ok"}`` (seed step 8).
-
-    U+0000 is removed from ``generation`` (the Horde refuses a submit holding it).
-    """
     return {"id": job_id, "generation": strip_nul(generation), "state": "ok"}
-
-
-def text_fault_submit(job_id: str) -> dict[str, Any]:
-    """A text job's faulted submit body: ``{"id", "generation": "", "state": "faulted"}``
-    (seed step 8: a text job is submitted in its own kind's shape)."""
-    return {"id": job_id, "generation": "", "state": "faulted"}
 
 
 def job_fault_submit(
     job_id: str, kind: str, model_id: str, fault_reason: str | None = None
 ) -> dict[str, Any]:
-    """The faulted submit body of a job of either kind: :func:`fault_submit` for a
-    ``"chat"`` job (with its ``model_id`` and ``fault_reason``), else
-    :func:`text_fault_submit` (a text fault carries no reason).
-
-    Seed: "7. Fault a job", step 8."""
+    """A job's fault in its kind's shape (seed step 8: a text fault has no reason)."""
     if kind == "chat":
         return fault_submit(job_id, model_id, fault_reason)
-    return text_fault_submit(job_id)
+    return {"id": job_id, "generation": "", "state": "faulted"}

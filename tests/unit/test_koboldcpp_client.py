@@ -15,14 +15,10 @@ from hypothesis import strategies as st
 from responses import matchers
 
 from koboldcpp_horde_chat.errors import BackendBusy, BackendError, BackendUnauthorized
-from koboldcpp_horde_chat.koboldcpp.client import (
-    PROTECTED_MODEL_NAME,
-    RAW_STRING_MIN_CHARS,
-    BackendInfo,
-    BackendStream,
-    KoboldClient,
-    encode_json,
-)
+from koboldcpp_horde_chat.jsonbody import RAW_STRING_MIN_CHARS, encode_json
+from koboldcpp_horde_chat.koboldcpp.api import BackendInfo
+from koboldcpp_horde_chat.koboldcpp.client import PROTECTED_MODEL_NAME, KoboldClient
+from koboldcpp_horde_chat.koboldcpp.connection import BackendStream
 from tests.http_server import LocalServer, send_json
 
 BASE = "http://127.0.0.1:5001"

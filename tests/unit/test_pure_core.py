@@ -13,6 +13,7 @@ PURE_CORE = (
     "horde/pop",
     "translate/submits",
     "horde/progress",
+    "horde/codes",
     "koboldcpp/answers",
     "translate/bodies",
     "koboldcpp/reasoning",
