@@ -326,13 +326,7 @@ def _run_declared(
         manners = StandaloneManners(
             backend,
             check_busy=args.parallelrequests <= 1,
-            identity=BackendIdentity(
-                settings.backend_model_name,
-                settings.backend_max_context_length,
-                settings.vision,
-                version=info.version,
-                chat_template=info.chat_template,
-            ),
+            identity=BackendIdentity.of(info),
         )
         code = _serve(settings, caps, state, manners, args.parallelrequests)
         if manners.changed is None or stop_event.is_set():
