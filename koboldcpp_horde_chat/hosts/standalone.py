@@ -1,15 +1,6 @@
-"""The standalone worker beside a running koboldcpp: its start-up and run.
-
-``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` (see
-:mod:`.cli`) serves chat and text jobs for the model loaded in the koboldcpp at
-``--kcpp-url``; :func:`run_standalone` is that command: its flags
-(``hosts.standalone_flags``), koboldcpp read into the worker's settings
-(:func:`settings_from_args`), the recovery, the pop loops and the signals. The
-demo runs the same function against a local dev Horde.
-
-Flag names and meanings follow koboldcpp's own (``--hordegenlen``,
-``--hordemaxctx``, ``--hordemodelname``...). Seed: "Worked example:
-koboldcpp's embedded worker".
+"""The standalone worker beside a running koboldcpp (``koboldcpp-horde-chat --hordekey
+KEY --hordeworkername NAME``): koboldcpp read into settings, the recovery, the pop
+loops and the signals. Seed: "Worked example: koboldcpp's embedded worker".
 """
 from __future__ import annotations
 
@@ -71,15 +62,7 @@ def settings_from_args(
     wait_s: float | None = 0.0,
     stop_event: threading.Event | None = None,
 ) -> tuple[WorkerSettings, BackendCapabilities]:
-    """Read the running koboldcpp and the flags into settings
-    (:func:`read_koboldcpp`, then :func:`settings_from_info`).
-
-    Waits for koboldcpp to answer: up to ``wait_s`` seconds, or as long as
-    it takes when ``wait_s`` is None, logging every 30 s; ``stop_event``
-    ends the wait. Raises ConfigError for a bad flag, an unreachable (within
-    ``wait_s``) or protected koboldcpp, a refused password, no model loaded,
-    or ``--chat-only`` with a koboldcpp that has no chat route.
-    """
+    """The flags and the running koboldcpp as settings and capabilities."""
     info = read_koboldcpp(args, backend, wait_s=wait_s, stop_event=stop_event)
     return settings_from_info(args, info)
 
@@ -91,9 +74,12 @@ def read_koboldcpp(
     wait_s: float | None = 0.0,
     stop_event: threading.Event | None = None,
 ) -> BackendInfo:
-    """What the running koboldcpp reports (``KoboldClient.info``: its model,
-    context, version, vision and chat template), once it answers (see
-    :func:`settings_from_args` for the wait and the errors)."""
+    """What the running koboldcpp reports, once it answers.
+
+    Waits up to ``wait_s`` seconds (None: as long as it takes, logging every
+    30 s) or until ``stop_event``. ConfigError for a bad flag, a koboldcpp that
+    does not answer in time, or one that refuses the password.
+    """
     check_flags(args)
     stopper = stop_event if stop_event is not None else threading.Event()
     started = time.monotonic()
@@ -134,12 +120,9 @@ def read_koboldcpp(
 def settings_from_info(
     args: argparse.Namespace, info: BackendInfo
 ) -> tuple[WorkerSettings, BackendCapabilities]:
-    """The flags and what koboldcpp reported (:func:`read_koboldcpp`) as the
-    worker's settings and koboldcpp's capabilities: vision as reported, chat
-    only when its version has the chat route (``koboldcpp.versions``).
-
-    Raises ConfigError for no model loaded, or ``--chat-only`` with a koboldcpp
-    too old for chat."""
+    """The flags and koboldcpp's report as settings and capabilities (chat only when
+    its version has the chat route). ConfigError for no model loaded, or
+    ``--chat-only`` with a koboldcpp too old for chat."""
     withhold = parse_withhold(args.chat_withhold)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
@@ -179,19 +162,12 @@ def settings_from_info(
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
-    """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
+    """Run the worker until SIGINT or SIGTERM (or ``stop_event``); the exit code.
 
-    Ends the jobs the journal says an earlier run left in hand as soon as the
-    Horde answers, on a thread of its own (``recovery.Recovery``); meanwhile
-    waits for koboldcpp for ``--kcpp-wait`` seconds, or as long as it takes
-    without that flag (a signal ends the wait). Then runs ``--parallelrequests`` pop
-    loops sharing one state. A first signal stops popping; a job in hand may
-    finish within ``--stop-grace`` seconds, else it is aborted and faulted. A
-    second signal faults the jobs in hand at once and exits. Exit codes: 0
-    after a requested stop, 2 for a configuration error (koboldcpp not
-    answering within ``--kcpp-wait`` among them) or a declaration the Horde
-    refused, 3 for an API key the Horde refused (checked first, before the
-    journal and the wait for koboldcpp: ``key_check.check_api_key``), 130 after a
+    A first signal stops popping and lets the jobs being served finish within
+    ``--stop-grace`` seconds, else faults them; a second faults them at once.
+    Exit codes: 0 after a requested stop, 2 for a configuration error or a
+    refused declaration, 3 for a refused API key (checked first), 130 after a
     second signal.
     """
     args = build_parser().parse_args(argv)
@@ -295,8 +271,8 @@ def _run_declared(
     recovery: Recovery | None,
     deadlines: CallDeadlines,
 ) -> int:
-    """Read koboldcpp, declare and serve; read it again and declare anew when it
-    came back serving something else. The exit code."""
+    """Read koboldcpp, declare and serve; again when koboldcpp came back serving
+    something else. The exit code."""
     while True:
         try:
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
@@ -341,7 +317,6 @@ def _serve(
     manners: StandaloneManners,
     slots: int,
 ) -> int:
-    """Run ``slots`` pop loops on threads of their own until they stop; the exit code."""
     codes: list[int] = []
 
     def serve(worker_id: int) -> None:
