@@ -172,9 +172,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level if args.log_level in LOG_LEVELS else "INFO")
-    if stop_event is None:
-        stop_event = threading.Event()
-    stopper = stop_event
+    stopper = stop_event if stop_event is not None else threading.Event()
     states: list[WorkerState] = []
     # The stop's deadlines exist before any state: a signal during the recovery or
     # the wait for koboldcpp bounds their calls too (the states share them).
@@ -247,12 +245,12 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             horde_url=args.horde_url,
             api_key=args.hordekey,
             model_id_default=standalone_model_id("", args.hordemodelname),
-            stop_event=stop_event,
+            stop_event=stopper,
             kcpp=(args.kcpp_url, args.kcpp_password),
             deadlines=deadlines,
         )
     try:
-        return _run_declared(args, stop_event, states, directory, journal, recovery, deadlines)
+        return _run_declared(args, stopper, states, directory, journal, recovery, deadlines)
     finally:
         # The recovery's last attempts end by the stop's deadline; the rest stays
         # in the journal, which is released only then (not after a second signal).
