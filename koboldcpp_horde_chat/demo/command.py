@@ -298,17 +298,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
-        sent = [c for c in cases if not c.skip]
-        if scripted:
-            _say(
-                "Each case passes when the worker did right and the scripted reply is as expected."
-            )
-        else:
-            _say(
-                "Each case passes when the worker did right; what your model did not do "
-                '("model:") does not fail it.'
-            )
-        _say(f"Starting the worker; {len(sent)} requests follow, one at a time.\n")
+        _say_rules(scripted, len([c for c in cases if not c.skip]))
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         thread.start()
         deadline = time.monotonic() + args.timeout
@@ -328,6 +318,17 @@ def _run(args: argparse.Namespace) -> int:
                 scripted_kcpp.stop()
             journal.cleanup()
             time.sleep(0)
+
+
+def _say_rules(scripted: bool, sent: int) -> None:
+    if scripted:
+        _say("Each case passes when the worker did right and the scripted reply is as expected.")
+    else:
+        _say(
+            "Each case passes when the worker did right; what your model did not do "
+            '("model:") does not fail it.'
+        )
+    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
 
 
 def _run_cases(

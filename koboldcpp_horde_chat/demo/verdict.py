@@ -5,7 +5,7 @@ Horde's ledger (seed 000, steps 6 to 8), and the case's printed lines. Pure: no 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import DemoCase, _content, _done
@@ -119,6 +119,81 @@ def _model_refusal(entry: dict[str, Any]) -> bool:
     )
 
 
+@dataclass
+class _Findings:
+    """What :func:`judge` found job by job."""
+
+    problems: list[str] = field(default_factory=list)
+    excused: list[str] = field(default_factory=list)  # what the model did, per fault it caused
+    faults: list[str | None] = field(default_factory=list)
+    wrong_faults: list[str] = field(default_factory=list)
+    submitted: int = 0
+
+    def job(
+        self,
+        case: DemoCase,
+        job_id: str,
+        entries: list[dict[str, Any]],
+        refusal: str,
+        model: str | None,
+        why: str,
+        *,
+        finished: bool,
+    ) -> None:
+        """One job's ledger ``entries``; ``refusal``: the Horde's refusal message,
+        ``why``: the worker's reason for faulting it."""
+        problems = self.problems
+        terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
+        short = job_id[:8]
+        for e in entries:
+            if e["action"] == "expired":
+                problems.append(
+                    f"job {short} was neither submitted nor faulted before its lease ran out"
+                )
+            elif e["action"] in ("duplicate", "aborted_gen"):
+                problems.append(f"job {short} was submitted again after it ended ({e.get('rc')})")
+        if len(terminal) > 1:
+            problems.append(f"job {short} has {len(terminal)} terminal actions, not one")
+        if not terminal:
+            if finished and not any(e["action"] == "expired" for e in entries):
+                problems.append(f"job {short} was neither submitted nor faulted")
+            return
+        end = terminal[0]
+        body = end.get("body") or {}
+        refused = [e for e in entries if e["action"] == "refused"]
+        if len(refused) > 1:
+            problems.append(f"job {short}'s reply was submitted again after a refusal")
+        model_refused = False
+        for e in refused:
+            if _model_refusal({**e, "message": refusal}):
+                model_refused = True
+                self.excused.append(
+                    f"the Horde refused the model's reply ({refusal.rstrip('.')})"
+                    "; the worker faulted it with reply_refused, as it must"
+                )
+            else:
+                problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {refusal})")
+            if end["action"] != "faulted" or end.get("fault_reason") != "reply_refused":
+                problems.append(f"job {short} was not faulted with reply_refused after its refusal")
+        if end["action"] == "submitted":
+            self.submitted += 1
+            problems += [
+                f"job {short}: {p}"
+                for p in _submit_problems(end["kind"], body, model, case.offered)
+            ]
+            return
+        reason = end.get("fault_reason")
+        self.faults.append(reason)
+        if reason is None and unusable_model_output(why):
+            self.excused.append(
+                f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
+                "; the worker faulted the job, as it must"
+            )
+        elif not (reason == "reply_refused" and model_refused):
+            self.wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
+        problems += [f"job {short}: {p}" for p in _fault_problems(end["kind"], body, model)]
+
+
 def judge(
     case: DemoCase,
     status: dict[str, Any],
@@ -138,8 +213,7 @@ def judge(
     reply needs a ``reply_refused`` fault after it. A refusal of the model's
     output, or a fault for a reply no submit can carry, is a model note.
     """
-    problems: list[str] = []
-    notes: list[str] = []
+    found = _Findings()
     refusal_text = {
         r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []
     }
@@ -147,66 +221,18 @@ def judge(
     for job_id in status.get("job_ids") or []:
         if job_id not in job_ids and finished:
             job_ids.append(job_id)
-    causes = causes or {}
-    faults: list[str | None] = []
-    excused: list[str] = []  # what the model did, for each fault it caused
-    wrong_faults: list[str] = []
-    submitted = 0
     for job_id in job_ids:
-        entries = [e for e in ledger if e["job_id"] == job_id]
-        terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
-        short = job_id[:8]
-        for e in entries:
-            if e["action"] == "expired":
-                problems.append(
-                    f"job {short} was neither submitted nor faulted before its lease ran out"
-                )
-            elif e["action"] in ("duplicate", "aborted_gen"):
-                problems.append(f"job {short} was submitted again after it ended ({e.get('rc')})")
-        if len(terminal) > 1:
-            problems.append(f"job {short} has {len(terminal)} terminal actions, not one")
-        if not terminal:
-            if finished and not any(e["action"] == "expired" for e in entries):
-                problems.append(f"job {short} was neither submitted nor faulted")
-            continue
-        end = terminal[0]
-        body = end.get("body") or {}
-        refused = [e for e in entries if e["action"] == "refused"]
-        if len(refused) > 1:
-            problems.append(f"job {short}'s reply was submitted again after a refusal")
-        model_refused = False
-        for e in refused:
-            text = refusal_text.get(job_id, "")
-            if _model_refusal({**e, "message": text}):
-                model_refused = True
-                excused.append(
-                    f"the Horde refused the model's reply ({text.rstrip('.')})"
-                    "; the worker faulted it with reply_refused, as it must"
-                )
-            else:
-                problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {text})")
-            if end["action"] != "faulted" or end.get("fault_reason") != "reply_refused":
-                problems.append(f"job {short} was not faulted with reply_refused after its refusal")
-        if end["action"] == "submitted":
-            submitted += 1
-            problems += [
-                f"job {short}: {p}"
-                for p in _submit_problems(end["kind"], body, models.get(job_id), case.offered)
-            ]
-        else:
-            reason = end.get("fault_reason")
-            faults.append(reason)
-            why = causes.get(job_id, "")
-            if reason is None and unusable_model_output(why):
-                excused.append(
-                    f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
-                    "; the worker faulted the job, as it must"
-                )
-            elif not (reason == "reply_refused" and model_refused):
-                wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
-            problems += [
-                f"job {short}: {p}" for p in _fault_problems(end["kind"], body, models.get(job_id))
-            ]
+        found.job(
+            case,
+            job_id,
+            [e for e in ledger if e["job_id"] == job_id],
+            refusal_text.get(job_id, ""),
+            models.get(job_id),
+            (causes or {}).get(job_id, ""),
+            finished=finished,
+        )
+    problems, faults, submitted = found.problems, found.faults, found.submitted
+    notes: list[str] = []
     if not finished:
         problems.append("the request did not end in time")
     if case.expect_fault is not None:
@@ -218,13 +244,13 @@ def judge(
             else _did(faults, submitted)
         )
         return Verdict(not problems, did, problems, notes)
-    for why in wrong_faults:
+    for why in found.wrong_faults:
         problems.append(
             "a job was faulted instead of served"
             + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    for text in dict.fromkeys(excused):
-        times = excused.count(text)
+    for text in dict.fromkeys(found.excused):
+        times = found.excused.count(text)
         notes.append(text + (f" ({times} times)" if times > 1 else ""))
     if _done(status):
         note = case.hope(status)

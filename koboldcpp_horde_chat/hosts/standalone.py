@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -178,36 +178,10 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     # the wait for koboldcpp bounds their calls too (the states share them).
     deadlines = CallDeadlines()
     forced: list[bool] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopper.is_set():
-            log.warning("second signal: faulting the jobs in hand and exiting now")
-            forced.append(True)
-            for state in states:
-                state.fault_jobs_now()
-            raise SystemExit(130)
-        if states:
-            in_hand = len(states[0].jobs_in_hand())
-            if in_hand:
-                log.info(
-                    "signal %d: finishing the %s in hand (within %g s, else faulted), "
-                    "then stopping",
-                    signum,
-                    "job" if in_hand == 1 else f"{in_hand} jobs",
-                    args.stop_grace,
-                )
-            else:
-                log.info("signal %d: stopping (no job in hand)", signum)
-            states[0].request_stop(args.stop_grace)
-        else:
-            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
-            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
-            stopper.set()
-
     if threading.current_thread() is threading.main_thread():
+        on_signal = _signal_handler(args, stopper, states, deadlines, forced)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-
     # A directory the operator named must keep the journal (else exit 2); the
     # default one only turns crash recovery off, saying so (hosting.open_journal).
     journal_source: str | None = None
@@ -258,6 +232,43 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             recovery.finish(args.stop_grace)
         if journal is not None:
             journal.unlock()
+
+
+def _signal_handler(
+    args: argparse.Namespace,
+    stopper: threading.Event,
+    states: list[WorkerState],
+    deadlines: CallDeadlines,
+    forced: list[bool],
+) -> Callable[[int, FrameType | None], None]:
+    """The SIGINT and SIGTERM handler: the first signal stops, the second exits."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stopper.is_set():
+            log.warning("second signal: faulting the jobs in hand and exiting now")
+            forced.append(True)
+            for state in states:
+                state.fault_jobs_now()
+            raise SystemExit(130)
+        if states:
+            in_hand = len(states[0].jobs_in_hand())
+            if in_hand:
+                log.info(
+                    "signal %d: finishing the %s in hand (within %g s, else faulted), "
+                    "then stopping",
+                    signum,
+                    "job" if in_hand == 1 else f"{in_hand} jobs",
+                    args.stop_grace,
+                )
+            else:
+                log.info("signal %d: stopping (no job in hand)", signum)
+            states[0].request_stop(args.stop_grace)
+        else:
+            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
+            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
+            stopper.set()
+
+    return on_signal
 
 
 def _run_declared(
