@@ -60,26 +60,25 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return found
 
 
+#: The cause an exception names by its type, first match wins.
+_CAUSES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], str], ...] = (
+    (ssl.SSLCertVerificationError, CERTIFICATE_NOT_TRUSTED),
+    ((ssl.SSLError, requests.exceptions.SSLError, urllib3.exceptions.SSLError), TLS_FAILED),
+    (ConnectionRefusedError, "refused"),
+    # http.client.RemoteDisconnected is a ConnectionResetError
+    ((ConnectionResetError, ConnectionAbortedError, BrokenPipeError), "reset"),
+    (_NAME_NOT_FOUND, "host name not found"),
+    # a ConnectTimeoutError by inheritance only: its cause is wrapped in it
+    (urllib3.exceptions.NewConnectionError, ""),
+    ((requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError), TIMED_OUT),
+    (_CUT_SHORT, "cut short"),
+)
+
+
 def _cause_of(item: BaseException) -> str:
-    if isinstance(item, ssl.SSLCertVerificationError):
-        return CERTIFICATE_NOT_TRUSTED
-    if isinstance(item, (ssl.SSLError, requests.exceptions.SSLError, urllib3.exceptions.SSLError)):
-        return TLS_FAILED
-    if isinstance(item, ConnectionRefusedError):
-        return "refused"
-    if isinstance(item, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
-        return "reset"  # http.client.RemoteDisconnected is a ConnectionResetError
-    if isinstance(item, _NAME_NOT_FOUND):
-        return "host name not found"
-    if isinstance(item, urllib3.exceptions.NewConnectionError):
-        return ""  # a ConnectTimeoutError by inheritance only: its cause is wrapped in it
-    if isinstance(
-        item,
-        (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError),
-    ):
-        return TIMED_OUT
-    if isinstance(item, _CUT_SHORT):
-        return "cut short"
+    for kinds, found in _CAUSES:
+        if isinstance(item, kinds):
+            return found
     if isinstance(item, OSError) and item.errno in _ERRNO_CAUSES:
         return _ERRNO_CAUSES[item.errno]
     return ""

@@ -161,6 +161,11 @@ MODEL_REFUSAL_WARNINGS = (
 )
 
 
+def _asks(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A chat body of one user message."""
+    return {"messages": [{"role": "user", "content": text}], **extra, "max_tokens": max_tokens}
+
+
 def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
     """The requests the demo sends; ``context``: the worker's chat context, tokens.
 
@@ -196,12 +201,7 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         "max_tokens": 64,
     }
     return [
-        DemoCase(
-            "plain chat",
-            "chat",
-            {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 32},
-            _hope_reply,
-        ),
+        DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
         DemoCase(
             "system prompt",
             "chat",
@@ -218,12 +218,9 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "tool call",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                "tools": [WEATHER_TOOL],
-                "tool_choice": "required",
-                "max_tokens": 128,
-            },
+            _asks(
+                "What is the weather in Paris?", 128, tools=[WEATHER_TOOL], tool_choice="required"
+            ),
             _hope_tool_call,
             before="" if scripted else MODEL_REFUSAL_WARNINGS,
         ),
@@ -237,26 +234,16 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "json_object",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
-                "response_format": {"type": "json_object"},
-                "max_tokens": 64,
-            },
+            _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"}),
             _hope_json_object,
         ),
         DemoCase(
-            "reasoning reply",
-            "chat",
-            {
-                "messages": [{"role": "user", "content": "Think first: what is 2 + 2?"}],
-                "max_tokens": 128,
-            },
-            _hope_reasoning,
+            "reasoning reply", "chat", _asks("Think first: what is 2 + 2?", 128), _hope_reasoning
         ),
         DemoCase(
             "does not fit",
             "chat",
-            {"messages": [{"role": "user", "content": overflow_text}], "max_tokens": 64},
+            _asks(overflow_text, 64),
             expect_fault="prompt_overflow",
             max_attempts=1,
             before="The next WARNING is expected: this conversation is longer than the "
@@ -265,11 +252,7 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "streamed reply",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "Tell me a short story about a fox."}],
-                "max_tokens": 96,
-                "stream": True,
-            },
+            _asks("Tell me a short story about a fox.", 96, stream=True),
             _hope_reply,
         ),
         DemoCase(
