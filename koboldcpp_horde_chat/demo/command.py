@@ -7,12 +7,10 @@ import argparse
 import logging
 import os
 import re
-import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendError, ConfigError
@@ -21,6 +19,7 @@ from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, re
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, _withdrawn, _withdrew, demo_cases
+from .interrupt import ctrl_c_noted, raise_if_interrupted, sigint_ignored
 from .verdict import _result_lines, _warnings_line, judge
 
 DEMO_KEY = "demo-key-0000"
@@ -112,7 +111,7 @@ def _wait(
     stops, or the worker withdrew a feature the request needs (it would wait, not
     be served)."""
     while True:
-        _raise_if_interrupted()
+        raise_if_interrupted()
         left = deadline - time.monotonic()
         if horde.wait([case.request_id], timeout_s=max(0.0, min(left, 0.5))):
             return True
@@ -129,49 +128,6 @@ def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
 INTERRUPTED = "Demo stopped (Ctrl-C): the worker and the servers it started are stopped."
-
-
-#: Set by Ctrl-C (while :func:`main` runs in the main thread), read at every wait.
-_INTERRUPTED = threading.Event()
-
-
-def _raise_if_interrupted() -> None:
-    """Raise KeyboardInterrupt once Ctrl-C came, even when the one its signal raised
-    was lost (raised inside a finalizer, which Python reports and drops)."""
-    if _INTERRUPTED.is_set():
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def _ctrl_c_noted() -> Iterator[None]:
-    """Note Ctrl-C in :data:`_INTERRUPTED` as well as raising KeyboardInterrupt (main thread)."""
-    _INTERRUPTED.clear()
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigint(signum: int, frame: object) -> None:
-        _INTERRUPTED.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore Ctrl-C meanwhile (in the main thread), so a second one cannot cut a stop short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 #: Seconds the demo waits for the worker's next pop to read what it declares now.
@@ -195,7 +151,7 @@ def main(argv: Sequence[str] = ()) -> int:
     by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot be used, 130 after Ctrl-C."""
     args = build_parser().parse_args(list(argv))
     try:
-        with _ctrl_c_noted():
+        with ctrl_c_noted():
             return _run(args)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
@@ -303,12 +259,12 @@ def _run(args: argparse.Namespace) -> int:
         thread.start()
         deadline = time.monotonic() + args.timeout
         failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, scripted)
-        _raise_if_interrupted()
+        raise_if_interrupted()
         if not thread.is_alive() and "code" in result:
             _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
         return _summary(cases, horde, failed, notes, scripted)
     finally:
-        with _sigint_ignored():
+        with sigint_ignored():
             stop.set()
             thread.join(timeout=10) if thread is not None and thread.is_alive() else None
             logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
@@ -346,7 +302,7 @@ def _run_cases(
     pops_seen = 0
     for case in cases:
         if not case.skip:
-            _raise_if_interrupted()
+            raise_if_interrupted()
             fault_causes.take_warnings()  # what came before this case is not its
             case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
         if case.skip:
