@@ -184,25 +184,18 @@ def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
 def _worker_args(
     args: argparse.Namespace, horde_url: str, kcpp_url: str, journal: str
 ) -> list[str]:
-    worker_args = [
-        "--hordekey",
-        DEMO_KEY,
-        "--hordeworkername",
-        "demo-worker",
-        "--horde-url",
-        horde_url,
-        "--kcpp-url",
-        kcpp_url,
-        "--hordegenlen",
-        "256",
-        "--journal-dir",
-        journal,
-        "--log-level",
-        args.log_level,
-    ]
+    flags = {
+        "--hordekey": DEMO_KEY,
+        "--hordeworkername": "demo-worker",
+        "--horde-url": horde_url,
+        "--kcpp-url": kcpp_url,
+        "--hordegenlen": "256",
+        "--journal-dir": journal,
+        "--log-level": args.log_level,
+    }
     if args.kcpp_password:
-        worker_args += ["--kcpp-password", args.kcpp_password]
-    return worker_args
+        flags["--kcpp-password"] = args.kcpp_password
+    return [word for flag in flags.items() for word in flag]
 
 
 def _run(args: argparse.Namespace) -> int:
