@@ -182,15 +182,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         on_signal = _signal_handler(args, stopper, states, deadlines, forced)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-    # A directory the operator named must keep the journal (else exit 2); the
-    # default one only turns crash recovery off, saying so (hosting.open_journal).
-    journal_source: str | None = None
-    if args.journal_dir:
-        directory, journal_source = Path(args.journal_dir).expanduser(), "--journal-dir"
-    else:
-        directory = journal_dir()
-        if os.environ.get(JOURNAL_DIR_ENV, "").strip():
-            journal_source = JOURNAL_DIR_ENV
+    directory, journal_source = _journal_directory(args)
     # The jobs an earlier run left in hand go first, as soon as the Horde answers:
     # their leases run while koboldcpp loads or restarts, so the recovery does
     # not wait for it (the pop loops wait for the recovery).
@@ -232,6 +224,16 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             recovery.finish(args.stop_grace)
         if journal is not None:
             journal.unlock()
+
+
+def _journal_directory(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The journal's directory, and the flag or variable that named it: a directory
+    the operator named must keep the journal (else exit 2); the default one only
+    turns crash recovery off, saying so (``hosting.open_journal``)."""
+    if args.journal_dir:
+        return Path(args.journal_dir).expanduser(), "--journal-dir"
+    named = JOURNAL_DIR_ENV if os.environ.get(JOURNAL_DIR_ENV, "").strip() else None
+    return journal_dir(), named
 
 
 def _signal_handler(
