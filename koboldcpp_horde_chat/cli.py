@@ -1,16 +1,6 @@
-"""The ``koboldcpp-horde-chat`` command (and ``python -m koboldcpp_horde_chat``).
-
-``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` runs the
-standalone worker beside a running koboldcpp (:mod:`.standalone`);
-``koboldcpp-horde-chat demo`` runs the whole path against a local dev Horde
-(:mod:`.demo`); ``koboldcpp-horde-chat devhorde`` starts the dev Horde by itself,
-for trying a worker or a patched koboldcpp by hand (:mod:`.devkit.serve`);
-``koboldcpp-horde-chat devkcpp`` starts the scripted koboldcpp by itself (canned
-replies, not a model), for trying the standalone worker without koboldcpp
-(:mod:`.devkit.serve_kcpp`).
-
-The subcommands are imported only when asked for; none of them imports this
-module.
+"""The ``koboldcpp-horde-chat`` command: the standalone worker, or the subcommands
+``demo``, ``devhorde`` (the dev Horde alone) and ``devkcpp`` (the scripted
+koboldcpp alone), each imported only when asked for.
 """
 
 from __future__ import annotations
@@ -25,12 +15,7 @@ __all__ = ["SUBCOMMANDS", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``koboldcpp-horde-chat``; returns the exit code.
-
-    ``argv`` defaults to ``sys.argv[1:]``. ``demo``, ``devhorde`` or ``devkcpp`` as the
-    first argument run that subcommand with the rest; anything else is the
-    standalone worker's flags (:func:`.standalone.run_standalone`).
-    """
+    """Run the command (``argv`` defaults to ``sys.argv[1:]``); the exit code."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] == "demo":
         from .demo import main as demo_main

@@ -1,14 +1,7 @@
-"""The worker's clock, one object passed in: monotonic and wall time and timers.
+"""The worker's clock, one object passed in: monotonic and wall time, sleeps and timers.
 
-What reads time through a :class:`Clock` (the shared state's stop deadline,
-its grace timer and its waits for the jobs in hand; the stop's deadlines of
-the calls in flight; the start-up recovery's pauses and waits; a job's lease,
-its journaled lease end and its pauses) is given one at construction;
-:data:`SYSTEM_CLOCK` is the real one. A pop loop has no clock of its own: it
-reads its shared state's (``state.shared.WorkerState``), so the loop, its
-jobs and the stop all run on one clock. A test passes a clock of its own that
-moves when told and runs its timers when their time comes, instead of
-patching ``time`` or ``threading`` inside the worker's modules.
+A test passes a clock of its own that moves when told, instead of patching
+``time`` or ``threading`` inside the worker's modules.
 """
 
 from __future__ import annotations
@@ -22,38 +15,27 @@ from typing import Protocol
 class Timer(Protocol):
     """A one-shot timer (``threading.Timer``'s two calls the worker makes)."""
 
-    def start(self) -> None:
-        """Start counting; the action runs once its seconds passed (unless cancelled)."""
-        ...
+    def start(self) -> None: ...
 
-    def cancel(self) -> None:
-        """Do not run the action (nothing happens when it ran already)."""
-        ...
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
     """Monotonic seconds, epoch seconds and timers on the same clock."""
 
-    def monotonic(self) -> float:
-        """Seconds on a clock that never goes back (``time.monotonic``)."""
-        ...
+    def monotonic(self) -> float: ...
 
-    def time(self) -> float:
-        """Epoch seconds (``time.time``): what outlives the process (the journal)."""
-        ...
+    def time(self) -> float: ...
 
     def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> Timer:
-        """A timer (not started) that runs ``action`` ``seconds`` from its start
-        (0 or less: at once), on a daemon thread named ``name``."""
+        """A timer, not started, running ``action`` ``seconds`` after its start (0 or
+        less: at once) on a daemon thread named ``name``."""
         ...
 
-    def sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` on this clock (0 or less: not at all)."""
-        ...
+    def sleep(self, seconds: float) -> None: ...
 
 
 class SystemClock:
-    """The real clock: ``time.monotonic``, ``time.time`` and ``threading.Timer``."""
 
     def monotonic(self) -> float:
         return time.monotonic()

@@ -1,12 +1,5 @@
-"""One exception tree for the worker.
-
-Every error the worker raises derives from :class:`HordeChatError`. The I/O
-edges (``horde/client.py``, ``koboldcpp/client.py``, ``run/downloads.py``) translate ``requests``
-exceptions and HTTP statuses into these classes, so no ``requests`` exception
-escapes them. Each class says whether trying the same call again may help
-(``retryable``). Messages never contain the Horde API key or a password.
-
-Seed sections: "7. Fault a job" and "Submit refusals".
+"""One exception tree for the worker: the I/O edges turn ``requests`` exceptions and
+HTTP statuses into these. Messages never contain the API key or a password.
 """
 
 from __future__ import annotations
@@ -28,15 +21,8 @@ class ConfigError(HordeChatError):
 
 
 class HordeError(HordeChatError):
-    """An answer from the Horde other than success.
-
-    Attributes:
-        status: HTTP status, or 0 when no response arrived.
-        rc: the Horde's return code (``"ChatSubmitInvalid"``...), or ``""``.
-        message: the Horde's ``message`` text (shortened), or a description.
-        job_id: the job the call was about, when there is one.
-        body: the decoded JSON body of the response, when it was a JSON object.
-    """
+    """An answer from the Horde other than success (``status`` 0: no answer; ``rc``:
+    the Horde's return code or ``""``; ``body``: the answer's JSON object or {})."""
 
     def __init__(
         self,
@@ -59,9 +45,7 @@ class HordeError(HordeChatError):
 
     @property
     def reason(self) -> str:
-        """The error without its job id, for a log line that names the job already
-        (``"job=<id> submit failed (<reason>)"``): the message, then the status
-        and ``rc`` when there are any, e.g. ``"submit: HTTP 503 (status=503)"``."""
+        """The error without its job id, for a log line that names the job already."""
         return self._describe(with_job=False)
 
     def _describe(self, *, with_job: bool) -> str:
@@ -78,12 +62,8 @@ class HordeRefusal(HordeError):
 
 
 class HordeUnavailable(HordeError):
-    """5xx, 429 or a network failure (status 0). Retryable.
-
-    ``retry_after_s`` holds the Horde's ``Retry-After`` in seconds when it sent one.
-    ``sent`` is False when the request certainly did not reach the Horde
-    (connection refused), True or None otherwise.
-    """
+    """5xx, 429 or a network failure (status 0). ``sent`` False: the request certainly
+    did not reach the Horde (connection refused)."""
 
     retryable = True
 
@@ -107,12 +87,8 @@ class HordeUnavailable(HordeError):
 
 
 class BackendError(HordeChatError):
-    """koboldcpp failed: connection refused, timeout, 5xx, invalid JSON...
-
-    Attributes:
-        status: HTTP status, or 0 when no response arrived.
-        detail: a short description (never a password).
-    """
+    """koboldcpp failed: connection refused, timeout, 5xx, invalid JSON... (``status``
+    0: no answer)."""
 
     retryable = True
 
@@ -136,19 +112,11 @@ class BackendBusy(BackendError):
 
 
 class FetchError(HordeChatError):
-    """A ``messages_url`` or image URL could not be fetched, was too large or invalid.
-
-    The job is faulted without ``fault_reason`` (seed: "Fetch offloaded messages").
-    """
+    """A ``messages_url`` or image URL could not be fetched, was too large or invalid."""
 
 
 class PayloadError(HordeChatError):
-    """A popped job's payload is malformed.
-
-    Attributes:
-        path: where, as a JSON path such as ``"payload.messages[2].role"``.
-        job_id: the job id when the pop carried one (so the job can be faulted).
-    """
+    """A popped job's payload is malformed at ``path`` (``"payload.messages[2].role"``)."""
 
     def __init__(self, path: str, problem: str, *, job_id: str | None = None) -> None:
         super().__init__(f"{path}: {problem}")
@@ -158,15 +126,8 @@ class PayloadError(HordeChatError):
 
 
 class ReplyError(HordeChatError):
-    """The backend's reply cannot be submitted as a structured reply.
-
-    For example finish reason ``error``, an unknown finish reason, or a malformed
-    tool call. The job is faulted without ``fault_reason`` (seed: worked example).
-
-    Attributes:
-        feature: the declared feature whose part of the reply is unusable
-            (``"tools"`` for a malformed tool call), or None.
-    """
+    """koboldcpp's reply cannot be submitted (finish reason ``error``, a malformed tool
+    call...); ``feature``: the declared feature whose part is unusable, or None."""
 
     def __init__(self, why: str, *, feature: str | None = None) -> None:
         super().__init__(why)
@@ -177,23 +138,12 @@ class ReplyError(HordeChatError):
 
 
 class JobFault(HordeChatError):
-    """A step of a job run cannot serve the job: fault it (seed "7. Fault a job").
+    """The job cannot be served: fault it (seed "7. Fault a job").
 
-    Raised by the job runs and turned into the fault submit and its log line
-    in one place (the submit pipeline).
-
-    Attributes:
-        why: a one-line reason for the log (never a key or a password).
-        fault_reason: the seed's ``fault_reason`` (``"prompt_overflow"``,
-            ``"reply_refused"``), or None for a fault without one.
-        counts: False for a fault the Horde counts apart (after a
-            ``ChatSubmitNonconformant`` refusal): it does not count toward
-            maintenance.
-        backend_failed: koboldcpp failed the job (the loop then checks that it
-            still answers before the next pop).
-        feature: the declared feature or guarantee a refused reply pointed at
-            (``guard.refused_reply_features``), or None: its fault counts
-            toward stopping the pops, not toward withdrawing chat as a whole.
+    ``counts`` False: the Horde counts the fault apart (after a
+    ``ChatSubmitNonconformant`` refusal), not toward maintenance.
+    ``backend_failed``: the loop checks koboldcpp answers before the next pop.
+    ``feature``: the declared feature a refused reply pointed at, or None.
     """
 
     def __init__(
@@ -214,15 +164,8 @@ class JobFault(HordeChatError):
 
 
 class JobEnded(HordeChatError):
-    """The job ended without a submit: the client cancelled it or the Horde
-    ended it (``ChatJobAborted``). The local generation was aborted; nothing
-    more is sent for it (seed "Streaming progress").
-
-    Attributes:
-        counted: the Horde ended the job itself (``ChatJobAborted``: its lease
-            ran out, an aborted job it counts toward maintenance), not the
-            client's cancel (settled, not counted).
-    """
+    """The job ended without a submit: the client cancelled it, or the Horde ended
+    it (``counted``: ``ChatJobAborted``, counted toward maintenance)."""
 
     def __init__(self, why: str, *, counted: bool = False) -> None:
         super().__init__(why)

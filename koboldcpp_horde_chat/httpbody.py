@@ -1,10 +1,5 @@
-"""A response body read raw, decoded and bounded; a URL redacted (I/O helpers).
-
-Shared by the three I/O edges (the Horde's client, koboldcpp's client and the
-downloads), as ``netfail`` is: a body is read in chunks, decoded by its
-``Content-Encoding`` (identity, ``gzip``/``x-gzip`` with several members, or
-``deflate``) and cut at ``max_bytes`` as it is decoded, within a deadline;
-a signed URL is named in errors and logs without its query string.
+"""A response body read in chunks, decoded and bounded within a deadline; a URL
+redacted for errors and logs (I/O helpers of the three I/O edges).
 """
 
 from __future__ import annotations
@@ -21,16 +16,11 @@ import urllib3.exceptions
 from . import netfail
 from .errors import FetchError
 
-CHUNK_BYTES: Final = 64 * 1024
-"""Raw bytes asked for per read."""
+CHUNK_BYTES: Final = 64 * 1024  # raw bytes asked for per read
 
 
 def redact_url(url: str) -> str:
-    """``url`` as ``scheme://host[:port]/path``, without user part, query or fragment.
-
-    A signed URL carries its signature in the query string, so this is the only
-    form of a URL that goes into error messages and log lines.
-    """
+    """``url`` as ``scheme://host[:port]/path``: a signed URL's signature is in its query."""
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
@@ -54,7 +44,6 @@ class _BodyDecoder:
         self.max_bytes = max_bytes
         self.out = bytearray()
         self._decomp: Any = None  # zlib decompress object of the current member
-        self._members = 0
         self._head = b""  # deflate: bytes kept until the zlib/raw sniff can run
         self._done = False  # deflate: the stream ended
 
@@ -64,7 +53,7 @@ class _BodyDecoder:
             raise FetchError(f"decoded body exceeds {self.max_bytes} bytes")
 
     def _inflate(self, buf: bytes) -> bytes:
-        """Feeds ``buf`` to the current decompressor; returns its unused tail."""
+        """Feed ``buf`` to the current decompressor; its unused tail."""
         d = self._decomp
         while True:
             room = self.max_bytes - len(self.out) + 1
@@ -76,7 +65,6 @@ class _BodyDecoder:
                 return b""
 
     def feed(self, data: bytes) -> None:
-        """Decodes one raw chunk; raises FetchError when over the cap or invalid."""
         try:
             if self.encoding == "identity":
                 self._append(data)
@@ -95,7 +83,6 @@ class _BodyDecoder:
                 if not buf:
                     return
                 self._decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                self._members += 1
             buf = self._inflate(buf)
             if self._decomp.eof:
                 self._decomp = None
@@ -121,7 +108,6 @@ class _BodyDecoder:
                 raise FetchError("invalid deflate body (data after the end of the stream)")
 
     def finish(self) -> bytes:
-        """The decoded body; raises FetchError when a compressed stream was cut short."""
         if self.encoding == "gzip" and self._decomp is not None:
             raise FetchError("truncated gzip body")
         if self.encoding == "deflate" and not self._done and (self._decomp or self._head):
@@ -130,7 +116,6 @@ class _BodyDecoder:
 
 
 def _content_encoding(response: requests.Response) -> str:
-    """``identity``, ``gzip`` or ``deflate``; FetchError for anything else."""
     raw = response.headers.get("Content-Encoding", "")
     codings = [c.strip().lower() for c in raw.split(",") if c.strip()]
     codings = [c for c in codings if c != "identity"]
@@ -146,7 +131,6 @@ def _content_encoding(response: requests.Response) -> str:
 
 
 def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
-    """Sets the timeout of the socket under ``response`` for the next read, if reachable."""
     conn = getattr(response.raw, "connection", None)
     sock = getattr(conn, "sock", None)
     settimeout = getattr(sock, "settimeout", None)
@@ -164,25 +148,13 @@ def read_body(
     deadline: float,
     max_raw_bytes: int | None = None,
 ) -> bytes:
-    """Reads a streamed response's body, decoded, within a size cap and a deadline.
+    """A ``stream=True`` response's body, decoded by its ``Content-Encoding``, by
+    ``deadline`` (monotonic seconds).
 
-    Shared by :func:`fetch_messages`, :func:`fetch_image` and ``horde/client.py``.
-
-    Args:
-        response: a response from a ``stream=True`` request, not read yet.
-        max_bytes: the most decoded bytes accepted.
-        deadline: ``time.monotonic()`` value after which reading stops.
-        max_raw_bytes: the most bytes read off the wire; by default ``max_bytes``
-            plus 1 % and 64 KiB (compressed incompressible data is slightly larger).
-
-    Returns:
-        The body decoded by its ``Content-Encoding`` (identity, gzip with one or
-        more members, or deflate).
-
-    Raises:
-        FetchError: over either cap (``Content-Length`` alone can tell), past the
-            deadline, an unsupported or invalid encoding, or a network error
-            while reading. Messages name no URL.
+    At most ``max_bytes`` decoded, and ``max_raw_bytes`` read off the wire (by
+    default ``max_bytes`` plus 1 % and 64 KiB: compressed incompressible data is
+    slightly larger). FetchError, naming no URL, over either cap, past the
+    deadline, for an unsupported or invalid encoding, or a network error.
     """
     if max_raw_bytes is None:
         max_raw_bytes = max_bytes + max_bytes // 100 + 64 * 1024
@@ -222,13 +194,9 @@ def read_body(
     if time.monotonic() > deadline:
         raise FetchError(f"body not received in time ({raw_total} bytes read)")
     body = decoder.finish()
-    # The body was read to its end: hand the connection back to the pool for
-    # keep-alive (``response.close()`` would close it, since requests did not
-    # consume the content itself).
+    # Read to its end: hand the connection back to the pool for keep-alive
+    # (``response.close()`` would close it).
     release = getattr(raw, "release_conn", None)
     if release is not None:
         release()
     return body
-
-
-# --- fetches --------------------------------------------------------------------

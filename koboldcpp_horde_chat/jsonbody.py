@@ -1,14 +1,5 @@
-"""Request bodies encoded with large strings copied once (pure: no I/O).
-
-A chat job with images carries them as base64 data URLs, up to 36 MiB of
-conversation: ``json.dumps(body).encode()`` would hold the text twice more.
-:func:`encode_json` writes the same bytes with each long string copied once.
-Used for koboldcpp's ``/v1/chat/completions`` body, whose size is checked
-against koboldcpp's ``--maxrequestsize`` before it is sent.
-
-:func:`finite_number` is the one reading of a number from JSON the worker
-did not write itself or may find damaged (the Horde's ``reward``,
-koboldcpp's perf figures, the journal's times).
+"""JSON bodies encoded with large strings copied once, and numbers read from JSON the
+worker did not write (pure: no I/O).
 """
 
 from __future__ import annotations
@@ -18,9 +9,8 @@ import math
 import secrets
 from typing import Any
 
+#: Strings this long that need no JSON escaping are spliced in as they are.
 RAW_STRING_MIN_CHARS = 64 * 1024
-"""Strings of at least this many characters that need no JSON escaping are
-spliced into an encoded body as they are (see :func:`encode_json`)."""
 
 # Bytes a JSON string may hold unescaped, as json.dumps (ensure_ascii) writes them:
 # printable ASCII but '"' and '\\'. Deleting these from a string's bytes leaves
@@ -29,27 +19,11 @@ _UNESCAPED_JSON_BYTES = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
 
 
 def encode_json(body: Any) -> bytes | bytearray:
-    """``json.dumps(body)`` as bytes, with large strings copied only once.
+    """Exactly ``json.dumps(body).encode("ascii")``, holding each long string (a base64
+    image, say) once where that makes two more copies of a 36 MiB conversation:
+    a ``bytearray`` when a string was spliced in, else ``bytes``.
 
-    The text is exactly ``json.dumps(body).encode("ascii")`` (``ensure_ascii``,
-    default separators), e.g. ``{"a": [1, "x"]}`` -> ``b'{"a": [1, "x"]}'``.
-    Strings of at least :data:`RAW_STRING_MIN_CHARS` characters that need no
-    escaping (printable ASCII without ``"`` or ``\\``, such as a base64 image
-    data URL) are swapped for a placeholder while ``json.dumps`` encodes the
-    rest, then spliced in as they are: the answer is then one ``bytearray``
-    holding each such string once, where ``json.dumps(...).encode()`` makes two
-    full copies of a 36 MiB conversation. ``requests`` sends either with a
-    ``Content-Length``, and urllib3 2.x sends a ``bytearray`` as one buffer.
-
-    Args:
-        body: a JSON value: dicts, lists, tuples, strings, numbers, booleans, None.
-
-    Returns:
-        The encoded body: ``bytes`` when no string was spliced, else a ``bytearray``.
-
-    Raises:
-        TypeError, ValueError: as ``json.dumps`` for a value it cannot encode.
-        RecursionError: a value nested too deeply, or one that contains itself.
+    Raises as ``json.dumps`` does (TypeError, ValueError, RecursionError).
     """
     raws: list[str] = []
     marker = f"\x00{secrets.token_hex(16)}\x00"
@@ -77,12 +51,8 @@ _SPLICE_CHARS = 256 * 1024
 
 
 def _splice_string(out: bytearray, pos: int, value: str) -> int:
-    """Write ``value`` as a JSON string into ``out`` at ``pos`` (room is made for
-    ``len(value) + 2`` bytes); returns the position after it.
-
-    ``value`` is ASCII without ``"`` or ``\\``; when it holds a control
-    character after all, its escaped form replaces the room made for it.
-    """
+    """Write ``value`` as a JSON string into the room made for it at ``pos``; the
+    position after it (a control character found: its escaped form instead)."""
     start = pos
     out[pos] = 0x22  # '"'
     pos += 1
@@ -99,12 +69,9 @@ def _splice_string(out: bytearray, pos: int, value: str) -> int:
 
 
 def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
-    """``value`` with every long ASCII string without ``"`` or ``\\`` replaced by ``marker``.
-
-    The strings are appended to ``raws`` in the order ``json.dumps`` writes them
-    (dicts in insertion order, lists in order). Containers are copied only on
-    the path to a replaced string; the input is not modified.
-    """
+    """``value`` with every long string needing no escaping replaced by ``marker`` and
+    appended to ``raws`` in ``json.dumps``'s order; only containers on the path to
+    one are copied."""
     if isinstance(value, str):
         if (
             len(value) >= RAW_STRING_MIN_CHARS
@@ -115,33 +82,23 @@ def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
             raws.append(value)
             return marker
         return value
-    if isinstance(value, dict):
-        copied: dict[Any, Any] | None = None
-        for key, item in value.items():
+    if isinstance(value, dict | list | tuple):
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        copied: Any = None  # a dict, or a list (also for a tuple)
+        for key, item in pairs:
             if isinstance(item, str | dict | list | tuple):
                 swapped = _swap_long_strings(item, raws, marker)
                 if swapped is not item:
                     if copied is None:
-                        copied = dict(value)
+                        copied = dict(value) if isinstance(value, dict) else list(value)
                     copied[key] = swapped
         return value if copied is None else copied
-    if isinstance(value, list | tuple):
-        items: list[Any] | None = None
-        for index, item in enumerate(value):
-            if isinstance(item, str | dict | list | tuple):
-                swapped = _swap_long_strings(item, raws, marker)
-                if swapped is not item:
-                    if items is None:
-                        items = list(value)
-                    items[index] = swapped
-        return value if items is None else items
     return value
 
 
 def finite_number(value: object) -> float | None:
-    """``value`` as a float when it is a finite JSON number, else None: a boolean,
-    a string, NaN, an infinity (Python's ``json`` reads ``Infinity``) and an
-    integer too large for a float (JSON's integers have no bound) are not."""
+    """``value`` as a float when it is a finite number (not a boolean, NaN, an
+    infinity or an integer too large for a float), else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     try:

@@ -1,20 +1,7 @@
 """Network failures in a few words, for the I/O edges' error messages.
 
-``horde/client.py``, ``koboldcpp/client.py`` and ``run/downloads.py`` describe a ``requests`` or
-``urllib3`` exception with these helpers instead of its own text, which names
-connection pools, retry counts and object addresses (and may quote a URL).
-Only the exception's *type* and the exceptions it wraps are looked at, never
-its message, so nothing the HTTP library or a proxy wrote reaches a log line.
-
-* :func:`cause` gives the cause alone: ``"refused"``, ``"reset"``,
-  ``"timed out"``, ``"host name not found"``, ``"certificate not trusted"``...
-  or ``""`` when nothing more precise is known.
-* :func:`describe` gives the phrase an edge puts after what it was doing:
-  ``"connection failed (refused)"``, ``"timed out"``, ``"TLS certificate not
-  trusted"``, ``"connection failed"``...
-
-Seed section: "7. Fault a job" (a failure is logged in one line, without
-secrets).
+Only an exception's type and the exceptions it wraps are read, never its
+message, which may name connection pools or quote a URL.
 """
 
 from __future__ import annotations
@@ -59,7 +46,6 @@ _ERRNO_CAUSES = {
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and every exception it wraps (causes, contexts, ``reason``, args), outer first."""
     found: list[BaseException] = []
     seen: set[int] = set()
     queue: list[object] = [exc]
@@ -74,42 +60,33 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return found
 
 
+#: The cause an exception names by its type, first match wins.
+_CAUSES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], str], ...] = (
+    (ssl.SSLCertVerificationError, CERTIFICATE_NOT_TRUSTED),
+    ((ssl.SSLError, requests.exceptions.SSLError, urllib3.exceptions.SSLError), TLS_FAILED),
+    (ConnectionRefusedError, "refused"),
+    # http.client.RemoteDisconnected is a ConnectionResetError
+    ((ConnectionResetError, ConnectionAbortedError, BrokenPipeError), "reset"),
+    (_NAME_NOT_FOUND, "host name not found"),
+    # a ConnectTimeoutError by inheritance only: its cause is wrapped in it
+    (urllib3.exceptions.NewConnectionError, ""),
+    ((requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError), TIMED_OUT),
+    (_CUT_SHORT, "cut short"),
+)
+
+
 def _cause_of(item: BaseException) -> str:
-    """The cause one exception names by its type (or errno), or ""."""
-    if isinstance(item, ssl.SSLCertVerificationError):
-        return CERTIFICATE_NOT_TRUSTED
-    if isinstance(item, (ssl.SSLError, requests.exceptions.SSLError, urllib3.exceptions.SSLError)):
-        return TLS_FAILED
-    if isinstance(item, ConnectionRefusedError):
-        return "refused"
-    if isinstance(item, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
-        return "reset"  # http.client.RemoteDisconnected is a ConnectionResetError
-    if isinstance(item, _NAME_NOT_FOUND):
-        return "host name not found"
-    if isinstance(item, urllib3.exceptions.NewConnectionError):
-        return ""  # a ConnectTimeoutError by inheritance only: its cause is wrapped in it
-    if isinstance(
-        item,
-        (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError),
-    ):
-        return TIMED_OUT
-    if isinstance(item, _CUT_SHORT):
-        return "cut short"
+    for kinds, found in _CAUSES:
+        if isinstance(item, kinds):
+            return found
     if isinstance(item, OSError) and item.errno in _ERRNO_CAUSES:
         return _ERRNO_CAUSES[item.errno]
     return ""
 
 
 def cause(exc: BaseException) -> str:
-    """Why a request or a read failed, in a few words, from ``exc``'s type and what it wraps.
-
-    Returns one of ``"refused"``, ``"reset"`` (the other end closed the
-    connection, with or without an answer), ``"timed out"``, ``"host name not
-    found"``, ``"network unreachable"``, ``"host unreachable"``, ``"cut short"``
-    (the answer ended early), ``"certificate not trusted"``, ``"TLS failed"``,
-    or ``""``; prefixed with ``"proxy "`` (``"proxy"`` alone) when the failure
-    is the proxy's. The exception's own message is never read.
-    """
+    """Why a request or a read failed (``"refused"``, ``"reset"``, ``"timed out"``,
+    ``"cut short"``...), or ``""``; prefixed with ``"proxy "`` when the proxy failed."""
     chain = _chain(exc)
     causes = [found for found in map(_cause_of, chain) if found]
     found = causes[0] if causes else ""  # the outermost: later ones may be stale contexts
@@ -121,14 +98,8 @@ def cause(exc: BaseException) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """What went wrong, as an edge appends it to what it was doing.
-
-    ``"timed out"``, ``"TLS certificate not trusted"``, ``"TLS failed"``,
-    ``"connection failed (refused)"``, ``"connection failed (reset)"``,
-    ``"connection failed (host name not found)"``, ``"connection failed (proxy
-    refused)"``, ``"connection failed"`` (a connection error of no known cause)
-    or ``"failed"`` (anything else). Never contains the exception's own text.
-    """
+    """What went wrong, as an edge appends it to what it was doing: ``"timed out"``,
+    ``"connection failed (refused)"``, ``"connection failed"``, ``"failed"``..."""
     why = cause(exc)
     if why == TIMED_OUT:
         return TIMED_OUT

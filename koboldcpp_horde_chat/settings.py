@@ -1,18 +1,8 @@
-"""Every knob of the worker, in one frozen dataclass.
+"""Every knob of the worker in one frozen dataclass, and koboldcpp's own cut of a
+request's ``max_length`` (1.116.1 ``koboldcpp.py`` L2168-2180), which decides the
+declared ``max_length`` and a reply's budget.
 
-Built by ``hosts.standalone.settings_from_args`` (standalone, from flags and
-the running koboldcpp) or by ``hosts.inside_kcpp.settings_from_kcpp`` (inside
-koboldcpp, from its ``args`` and globals). Units are in
-the field names. The API key and the koboldcpp password are kept out of
-``repr`` so that a settings object can be logged.
-
-Also koboldcpp's own cut of a request's ``max_length`` (1.116.1 ``koboldcpp.py`` L2168-2180) and its
-``--genlimit``, which decide both the declared ``max_length`` and the budget a
-reply was generated under, and the context to send koboldcpp so that it cuts
-none of a job's budget.
-
-Seed sections: "1. Declare chat on pop" and "Worked example: koboldcpp's
-embedded worker".
+Seed: "1. Declare chat on pop" and "Worked example: koboldcpp's embedded worker".
 """
 
 from __future__ import annotations
@@ -26,25 +16,13 @@ DEFAULT_HORDE_URL = "https://aihorde.net"
 DEFAULT_KCPP_URL = "http://127.0.0.1:5001"
 MIB = 1024 * 1024
 
+#: The longest worker name the Horde stores (its worker table's ``db.String(100)``),
+#: once stripped.
 WORKER_NAME_MAX_CHARS = 100
-"""The longest worker name the Horde stores, in characters.
-
-From the AI Horde's source (Haidra-Org/AI-Horde): the ``name`` column of its
-worker table is ``db.String(100)`` (``horde/classes/base/worker.py``), and its
-rename check refuses a name over 100 characters (``TooLongWorkerName``). The
-Horde strips the name it is sent (``sanitize_string`` in ``horde/utils.py``).
-"""
 
 
 def worker_name_problem(name: str) -> str | None:
-    """Why the Horde would refuse ``name`` as a worker name, or None when it takes it.
-
-    The Horde strips leading and trailing whitespace, so an empty or
-    whitespace-only name is refused, and a stripped name longer than
-    :data:`WORKER_NAME_MAX_CHARS` characters is refused with the limit named.
-    Example: ``worker_name_problem("  ")`` -> ``"a worker name is required (not empty
-    or only spaces)"``.
-    """
+    """Why the Horde would refuse ``name`` (blank, or too long once stripped), or None."""
     stripped = name.strip()
     if not stripped:
         return "a worker name is required (not empty or only spaces)"
@@ -57,48 +35,24 @@ def worker_name_problem(name: str) -> str | None:
 
 
 def kcpp_reserved_tokens(context: int) -> int:
-    """Tokens koboldcpp keeps free for the prompt when it cuts a ``max_length``.
-
-    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2173): ``max(min(ctx - 4, 16),
-    int(ctx * 0.2))``, e.g. 819 for a 4096-token context, 200 for 1000.
-
-    Args:
-        context: the context koboldcpp generates within, tokens.
-    """
+    """Tokens koboldcpp keeps for the prompt when it cuts a ``max_length`` (``koboldcpp.py``
+    L2173), e.g. 819 for a 4096-token context, 200 for 1000."""
     return max(min(context - 4, 16), int(context * 0.2))
 
 
 def kcpp_max_uncut_length(context: int) -> int:
-    """The largest ``max_length`` koboldcpp generates in full within ``context``.
-
-    koboldcpp cuts a ``max_length`` of at least ``context - reserved`` down to
-    ``context - reserved`` (:func:`kcpp_reserved_tokens`), so this is that
-    value: 3277 for a 4096-token context, 800 for 1000. It leaves about 20 %
-    of the context to the prompt.
-    """
+    """The largest ``max_length`` koboldcpp generates in full within ``context`` tokens:
+    3277 for 4096, 800 for 1000."""
     return context - kcpp_reserved_tokens(context)
 
 
 def kcpp_effective_max_length(
     max_length: int, max_context_length: int, kcpp_max_context: int, genlimit: int = 0
 ) -> int:
-    """The budget koboldcpp really generates under for one request, tokens.
-
-    koboldcpp 1.116.1 ``generate()`` (``koboldcpp.py`` L2168-2180)
-    caps the request's ``max_context_length`` at its own context size
-    (``--contextsize``), caps ``max_length`` at ``--genlimit`` when that is
-    above 0, then cuts a ``max_length`` that leaves less than
-    :func:`kcpp_reserved_tokens` of the context to the prompt. It reports
-    ``"length"`` when it used this budget up, e.g. ``(900, 1000, 4096) -> 800``,
-    ``(512, 4096, 4096) -> 512``, ``(4000, 8192, 4096) -> 3277``,
-    ``(512, 4096, 4096, genlimit=200) -> 200``.
-
-    Args:
-        max_length: the ``max_tokens`` sent to koboldcpp (the job's ``max_length``).
-        max_context_length: the ``max_context_length`` sent to koboldcpp.
-        kcpp_max_context: koboldcpp's loaded context size.
-        genlimit: koboldcpp's ``--genlimit``; 0 (or less) means none.
-    """
+    """The budget koboldcpp really generates under for one request, tokens (it
+    reports ``"length"`` when it used it up), e.g. ``(900, 1000, 4096) -> 800``,
+    ``(4000, 8192, 4096) -> 3277``, ``(512, 4096, 4096, genlimit=200) -> 200``;
+    ``genlimit`` 0 or less: none."""
     context = min(max_context_length, kcpp_max_context)
     if genlimit > 0:
         max_length = min(max_length, genlimit)
@@ -108,25 +62,10 @@ def kcpp_effective_max_length(
 def kcpp_context_keeping_budget(
     max_length: int, max_context_length: int, kcpp_max_context: int
 ) -> int:
-    """The ``max_context_length`` to send koboldcpp so that it cuts none of ``max_length``.
-
-    koboldcpp cuts a ``max_length`` that leaves less than about 20 % of the
-    request's context to the prompt (:func:`kcpp_effective_max_length`), so a
-    job with context 500 and ``max_length`` 420 would get 400 tokens. This is
-    the smallest context at or above the job's, and at most koboldcpp's own,
-    within which ``max_length`` is generated whole: ``(420, 500, 4096) -> 524``,
-    ``(256, 4096, 4096) -> 4096`` (the job's own, already enough),
-    ``(4000, 4096, 4096) -> 4096`` (nothing larger to give). Send it only once
-    the fit check passed: the prompt then fits the job's context with the
-    budget, so a larger context makes koboldcpp drop nothing from it (it
-    trims a prompt only beyond ``context - max_length``), and the model sees
-    the same prompt.
-
-    Args:
-        max_length: the job's ``max_length``, tokens.
-        max_context_length: the job's ``max_context_length``, tokens.
-        kcpp_max_context: koboldcpp's loaded context size, tokens.
-    """
+    """The smallest context, from the job's up to koboldcpp's own, within which
+    koboldcpp generates ``max_length`` whole, tokens: ``(420, 500, 4096) -> 524``,
+    ``(4000, 4096, 4096) -> 4096``. Send it only once the fit check passed: the
+    prompt then fits, so the model sees the same prompt."""
     low = min(max_context_length, kcpp_max_context)
     high = kcpp_max_context
     if kcpp_max_uncut_length(low) >= max_length or kcpp_max_uncut_length(high) < max_length:
@@ -143,46 +82,13 @@ def kcpp_context_keeping_budget(
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """The worker's configuration.
+    """The worker's configuration; counts are tokens, other units in the names.
 
-    Attributes (tokens unless said otherwise):
-        api_key: the Horde API key; sent only to ``horde_url``'s host.
-        worker_name: the Horde worker name (``--hordeworkername``).
-        model_id: the model name popped for and declared as ``model_id``,
-            e.g. ``"koboldcpp/Qwen3-8B-Q4_K_M"``.
-        backend_max_context_length: koboldcpp's loaded context size.
-        backend_model_name: the model name koboldcpp reports (``/api/v1/model``),
-            when read from it (the standalone worker); ``""`` otherwise.
-        horde_max_context_length: ``--hordemaxctx``; 0 means the backend's.
-        max_length: ``--hordegenlen``, the most tokens asked for one job; the
-            declared value is :attr:`declared_max_length`.
-        horde_url: the Horde's base URL.
-        kcpp_url: koboldcpp's base URL.
-        kcpp_password: koboldcpp's ``--password``, sent as a Bearer token to it only.
-        vision: koboldcpp has a multimodal projector loaded and reports vision.
-        image_url_transport: declare the ``url`` image transport beside ``base64``.
-        prompt_jobs: serve text jobs too (False with ``--chat-only``).
-        chat_withhold: features and guarantees the operator withholds.
-        trusted: the worker is trusted by the Horde (its progress lease cap is
-            600 s from pop instead of 200 s).
-        threads: koboldcpp's parallel worker threads (sent as ``threads`` when > 1).
-        bridge_agent: the pop's ``bridge_agent`` (and the ``User-Agent`` header):
-            koboldcpp's embedded worker name and version field, which the Horde
-            validates, then this package and its version (see ``BRIDGE_AGENT``).
-        local_idle_s: seconds to wait after a local user's generation before popping.
-        pop_timeout_s, submit_timeout_s, progress_timeout_s: read timeouts, seconds.
-        connect_timeout_s: connect timeout for every call, seconds.
-        messages_max_bytes: cap on a decoded ``messages_url`` body, bytes.
-        kcpp_max_request_bytes: the largest request body koboldcpp accepts, bytes:
-            its ``--maxrequestsize`` (MB, default 32) times 1024 * 1024; koboldcpp
-            answers a larger one with 500 "Payload is too big", so the worker
-            faults a chat job whose encoded request is larger without sending it.
-        kcpp_genlimit: koboldcpp's ``--genlimit`` (tokens; 0: none): koboldcpp
-            caps every generation there and reports a normal stop, so the
-            worker declares and budgets at most that many tokens.
-        lease_s: a job's base lease when the pop has no ``ttl``, seconds.
-        backend_probe_s: seconds between readiness probes of a koboldcpp that
-            failed a job and does not answer (3 s; tests may shorten it).
+    The API key (sent only to ``horde_url``) and koboldcpp's password are kept
+    out of ``repr``. ``backend_model_name``: what koboldcpp reports, standalone
+    only. ``horde_max_context_length`` 0: the backend's. ``kcpp_max_request_bytes``:
+    koboldcpp's ``--maxrequestsize``; a larger chat request is faulted unsent.
+    ``kcpp_genlimit`` 0: none. ``lease_s``: a job's lease when the pop has no ``ttl``.
     """
 
     api_key: str = field(repr=False)
@@ -215,37 +121,22 @@ class WorkerSettings:
 
     @property
     def max_context_length(self) -> int:
-        """The context advertised to the Horde: ``min(backend, --hordemaxctx or backend)``."""
         backend = self.backend_max_context_length
         horde = self.horde_max_context_length
         return min(backend, horde) if horde > 0 else backend
 
     @property
     def declared_max_length(self) -> int:
-        """The ``max_length`` declared to the Horde (chat and text), tokens.
-
-        ``--hordegenlen``, lowered to :func:`kcpp_max_uncut_length` of the
-        declared context when it is larger: koboldcpp would cut a larger budget
-        anyway, and a job with it leaves no room for a prompt (every one would
-        be a ``prompt_overflow`` fault). E.g. ``--hordegenlen 100000`` on a
-        4096-token context declares 3277. Lowered to koboldcpp's ``--genlimit``
-        (:attr:`kcpp_genlimit`) too, where koboldcpp stops every generation.
-        Never below 1.
-
-        Seed: "1. Declare chat on pop" (chat limits).
-        """
+        """``--hordegenlen``, lowered to what koboldcpp generates whole in the declared
+        context (a larger budget leaves no room for a prompt) and to its
+        ``--genlimit``; at least 1."""
         declared = min(self.max_length, kcpp_max_uncut_length(self.max_context_length))
         if self.kcpp_genlimit > 0:
             declared = min(declared, self.kcpp_genlimit)
         return max(1, declared)
 
     def max_length_warning(self) -> str | None:
-        """One start-up warning line when ``--hordegenlen`` was lowered, else None.
-
-        E.g. ``"max_length 100000 (--hordegenlen) is lowered to 3277: koboldcpp
-        cuts a max_length above 3277 on this worker's 4096-token context, which
-        keeps room for the prompt"`` (also when the value is the default, 1024).
-        """
+        """One start-up warning line when ``--hordegenlen`` was lowered, else None."""
         declared = self.declared_max_length
         if declared >= self.max_length:
             return None
@@ -262,9 +153,7 @@ class WorkerSettings:
 
     @property
     def lease_cap_s(self) -> float:
-        """How far progress posts can extend a lease, in seconds from pop."""
         return 600.0 if self.trusted else 200.0
 
     def replace(self, **changes: object) -> WorkerSettings:
-        """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,10 +1,5 @@
-"""The demo's cases: what each request sends and what the model is hoped to do with it.
-
-Each :class:`DemoCase` is one client request (chat or text) with its ``hope``:
-a check of the requester's status (the dev Horde's ``status()`` shape) that
-returns a plain sentence when the model did not do as hoped, else None. The
-readers of that status (``_done``, ``_content``...) live here too; the verdict
-uses them. Pure: no I/O.
+"""The demo's cases: what each request sends and hopes the model does, and readers
+of the requester's status (the dev Horde's ``status()`` shape). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ Hope = Callable[[dict[str, Any]], str | None]
 
 
 def _hopes_nothing(status: dict[str, Any]) -> str | None:
-    """A case's hope when it hopes nothing of the model (a fault is expected)."""
     return None
 
 
@@ -52,16 +46,11 @@ def _hopes_nothing(status: dict[str, Any]) -> str | None:
 class DemoCase:
     """One client request, what the worker must do with it and what the model is hoped to do.
 
-    ``hope(status)`` returns a plain sentence when the model did not do what the
-    case hoped (no tool call, cut at length...), else None: against a real
-    koboldcpp that is a note, against the scripted one a failure.
-    ``expect_fault`` names the fault reason the worker must give instead of a
-    reply (``"prompt_overflow"``). A case with ``skip`` set is not sent; the
-    text says why. ``before`` is printed before the case is sent.
-    ``max_attempts``: the faulted jobs after which the dev Horde faults the
-    request at once, 2: the worker faults a request twice, then leaves its next
-    job to expire (``state/refaults.py``), which would end it only at the
-    Horde's sweep.
+    ``hope(status)``: a sentence when the model did not do as hoped, else None.
+    ``expect_fault``: the fault reason the worker must give instead of a reply.
+    ``skip``: why the case is not sent. ``before``: printed before it is sent.
+    ``max_attempts`` 2: the worker faults a request twice, then leaves its next
+    job to expire, which the dev Horde would end only at its sweep.
     """
 
     name: str
@@ -76,13 +65,23 @@ class DemoCase:
 
     @property
     def offered(self) -> frozenset[str]:
-        """The names of the functions the request offers (``tools``)."""
         names = set()
         for tool in self.body.get("tools") or []:
             function = tool.get("function") if isinstance(tool, dict) else None
             if isinstance(function, dict) and isinstance(function.get("name"), str):
                 names.add(function["name"])
         return frozenset(names)
+
+    @property
+    def features_needed(self) -> list[str]:
+        """The chat features a chat case's request needs (``tools``, a JSON format)."""
+        if self.kind != "chat":
+            return []
+        needed = ["tools"] if self.body.get("tools") else []
+        fmt = self.body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            needed.append(str(fmt["type"]))
+        return needed
 
 
 def _done(status: dict[str, Any]) -> bool:
@@ -100,7 +99,6 @@ def _content(status: dict[str, Any]) -> str:
 
 
 def _calls(status: dict[str, Any]) -> list[str]:
-    """The names of the functions a reply calls."""
     calls = _message(status).get("tool_calls") or []
     return [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
 
@@ -113,7 +111,6 @@ def _is_json_object(text: str) -> bool:
 
 
 def _cut(status: dict[str, Any], max_tokens: int) -> str:
-    """``"; cut at max_tokens N (finish_reason=length)"`` when the reply was cut, else ``""``."""
     if status.get("finish_reason") == "length":
         return f"; its reply was cut at max_tokens {max_tokens} (finish_reason=length)"
     return ""
@@ -156,9 +153,7 @@ def _hope_image_seen(status: dict[str, Any]) -> str | None:
     return "the scripted koboldcpp did not report the image it was sent"
 
 
-#: Said before a case whose reply a real model may get wrong in a way the Horde
-#: refuses (a call to a function the request did not offer, say): the two WARNING
-#: lines that follow then are the worker doing right.
+#: Said before a case whose reply a real model may get wrong in a way the Horde refuses.
 MODEL_REFUSAL_WARNINGS = (
     "Two WARNING lines may follow, and are expected if they do: when the model's reply "
     "breaks the request's rules, the Horde refuses it (reply refused) and the worker "
@@ -166,15 +161,16 @@ MODEL_REFUSAL_WARNINGS = (
 )
 
 
-def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
-    """The requests the demo sends; ``context`` is the worker's chat context in tokens.
+def _asks(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A chat body of one user message."""
+    return {"messages": [{"role": "user", "content": text}], **extra, "max_tokens": max_tokens}
 
-    The image case is sent only with ``vision`` (koboldcpp's
-    ``/api/extra/version`` reports it); without it the case is returned with
-    ``skip`` saying why. The dev Horde stores the JPEG, the worker fetches it by
-    its signed URL and hands it to koboldcpp as a data URL (seed 000 step 5).
-    ``scripted`` makes the hopes that only the scripted koboldcpp can keep
-    (an answer quoting the tool result, the image counted).
+
+def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
+    """The requests the demo sends; ``context``: the worker's chat context, tokens.
+
+    Without ``vision`` the image case is skipped; ``scripted`` adds the hopes
+    only the scripted koboldcpp can keep.
     """
     overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
     tool_history = [
@@ -205,12 +201,7 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         "max_tokens": 64,
     }
     return [
-        DemoCase(
-            "plain chat",
-            "chat",
-            {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 32},
-            _hope_reply,
-        ),
+        DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
         DemoCase(
             "system prompt",
             "chat",
@@ -227,12 +218,9 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "tool call",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                "tools": [WEATHER_TOOL],
-                "tool_choice": "required",
-                "max_tokens": 128,
-            },
+            _asks(
+                "What is the weather in Paris?", 128, tools=[WEATHER_TOOL], tool_choice="required"
+            ),
             _hope_tool_call,
             before="" if scripted else MODEL_REFUSAL_WARNINGS,
         ),
@@ -246,26 +234,16 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "json_object",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
-                "response_format": {"type": "json_object"},
-                "max_tokens": 64,
-            },
+            _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"}),
             _hope_json_object,
         ),
         DemoCase(
-            "reasoning reply",
-            "chat",
-            {
-                "messages": [{"role": "user", "content": "Think first: what is 2 + 2?"}],
-                "max_tokens": 128,
-            },
-            _hope_reasoning,
+            "reasoning reply", "chat", _asks("Think first: what is 2 + 2?", 128), _hope_reasoning
         ),
         DemoCase(
             "does not fit",
             "chat",
-            {"messages": [{"role": "user", "content": overflow_text}], "max_tokens": 64},
+            _asks(overflow_text, 64),
             expect_fault="prompt_overflow",
             max_attempts=1,
             before="The next WARNING is expected: this conversation is longer than the "
@@ -274,11 +252,7 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "streamed reply",
             "chat",
-            {
-                "messages": [{"role": "user", "content": "Tell me a short story about a fox."}],
-                "max_tokens": 96,
-                "stream": True,
-            },
+            _asks("Tell me a short story about a fox.", 96, stream=True),
             _hope_reply,
         ),
         DemoCase(
@@ -298,3 +272,22 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
             "vision projector and this case runs)",
         ),
     ]
+
+
+def _withdrawn(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
+    """The features ``case`` needs that the worker's latest pop, after ``pops_seen``
+    pops, no longer declares."""
+    needed = case.features_needed
+    if not needed or len(horde.pops) <= pops_seen:
+        return []
+    body = horde.pops[-1]["body"]
+    if not body.get("chat_jobs"):
+        return []
+    return [name for name in needed if name not in body.get("chat_features", [])]
+
+
+def _withdrew(gone: list[str], outcome: str) -> str:
+    return (
+        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
+        f"the model's replies for it: {outcome}"
+    )

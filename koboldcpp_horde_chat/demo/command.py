@@ -1,11 +1,5 @@
-"""The ``demo`` subcommand's run: its flags, the koboldcpp, the servers, the worker, its lines.
-
-Uses the koboldcpp at ``--kcpp-url`` when one answers and the devkit's scripted
-koboldcpp otherwise (said plainly), starts the dev Horde, runs the real
-standalone worker on a thread, sends the cases one at a time as a client would,
-and prints one result line per case (:func:`.verdict.judge`), then the dev
-Horde's ledger and the end line.
-"""
+"""The ``demo`` subcommand's run: its flags, the koboldcpp, the servers, the worker,
+the cases sent one at a time, and the printed lines."""
 
 from __future__ import annotations
 
@@ -13,12 +7,10 @@ import argparse
 import logging
 import os
 import re
-import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendError, ConfigError
@@ -26,8 +18,9 @@ from ..hosts.standalone import configure_logging, run_standalone
 from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
-from .cases import DemoCase, _done, demo_cases
-from .verdict import Verdict, _clip, judge
+from .cases import DemoCase, _withdrawn, _withdrew, demo_cases
+from .interrupt import ctrl_c_noted, raise_if_interrupted, sigint_ignored
+from .verdict import _result_lines, _warnings_line, judge
 
 DEMO_KEY = "demo-key-0000"
 #: The logger the worker's lines reach (the package's), where :class:`FaultCauses` listens.
@@ -87,8 +80,7 @@ FAULT_LINE = re.compile(r"job=(\S+) kind=\w+ faulted(?: \(\w+\))?: (.*)")
 
 
 class FaultCauses(logging.Handler):
-    """Keeps why the worker faulted each job (``causes``: job id -> why), read
-    from its WARNING lines while the demo runs it in this process."""
+    """Why the worker faulted each job (``causes``: job id -> why), from its WARNING lines."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -107,226 +99,118 @@ class FaultCauses(logging.Handler):
         return count
 
 
-def _describe(case: DemoCase, status: dict[str, Any]) -> str:
-    if case.kind == "text":
-        return f"generation={_clip(status.get('generation'), 60)}"
-    if status.get("faulted"):
-        return f"faulted, fault_reasons={status.get('fault_reasons')}"
-    message = status.get("message") or {}
-    parts = [f"finish_reason={status.get('finish_reason')}"]
-    if message.get("tool_calls"):
-        calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
-        parts.append(f"tool_calls={calls}")
-    if message.get("reasoning_content"):
-        parts.append(f"reasoning={_clip(message['reasoning_content'], 40)}")
-    parts.append(f"content={_clip(message.get('content'), 60)}")
-    if status.get("stream"):
-        pieces = [_clip(d.get("content", ""), 24) for d in status["stream"]]
-        parts.append(f"arrived in {len(pieces)} progress posts: [{', '.join(pieces)}]")
-    return ", ".join(parts)
-
-
 def _say(text: str = "") -> None:
-    """Print a line of the demo's report at once (the worker's log lines go to
-    stderr between them, in the order they happen)."""
+    """Print a line at once, so the worker's log lines on stderr interleave in order."""
     print(text, flush=True)
 
 
-def _result_lines(
-    case: DemoCase, status: dict[str, Any], verdict: Verdict, *, scripted: bool
-) -> list[str]:
-    """The case's lines: ``[ok  ]``/``[FAIL]``, its name, what the worker did and
-    what the requester got; then one line per worker problem and per model note."""
-    mark = "ok  " if verdict.passed(scripted=scripted) else "FAIL"
-    line = f"[{mark}] {case.name:<24} {verdict.did}"
-    if _done(status):
-        line += ": " + _describe(case, status)
-    elif status.get("faulted") and case.expect_fault is None:
-        line += "; the request ended faulted"
-    lines = [line]
-    lines += [f"       worker: {p}" for p in verdict.problems]
-    label = "not as expected" if scripted else "model"
-    lines += [f"       {label}: {n}" for n in verdict.model_notes]
-    return lines
-
-
-def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool) -> str:
-    """What the case's WARNING lines above were, when it passed with some: the
-    expected fault, or what the model did (its notes); "" otherwise (a failed
-    case's lines say what went wrong)."""
-    if not count or not verdict.passed(scripted=scripted):
-        return ""
-    lines = f"{count} WARNING line{'s' if count > 1 else ''} above"
-    if case.expect_fault is not None:
-        return f"       the {lines}: the expected {case.expect_fault} fault"
-    if verdict.model_notes:
-        return f"       the {lines}: expected, from what the model did (model: above)"
-    return f"       the {lines}: said by the worker while it did right"
-
-
 def _wait(
-    horde: Any, request_id: str, deadline: float, worker: threading.Thread,
-    withdrawn: Callable[[], list[str]] = list,
+    horde: Any, case: DemoCase, deadline: float, worker: threading.Thread, pops_seen: int
 ) -> bool:
-    """Wait for one request to end, until ``deadline`` (monotonic), the worker
-    stops, or ``withdrawn`` names a feature the request needs that the worker
-    no longer declares (it would wait, not be served)."""
+    """Wait for the case's request to end, until ``deadline`` (monotonic), the worker
+    stops, or the worker withdrew a feature the request needs (it would wait, not
+    be served)."""
     while True:
-        _raise_if_interrupted()
+        raise_if_interrupted()
         left = deadline - time.monotonic()
-        if horde.wait([request_id], timeout_s=max(0.0, min(left, 0.5))):
+        if horde.wait([case.request_id], timeout_s=max(0.0, min(left, 0.5))):
             return True
-        if left <= 0 or not worker.is_alive() or withdrawn():
+        if left <= 0 or not worker.is_alive() or _withdrawn_during(case, horde, pops_seen):
             return False
 
 
 def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """The features ``case`` needs that the worker's latest pop (after
-    ``pops_seen``) no longer declares, once the Horde refused a reply of the
-    case's request (the refusal that withdrew them); [] otherwise."""
-    needed = _features_needed(case) if case.kind == "chat" else []
-    if not needed or len(horde.pops) <= pops_seen:
+    """:func:`_withdrawn`, once the Horde refused a reply of the case's request."""
+    if not any(e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)):
         return []
-    if not any(
-        e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)
-    ):
-        return []
-    body = horde.pops[-1]["body"]
-    if not body.get("chat_jobs"):
-        return []
-    return [name for name in needed if name not in body.get("chat_features", [])]
+    return _withdrawn(case, horde, pops_seen)
 
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
 INTERRUPTED = "Demo stopped (Ctrl-C): the worker and the servers it started are stopped."
 
 
-#: Set by Ctrl-C (while :func:`main` runs in the main thread), read at every wait.
-_INTERRUPTED = threading.Event()
-
-
-def _raise_if_interrupted() -> None:
-    """Raise KeyboardInterrupt once Ctrl-C came, even when the one its signal raised
-    was lost (raised inside a finalizer, which Python reports and drops)."""
-    if _INTERRUPTED.is_set():
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def _ctrl_c_noted() -> Iterator[None]:
-    """Note Ctrl-C in :data:`_INTERRUPTED` as well as raising KeyboardInterrupt (main thread)."""
-    _INTERRUPTED.clear()
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigint(signum: int, frame: object) -> None:
-        _INTERRUPTED.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore Ctrl-C meanwhile (in the main thread), so a second one cannot cut a stop short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 #: Seconds the demo waits for the worker's next pop to read what it declares now.
 DECLARATION_WAIT_S = 5.0
 
 
-def _features_needed(case: DemoCase) -> list[str]:
-    """The chat features a case's request needs: ``tools`` for one that offers
-    tools, the ``response_format`` type for one with a JSON format."""
-    body = case.body
-    needed = ["tools"] if body.get("tools") else []
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
-        needed.append(str(fmt["type"]))
-    return needed
-
-
 def _withdrawn_skip(case: DemoCase, horde: Any, pops_seen: int) -> str:
-    """Why a chat case is not sent: the worker withdrew a feature it needs
-    (after the Horde refused the model's replies for it, as in the case before),
-    read from the worker's next pop after ``pops_seen`` pops (at most
-    :data:`DECLARATION_WAIT_S`); "" to send it. Such a request would wait, not
-    be served, until the feature's cool-off ends."""
-    needed = _features_needed(case) if case.kind == "chat" else []
-    if not needed:
+    """Why a case is not sent, when the worker's next pop (within
+    :data:`DECLARATION_WAIT_S`) no longer declares a feature it needs; "" to send it."""
+    if not case.features_needed:
         return ""
     deadline = time.monotonic() + DECLARATION_WAIT_S
     while len(horde.pops) <= pops_seen and time.monotonic() < deadline:
         time.sleep(0.1)
-    if len(horde.pops) <= pops_seen:
-        return ""
-    body = horde.pops[-1]["body"]
-    if not body.get("chat_jobs"):
-        return ""
-    gone = [name for name in needed if name not in body.get("chat_features", [])]
-    if not gone:
-        return ""
-    return (
-        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
-        "the model's replies for it: not sent"
-    )
+    gone = _withdrawn(case, horde, pops_seen)
+    return _withdrew(gone, "not sent") if gone else ""
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    """Run the demo; returns 0 when the worker did right in every case (and,
-    against the scripted koboldcpp, every reply was as expected), 1 when not,
-    2 when the koboldcpp named by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot
-    be used, 130 after Ctrl-C (one line, :data:`INTERRUPTED`, once all it
-    started is stopped)."""
+    """Run the demo; 0 when every case passed, 1 when not, 2 when the koboldcpp named
+    by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot be used, 130 after Ctrl-C."""
     args = build_parser().parse_args(list(argv))
     try:
-        with _ctrl_c_noted():
+        with ctrl_c_noted():
             return _run(args)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
         return 130
 
 
-def _run(args: argparse.Namespace) -> int:
-    """The demo with its parsed flags (:func:`main`); a KeyboardInterrupt passes
-    through once everything it started is stopped."""
-    from ..devkit.horde import DevHorde
-    from ..devkit.kcpp import ScriptedKoboldcpp
-
-    configure_logging(args.log_level)
-    fault_causes = FaultCauses()
-    scripted_kcpp: ScriptedKoboldcpp | None = None
-    explicit = args.kcpp_url is not None
+def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
+    """koboldcpp's URL and whether one answers there; None once the demo said why it
+    cannot run."""
     try:
         kcpp_url = resolve_url(args.kcpp_url, KCPP_URL_FLAG, KCPP_URL_ENV, DEFAULT_KCPP_URL)
     except ConfigError as exc:
         print(f"{exc}. Fix it, or run the demo with --scripted.")
-        return 2
+        return None
     real = False
     if not args.scripted:
         try:
             real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
         except BackendError:
             real = False
-        if not real and explicit:
+        if not real and args.kcpp_url is not None:
             print(
                 f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
                 "--scripted to use the devkit's scripted koboldcpp."
             )
-            return 2
+            return None
+    return kcpp_url, real
+
+
+def _worker_args(
+    args: argparse.Namespace, horde_url: str, kcpp_url: str, journal: str
+) -> list[str]:
+    flags = {
+        "--hordekey": DEMO_KEY,
+        "--hordeworkername": "demo-worker",
+        "--horde-url": horde_url,
+        "--kcpp-url": kcpp_url,
+        "--hordegenlen": "256",
+        "--journal-dir": journal,
+        "--log-level": args.log_level,
+    }
+    if args.kcpp_password:
+        flags["--kcpp-password"] = args.kcpp_password
+    return [word for flag in flags.items() for word in flag]
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The demo with its parsed flags; a KeyboardInterrupt passes through once
+    everything it started is stopped."""
+    from ..devkit.horde import DevHorde
+    from ..devkit.kcpp import ScriptedKoboldcpp
+
+    configure_logging(args.log_level)
+    fault_causes = FaultCauses()
+    scripted_kcpp: ScriptedKoboldcpp | None = None
+    found = _find_koboldcpp(args)
+    if found is None:
+        return 2
+    kcpp_url, real = found
     stop = threading.Event()
     result: dict[str, int] = {}
     journal = tempfile.TemporaryDirectory(
@@ -355,24 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         horde = DevHorde(api_keys=(DEMO_KEY,), trusted=True)
         horde.start()
         _say(f"Dev Horde at {horde.url}")
-        worker_args = [
-            "--hordekey",
-            DEMO_KEY,
-            "--hordeworkername",
-            "demo-worker",
-            "--horde-url",
-            horde.url,
-            "--kcpp-url",
-            kcpp_url,
-            "--hordegenlen",
-            "256",
-            "--journal-dir",
-            journal.name,
-            "--log-level",
-            args.log_level,
-        ]
-        if args.kcpp_password:
-            worker_args += ["--kcpp-password", args.kcpp_password]
+        worker_args = _worker_args(args, horde.url, kcpp_url, journal.name)
         thread = threading.Thread(
             target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
             name="demo-worker",
@@ -380,98 +247,17 @@ def _run(args: argparse.Namespace) -> int:
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
-        sent = [c for c in cases if not c.skip]
-        if scripted:
-            _say(
-                "Each case passes when the worker did right and the scripted reply is as expected."
-            )
-        else:
-            _say(
-                "Each case passes when the worker did right; what your model did not do "
-                '("model:") does not fail it.'
-            )
-        _say(f"Starting the worker; {len(sent)} requests follow, one at a time.\n")
+        _say_rules(scripted, len([c for c in cases if not c.skip]))
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         thread.start()
         deadline = time.monotonic() + args.timeout
-        failed: list[str] = []
-        notes = 0
-        pops_seen = 0
-        for case in cases:
-            if case.skip:
-                _say(f"[skip] {case.name:<24} {case.skip}")
-                continue
-            _raise_if_interrupted()
-            fault_causes.take_warnings()  # what came before this case is not its
-            case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
-            if case.skip:
-                _say(f"[skip] {case.name:<24} {case.skip}")
-                continue
-            if case.before:
-                _say(f"       {case.before}")
-            if case.kind == "chat":
-                case.request_id = horde.send_chat(
-                    case.body, best_effort=True, max_attempts=case.max_attempts
-                )
-            else:
-                case.request_id = horde.send_text(
-                    case.body["prompt"], max_length=case.body["max_length"]
-                )
-            started_at = len(horde.pops)
-            finished = _wait(
-                horde, case.request_id, deadline, thread,
-                lambda: _withdrawn_during(case, horde, started_at),  # noqa: B023
-            )
-            pops_seen = len(horde.pops)
-            gone = [] if finished else _withdrawn_during(case, horde, started_at)
-            if gone:
-                horde.cancel(case.request_id)
-                case.skip = (
-                    f"model: the worker withdrew {', '.join(gone)} for a while after the Horde "
-                    "refused the model's replies for it: the request was cancelled"
-                )
-                _say(f"[skip] {case.name:<24} {case.skip}")
-                notes += 1
-                continue
-            status = horde.status(case.request_id)
-            ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
-            models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
-            verdict = judge(
-                case, status, ledger, models, finished=finished, causes=fault_causes.causes
-            )
-            for line in _result_lines(case, status, verdict, scripted=scripted):
-                _say(line)
-            explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
-            if explained:
-                _say(explained)
-            notes += len(verdict.model_notes)
-            if not verdict.passed(scripted=scripted):
-                failed.append(case.name)
-        _raise_if_interrupted()
+        failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, scripted)
+        raise_if_interrupted()
         if not thread.is_alive() and "code" in result:
             _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
-        _say("\nLedger (what the dev Horde recorded for each job):")
-        for entry in horde.ledger:
-            reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
-            rc = f" ({entry.get('rc')})" if entry.get("rc") else ""
-            _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}{rc}")
-        skipped = [c.name for c in cases if c.skip]
-        extra = []
-        if notes and not scripted:
-            extra.append(
-                f"{notes} model note{'s' if notes > 1 else ''}: what the model did, not the worker"
-            )
-        if skipped:
-            extra.append(f"skipped: {', '.join(skipped)}")
-        tail = f" ({'; '.join(extra)})" if extra else ""
-        if failed:
-            _say(f"\nDemo FAILED: {', '.join(failed)}.{tail}")
-            return 1
-        sent = [c for c in cases if not c.skip]
-        _say(f"\nDemo passed: the worker did right in all {len(sent)} cases.{tail}")
-        return 0
+        return _summary(cases, horde, failed, notes, scripted)
     finally:
-        with _sigint_ignored():
+        with sigint_ignored():
             stop.set()
             thread.join(timeout=10) if thread is not None and thread.is_alive() else None
             logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
@@ -481,3 +267,98 @@ def _run(args: argparse.Namespace) -> int:
                 scripted_kcpp.stop()
             journal.cleanup()
             time.sleep(0)
+
+
+def _say_rules(scripted: bool, sent: int) -> None:
+    if scripted:
+        _say("Each case passes when the worker did right and the scripted reply is as expected.")
+    else:
+        _say(
+            "Each case passes when the worker did right; what your model did not do "
+            '("model:") does not fail it.'
+        )
+    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
+
+
+def _run_cases(
+    cases: list[DemoCase],
+    horde: Any,
+    worker: threading.Thread,
+    fault_causes: FaultCauses,
+    deadline: float,
+    scripted: bool,
+) -> tuple[list[str], int]:
+    """Send the cases one at a time and print their lines; the failed cases' names
+    and the count of model notes."""
+    failed: list[str] = []
+    notes = 0
+    pops_seen = 0
+    for case in cases:
+        if not case.skip:
+            raise_if_interrupted()
+            fault_causes.take_warnings()  # what came before this case is not its
+            case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
+        if case.skip:
+            _say(f"[skip] {case.name:<24} {case.skip}")
+            continue
+        if case.before:
+            _say(f"       {case.before}")
+        if case.kind == "chat":
+            case.request_id = horde.send_chat(
+                case.body, best_effort=True, max_attempts=case.max_attempts
+            )
+        else:
+            case.request_id = horde.send_text(
+                case.body["prompt"], max_length=case.body["max_length"]
+            )
+        started_at = len(horde.pops)
+        finished = _wait(horde, case, deadline, worker, started_at)
+        pops_seen = len(horde.pops)
+        gone = [] if finished else _withdrawn_during(case, horde, started_at)
+        if gone:
+            horde.cancel(case.request_id)
+            case.skip = _withdrew(gone, "the request was cancelled")
+            _say(f"[skip] {case.name:<24} {case.skip}")
+            notes += 1
+            continue
+        status = horde.status(case.request_id)
+        ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
+        models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
+        verdict = judge(
+            case, status, ledger, models, finished=finished, causes=fault_causes.causes
+        )
+        for line in _result_lines(case, status, verdict, scripted=scripted):
+            _say(line)
+        explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
+        if explained:
+            _say(explained)
+        notes += len(verdict.model_notes)
+        if not verdict.passed(scripted=scripted):
+            failed.append(case.name)
+    return failed, notes
+
+
+def _summary(
+    cases: list[DemoCase], horde: Any, failed: list[str], notes: int, scripted: bool
+) -> int:
+    """Print the dev Horde's ledger and the end line; the exit code."""
+    _say("\nLedger (what the dev Horde recorded for each job):")
+    for entry in horde.ledger:
+        reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
+        rc = f" ({entry.get('rc')})" if entry.get("rc") else ""
+        _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}{rc}")
+    skipped = [c.name for c in cases if c.skip]
+    extra = []
+    if notes and not scripted:
+        extra.append(
+            f"{notes} model note{'s' if notes > 1 else ''}: what the model did, not the worker"
+        )
+    if skipped:
+        extra.append(f"skipped: {', '.join(skipped)}")
+    tail = f" ({'; '.join(extra)})" if extra else ""
+    if failed:
+        _say(f"\nDemo FAILED: {', '.join(failed)}.{tail}")
+        return 1
+    sent = [c for c in cases if not c.skip]
+    _say(f"\nDemo passed: the worker did right in all {len(sent)} cases.{tail}")
+    return 0

@@ -1,16 +1,11 @@
-"""The demo's verdict: what the worker did with a case's request, from the dev Horde's ledger.
-
-:func:`judge` checks that every job the worker popped ended in exactly one
-accepted submit or fault of the seed's shape (seed 000, steps 6 to 8); what the
-model did not do as the case hoped, a refusal for the model's output, or a
-fault for a reply no submit can carry, is a model note, not a worker problem.
-Pure: no I/O.
+"""The demo's verdict on what the worker did with a case's request, from the dev
+Horde's ledger (seed 000, steps 6 to 8), and the case's printed lines. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import DemoCase, _content, _done
@@ -26,14 +21,8 @@ TERMINAL_ACTIONS = ("submitted", "faulted")
 
 @dataclass
 class Verdict:
-    """How one case ended.
-
-    ``worker_ok``: the worker did what it must (one terminal action of the right
-    shape for each job). ``did``: what it did, in a few words. ``problems``:
-    what it did wrong, one sentence each. ``model_notes``: what the model did
-    not do as hoped, one sentence each (failures only against the scripted
-    koboldcpp).
-    """
+    """How one case ended: whether the worker did right, what it did, what it did
+    wrong and what the model did not do as hoped (one sentence each)."""
 
     worker_ok: bool
     did: str
@@ -41,15 +30,13 @@ class Verdict:
     model_notes: list[str]
 
     def passed(self, *, scripted: bool) -> bool:
-        """True when the case passes: the worker did right, and, against the
-        scripted koboldcpp, the model did as hoped too."""
         return self.worker_ok and not (scripted and self.model_notes)
 
 
 def _submit_problems(
     kind: str, body: dict[str, Any], model: str | None, offered: frozenset[str]
 ) -> list[str]:
-    """What is wrong with an accepted reply's submit body (seed 000, steps 6 and 8)."""
+    """Seed 000, steps 6 and 8."""
     if kind == "text":
         problems = []
         if not isinstance(body.get("generation"), str):
@@ -104,7 +91,7 @@ def _submit_problems(
 
 
 def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[str]:
-    """What is wrong with a faulted submit body (seed 000, steps 7 and 8)."""
+    """Seed 000, steps 7 and 8."""
     if kind == "text":
         return (
             [] if isinstance(body.get("generation"), str) else ["the text fault has no generation"]
@@ -123,9 +110,8 @@ def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[
 
 
 def _model_refusal(entry: dict[str, Any]) -> bool:
-    """True when a refused submit was refused for what the model generated, not for
-    what the worker built: a reply not conforming to the request, or a call to a
-    function the request does not offer (seed 000, "Submit refusals")."""
+    """The submit was refused for what the model generated, not for what the worker
+    built (seed 000, "Submit refusals")."""
     rc = entry.get("rc")
     message = str(entry.get("message") or "")
     return rc == "ChatSubmitNonconformant" or (
@@ -133,56 +119,30 @@ def _model_refusal(entry: dict[str, Any]) -> bool:
     )
 
 
-def judge(
-    case: DemoCase,
-    status: dict[str, Any],
-    ledger: Sequence[dict[str, Any]],
-    models: dict[str, str | None],
-    *,
-    finished: bool,
-    causes: dict[str, str] | None = None,
-) -> Verdict:
-    """Judge what the worker did with one case's request.
+@dataclass
+class _Findings:
+    """What :func:`judge` found job by job."""
 
-    Args:
-        case: the case sent.
-        status: the requester's view (:meth:`DevHorde.status`), with
-            ``refusals`` ``[{"job_id", "rc", "message"}]``.
-        ledger: the dev Horde's ledger entries of this request's jobs, in order.
-        models: each job id's assigned model.
-        finished: whether the request reached an end in time.
-        causes: why the worker faulted each job it faulted, by job id, as its
-            log line says (``"generation failed: tool_calls[0].function.name
-            is missing"``).
+    problems: list[str] = field(default_factory=list)
+    excused: list[str] = field(default_factory=list)  # what the model did, per fault it caused
+    faults: list[str | None] = field(default_factory=list)
+    wrong_faults: list[str] = field(default_factory=list)
+    submitted: int = 0
 
-    The worker must give each job exactly one terminal action (an accepted
-    submit or a fault) of the seed's shape: a chat reply with ``message``,
-    ``finish_reason`` and the assigned ``model_id``, tool calls only to the
-    offered functions; a text reply with ``generation``; a fault with the
-    assigned ``model_id`` and no reply. A refused reply must be followed by a
-    ``reply_refused`` fault; when the refusal was about the model's output that
-    fault is the worker doing right, and the refusal is a model note; so is a
-    fault without a reason whose cause is a reply the model wrote that no
-    submit can carry (:func:`unusable_model_output`). A case with
-    ``expect_fault`` must end in one fault with that reason; any other fault is
-    a problem. The case's ``hope`` gives the model notes.
-    """
-    problems: list[str] = []
-    notes: list[str] = []
-    refusal_text = {
-        r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []
-    }
-    job_ids = list(dict.fromkeys(e["job_id"] for e in ledger))
-    for job_id in status.get("job_ids") or []:
-        if job_id not in job_ids and finished:
-            job_ids.append(job_id)
-    causes = causes or {}
-    faults: list[str | None] = []
-    excused: list[str] = []  # what the model did, for each fault it caused
-    wrong_faults: list[str] = []
-    submitted = 0
-    for job_id in job_ids:
-        entries = [e for e in ledger if e["job_id"] == job_id]
+    def job(
+        self,
+        case: DemoCase,
+        job_id: str,
+        entries: list[dict[str, Any]],
+        refusal: str,
+        model: str | None,
+        why: str,
+        *,
+        finished: bool,
+    ) -> None:
+        """One job's ledger ``entries``; ``refusal``: the Horde's refusal message,
+        ``why``: the worker's reason for faulting it."""
+        problems = self.problems
         terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
         short = job_id[:8]
         for e in entries:
@@ -197,7 +157,7 @@ def judge(
         if not terminal:
             if finished and not any(e["action"] == "expired" for e in entries):
                 problems.append(f"job {short} was neither submitted nor faulted")
-            continue
+            return
         end = terminal[0]
         body = end.get("body") or {}
         refused = [e for e in entries if e["action"] == "refused"]
@@ -205,37 +165,74 @@ def judge(
             problems.append(f"job {short}'s reply was submitted again after a refusal")
         model_refused = False
         for e in refused:
-            text = refusal_text.get(job_id, "")
-            if _model_refusal({**e, "message": text}):
+            if _model_refusal({**e, "message": refusal}):
                 model_refused = True
-                excused.append(
-                    f"the Horde refused the model's reply ({text.rstrip('.')})"
+                self.excused.append(
+                    f"the Horde refused the model's reply ({refusal.rstrip('.')})"
                     "; the worker faulted it with reply_refused, as it must"
                 )
             else:
-                problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {text})")
+                problems.append(f"job {short}'s reply was refused ({e.get('rc')}: {refusal})")
             if end["action"] != "faulted" or end.get("fault_reason") != "reply_refused":
                 problems.append(f"job {short} was not faulted with reply_refused after its refusal")
         if end["action"] == "submitted":
-            submitted += 1
+            self.submitted += 1
             problems += [
                 f"job {short}: {p}"
-                for p in _submit_problems(end["kind"], body, models.get(job_id), case.offered)
+                for p in _submit_problems(end["kind"], body, model, case.offered)
             ]
-        else:
-            reason = end.get("fault_reason")
-            faults.append(reason)
-            why = causes.get(job_id, "")
-            if reason is None and unusable_model_output(why):
-                excused.append(
-                    f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
-                    "; the worker faulted the job, as it must"
-                )
-            elif not (reason == "reply_refused" and model_refused):
-                wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
-            problems += [
-                f"job {short}: {p}" for p in _fault_problems(end["kind"], body, models.get(job_id))
-            ]
+            return
+        reason = end.get("fault_reason")
+        self.faults.append(reason)
+        if reason is None and unusable_model_output(why):
+            self.excused.append(
+                f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
+                "; the worker faulted the job, as it must"
+            )
+        elif not (reason == "reply_refused" and model_refused):
+            self.wrong_faults.append(f"{reason}: {why}" if reason and why else reason or why)
+        problems += [f"job {short}: {p}" for p in _fault_problems(end["kind"], body, model)]
+
+
+def judge(
+    case: DemoCase,
+    status: dict[str, Any],
+    ledger: Sequence[dict[str, Any]],
+    models: dict[str, str | None],
+    *,
+    finished: bool,
+    causes: dict[str, str] | None = None,
+) -> Verdict:
+    """Judge what the worker did with one case's request.
+
+    ``status``: the requester's view (``DevHorde.status``); ``ledger``: the dev
+    Horde's entries for the request's jobs, in order; ``models``: each job's
+    assigned model; ``causes``: why the worker faulted each job, by job id.
+
+    Each job needs exactly one terminal action of the seed's shape; a refused
+    reply needs a ``reply_refused`` fault after it. A refusal of the model's
+    output, or a fault for a reply no submit can carry, is a model note.
+    """
+    found = _Findings()
+    refusal_text = {
+        r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []
+    }
+    job_ids = list(dict.fromkeys(e["job_id"] for e in ledger))
+    for job_id in status.get("job_ids") or []:
+        if job_id not in job_ids and finished:
+            job_ids.append(job_id)
+    for job_id in job_ids:
+        found.job(
+            case,
+            job_id,
+            [e for e in ledger if e["job_id"] == job_id],
+            refusal_text.get(job_id, ""),
+            models.get(job_id),
+            (causes or {}).get(job_id, ""),
+            finished=finished,
+        )
+    problems, faults, submitted = found.problems, found.faults, found.submitted
+    notes: list[str] = []
     if not finished:
         problems.append("the request did not end in time")
     if case.expect_fault is not None:
@@ -247,13 +244,13 @@ def judge(
             else _did(faults, submitted)
         )
         return Verdict(not problems, did, problems, notes)
-    for why in wrong_faults:
+    for why in found.wrong_faults:
         problems.append(
             "a job was faulted instead of served"
             + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    for text in dict.fromkeys(excused):
-        times = excused.count(text)
+    for text in dict.fromkeys(found.excused):
+        times = found.excused.count(text)
         notes.append(text + (f" ({times} times)" if times > 1 else ""))
     if _done(status):
         note = case.hope(status)
@@ -265,18 +262,14 @@ def judge(
 
 
 def unusable_model_output(why: str) -> bool:
-    """True when the worker's reason for a fault without ``fault_reason`` is a
-    reply the model wrote that no submit can carry: a tool call koboldcpp
-    returned without a function name, or not shaped as a function call
-    (``"generation failed: tool_calls[0].function.name is missing"``). The Horde
-    refuses such a call (seed 000, "Submit refusals"), so faulting the job is
-    the worker doing right."""
+    """The worker's reason for a fault without ``fault_reason`` is a tool call the
+    model wrote that the Horde would refuse (seed 000, "Submit refusals")."""
     return why.startswith("generation failed: tool_calls")
 
 
 def _stream_problems(status: dict[str, Any]) -> list[str]:
-    """A streamed reply's progress posts, joined, are its submitted text (seed 000,
-    "Streaming progress": everything the client reads as it arrives is the reply)."""
+    """The progress posts, joined, must be the submitted text (seed 000, "Streaming
+    progress")."""
     posts = status.get("stream") or []
     posted = "".join(p.get("content") or "" for p in posts)
     content = _content(status)
@@ -288,8 +281,7 @@ def _stream_problems(status: dict[str, Any]) -> list[str]:
 
 
 def _did(faults: list[str | None], submitted: int) -> str:
-    """What the worker did, in a few words: ``"submitted"``,
-    ``"faulted 3 times (reply_refused)"``, ``"faulted (no reason), then submitted"``."""
+    """E.g. ``"faulted (no reason), then submitted"``."""
     parts = []
     if faults:
         reasons = sorted({r or "no reason" for r in faults})
@@ -301,11 +293,59 @@ def _did(faults: list[str | None], submitted: int) -> str:
 
 
 def _clip(value: object, limit: int) -> str:
-    """``value`` as shown in a result line: ``null`` for None, else its text in
-    quotes, cut to ``limit`` characters with an ellipsis when it is longer."""
+    """``null`` for None, else the text quoted, cut to ``limit`` characters with an ellipsis."""
     if value is None:
         return "null"
     text = str(value)
     if len(text) > limit:
         text = text[: limit - 1] + "\u2026"
     return repr(text)
+
+
+def _describe(case: DemoCase, status: dict[str, Any]) -> str:
+    if case.kind == "text":
+        return f"generation={_clip(status.get('generation'), 60)}"
+    if status.get("faulted"):
+        return f"faulted, fault_reasons={status.get('fault_reasons')}"
+    message = status.get("message") or {}
+    parts = [f"finish_reason={status.get('finish_reason')}"]
+    if message.get("tool_calls"):
+        calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
+        parts.append(f"tool_calls={calls}")
+    if message.get("reasoning_content"):
+        parts.append(f"reasoning={_clip(message['reasoning_content'], 40)}")
+    parts.append(f"content={_clip(message.get('content'), 60)}")
+    if status.get("stream"):
+        pieces = [_clip(d.get("content", ""), 24) for d in status["stream"]]
+        parts.append(f"arrived in {len(pieces)} progress posts: [{', '.join(pieces)}]")
+    return ", ".join(parts)
+
+
+def _result_lines(
+    case: DemoCase, status: dict[str, Any], verdict: Verdict, *, scripted: bool
+) -> list[str]:
+    """``[ok  ]``/``[FAIL]``, the name, what the worker did and what the requester
+    got; then one line per worker problem and per model note."""
+    mark = "ok  " if verdict.passed(scripted=scripted) else "FAIL"
+    line = f"[{mark}] {case.name:<24} {verdict.did}"
+    if _done(status):
+        line += ": " + _describe(case, status)
+    elif status.get("faulted") and case.expect_fault is None:
+        line += "; the request ended faulted"
+    lines = [line]
+    lines += [f"       worker: {p}" for p in verdict.problems]
+    label = "not as expected" if scripted else "model"
+    lines += [f"       {label}: {n}" for n in verdict.model_notes]
+    return lines
+
+
+def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool) -> str:
+    """What the case's WARNING lines above were, when it passed with some; "" otherwise."""
+    if not count or not verdict.passed(scripted=scripted):
+        return ""
+    lines = f"{count} WARNING line{'s' if count > 1 else ''} above"
+    if case.expect_fault is not None:
+        return f"       the {lines}: the expected {case.expect_fault} fault"
+    if verdict.model_notes:
+        return f"       the {lines}: expected, from what the model did (model: above)"
+    return f"       the {lines}: said by the worker while it did right"

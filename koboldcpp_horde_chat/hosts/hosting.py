@@ -1,15 +1,6 @@
-"""What a host does before its pop loops start: the start-up checks, the shared
-state and the journal.
-
-Both hosts (``hosts/standalone.py`` beside koboldcpp, ``hosts/inside_kcpp.py`` inside it)
-check their settings with the same functions here, so they refuse the same
-things in the same words: the worker name (:func:`check_worker_name`), the
-URLs (:func:`check_url`), the limits (:func:`check_limits`) and, standalone,
-a journal directory the operator named (:func:`check_journal_dir`). Both
-then give a worker's loops one :class:`~koboldcpp_horde_chat.state.shared.WorkerState` holding the
-worker's job journal, and end the jobs the journal says an earlier run left
-in hand before any loop pops (``recovery.Recovery``, started as soon as the
-Horde and the key are known).
+"""What both hosts do before their pop loops start, so they refuse the same things
+in the same words: the start-up checks, the start lines, the journal and its
+recovery, the shared state, and the clients of one loop.
 """
 
 from __future__ import annotations
@@ -20,7 +11,6 @@ import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from .. import BRIDGE_AGENT
@@ -49,13 +39,8 @@ WORKER_NAME_ENV = "HORDE_WORKER_NAME"
 
 
 def check_worker_name(name: str, source: str) -> str:
-    """``name`` stripped, as the Horde stores it.
-
-    Raises ConfigError naming ``source`` (``"--hordeworkername"``) for a name
-    the Horde refuses (:func:`settings.worker_name_problem`: empty once
-    stripped, or over 100 characters), e.g. ``"--hordeworkername: the name is
-    101 characters long; the Horde takes at most 100"``.
-    """
+    """``name`` stripped, as the Horde stores it; ConfigError naming ``source`` when
+    the Horde would refuse it."""
     problem = worker_name_problem(name)
     if problem:
         raise ConfigError(f"{source}: {problem}")
@@ -63,13 +48,8 @@ def check_worker_name(name: str, source: str) -> str:
 
 
 def worker_name_from(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The worker name: ``--hordeworkername`` when given, else the
-    ``HORDE_WORKER_NAME`` environment variable, stripped.
-
-    Raises ConfigError naming where the name came from when the Horde would
-    refuse it, or ``"--hordeworkername is required (or set HORDE_WORKER_NAME)"``
-    when neither gives one.
-    """
+    """``--hordeworkername`` when given, else ``HORDE_WORKER_NAME``, checked; ConfigError
+    when neither gives one."""
     if flag is not None:
         return check_worker_name(flag, "--hordeworkername")
     value = (os.environ if environ is None else environ).get(WORKER_NAME_ENV)
@@ -79,15 +59,9 @@ def worker_name_from(flag: str | None, environ: Mapping[str, str] | None = None)
 
 
 def check_url(value: str, source: str, *, horde: bool = False) -> str:
-    """``value`` as a base URL without a trailing slash.
-
-    ``source`` names where the value came from (``--horde-url``,
-    ``AI_HORDE_URL``, ``--kcpp-url`` or ``KCPP_URL``). A Horde URL
-    (``horde=True``) given with the API path (``https://aihorde.net/api/v2``)
-    is cut back to its base, with a warning. Raises ConfigError, naming
-    ``source``, for anything but an http(s) URL with a host, e.g.
-    ``"AI_HORDE_URL needs an http:// or https:// URL, not 'aihorde.net'"``.
-    """
+    """``value`` as a base URL without a trailing slash; a Horde URL given with its
+    API path is cut back to its base, with a warning. ConfigError naming
+    ``source`` for anything but an http(s) URL with a host."""
     url = value.strip().rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -100,28 +74,15 @@ def check_url(value: str, source: str, *, horde: bool = False) -> str:
     return url
 
 
-def check_limits(
-    max_length: int,
-    max_context_length: int,
-    sources: tuple[str, str] = ("--hordegenlen", "--hordemaxctx"),
-) -> None:
-    """The operator's token limits (``--hordegenlen``, ``--hordemaxctx``; 0 = the default).
-
-    Raises ConfigError when either is negative, naming ``sources``:
-    ``"--hordegenlen and --hordemaxctx must not be negative"``.
-    """
+def check_limits(max_length: int, max_context_length: int) -> None:
+    """ConfigError when ``--hordegenlen`` or ``--hordemaxctx`` is negative (0: the default)."""
     if max_length < 0 or max_context_length < 0:
-        raise ConfigError(f"{sources[0]} and {sources[1]} must not be negative")
+        raise ConfigError("--hordegenlen and --hordemaxctx must not be negative")
 
 
 def check_journal_dir(directory: Path, source: str) -> None:
-    """A journal directory the operator named (``source``: ``--journal-dir`` or
-    ``KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR``) can keep the journal.
-
-    Makes the directory when missing (``journal.check_directory``). Raises
-    ConfigError in one line otherwise, e.g. ``"--journal-dir /proc/nope:
-    the job journal cannot be kept there (No such file or directory)"``.
-    """
+    """Make sure a journal directory the operator named (by ``source``) can keep the
+    journal, making it when missing; ConfigError in one line otherwise."""
     try:
         check_directory(directory)
     except OSError as exc:
@@ -132,25 +93,9 @@ def check_journal_dir(directory: Path, source: str) -> None:
 
 def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
     """The start line both hosts log: what the Horde will send, for which model,
-    from which Horde, via which koboldcpp.
-
-    The worker declares chat on every pop, but only a Horde with the chat
-    routes sends chat jobs (the public one hands out text jobs today), so the
-    line promises text jobs and names chat jobs as what comes once the Horde
-    has those routes; the loop says so again when the first chat job comes
-    (``status.first_chat_job_line``). E.g. ``"serving text jobs for
-    koboldcpp/Qwen3-8B from https://aihorde.net via http://127.0.0.1:5001, and
-    chat jobs once that Horde sends them (chat is declared on every pop; a
-    Horde without the chat routes sends text jobs only)"``; a chat-only worker
-    (``prompt_jobs`` off): ``"serving chat jobs only ... (pops declare
-    prompt_jobs: false; a Horde without the chat routes ignores it and sends
-    text jobs, which this worker serves)"``: the real AI Horde without those
-    routes knows no chat key and ignores ``prompt_jobs`` without a word;
-    ``", 2 at once"`` added after the koboldcpp URL for two slots. With a
-    koboldcpp too old for chat (``chat`` False: ``koboldcpp.versions``):
-    ``"serving text jobs ... (this koboldcpp has no chat route: chat is not
-    declared)"``.
-    """
+    from which Horde, via which koboldcpp. Only a Horde with the chat routes
+    sends chat jobs (the public one sends text jobs today), so the line
+    promises text jobs first; ``chat`` False: koboldcpp is too old for chat."""
     slots = f", {settings.threads} at once" if settings.threads > 1 else ""
     where = f"for {settings.model_id} from {settings.horde_url} via {settings.kcpp_url}{slots}"
     if not chat:
@@ -169,18 +114,9 @@ def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
 def koboldcpp_found_line(
     info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
 ) -> str:
-    """The one line saying what the worker found at koboldcpp's URL and what it
-    declares for it (at start, and again when koboldcpp came back serving
-    something else), e.g. ``"koboldcpp 1.116.1 at http://127.0.0.1:5001: model
-    SmolLM2-135M-Instruct, context 4096, chat template yes, vision no; declaring
-    chat (seed, presence_penalty, tools, json_object, json_schema,
-    reasoning_effort, prompt_overflow_refused), text"``.
-
-    The chat template is ``yes``, ``none`` (koboldcpp's fallback renders chat:
-    :func:`no_chat_template_line`) or ``unknown`` (koboldcpp before 1.79 does not
-    say). A koboldcpp too old for chat reads ``..., no chat route (koboldcpp
-    1.46 added it); declaring text``; a chat-only worker declares no text.
-    """
+    """E.g. ``"koboldcpp 1.116.1 at http://127.0.0.1:5001: model SmolLM2-135M-Instruct,
+    context 4096, chat template yes, vision no; declaring chat (seed, ...), text"``;
+    the template is ``unknown`` before koboldcpp 1.79, which does not say."""
     model = info.model_name.removeprefix("koboldcpp/")
     template = (
         "unknown" if info.chat_template is None else "yes" if info.chat_template else "none"
@@ -201,20 +137,10 @@ def koboldcpp_found_line(
 
 
 def no_chat_template_line(info: BackendInfo) -> str:
-    """The WARNING for a model that carries no chat template (``/props`` says
-    ``""``): koboldcpp renders its chat with its fallback tags (Alpaca's
-    ``### Instruction:`` and ``### Response:``, 1.116.1 ``koboldcpp.py``
-    L4264-4270), which a model trained on other tags answers poorly.
-
-    Chat is still declared. The seed's worked example ("koboldcpp's embedded
-    worker") declares chat for whatever model koboldcpp loaded, with no
-    condition on its template, and the template koboldcpp renders is the one
-    the worker serves with: the fallback one here (the right one for a model
-    trained on Alpaca's tags, as many older finetunes without an embedded
-    template are). Its tool turns are rendered in koboldcpp's own words, so
-    ``tools`` stays declared too. The Horde does not test declarations: the
-    line tells the operator, who can load a model with a template.
-    """
+    """The WARNING for a model without a chat template: koboldcpp then renders chat
+    with its fallback tags (1.116.1 ``koboldcpp.py`` L4264-4270). Chat stays
+    declared, as the seed's worked example declares it for any loaded model: the
+    fallback is right for models trained on Alpaca's tags."""
     model = info.model_name.removeprefix("koboldcpp/")
     return (
         f"koboldcpp reports no chat template for model {model}: chat replies go through "
@@ -228,8 +154,6 @@ def no_chat_template_line(info: BackendInfo) -> str:
 def say_koboldcpp_found(
     info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
 ) -> None:
-    """Log :func:`koboldcpp_found_line`, and :func:`no_chat_template_line` as a
-    WARNING when the model carries no chat template and chat is declared."""
     log.info("%s", koboldcpp_found_line(info, settings, caps))
     if info.chat_template == "" and caps.chat:
         log.warning("%s", no_chat_template_line(info))
@@ -241,16 +165,9 @@ def open_journal(
     *,
     journal_setting: str = JOURNAL_DIR_ENV,
 ) -> Journal | None:
-    """The worker's job journal, held by this process (``Journal.lock``).
-
-    Returns None, after one WARNING line saying crash recovery is off and
-    why, when the journal cannot be kept in ``journal_directory``
-    (``journal_setting`` names how the operator moves it).
-
-    Raises:
-        ConfigError: another process on this machine serves the same worker
-            name (it holds the journal).
-    """
+    """The worker's job journal, locked by this process; None, after one WARNING
+    naming ``journal_setting``, when it cannot be kept in ``journal_directory``.
+    ConfigError when another process serves the same worker name."""
     journal = Journal(journal_path(worker_name, journal_directory))
     try:
         holder = journal.lock()
@@ -282,35 +199,24 @@ def start_recovery(
     model_id_default: str,
     stop_event: threading.Event,
     kcpp: tuple[str, str] | None = None,
-    connect_timeout_s: float | None = None,
+    connect_timeout_s: float = 10.0,
     deadlines: CallDeadlines | None = None,
 ) -> Recovery:
-    """Start the recovery of the jobs an earlier run left in hand, on a thread of
-    its own, now: it needs the Horde and the API key only, not koboldcpp
-    (``recovery.Recovery``).
+    """Start ending the jobs an earlier run left unfinished, on a thread of its own;
+    it needs the Horde and the key only.
 
-    Args:
-        journal: the worker's journal (:func:`open_journal`).
-        horde_url, api_key: the Horde and the key (sent only there).
-        model_id_default: the ``model_id`` of a chat fault whose entry has none.
-        stop_event: the worker's stop; it ends the recovery's pauses.
-        kcpp: ``(url, password)`` of the koboldcpp whose orphaned generations
-            to abort (standalone); None inside koboldcpp, whose restart ended
-            them.
-        connect_timeout_s: the clients' connect timeout (None: theirs).
-        deadlines: the stop's deadlines (``WorkerState.call_deadlines``, or
-            the host's before the state exists): at a stop the recovery's
-            pauses and calls end by them and the jobs the Horde has not
-            answered by then stay in the journal. None: a stop keeps them at once.
+    ``model_id_default``: the ``model_id`` of a chat fault whose entry has none.
+    ``kcpp``: ``(url, password)`` of the koboldcpp whose orphaned generations to
+    abort (None inside koboldcpp, whose restart ended them). ``deadlines``: at a
+    stop, the recovery's calls end by them and unanswered jobs stay in the
+    journal (None: a stop keeps them at once).
     """
     journal.serve(horde_url)  # its jobs record this Horde; another Horde's are left alone
-    extra: dict[str, Any] = {}
-    if connect_timeout_s is not None:
-        extra["connect_timeout_s"] = connect_timeout_s
 
     def horde() -> HordeClient:
         return HordeClient(
-            horde_url, api_key, bridge_agent=BRIDGE_AGENT, deadlines=deadlines, **extra
+            horde_url, api_key, bridge_agent=BRIDGE_AGENT, deadlines=deadlines,
+            connect_timeout_s=connect_timeout_s,
         )
 
     backend_factory = None
@@ -318,7 +224,7 @@ def start_recovery(
         url, password = kcpp
 
         def backend_factory() -> KoboldClient:
-            client = KoboldClient(url, password, **extra)
+            client = KoboldClient(url, password, connect_timeout_s=connect_timeout_s)
             client.deadlines = deadlines
             return client
 
@@ -343,48 +249,26 @@ def open_state(
     abort_orphans: bool = True,
     call_deadlines: CallDeadlines | None = None,
 ) -> WorkerState:
-    """A worker's shared state, with its journal and the recovery of the jobs an
-    earlier run left in hand under way (the loops wait for it before their
-    first pop: ``WorkerState.wait_recovered``).
+    """A worker's shared state, with its journal and the recovery under way (the
+    loops wait for it before their first pop).
 
-    Args:
-        settings: the worker's configuration (name, Horde, koboldcpp, model_id).
-        journal_directory: where the worker's journal file is
-            (``journal_paths.journal_path(settings.worker_name, journal_directory)``).
-        stop_event: the loops' stop event (a new one when None); it also ends
-            the recovery's pauses between attempts.
-        journal_setting: how the operator moves the journal (``--journal-dir``
-            standalone), named in the warning when it cannot be kept.
-        journal, recovery: a journal already opened and its recovery already
-            started (:func:`open_journal`, :func:`start_recovery`: the
-            standalone worker starts them before koboldcpp answers); None:
-            both are opened and started here.
-        abort_orphans: abort the recovered jobs' generations on the
-            configured koboldcpp (False inside koboldcpp).
-        call_deadlines: the stop's deadlines the host made before the state
-            (the ones its recovery already uses); None: the state's own, which
-            the recovery started here uses.
-
-    Returns:
-        The state to give every loop of the worker; without a journal when it
-        cannot be kept in ``journal_directory`` (one WARNING line).
-
-    Raises:
-        ConfigError: another process on this machine serves the same worker
-            name (it holds the journal, ``Journal.lock``).
+    ``journal`` and ``recovery``: already opened and started (the standalone
+    worker starts them before koboldcpp answers); None: done here, the recovery
+    aborting orphaned generations on koboldcpp when ``abort_orphans``. Without a
+    journal (one WARNING) the state has none. ConfigError when another process
+    serves the same worker name.
     """
     if journal is None:
         journal = open_journal(
             settings.worker_name, journal_directory, journal_setting=journal_setting
         )
-    if journal is None:
-        return WorkerState(
-            settings, stop_event=stop_event, journal=None, call_deadlines=call_deadlines
-        )
-    journal.serve(settings.horde_url)
+    if journal is not None:
+        journal.serve(settings.horde_url)
     state = WorkerState(
         settings, stop_event=stop_event, journal=journal, call_deadlines=call_deadlines
     )
+    if journal is None:
+        return state
     if recovery is None:
         recovery = start_recovery(
             journal,
@@ -405,9 +289,7 @@ def horde_client(
     deadlines: CallDeadlines | None = None,
     watch: HordeWatch | None = None,
 ) -> HordeClient:
-    """A Horde client for the worker's Horde, key and bridge agent (one per thread);
-    its calls end by the stop's ``deadlines`` (``WorkerState.call_deadlines``) and
-    are watched by ``watch`` (:func:`horde_watch`)."""
+    """A Horde client for one thread; its calls end by the stop's ``deadlines``."""
     return HordeClient(
         settings.horde_url,
         settings.api_key,
@@ -423,8 +305,7 @@ _WATCHES_LOCK = threading.Lock()
 
 
 def horde_watch(state: WorkerState) -> HordeWatch:
-    """The one ``watch.HordeWatch`` of a worker (all its loops' Horde clients):
-    it says when the Horde stops answering and answers again, once per episode."""
+    """The one ``HordeWatch`` of all a worker's loops' Horde clients."""
     with _WATCHES_LOCK:
         watch = _WATCHES.get(state)
         if watch is None:
@@ -435,8 +316,8 @@ def horde_watch(state: WorkerState) -> HordeWatch:
 def kcpp_client(
     settings: WorkerSettings, deadlines: CallDeadlines | None = None
 ) -> KoboldClient:
-    """A koboldcpp client for the worker's koboldcpp (one per thread); its calls
-    other than generations end by the stop's ``deadlines``."""
+    """A koboldcpp client for one thread; its calls other than generations end by
+    the stop's ``deadlines``."""
     client = KoboldClient(
         settings.kcpp_url, settings.kcpp_password, connect_timeout_s=settings.connect_timeout_s
     )
@@ -454,13 +335,8 @@ def run_worker(
     backend: KcppAPI | None = None,
     state: WorkerState | None = None,
 ) -> int:
-    """Build the clients and run one pop loop until stopped; returns the exit code.
-
-    One ``requests.Session`` per client and per thread: call this once per
-    worker thread. ``state`` is shared with the worker's other loops. The API
-    key is checked first (``key_check.check_api_key``, once for all the loops):
-    a key the Horde refuses returns 3 before any pop, after one ERROR line.
-    """
+    """Build one thread's clients and run one pop loop until stopped; the exit code
+    (3, after one ERROR line, when the Horde refuses the key before any pop)."""
     if state is None:
         state = WorkerState(settings, stop_event=stop_event)
     deadlines = state.call_deadlines

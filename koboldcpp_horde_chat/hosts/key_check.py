@@ -1,12 +1,7 @@
-"""The API key checked at start, before any pop (``GET /api/v2/find_user``).
-
-Both hosts ask once (the standalone worker before its journal and the wait
-for koboldcpp, ``hosts/standalone.py``; every host's loops in
-``hosting.run_worker``, which share the first answer), so a wrong key fails in
-one line at the start instead of at the first pop. The Horde's answers are
-read as the real Horde gives them (its ``FindUser``: 404 ``UserNotFound`` for a
-key it does not know, 401 ``InvalidAPIKey`` for none, user id 0 for the
-anonymous key).
+"""The API key checked once at start (``GET /api/v2/find_user``), so a wrong key
+fails in one line then, not at the first pop. The real Horde answers 404
+``UserNotFound`` for a key it does not know, 401 ``InvalidAPIKey`` for none and
+user id 0 for the anonymous key.
 """
 
 from __future__ import annotations
@@ -27,10 +22,13 @@ log = logging.getLogger("koboldcpp_horde_chat.hosting")
 #: The read timeout of the start's key check, seconds: a Horde that does not
 #: answer by then does not hold the start up longer.
 KEY_CHECK_TIMEOUT_S = 10.0
-_KEY_CHECKS: dict[tuple[str, str], str | None] = {}
-#: The ``trusted`` flag of each key's owner, as the key check's answer gave it.
-_OWNERS_TRUSTED: dict[tuple[str, str], bool] = {}
+#: (refusal line or None, owner's ``trusted`` flag or None), by Horde and key hash.
+_KEY_CHECKS: dict[tuple[str, str], tuple[str | None, bool | None]] = {}
 _KEY_CHECKS_LOCK = threading.Lock()
+
+
+def _key(horde_url: str, api_key: str) -> tuple[str, str]:
+    return horde_url, hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()
 
 
 def check_api_key(
@@ -41,39 +39,26 @@ def check_api_key(
     connect_timeout_s: float = 5.0,
     timeout_s: float = KEY_CHECK_TIMEOUT_S,
 ) -> str | None:
-    """Ask the Horde whose ``api_key`` it is (``GET /api/v2/find_user``) before
-    any pop, once per Horde and key in this process (the hosts' loops share the
-    answer): the line saying why the Horde refuses the key, or None.
+    """Why the Horde refuses ``api_key``, in one line, or None; asked once per Horde
+    and key in this process.
 
-    A key the Horde does not know (401, 403 with a credentials ``rc``, 404
-    ``UserNotFound``) or the anonymous key (user id 0, which may not run a
-    worker) is refused, e.g. ``"the Horde at https://aihorde.net refused the API
-    key (404 UserNotFound): check your API key (--hordekey): the Horde knows no
-    user with it"``; the Horde's message is left out (it repeats the key). A
-    known key logs one line naming its user. A Horde that does not answer, or
-    answers the check otherwise (a route it lacks, 5xx), does not hold the
-    start up: one WARNING line says so and None is returned (a wrong key then
-    shows at the first pop).
+    A key the Horde does not know, or the anonymous one, is refused (the Horde's
+    message is left out: it repeats the key). A Horde that does not answer the
+    check holds nothing up: one WARNING line, and None.
     """
-    key = (horde_url, hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest())
+    key = _key(horde_url, api_key)
     with _KEY_CHECKS_LOCK:
-        if key in _KEY_CHECKS:
-            return _KEY_CHECKS[key]
-        problem, trusted = _ask_find_user(
-            horde_url, api_key, deadlines, connect_timeout_s, timeout_s
-        )
-        _KEY_CHECKS[key] = problem
-        if trusted is not None:
-            _OWNERS_TRUSTED[key] = trusted
-        return problem
+        if key not in _KEY_CHECKS:
+            _KEY_CHECKS[key] = _ask_find_user(
+                horde_url, api_key, deadlines, connect_timeout_s, timeout_s
+            )
+        return _KEY_CHECKS[key][0]
 
 
 def owner_trusted(horde_url: str, api_key: str) -> bool | None:
-    """The ``trusted`` flag of the key's owner from the key check's answer
-    (:func:`check_api_key`), or None when it did not say."""
-    key = (horde_url, hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest())
+    """The key owner's ``trusted`` flag from :func:`check_api_key`'s answer, or None."""
     with _KEY_CHECKS_LOCK:
-        return _OWNERS_TRUSTED.get(key)
+        return _KEY_CHECKS.get(_key(horde_url, api_key), (None, None))[1]
 
 
 def _ask_find_user(
@@ -83,8 +68,6 @@ def _ask_find_user(
     connect_timeout_s: float,
     timeout_s: float,
 ) -> tuple[str | None, bool | None]:
-    """One key check (see :func:`check_api_key`): the refusal's line or None, and
-    the owner's ``trusted`` flag when the Horde gave it."""
     refused = f"the Horde at {horde_url} refused the API key"
     advice = POP_REFUSALS["InvalidAPIKey"][1]
     try:

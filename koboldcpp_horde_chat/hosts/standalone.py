@@ -1,15 +1,6 @@
-"""The standalone worker beside a running koboldcpp: its start-up and run.
-
-``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]`` (see
-:mod:`.cli`) serves chat and text jobs for the model loaded in the koboldcpp at
-``--kcpp-url``; :func:`run_standalone` is that command: its flags
-(``hosts.standalone_flags``), koboldcpp read into the worker's settings
-(:func:`settings_from_args`), the recovery, the pop loops and the signals. The
-demo runs the same function against a local dev Horde.
-
-Flag names and meanings follow koboldcpp's own (``--hordegenlen``,
-``--hordemaxctx``, ``--hordemodelname``...). Seed: "Worked example:
-koboldcpp's embedded worker".
+"""The standalone worker beside a running koboldcpp (``koboldcpp-horde-chat --hordekey
+KEY --hordeworkername NAME``): koboldcpp read into settings, the recovery, the pop
+loops and the signals. Seed: "Worked example: koboldcpp's embedded worker".
 """
 from __future__ import annotations
 
@@ -19,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -71,15 +62,7 @@ def settings_from_args(
     wait_s: float | None = 0.0,
     stop_event: threading.Event | None = None,
 ) -> tuple[WorkerSettings, BackendCapabilities]:
-    """Read the running koboldcpp and the flags into settings
-    (:func:`read_koboldcpp`, then :func:`settings_from_info`).
-
-    Waits for koboldcpp to answer: up to ``wait_s`` seconds, or as long as
-    it takes when ``wait_s`` is None, logging every 30 s; ``stop_event``
-    ends the wait. Raises ConfigError for a bad flag, an unreachable (within
-    ``wait_s``) or protected koboldcpp, a refused password, no model loaded,
-    or ``--chat-only`` with a koboldcpp that has no chat route.
-    """
+    """The flags and the running koboldcpp as settings and capabilities."""
     info = read_koboldcpp(args, backend, wait_s=wait_s, stop_event=stop_event)
     return settings_from_info(args, info)
 
@@ -91,9 +74,12 @@ def read_koboldcpp(
     wait_s: float | None = 0.0,
     stop_event: threading.Event | None = None,
 ) -> BackendInfo:
-    """What the running koboldcpp reports (``KoboldClient.info``: its model,
-    context, version, vision and chat template), once it answers (see
-    :func:`settings_from_args` for the wait and the errors)."""
+    """What the running koboldcpp reports, once it answers.
+
+    Waits up to ``wait_s`` seconds (None: as long as it takes, logging every
+    30 s) or until ``stop_event``. ConfigError for a bad flag, a koboldcpp that
+    does not answer in time, or one that refuses the password.
+    """
     check_flags(args)
     stopper = stop_event if stop_event is not None else threading.Event()
     started = time.monotonic()
@@ -134,12 +120,9 @@ def read_koboldcpp(
 def settings_from_info(
     args: argparse.Namespace, info: BackendInfo
 ) -> tuple[WorkerSettings, BackendCapabilities]:
-    """The flags and what koboldcpp reported (:func:`read_koboldcpp`) as the
-    worker's settings and koboldcpp's capabilities: vision as reported, chat
-    only when its version has the chat route (``koboldcpp.versions``).
-
-    Raises ConfigError for no model loaded, or ``--chat-only`` with a koboldcpp
-    too old for chat."""
+    """The flags and koboldcpp's report as settings and capabilities (chat only when
+    its version has the chat route). ConfigError for no model loaded, or
+    ``--chat-only`` with a koboldcpp too old for chat."""
     withhold = parse_withhold(args.chat_withhold)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
@@ -179,70 +162,27 @@ def settings_from_info(
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
-    """Run the worker until SIGINT or SIGTERM (or ``stop_event``); returns the exit code.
+    """Run the worker until SIGINT or SIGTERM (or ``stop_event``); the exit code.
 
-    Ends the jobs the journal says an earlier run left in hand as soon as the
-    Horde answers, on a thread of its own (``recovery.Recovery``); meanwhile
-    waits for koboldcpp for ``--kcpp-wait`` seconds, or as long as it takes
-    without that flag (a signal ends the wait). Then runs ``--parallelrequests`` pop
-    loops sharing one state. A first signal stops popping; a job in hand may
-    finish within ``--stop-grace`` seconds, else it is aborted and faulted. A
-    second signal faults the jobs in hand at once and exits. Exit codes: 0
-    after a requested stop, 2 for a configuration error (koboldcpp not
-    answering within ``--kcpp-wait`` among them) or a declaration the Horde
-    refused, 3 for an API key the Horde refused (checked first, before the
-    journal and the wait for koboldcpp: ``key_check.check_api_key``), 130 after a
+    A first signal stops popping and lets the jobs being served finish within
+    ``--stop-grace`` seconds, else faults them; a second faults them at once.
+    Exit codes: 0 after a requested stop, 2 for a configuration error or a
+    refused declaration, 3 for a refused API key (checked first), 130 after a
     second signal.
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level if args.log_level in LOG_LEVELS else "INFO")
-    if stop_event is None:
-        stop_event = threading.Event()
-    stopper = stop_event
+    stopper = stop_event if stop_event is not None else threading.Event()
     states: list[WorkerState] = []
     # The stop's deadlines exist before any state: a signal during the recovery or
     # the wait for koboldcpp bounds their calls too (the states share them).
     deadlines = CallDeadlines()
     forced: list[bool] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopper.is_set():
-            log.warning("second signal: faulting the jobs in hand and exiting now")
-            forced.append(True)
-            for state in states:
-                state.fault_jobs_now()
-            raise SystemExit(130)
-        if states:
-            in_hand = len(states[0].jobs_in_hand())
-            if in_hand:
-                log.info(
-                    "signal %d: finishing the %s in hand (within %g s, else faulted), "
-                    "then stopping",
-                    signum,
-                    "job" if in_hand == 1 else f"{in_hand} jobs",
-                    args.stop_grace,
-                )
-            else:
-                log.info("signal %d: stopping (no job in hand)", signum)
-            states[0].request_stop(args.stop_grace)
-        else:
-            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
-            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
-            stopper.set()
-
     if threading.current_thread() is threading.main_thread():
+        on_signal = _signal_handler(args, stopper, states, deadlines, forced)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-
-    # A directory the operator named must keep the journal (else exit 2); the
-    # default one only turns crash recovery off, saying so (hosting.open_journal).
-    journal_source: str | None = None
-    if args.journal_dir:
-        directory, journal_source = Path(args.journal_dir).expanduser(), "--journal-dir"
-    else:
-        directory = journal_dir()
-        if os.environ.get(JOURNAL_DIR_ENV, "").strip():
-            journal_source = JOURNAL_DIR_ENV
+    directory, journal_source = _journal_directory(args)
     # The jobs an earlier run left in hand go first, as soon as the Horde answers:
     # their leases run while koboldcpp loads or restarts, so the recovery does
     # not wait for it (the pop loops wait for the recovery).
@@ -271,12 +211,12 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             horde_url=args.horde_url,
             api_key=args.hordekey,
             model_id_default=standalone_model_id("", args.hordemodelname),
-            stop_event=stop_event,
+            stop_event=stopper,
             kcpp=(args.kcpp_url, args.kcpp_password),
             deadlines=deadlines,
         )
     try:
-        return _run_declared(args, stop_event, states, directory, journal, recovery, deadlines)
+        return _run_declared(args, stopper, states, directory, journal, recovery, deadlines)
     finally:
         # The recovery's last attempts end by the stop's deadline; the rest stays
         # in the journal, which is released only then (not after a second signal).
@@ -284,6 +224,53 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             recovery.finish(args.stop_grace)
         if journal is not None:
             journal.unlock()
+
+
+def _journal_directory(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The journal's directory, and the flag or variable that named it: a directory
+    the operator named must keep the journal (else exit 2); the default one only
+    turns crash recovery off, saying so (``hosting.open_journal``)."""
+    if args.journal_dir:
+        return Path(args.journal_dir).expanduser(), "--journal-dir"
+    named = JOURNAL_DIR_ENV if os.environ.get(JOURNAL_DIR_ENV, "").strip() else None
+    return journal_dir(), named
+
+
+def _signal_handler(
+    args: argparse.Namespace,
+    stopper: threading.Event,
+    states: list[WorkerState],
+    deadlines: CallDeadlines,
+    forced: list[bool],
+) -> Callable[[int, FrameType | None], None]:
+    """The SIGINT and SIGTERM handler: the first signal stops, the second exits."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stopper.is_set():
+            log.warning("second signal: faulting the jobs in hand and exiting now")
+            forced.append(True)
+            for state in states:
+                state.fault_jobs_now()
+            raise SystemExit(130)
+        if states:
+            in_hand = len(states[0].jobs_in_hand())
+            if in_hand:
+                log.info(
+                    "signal %d: finishing the %s in hand (within %g s, else faulted), "
+                    "then stopping",
+                    signum,
+                    "job" if in_hand == 1 else f"{in_hand} jobs",
+                    args.stop_grace,
+                )
+            else:
+                log.info("signal %d: stopping (no job in hand)", signum)
+            states[0].request_stop(args.stop_grace)
+        else:
+            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
+            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
+            stopper.set()
+
+    return on_signal
 
 
 def _run_declared(
@@ -295,8 +282,8 @@ def _run_declared(
     recovery: Recovery | None,
     deadlines: CallDeadlines,
 ) -> int:
-    """Read koboldcpp, declare and serve; read it again and declare anew when it
-    came back serving something else. The exit code."""
+    """Read koboldcpp, declare and serve; again when koboldcpp came back serving
+    something else. The exit code."""
     while True:
         try:
             backend = KoboldClient(args.kcpp_url, args.kcpp_password)
@@ -326,13 +313,7 @@ def _run_declared(
         manners = StandaloneManners(
             backend,
             check_busy=args.parallelrequests <= 1,
-            identity=BackendIdentity(
-                settings.backend_model_name,
-                settings.backend_max_context_length,
-                settings.vision,
-                version=info.version,
-                chat_template=info.chat_template,
-            ),
+            identity=BackendIdentity.of(info),
         )
         code = _serve(settings, caps, state, manners, args.parallelrequests)
         if manners.changed is None or stop_event.is_set():
@@ -347,7 +328,6 @@ def _serve(
     manners: StandaloneManners,
     slots: int,
 ) -> int:
-    """Run ``slots`` pop loops on threads of their own until they stop; the exit code."""
     codes: list[int] = []
 
     def serve(worker_id: int) -> None:

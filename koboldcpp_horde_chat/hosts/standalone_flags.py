@@ -1,12 +1,6 @@
-"""The standalone worker's flags: parsed, checked and resolved (no koboldcpp needed).
-
-``koboldcpp-horde-chat --hordekey KEY --hordeworkername NAME [...]``: the
-flags :func:`build_parser` takes, each checked by :func:`check_flags` with a
-message naming the flag (or the environment variable a bad value came from).
-Flag names and meanings follow koboldcpp's own (``--hordegenlen``,
-``--hordemaxctx``, ``--hordemodelname``...). Reading koboldcpp into the
-worker's settings and the run: ``hosts.standalone``. Seed: "Worked example:
-koboldcpp's embedded worker".
+"""The standalone worker's flags, parsed and checked with messages naming the flag
+(or the environment variable a bad value came from). Their names and meanings
+follow koboldcpp's own (``--hordegenlen``, ``--hordemaxctx``...).
 """
 
 from __future__ import annotations
@@ -67,13 +61,9 @@ KOBOLDCPP_HABITS = {
 def unknown_argument_hint(
     given: str, flags: Iterable[str], subcommands: Iterable[str] = ()
 ) -> str:
-    """What to say about an argument the parser does not know, in one clause.
-
-    ``given`` is the argument as typed (``--port``, ``--hordkey=KEY``, ``dmeo``);
-    ``flags`` the parser's option strings. koboldcpp's own flags get the worker's
-    (:data:`KOBOLDCPP_HABITS`), others the nearest flag or subcommand by
-    ``difflib``; "" when nothing is near.
-    """
+    """A hint for an argument the parser does not know (``--port``, ``dmeo``), in one
+    clause: the worker's flag for one of koboldcpp's, else the nearest flag or
+    subcommand; "" when nothing is near."""
     name = given.split("=", 1)[0]
     long_flags = [f for f in flags if f.startswith("--")]
     if name in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[name][0] in long_flags:
@@ -87,11 +77,8 @@ def unknown_argument_hint(
 
 
 class FlagParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose mistakes are one line on stderr, exit code 2.
-
-    In place of argparse's usage dump: the error, for an unknown argument the
-    nearest flag (:func:`unknown_argument_hint`), and where the flags are listed.
-    """
+    """An ``ArgumentParser`` whose mistakes are one line on stderr (exit code 2), not
+    argparse's usage dump."""
 
     def __init__(self, *args: object, subcommands: Iterable[str] = (), **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -127,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_where_flags(p)
+    _add_declaration_flags(p)
+    _add_run_flags(p)
+    return p
+
+
+def _add_where_flags(p: argparse.ArgumentParser) -> None:
+    """The key, the name, and where koboldcpp and the Horde are."""
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "--hordekey",
@@ -163,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the Horde's URL (default: the AI_HORDE_URL environment variable, else "
         f"{DEFAULT_HORDE_URL})",
     )
+
+
+def _add_declaration_flags(p: argparse.ArgumentParser) -> None:
+    """What the worker declares to the Horde."""
     p.add_argument(
         "--hordemodelname",
         default="",
@@ -215,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)",
     )
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallelrequests",
         type=int,
@@ -245,14 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)",
     )
-    return p
 
 
 def parse_withhold(text: str) -> frozenset[str]:
-    """``"json_schema, tools"`` -> ``frozenset({"json_schema", "tools"})``.
-
-    Raises ConfigError for a name that is not a known feature or guarantee.
-    """
+    """``"json_schema, tools"`` -> ``frozenset({"json_schema", "tools"})``; ConfigError
+    for an unknown name."""
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     unknown = sorted(names - set(WITHHOLDABLE))
     if unknown:
@@ -264,13 +263,7 @@ def parse_withhold(text: str) -> frozenset[str]:
 
 
 def normalise_url(value: str, flag: str) -> str:
-    """``value`` as a base URL without a trailing slash (:func:`hosting.check_url`).
-
-    ``flag`` names where the value came from (``--horde-url``, ``AI_HORDE_URL``,
-    ``--kcpp-url`` or ``KCPP_URL``). A Horde URL given with the API path
-    (``https://aihorde.net/api/v2``) is cut back to its base. Raises
-    ConfigError, naming ``flag``, for anything but an http(s) URL.
-    """
+    """``value`` checked by ``hosting.check_url``, as a Horde URL when ``flag`` names one."""
     return check_url(value, flag, horde=flag in (HORDE_URL_FLAG, HORDE_URL_ENV))
 
 
@@ -281,13 +274,8 @@ def resolve_url(
     default: str,
     environ: Mapping[str, str] | None = None,
 ) -> str:
-    """The URL to use, normalised by :func:`normalise_url`.
-
-    The flag's value when it was given (``given`` is not None); else the
-    environment variable ``env_name`` when it is set and not blank; else
-    ``default``. Raises ConfigError naming the flag or the variable the bad
-    value came from, e.g. ``AI_HORDE_URL needs an http:// or https:// URL``.
-    """
+    """The flag's value when given, else ``env_name``'s when not blank, else ``default``;
+    checked, naming the flag or the variable a bad value came from."""
     if given is not None:
         return normalise_url(given, flag)
     env = os.environ if environ is None else environ
@@ -298,12 +286,8 @@ def resolve_url(
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Check the flags that need no koboldcpp.
-
-    Resolves and normalises the URLs in ``args`` (:func:`resolve_url`) and
-    strips the worker name. Raises ConfigError with a message naming the flag
-    (or the environment variable a bad URL came from).
-    """
+    """Check the flags that need no koboldcpp, resolving the URLs and the worker name
+    in ``args``; ConfigError naming the flag."""
     if args.log_level not in LOG_LEVELS:  # argparse checks the flag, not its default
         raise ConfigError(
             f"{LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}"

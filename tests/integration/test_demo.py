@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat import demo
-from koboldcpp_horde_chat.demo import cases, command, main
+from koboldcpp_horde_chat.demo import cases, command, main, verdict
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.run import chat as chat_run
@@ -331,13 +331,13 @@ def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
         },
         "stream": [{"content": "short"}, {"content": "p" * 30}],
     }
-    line = command._describe(case, status)
+    line = verdict._describe(case, status)
     assert "content=null" in line and "'None'" not in line
     assert f"reasoning='{'r' * 39}\u2026'" in line
     assert f"arrived in 2 progress posts: ['short', '{'p' * 23}\u2026']" in line
     text = demo.DemoCase("text job", "text", {})
-    assert command._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
-    assert command._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
+    assert verdict._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
+    assert verdict._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
 
 
 def test_every_demo_flag_has_help_text() -> None:

@@ -8,9 +8,9 @@ package-level import graph:
   that room; a loop hidden behind annotations is still a loop);
 - an import goes from a room to a room on a lower floor, never to a room on
   its own floor or above it; a room's own modules import each other freely;
-- the entry points koboldcpp's patches import (``FORWARDERS``: ``kcpp_hook``,
-  and ``kcpp.hook`` of earlier patches) are rooms of their own on the
-  floor above the hosts they forward to (beside the demo), and hold nothing but the forwarding;
+- the entry point koboldcpp's patches import (``FORWARDERS``: ``kcpp_hook``)
+  is a room of its own on the floor above the hosts it forwards to (beside
+  the demo), and holds nothing but the forwarding;
 - a seam's Protocol module (``api.py``) imports no implementation;
 - the benchmarks import nothing from ``tests/`` (what both use lives in
   ``bench/harness/``).
@@ -36,7 +36,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("run",),
     ("service",),
     ("hosts",),
-    ("demo", "kcpp", "kcpp_hook"),
+    ("demo", "kcpp_hook"),
     ("cli",),
 )
 #: The package's top-level modules, by room (a subpackage is a room of its own).
@@ -54,10 +54,8 @@ TOP_LEVEL_ROOMS = {
     "__main__": "cli",
 }
 #: Modules that only keep an import path the koboldcpp patches use: ``kcpp_hook``
-#: for every shipped patch, ``kcpp.hook`` for the patches of the development tree
-#: between 0.1.0 and 0.2.0.dev0. Each is a room of its own (``kcpp`` holds
-#: nothing else).
-FORWARDERS = ("kcpp_hook", "kcpp.hook")
+#: for every shipped patch. Each is a room of its own.
+FORWARDERS = ("kcpp_hook",)
 #: The seams' Protocol modules: they import no implementation.
 PROTOCOL_MODULES = ("horde.api", "koboldcpp.api")
 
@@ -170,8 +168,8 @@ def test_the_two_sides_know_nothing_of_each_other_and_the_hosts_sit_on_top() -> 
     assert {"horde", "koboldcpp"} <= graph["translate"]
     assert {"service", "state"} <= graph["hosts"]
     above_hosts = [room for room, imported in graph.items() if "hosts" in imported]
-    assert sorted(above_hosts) == ["cli", "demo", "kcpp", "kcpp_hook"]
-    assert graph["kcpp"] == {"hosts"} and graph["kcpp_hook"] == {"hosts"}
+    assert sorted(above_hosts) == ["cli", "demo", "kcpp_hook"]
+    assert graph["kcpp_hook"] == {"hosts"}
 
 
 def test_a_forwarder_holds_only_the_forwarding() -> None:

@@ -39,7 +39,6 @@ RELEASES = ("1.116.1", "1.117.1")
 #: a koboldcpp patched with any of them serves through today's package.
 EARLIER_PATCH_DIRS = {
     "0.1.0": ROOT / "tests" / "data" / "earlier-patches" / "0.1.0",
-    "0.1.0-kcpp.hook": ROOT / "tests" / "data" / "earlier-patches" / "0.1.0-kcpp.hook",
 }
 #: Every patch a koboldcpp may carry: (which, release) -> its file.
 EVERY_PATCH = {
@@ -742,21 +741,16 @@ def test_the_entry_point_every_patch_imported_is_kept_with_its_signature() -> No
     import inspect
 
     from koboldcpp_horde_chat import kcpp_hook as entry
-    from koboldcpp_horde_chat.kcpp import hook
 
     expected = [
         "kcpp", "args", "api_key", "worker_name", "worker_id", "parallel_batching_threads"
     ]
-    for module in (entry, hook):
-        assert list(inspect.signature(module.run_horde_worker).parameters) == expected
+    assert list(inspect.signature(entry.run_horde_worker).parameters) == expected
     imported = {
         re.search(r"^\+\s+(from koboldcpp_horde_chat\S* import .+)$", path.read_text(), re.M)[1]  # type: ignore[index]
         for path in EVERY_PATCH.values()
     }
-    assert imported == {
-        "from koboldcpp_horde_chat import kcpp_hook",
-        "from koboldcpp_horde_chat.kcpp import hook as kcpp_hook",
-    }
+    assert imported == {"from koboldcpp_horde_chat import kcpp_hook"}
 
 
 def test_both_releases_carry_the_same_change() -> None:
@@ -1051,14 +1045,12 @@ def test_a_koboldcpp_patched_for_an_earlier_version_runs_this_worker_after_an_up
     which: str, release: str, tmp_path: Path
 ) -> None:
     """The upgrade that silently dropped the worker: a koboldcpp patched for 0.1.0
-    (or for the development tree after it) with today's package installed runs the
-    package's worker, says nothing, and never falls back to koboldcpp's own."""
+    with today's package installed runs the package's worker, says nothing, and
+    never falls back to koboldcpp's own."""
     package = ROOT / "koboldcpp_horde_chat"
     entry = (package / "kcpp_hook.py").read_text(encoding="utf-8")
-    earlier_entry = (package / "kcpp" / "hook.py").read_text(encoding="utf-8")
     assert "from .hosts import inside_kcpp" in entry
-    assert "from ..hosts import inside_kcpp" in earlier_entry
-    # The package as installed (both entry paths as they are), its hook replaced
+    # The package as installed (its entry path as it is), its hook replaced
     # by one that says it ran.
     out = run_patched_koboldcpp(
         release,
@@ -1067,8 +1059,6 @@ def test_a_koboldcpp_patched_for_an_earlier_version_runs_this_worker_after_an_up
         which,
         package_files={
             "kcpp_hook.py": entry,
-            "kcpp/__init__.py": "",
-            "kcpp/hook.py": earlier_entry,
             "hosts/__init__.py": "",
             "hosts/inside_kcpp.py": "def run_horde_worker(kcpp, *a):\n    print('this worker: started', a)",
         },

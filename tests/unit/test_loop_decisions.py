@@ -629,7 +629,7 @@ BUSY = {"idle": 0, "queue": 0, "idletime": 0.0}
 
 def standalone(backend: PerfBackend) -> tuple[StandaloneManners, FakeClock]:
     clock = FakeClock()
-    return StandaloneManners(backend, clock=clock, monotonic=clock), clock
+    return StandaloneManners(backend, clock=clock), clock
 
 
 def test_an_idle_koboldcpp_is_asked_for_perf_at_most_once_a_second() -> None:
@@ -862,7 +862,7 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
     )
     clock = FakeClock()
     manners = StandaloneManners(
-        backend, clock=clock, monotonic=clock,
+        backend, clock=clock,
         identity=BackendIdentity("koboldcpp/Small", 2048, False, version="1.116.1"),
     )
     for _ in range(3):

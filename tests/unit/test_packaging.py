@@ -439,7 +439,7 @@ def test_the_citation_check_sees_a_sheet_citation(tmp_path: Path) -> None:
     assert unshipped_sheet_citations(tmp_path) == ["docs/x.md:2"]
 
 
-ROOMS = ("horde", "koboldcpp", "kcpp", "translate", "state", "run", "service", "hosts", "devkit")
+ROOMS = ("horde", "koboldcpp", "translate", "state", "run", "service", "hosts", "devkit")
 """The package's rooms, whose ``__init__.py`` holds only the room's docstring."""
 
 
