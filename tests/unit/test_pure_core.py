@@ -30,6 +30,8 @@ PURE_CORE = (
     "state/lease_figures",
     "state/probes",
     "state/refaults",
+    "state/submit_answers",
+    "state/journal_rules",
     "jsonbody",
 )
 FORBIDDEN_MODULES = {"requests", "urllib", "urllib3", "socket", "http", "threading"}
