@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..horde.codes import CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT
 from .cases import DemoCase, _content, _done
 
 #: What a chat job's submitted ``finish_reason`` may be (seed 000, step 6).
@@ -114,8 +115,8 @@ def _model_refusal(entry: dict[str, Any]) -> bool:
     built (seed 000, "Submit refusals")."""
     rc = entry.get("rc")
     message = str(entry.get("message") or "")
-    return rc == "ChatSubmitNonconformant" or (
-        rc == "ChatSubmitInvalid" and "not a function of the request" in message
+    return rc == CHAT_SUBMIT_NONCONFORMANT or (
+        rc == CHAT_SUBMIT_INVALID and "not a function of the request" in message
     )
 
 

@@ -13,7 +13,7 @@ import threading
 from .. import BRIDGE_AGENT
 from ..errors import ConfigError, HordeRefusal, HordeUnavailable
 from ..horde.client import HordeClient
-from ..horde.codes import is_key_refusal
+from ..horde.codes import USER_NOT_FOUND, is_key_refusal
 from ..inflight import CallDeadlines
 from ..state.status import POP_REFUSALS
 
@@ -79,7 +79,7 @@ def _ask_find_user(
     except ConfigError as exc:
         return f"{refused}: {exc}", None
     except HordeRefusal as exc:
-        if is_key_refusal(exc) or (exc.status == 404 and exc.rc == "UserNotFound"):
+        if is_key_refusal(exc) or (exc.status == 404 and exc.rc == USER_NOT_FOUND):
             named = f"{exc.status} {exc.rc}" if exc.rc else str(exc.status)
             return f"{refused} ({named}): {advice}", None
         log.warning(

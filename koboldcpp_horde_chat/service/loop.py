@@ -18,6 +18,7 @@ from typing import Any
 from ..clock import Clock
 from ..errors import HordeError, HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
+from ..horde.codes import WORKER_MAINTENANCE
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import PopAnswer, read_pop
 from ..koboldcpp.api import KcppAPI
@@ -354,7 +355,7 @@ class Worker:
         elif advice.action == "stop_config":
             self.state.stop_for_config(advice.line)
         elif advice.action == "owner":
-            reason = "maintenance" if exc.rc == "WorkerMaintenance" else "refused"
+            reason = "maintenance" if exc.rc == WORKER_MAINTENANCE else "refused"
             self._pause(reason, MAINTENANCE_POLL_S, advice.line,
                         again=f"worker {self.worker_id}: still refused ({exc.rc or exc.status})")
         else:

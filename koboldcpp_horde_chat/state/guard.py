@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal
 
+from ..horde.codes import CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT
+
 HOUR_S: Final = 3600.0
 HORDE_FAULT_LIMIT_PER_HOUR: Final = 20
 """More aborted jobs than this in an hour put a worker into maintenance."""
@@ -240,9 +242,9 @@ def refused_reply_features(
     at: :func:`refusal_features` for ``ChatSubmitNonconformant``; ``"tools"``
     for ``ChatSubmitInvalid`` of a reply that made tool calls (the model's calls
     failed, not chat); nothing otherwise."""
-    if rc == "ChatSubmitNonconformant":
+    if rc == CHAT_SUBMIT_NONCONFORMANT:
         return refusal_features(payload, declared)
-    if rc == "ChatSubmitInvalid" and "tools" in payload and "tools" in set(declared):
+    if rc == CHAT_SUBMIT_INVALID and "tools" in payload and "tools" in set(declared):
         message = reply.get("message")
         calls = message.get("tool_calls") if isinstance(message, Mapping) else None
         if isinstance(calls, list) and calls:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import HordeRefusal, JobFault
+from ..horde.codes import CHAT_SUBMIT_NONCONFORMANT
 from ..horde.pop import Lease
 from .guard import refused_reply_features
 from .journal import GENKEY_PREFIX, Journal, JournalEntry
@@ -234,7 +235,7 @@ class Outcome:
             return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}")
         ctx, payload, state = self.chat
         names = refused_reply_features(exc.rc, payload, self.body, ctx.declared_features)
-        if exc.rc == "ChatSubmitNonconformant" and not names:
+        if exc.rc == CHAT_SUBMIT_NONCONFORMANT and not names:
             log.warning(
                 "job=%s nonconformant reply not attributable to a declared guarantee "
                 "or feature (payload keys %s)",

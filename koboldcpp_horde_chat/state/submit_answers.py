@@ -13,7 +13,13 @@ from enum import Enum
 from typing import Any
 
 from ..errors import HordeRefusal, HordeUnavailable, JobFault
-from ..horde.codes import REFUSAL_RCS, is_key_refusal
+from ..horde.codes import (
+    ABORTED_GEN,
+    CHAT_SUBMIT_NONCONFORMANT,
+    DUPLICATE_GEN,
+    REFUSAL_RCS,
+    is_key_refusal,
+)
 from ..jsonbody import finite_number
 from ..translate.submits import FAULT_REPLY_REFUSED
 from .journal_rules import known_not_taken
@@ -75,10 +81,10 @@ def read_answer(answer: Answered, *, fault: bool) -> Reading:
         return Reading(Answer.LOST if lost else Answer.RETRY, answer, not_taken=not_taken)
     if is_key_refusal(answer):
         return Reading(Answer.KEY_REFUSED, answer)
-    if answer.rc == "DuplicateGen":
+    if answer.rc == DUPLICATE_GEN:
         return Reading(Answer.DUPLICATE, answer)
-    if answer.rc == "AbortedGen" or answer.status == 404:
-        return Reading(Answer.ENDED, answer, aborted=not fault and answer.rc == "AbortedGen")
+    if answer.rc == ABORTED_GEN or answer.status == 404:
+        return Reading(Answer.ENDED, answer, aborted=not fault and answer.rc == ABORTED_GEN)
     return Reading(Answer.REFUSED, answer)
 
 
@@ -90,7 +96,7 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
     return JobFault(
         f"reply refused ({exc.rc or exc.status}): {exc.message}",
         fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
-        counts=exc.rc != "ChatSubmitNonconformant",
+        counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT,
     )
 
 
