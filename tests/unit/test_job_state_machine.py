@@ -47,6 +47,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import sys
 import time
 import time as _real_time
 from collections import deque
@@ -247,7 +248,8 @@ class RetryClient:
 
 class RetryDesk:
     """Makes the Horde clients of submits retried on threads of their own, and
-    lets those threads go on one at a time when the machine says so."""
+    lets those threads go on one at a time when the machine says so. A client
+    made elsewhere (the loop's, for replies sent beside the next job) is not held."""
 
     def __init__(self, horde: SeamHorde) -> None:
         self.horde = horde
@@ -256,7 +258,10 @@ class RetryDesk:
         self._lock = threading.Lock()
 
     def make(self) -> RetryClient:
-        go, client = threading.Event(), RetryClient(self.horde)
+        client = RetryClient(self.horde)
+        if not threading.current_thread().name.startswith("submit-retry-"):
+            return client  # the client of replies sent beside the next job, made by the loop
+        go = threading.Event()
         with self._lock:
             self.waiting.append((go, client))
         go.wait(HUNG_S)
@@ -852,3 +857,26 @@ def test_a_job_popped_beside_a_submit_is_not_served_once_koboldcpp_is_known_to_h
     worker.run_once()
     assert horde.verdicts() == {"j1": "submitted", "j2": "faulted"}
     assert backend.calls.get("chat") == 1  # j1's only
+
+
+def test_a_reply_sent_beside_the_next_job_leaves_the_retried_submits_to_their_own_threads(
+    quiet: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence the machine found: a text generation of 2 s teaches the loop to
+    pop during the next one and to send that job's reply beside the job it brings.
+    The reply's Horde client is made on the loop's thread; the machine must not
+    take it for a submit retried on its own (it held the loop 10 s, then waited
+    forever for a retry that never started). Every job still ends once."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *args, **kwargs: None)
+    machine = JobLife()
+    machine.build(slots=1)
+    machine.script_the_next_answer(what=("slow", "generate", 2.0))
+    machine.give_up_a_job_in_hand(pick=0)
+    machine.hold_submit_retries(hold=False)
+    machine.run_once(beside=True, hold=False, hold_retries=False, jobs=[], slot=0, stop=None,
+                     submits=[])
+    started = time.monotonic()
+    machine.run_passes(jobs=["chat", "text", "text", "text"], passes=4, slot=0)
+    assert time.monotonic() - started < HUNG_S / 2
+    machine.one_terminal_action_and_nothing_after_it()
+    machine.teardown()
