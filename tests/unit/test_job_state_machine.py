@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import threading
-import sys
 import time
 import time as _real_time
 from collections import deque
