@@ -38,10 +38,6 @@ DEMO_IMAGE_DATA_URL = "data:image/jpeg;base64," + (
 Hope = Callable[[dict[str, Any]], str | None]
 
 
-def _hopes_nothing(status: dict[str, Any]) -> str | None:
-    return None
-
-
 @dataclass
 class DemoCase:
     """One client request, what the worker must do with it and what the model is hoped to do.
@@ -56,7 +52,7 @@ class DemoCase:
     name: str
     kind: str  # "chat" or "text"
     body: dict[str, Any]
-    hope: Hope = _hopes_nothing
+    hope: Hope | None = None
     expect_fault: str | None = None
     max_attempts: int = 2
     skip: str = ""
@@ -65,12 +61,8 @@ class DemoCase:
 
     @property
     def offered(self) -> frozenset[str]:
-        names = set()
-        for tool in self.body.get("tools") or []:
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("name"), str):
-                names.add(function["name"])
-        return frozenset(names)
+        """The names of the functions the request's tools offer."""
+        return frozenset(tool["function"]["name"] for tool in self.body.get("tools") or [])
 
     @property
     def features_needed(self) -> list[str]:
@@ -78,9 +70,9 @@ class DemoCase:
         if self.kind != "chat":
             return []
         needed = ["tools"] if self.body.get("tools") else []
-        fmt = self.body.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
-            needed.append(str(fmt["type"]))
+        fmt = self.body.get("response_format") or {}
+        if fmt.get("type") in ("json_object", "json_schema"):
+            needed.append(fmt["type"])
         return needed
 
 
@@ -103,13 +95,6 @@ def _calls(status: dict[str, Any]) -> list[str]:
     return [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
 
 
-def _is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def _cut(status: dict[str, Any], max_tokens: int) -> str:
     if status.get("finish_reason") == "length":
         return f"; its reply was cut at max_tokens {max_tokens} (finish_reason=length)"
@@ -129,8 +114,11 @@ def _hope_tool_call(status: dict[str, Any]) -> str | None:
 
 
 def _hope_json_object(status: dict[str, Any]) -> str | None:
-    if _is_json_object(_content(status)):
-        return None
+    try:
+        if isinstance(json.loads(_content(status)), dict):
+            return None
+    except ValueError:
+        pass
     return "the model's reply is not a JSON object" + _cut(status, 64)
 
 
@@ -161,9 +149,11 @@ MODEL_REFUSAL_WARNINGS = (
 )
 
 
-def _asks(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """A chat body of one user message."""
-    return {"messages": [{"role": "user", "content": text}], **extra, "max_tokens": max_tokens}
+def _asks(content: Any, max_tokens: int, *, system: str = "", **extra: Any) -> dict[str, Any]:
+    """A chat body of one user message (``content``: text or parts), after ``system`` if given."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    return {"messages": messages, **extra, "max_tokens": max_tokens}
 
 
 def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
@@ -173,63 +163,48 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     only the scripted koboldcpp can keep.
     """
     overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
+    paris = "What is the weather in Paris?"
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     tool_history = [
-        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "user", "content": paris},
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_12345",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
+            "tool_calls": [{"id": "call_12345", "type": "function", "function": call}],
         },
         {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
     ]
-    image_body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is in this picture?"},
-                    {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
-                ],
-            }
-        ],
-        "max_tokens": 64,
-    }
+    picture = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+    ]
+    colour = [{"type": "text", "text": "Name one colour."}]
+    warned = "" if scripted else MODEL_REFUSAL_WARNINGS
+    no_vision = (
+        "koboldcpp reports no vision (start it with --mmproj to load a vision projector and "
+        "this case runs)"
+    )
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
         DemoCase(
             "system prompt",
             "chat",
-            {
-                "messages": [
-                    {"role": "system", "content": "You are a terse assistant."},
-                    {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
-                ],
-                "temperature": 0.5,
-                "max_tokens": 32,
-            },
+            _asks(colour, 32, system="You are a terse assistant.", temperature=0.5),
             _hope_reply,
         ),
         DemoCase(
             "tool call",
             "chat",
-            _asks(
-                "What is the weather in Paris?", 128, tools=[WEATHER_TOOL], tool_choice="required"
-            ),
+            _asks(paris, 128, tools=[WEATHER_TOOL], tool_choice="required"),
             _hope_tool_call,
-            before="" if scripted else MODEL_REFUSAL_WARNINGS,
+            before=warned,
         ),
         DemoCase(
             "tool-history follow-up",
             "chat",
             {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
             _hope_reply,
-            before="" if scripted else MODEL_REFUSAL_WARNINGS,
+            before=warned,
         ),
         DemoCase(
             "json_object",
@@ -264,30 +239,8 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase(
             "image",
             "chat",
-            image_body,
+            _asks(picture, 64),
             _hope_image_seen if scripted else _hope_reply,
-            skip=""
-            if vision
-            else "koboldcpp reports no vision (start it with --mmproj to load a "
-            "vision projector and this case runs)",
+            skip="" if vision else no_vision,
         ),
     ]
-
-
-def _withdrawn(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """The features ``case`` needs that the worker's latest pop, after ``pops_seen``
-    pops, no longer declares."""
-    needed = case.features_needed
-    if not needed or len(horde.pops) <= pops_seen:
-        return []
-    body = horde.pops[-1]["body"]
-    if not body.get("chat_jobs"):
-        return []
-    return [name for name in needed if name not in body.get("chat_features", [])]
-
-
-def _withdrew(gone: list[str], outcome: str) -> str:
-    return (
-        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
-        f"the model's replies for it: {outcome}"
-    )

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 from ..errors import BackendError, ConfigError
@@ -18,8 +19,8 @@ from ..hosts.standalone import configure_logging, run_standalone
 from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
-from .cases import DemoCase, _withdrawn, _withdrew, demo_cases
-from .interrupt import ctrl_c_noted, raise_if_interrupted, sigint_ignored
+from .cases import DemoCase, demo_cases
+from .interrupt import raise_if_interrupted, sigint_handled
 from .verdict import _result_lines, _warnings_line, judge
 
 DEMO_KEY = "demo-key-0000"
@@ -106,24 +107,41 @@ def _say(text: str = "") -> None:
 
 def _wait(
     horde: Any, case: DemoCase, deadline: float, worker: threading.Thread, pops_seen: int
-) -> bool:
-    """Wait for the case's request to end, until ``deadline`` (monotonic), the worker
-    stops, or the worker withdrew a feature the request needs (it would wait, not
-    be served)."""
+) -> list[str] | None:
+    """Wait for the case's request to end (None), until ``deadline`` (monotonic) or the
+    worker stops (an empty list), or until the Horde refused a reply of the request and
+    the worker withdrew a feature the request needs: those features (it would wait,
+    not be served)."""
     while True:
         raise_if_interrupted()
         left = deadline - time.monotonic()
         if horde.wait([case.request_id], timeout_s=max(0.0, min(left, 0.5))):
-            return True
-        if left <= 0 or not worker.is_alive() or _withdrawn_during(case, horde, pops_seen):
-            return False
+            return None
+        refused = any(
+            e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)
+        )
+        gone = _withdrawn(case, horde, pops_seen) if refused else []
+        if left <= 0 or not worker.is_alive() or gone:
+            return gone
 
 
-def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """:func:`_withdrawn`, once the Horde refused a reply of the case's request."""
-    if not any(e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)):
+def _withdrawn(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
+    """The features ``case`` needs that the worker's latest pop, after ``pops_seen``
+    pops, no longer declares."""
+    needed = case.features_needed
+    if not needed or len(horde.pops) <= pops_seen:
         return []
-    return _withdrawn(case, horde, pops_seen)
+    body = horde.pops[-1]["body"]
+    if not body.get("chat_jobs"):
+        return []
+    return [name for name in needed if name not in body.get("chat_features", [])]
+
+
+def _withdrew(gone: list[str], outcome: str) -> str:
+    return (
+        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
+        f"the model's replies for it: {outcome}"
+    )
 
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
@@ -151,7 +169,7 @@ def main(argv: Sequence[str] = ()) -> int:
     by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot be used, 130 after Ctrl-C."""
     args = build_parser().parse_args(list(argv))
     try:
-        with ctrl_c_noted():
+        with sigint_handled(ignore=False):
             return _run(args)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
@@ -166,18 +184,18 @@ def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
     except ConfigError as exc:
         print(f"{exc}. Fix it, or run the demo with --scripted.")
         return None
-    real = False
-    if not args.scripted:
-        try:
-            real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
-        except BackendError:
-            real = False
-        if not real and args.kcpp_url is not None:
-            print(
-                f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
-                "--scripted to use the devkit's scripted koboldcpp."
-            )
-            return None
+    if args.scripted:
+        return kcpp_url, False
+    try:
+        real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
+    except BackendError:
+        real = False
+    if not real and args.kcpp_url is not None:
+        print(
+            f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
+            "--scripted to use the devkit's scripted koboldcpp."
+        )
+        return None
     return kcpp_url, real
 
 
@@ -205,79 +223,70 @@ def _run(args: argparse.Namespace) -> int:
     from ..devkit.kcpp import ScriptedKoboldcpp
 
     configure_logging(args.log_level)
-    fault_causes = FaultCauses()
-    scripted_kcpp: ScriptedKoboldcpp | None = None
     found = _find_koboldcpp(args)
     if found is None:
         return 2
     kcpp_url, real = found
+    fault_causes = FaultCauses()
     stop = threading.Event()
     result: dict[str, int] = {}
-    journal = tempfile.TemporaryDirectory(
-        prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
-    )
-    horde: DevHorde | None = None
-    thread: threading.Thread | None = None
+    started = ExitStack()  # what the demo started, stopped in reverse order
     try:
+        journal = started.enter_context(
+            tempfile.TemporaryDirectory(
+                prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
+            )
+        )
         for line in OPENING:
             _say(line)
         _say()
         if real:
             _say(f"Using the koboldcpp at {kcpp_url}.")
         else:
-            scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
-            scripted_kcpp.start()
+            kcpp = started.enter_context(ScriptedKoboldcpp(token_delay_s=0.02, vision=True))
             why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
-            kcpp_url = scripted_kcpp.url
+            kcpp_url = kcpp.url
             _say(
                 f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
                 "(canned replies, real koboldcpp response shapes)."
             )
-        scripted = scripted_kcpp is not None
         # A trusted owner: a fast koboldcpp draws no suspicion line, which would be
         # about the dev Horde, not the worker or the model the demo judges.
         horde = DevHorde(api_keys=(DEMO_KEY,), trusted=True)
+        started.callback(horde.stop)
         horde.start()
         _say(f"Dev Horde at {horde.url}")
-        worker_args = _worker_args(args, horde.url, kcpp_url, journal.name)
+        worker_args = _worker_args(args, horde.url, kcpp_url, journal)
         thread = threading.Thread(
             target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
             name="demo-worker",
             daemon=True,
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
-        cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
-        _say_rules(scripted, len([c for c in cases if not c.skip]))
+        cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)
+        rule = (
+            '; what your model did not do ("model:") does not fail it'
+            if real
+            else " and the scripted reply is as expected"
+        )
+        _say(f"Each case passes when the worker did right{rule}.")
+        sent = sum(not case.skip for case in cases)
+        _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
+        started.callback(logging.getLogger(WORKER_LOGGER).removeHandler, fault_causes)
         thread.start()
+        started.callback(thread.join, timeout=10)
+        started.callback(stop.set)
         deadline = time.monotonic() + args.timeout
-        failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, scripted)
+        failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, not real)
         raise_if_interrupted()
         if not thread.is_alive() and "code" in result:
             _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
-        return _summary(cases, horde, failed, notes, scripted)
+        return _summary(cases, horde, failed, notes, not real)
     finally:
-        with sigint_ignored():
-            stop.set()
-            thread.join(timeout=10) if thread is not None and thread.is_alive() else None
-            logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
-            if horde is not None:
-                horde.stop()
-            if scripted_kcpp is not None:
-                scripted_kcpp.stop()
-            journal.cleanup()
+        with sigint_handled(ignore=True):
+            started.close()
             time.sleep(0)
-
-
-def _say_rules(scripted: bool, sent: int) -> None:
-    if scripted:
-        _say("Each case passes when the worker did right and the scripted reply is as expected.")
-    else:
-        _say(
-            "Each case passes when the worker did right; what your model did not do "
-            '("model:") does not fail it.'
-        )
-    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
 
 
 def _run_cases(
@@ -311,10 +320,9 @@ def _run_cases(
             case.request_id = horde.send_text(
                 case.body["prompt"], max_length=case.body["max_length"]
             )
-        started_at = len(horde.pops)
-        finished = _wait(horde, case, deadline, worker, started_at)
+        gone = _wait(horde, case, deadline, worker, len(horde.pops))
+        finished = gone is None
         pops_seen = len(horde.pops)
-        gone = [] if finished else _withdrawn_during(case, horde, started_at)
         if gone:
             horde.cancel(case.request_id)
             case.skip = _withdrew(gone, "the request was cancelled")
@@ -324,9 +332,7 @@ def _run_cases(
         status = horde.status(case.request_id)
         ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
         models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
-        verdict = judge(
-            case, status, ledger, models, finished=finished, causes=fault_causes.causes
-        )
+        verdict = judge(case, status, ledger, models, finished=finished, causes=fault_causes.causes)
         for line in _result_lines(case, status, verdict, scripted=scripted):
             _say(line)
         explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
