@@ -67,12 +67,9 @@ class DemoCase:
     @property
     def features_needed(self) -> list[str]:
         """The chat features a chat case's request needs (``tools``, a JSON format)."""
-        if self.kind != "chat":
-            return []
         needed = ["tools"] if self.body.get("tools") else []
-        fmt = self.body.get("response_format") or {}
-        if fmt.get("type") in ("json_object", "json_schema"):
-            needed.append(fmt["type"])
+        if "response_format" in self.body:
+            needed.append(self.body["response_format"]["type"])
         return needed
 
 
@@ -179,63 +176,39 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
     ]
     colour = [{"type": "text", "text": "Name one colour."}]
+    terse = _asks(colour, 32, system="You are a terse assistant.", temperature=0.5)
+    weather = _asks(paris, 128, tools=[WEATHER_TOOL], tool_choice="required")
+    follow_up = {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64}
+    as_json = _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"})
+    think = _asks("Think first: what is 2 + 2?", 128)
+    story = _asks("Tell me a short story about a fox.", 96, stream=True)
+    text = {"prompt": "The capital of France is", "max_length": 24}
     warned = "" if scripted else MODEL_REFUSAL_WARNINGS
+    overflow_warned = (
+        "The next WARNING is expected: this conversation is longer than the model's context, "
+        "and the worker must fault it with prompt_overflow."
+    )
     no_vision = (
         "koboldcpp reports no vision (start it with --mmproj to load a vision projector and "
         "this case runs)"
     )
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
-        DemoCase(
-            "system prompt",
-            "chat",
-            _asks(colour, 32, system="You are a terse assistant.", temperature=0.5),
-            _hope_reply,
-        ),
-        DemoCase(
-            "tool call",
-            "chat",
-            _asks(paris, 128, tools=[WEATHER_TOOL], tool_choice="required"),
-            _hope_tool_call,
-            before=warned,
-        ),
-        DemoCase(
-            "tool-history follow-up",
-            "chat",
-            {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
-            _hope_reply,
-            before=warned,
-        ),
-        DemoCase(
-            "json_object",
-            "chat",
-            _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"}),
-            _hope_json_object,
-        ),
-        DemoCase(
-            "reasoning reply", "chat", _asks("Think first: what is 2 + 2?", 128), _hope_reasoning
-        ),
+        DemoCase("system prompt", "chat", terse, _hope_reply),
+        DemoCase("tool call", "chat", weather, _hope_tool_call, before=warned),
+        DemoCase("tool-history follow-up", "chat", follow_up, _hope_reply, before=warned),
+        DemoCase("json_object", "chat", as_json, _hope_json_object),
+        DemoCase("reasoning reply", "chat", think, _hope_reasoning),
         DemoCase(
             "does not fit",
             "chat",
             _asks(overflow_text, 64),
             expect_fault="prompt_overflow",
             max_attempts=1,
-            before="The next WARNING is expected: this conversation is longer than the "
-            "model's context, and the worker must fault it with prompt_overflow.",
+            before=overflow_warned,
         ),
-        DemoCase(
-            "streamed reply",
-            "chat",
-            _asks("Tell me a short story about a fox.", 96, stream=True),
-            _hope_reply,
-        ),
-        DemoCase(
-            "text job",
-            "text",
-            {"prompt": "The capital of France is", "max_length": 24},
-            _hope_text,
-        ),
+        DemoCase("streamed reply", "chat", story, _hope_reply),
+        DemoCase("text job", "text", text, _hope_text),
         DemoCase(
             "image",
             "chat",

@@ -21,7 +21,7 @@ from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
 from .cases import DemoCase, demo_cases
 from .interrupt import raise_if_interrupted, sigint_handled
-from .verdict import _result_lines, _warnings_line, judge
+from .verdict import _result_lines, judge
 
 DEMO_KEY = "demo-key-0000"
 #: The logger the worker's lines reach (the package's), where :class:`FaultCauses` listens.
@@ -210,10 +210,9 @@ def _worker_args(
         "--hordegenlen": "256",
         "--journal-dir": journal,
         "--log-level": args.log_level,
+        "--kcpp-password": args.kcpp_password,  # only when given
     }
-    if args.kcpp_password:
-        flags["--kcpp-password"] = args.kcpp_password
-    return [word for flag in flags.items() for word in flag]
+    return [word for flag, value in flags.items() if value for word in (flag, value)]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -333,11 +332,9 @@ def _run_cases(
         ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
         models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
         verdict = judge(case, status, ledger, models, finished=finished, causes=fault_causes.causes)
-        for line in _result_lines(case, status, verdict, scripted=scripted):
+        warnings = fault_causes.take_warnings()
+        for line in _result_lines(case, status, verdict, warnings, scripted=scripted):
             _say(line)
-        explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
-        if explained:
-            _say(explained)
         notes += len(verdict.model_notes)
         if not verdict.passed(scripted=scripted):
             failed.append(case.name)

@@ -299,12 +299,13 @@ def _describe(case: DemoCase, status: dict[str, Any]) -> str:
 
 
 def _result_lines(
-    case: DemoCase, status: dict[str, Any], verdict: Verdict, *, scripted: bool
+    case: DemoCase, status: dict[str, Any], verdict: Verdict, warnings: int, *, scripted: bool
 ) -> list[str]:
     """``[ok  ]``/``[FAIL]``, the name, what the worker did and what the requester
-    got; then one line per worker problem and per model note."""
-    mark = "ok  " if verdict.passed(scripted=scripted) else "FAIL"
-    line = f"[{mark}] {case.name:<24} {verdict.did}"
+    got; then one line per worker problem and per model note; then, when the case
+    passed after ``warnings`` WARNING lines, what they were."""
+    passed = verdict.passed(scripted=scripted)
+    line = f"[{'ok  ' if passed else 'FAIL'}] {case.name:<24} {verdict.did}"
     if _done(status):
         line += ": " + _describe(case, status)
     elif status.get("faulted") and case.expect_fault is None:
@@ -313,16 +314,11 @@ def _result_lines(
     lines += [f"       worker: {p}" for p in verdict.problems]
     label = "not as expected" if scripted else "model"
     lines += [f"       {label}: {n}" for n in verdict.model_notes]
-    return lines
-
-
-def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool) -> str:
-    """What the case's WARNING lines above were, when it passed with some; "" otherwise."""
-    if not count or not verdict.passed(scripted=scripted):
-        return ""
-    lines = f"{count} WARNING line{'s' if count > 1 else ''} above"
+    if not warnings or not passed:
+        return lines
+    above = f"       the {warnings} WARNING line{'s' if warnings > 1 else ''} above"
     if case.expect_fault is not None:
-        return f"       the {lines}: the expected {case.expect_fault} fault"
+        return [*lines, f"{above}: the expected {case.expect_fault} fault"]
     if verdict.model_notes:
-        return f"       the {lines}: expected, from what the model did (model: above)"
-    return f"       the {lines}: said by the worker while it did right"
+        return [*lines, f"{above}: expected, from what the model did (model: above)"]
+    return [*lines, f"{above}: said by the worker while it did right"]
