@@ -311,13 +311,11 @@ def _run_cases(
             continue
         if case.before:
             _say(f"       {case.before}")
-        if case.kind == "chat":
+        if case.kind == "text":
+            case.request_id = horde.send_text(**case.body)  # prompt, max_length
+        else:
             case.request_id = horde.send_chat(
                 case.body, best_effort=True, max_attempts=case.max_attempts
-            )
-        else:
-            case.request_id = horde.send_text(
-                case.body["prompt"], max_length=case.body["max_length"]
             )
         gone = _wait(horde, case, deadline, worker, len(horde.pops))
         finished = gone is None

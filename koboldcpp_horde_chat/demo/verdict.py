@@ -209,10 +209,9 @@ def judge(
     """
     refusals = {r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []}
     found = _Findings(case, models, refusals, causes or {}, finished)
-    job_ids = list(dict.fromkeys(e["job_id"] for e in ledger))
-    for job_id in status.get("job_ids") or []:
-        if job_id not in job_ids and finished:
-            job_ids.append(job_id)
+    job_ids = dict.fromkeys(e["job_id"] for e in ledger)
+    if finished:  # a job the ledger has no entry for was neither submitted nor faulted
+        job_ids.update(dict.fromkeys(status.get("job_ids") or []))
     for job_id in job_ids:
         found.job(job_id, [e for e in ledger if e["job_id"] == job_id])
     problems, faults, submitted = found.problems, found.faults, found.submitted
@@ -250,8 +249,7 @@ def _stream_problems(status: dict[str, Any]) -> list[str]:
     progress")."""
     posts = status.get("stream") or []
     posted = "".join(p.get("content") or "" for p in posts)
-    content = _content(status)
-    if posted == content:
+    if posted == _content(status):
         return []
     if not posts:
         return ["the streamed reply was submitted without a progress post"]
