@@ -4,6 +4,7 @@ Horde's ledger (seed 000, steps 6 to 8), and the case's printed lines. Pure: no 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,9 +223,7 @@ def judge(
         if faults != [case.expect_fault] or submitted:
             problems.append(f"one fault with {case.expect_fault} was expected")
         did = (
-            f"faulted with {case.expect_fault}, as it must"
-            if not problems
-            else _did(faults, submitted)
+            _did(faults, submitted) if problems else f"faulted with {case.expect_fault}, as it must"
         )
         return Verdict(not problems, did, problems, notes)
     for why in found.wrong_faults:
@@ -232,8 +231,7 @@ def judge(
             "a job was faulted instead of served"
             + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    for text in dict.fromkeys(found.excused):
-        times = found.excused.count(text)
+    for text, times in Counter(found.excused).items():
         notes.append(text + (f" ({times} times)" if times > 1 else ""))
     if _done(status):
         note = case.hope(status) if case.hope else None
