@@ -100,7 +100,7 @@ class FaultCauses(logging.Handler):
         return count
 
 
-def _say(text: str = "") -> None:
+def _say(text: str) -> None:
     """Print a line at once, so the worker's log lines on stderr interleave in order."""
     print(text, flush=True)
 
@@ -236,9 +236,7 @@ def _run(args: argparse.Namespace) -> int:
                 prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
             )
         )
-        for line in OPENING:
-            _say(line)
-        _say()
+        _say("\n".join(OPENING) + "\n")
         if real:
             _say(f"Using the koboldcpp at {kcpp_url}.")
         else:
@@ -331,8 +329,7 @@ def _run_cases(
         models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
         verdict = judge(case, status, ledger, models, finished=finished, causes=fault_causes.causes)
         warnings = fault_causes.take_warnings()
-        for line in _result_lines(case, status, verdict, warnings, scripted=scripted):
-            _say(line)
+        _say("\n".join(_result_lines(case, status, verdict, warnings, scripted=scripted)))
         notes += len(verdict.model_notes)
         if not verdict.passed(scripted=scripted):
             failed.append(case.name)

@@ -279,8 +279,6 @@ def _clip(value: object, limit: int) -> str:
 def _describe(case: DemoCase, status: dict[str, Any]) -> str:
     if case.kind == "text":
         return f"generation={_clip(status.get('generation'), 60)}"
-    if status.get("faulted"):
-        return f"faulted, fault_reasons={status.get('fault_reasons')}"
     message = status.get("message") or {}
     parts = [f"finish_reason={status.get('finish_reason')}"]
     if message.get("tool_calls"):
