@@ -146,6 +146,34 @@ MODEL_REFUSAL_WARNINGS = (
 )
 
 
+#: Said before the case that does not fit.
+OVERFLOW_WARNING = (
+    "The next WARNING is expected: this conversation is longer than the model's context, "
+    "and the worker must fault it with prompt_overflow."
+)
+#: Why the image case is not sent.
+NO_VISION = (
+    "koboldcpp reports no vision (start it with --mmproj to load a vision projector and "
+    "this case runs)"
+)
+PARIS = "What is the weather in Paris?"
+PARIS_CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+#: A conversation after a tool call and its result.
+TOOL_HISTORY = [
+    {"role": "user", "content": PARIS},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_12345", "type": "function", "function": PARIS_CALL}],
+    },
+    {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
+]
+PICTURE = [
+    {"type": "text", "text": "What is in this picture?"},
+    {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+]
+
+
 def _asks(content: Any, max_tokens: int, *, system: str = "", **extra: Any) -> dict[str, Any]:
     """A chat body of one user message (``content``: text or parts), after ``system`` if given."""
     messages = [{"role": "system", "content": system}] if system else []
@@ -160,38 +188,15 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     only the scripted koboldcpp can keep.
     """
     overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
-    paris = "What is the weather in Paris?"
-    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    tool_history = [
-        {"role": "user", "content": paris},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": "call_12345", "type": "function", "function": call}],
-        },
-        {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
-    ]
-    picture = [
-        {"type": "text", "text": "What is in this picture?"},
-        {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
-    ]
     colour = [{"type": "text", "text": "Name one colour."}]
     terse = _asks(colour, 32, system="You are a terse assistant.", temperature=0.5)
-    weather = _asks(paris, 128, tools=[WEATHER_TOOL], tool_choice="required")
-    follow_up = {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64}
+    weather = _asks(PARIS, 128, tools=[WEATHER_TOOL], tool_choice="required")
+    follow_up = {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL], "max_tokens": 64}
     as_json = _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"})
     think = _asks("Think first: what is 2 + 2?", 128)
     story = _asks("Tell me a short story about a fox.", 96, stream=True)
     text = {"prompt": "The capital of France is", "max_length": 24}
     warned = "" if scripted else MODEL_REFUSAL_WARNINGS
-    overflow_warned = (
-        "The next WARNING is expected: this conversation is longer than the model's context, "
-        "and the worker must fault it with prompt_overflow."
-    )
-    no_vision = (
-        "koboldcpp reports no vision (start it with --mmproj to load a vision projector and "
-        "this case runs)"
-    )
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
         DemoCase("system prompt", "chat", terse, _hope_reply),
@@ -205,15 +210,15 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
             _asks(overflow_text, 64),
             expect_fault="prompt_overflow",
             max_attempts=1,
-            before=overflow_warned,
+            before=OVERFLOW_WARNING,
         ),
         DemoCase("streamed reply", "chat", story, _hope_reply),
         DemoCase("text job", "text", text, _hope_text),
         DemoCase(
             "image",
             "chat",
-            _asks(picture, 64),
+            _asks(PICTURE, 64),
             _hope_image_seen if scripted else _hope_reply,
-            skip="" if vision else no_vision,
+            skip="" if vision else NO_VISION,
         ),
     ]

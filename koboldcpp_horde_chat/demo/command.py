@@ -170,7 +170,9 @@ def main(argv: Sequence[str] = ()) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         with sigint_handled(ignore=False):
-            return _run(args)
+            configure_logging(args.log_level)
+            found = _find_koboldcpp(args)
+            return 2 if found is None else _run(args, *found)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
         return 130
@@ -215,17 +217,12 @@ def _worker_args(
     return [word for flag, value in flags.items() if value for word in (flag, value)]
 
 
-def _run(args: argparse.Namespace) -> int:
-    """The demo with its parsed flags; a KeyboardInterrupt passes through once
-    everything it started is stopped."""
+def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
+    """The demo with its parsed flags and koboldcpp (``real``: one answers there); a
+    KeyboardInterrupt passes through once everything it started is stopped."""
     from ..devkit.horde import DevHorde
     from ..devkit.kcpp import ScriptedKoboldcpp
 
-    configure_logging(args.log_level)
-    found = _find_koboldcpp(args)
-    if found is None:
-        return 2
-    kcpp_url, real = found
     fault_causes = FaultCauses()
     stop = threading.Event()
     result: dict[str, int] = {}
@@ -261,14 +258,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)
-        rule = (
-            '; what your model did not do ("model:") does not fail it'
-            if real
-            else " and the scripted reply is as expected"
-        )
-        _say(f"Each case passes when the worker did right{rule}.")
-        sent = sum(not case.skip for case in cases)
-        _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
+        _say_rules(real, sum(not case.skip for case in cases))
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         started.callback(logging.getLogger(WORKER_LOGGER).removeHandler, fault_causes)
         thread.start()
@@ -284,6 +274,16 @@ def _run(args: argparse.Namespace) -> int:
         with sigint_handled(ignore=True):
             started.close()
             time.sleep(0)
+
+
+def _say_rules(real: bool, sent: int) -> None:
+    rule = (
+        '; what your model did not do ("model:") does not fail it'
+        if real
+        else " and the scripted reply is as expected"
+    )
+    _say(f"Each case passes when the worker did right{rule}.")
+    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
 
 
 def _run_cases(
