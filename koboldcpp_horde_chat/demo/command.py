@@ -107,10 +107,10 @@ def _say(text: str) -> None:
 
 def _wait(
     horde: Any, case: DemoCase, deadline: float, worker: threading.Thread, pops_seen: int
-) -> list[str] | None:
+) -> str | None:
     """Wait for the case's request to end (None), until ``deadline`` (monotonic) or the
-    worker stops (an empty list), or until the Horde refused a reply of the request and
-    the worker withdrew a feature the request needs: those features (it would wait,
+    worker stops (""), or until the Horde refused a reply of the request and the worker
+    withdrew a feature the request needs: why the request is cancelled (it would wait,
     not be served)."""
     while True:
         raise_if_interrupted()
@@ -120,24 +120,21 @@ def _wait(
         refused = any(
             e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)
         )
-        gone = _withdrawn(case, horde, pops_seen) if refused else []
+        gone = _withdrawn(case, horde, pops_seen, "the request was cancelled") if refused else ""
         if left <= 0 or not worker.is_alive() or gone:
             return gone
 
 
-def _withdrawn(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """The features ``case`` needs that the worker's latest pop, after ``pops_seen``
-    pops, no longer declares."""
+def _withdrawn(case: DemoCase, horde: Any, pops_seen: int, outcome: str) -> str:
+    """Why ``case`` is not served (ending in ``outcome``) when the worker's latest pop,
+    after ``pops_seen`` pops, no longer declares a feature it needs; "" otherwise."""
     needed = case.features_needed
     if not needed or len(horde.pops) <= pops_seen:
-        return []
+        return ""
     body = horde.pops[-1]["body"]
-    if not body.get("chat_jobs"):
-        return []
-    return [name for name in needed if name not in body.get("chat_features", [])]
-
-
-def _withdrew(gone: list[str], outcome: str) -> str:
+    gone = [name for name in needed if name not in body.get("chat_features", [])]
+    if not body.get("chat_jobs") or not gone:
+        return ""
     return (
         f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
         f"the model's replies for it: {outcome}"
@@ -160,8 +157,7 @@ def _withdrawn_skip(case: DemoCase, horde: Any, pops_seen: int) -> str:
     deadline = time.monotonic() + DECLARATION_WAIT_S
     while len(horde.pops) <= pops_seen and time.monotonic() < deadline:
         time.sleep(0.1)
-    gone = _withdrawn(case, horde, pops_seen)
-    return _withdrew(gone, "not sent") if gone else ""
+    return _withdrawn(case, horde, pops_seen, "not sent")
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -320,7 +316,7 @@ def _run_cases(
         pops_seen = len(horde.pops)
         if gone:
             horde.cancel(case.request_id)
-            case.skip = _withdrew(gone, "the request was cancelled")
+            case.skip = gone
             _say(f"[skip] {case.name:<24} {case.skip}")
             notes += 1
             continue
