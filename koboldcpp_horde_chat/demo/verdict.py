@@ -134,7 +134,9 @@ class _Findings:
     submitted: int = 0
 
     def job(self, job_id: str, entries: list[dict[str, Any]]) -> None:
-        """One job's ledger ``entries``."""
+        """One job's ledger ``entries``. A fault without a reason for a tool call the
+        model wrote, which the Horde would refuse, is the model's doing (seed 000,
+        "Submit refusals")."""
         problems, model = self.problems, self.models.get(job_id)
         refusal, why = self.refusals.get(job_id, ""), self.causes.get(job_id, "")
         terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
@@ -178,7 +180,6 @@ class _Findings:
             return
         reason = end.get("fault_reason")
         self.faults.append(reason)
-        # a tool call the model wrote that the Horde would refuse (seed 000, "Submit refusals")
         if reason is None and why.startswith("generation failed: tool_calls"):
             self.excused.append(
                 f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
