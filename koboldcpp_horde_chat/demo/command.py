@@ -86,18 +86,13 @@ class FaultCauses(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.causes: dict[str, str] = {}
-        self.warnings = 0
+        self.warnings = 0  # WARNING (and worse) lines, counted from each case's start
 
     def emit(self, record: logging.LogRecord) -> None:
         self.warnings += 1
         match = FAULT_LINE.match(record.getMessage())
         if match:
             self.causes[match.group(1)] = match.group(2)
-
-    def take_warnings(self) -> int:
-        """The WARNING (and worse) lines the worker logged since the last call."""
-        count, self.warnings = self.warnings, 0
-        return count
 
 
 def _say(text: str) -> None:
@@ -298,7 +293,7 @@ def _run_cases(
     for case in cases:
         if not case.skip:
             raise_if_interrupted()
-            fault_causes.take_warnings()  # what came before this case is not its
+            fault_causes.warnings = 0  # what came before this case is not its
             case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
         if case.skip:
             _say(f"[skip] {case.name:<24} {case.skip}")
@@ -324,8 +319,8 @@ def _run_cases(
         ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
         models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
         verdict = judge(case, status, ledger, models, finished=finished, causes=fault_causes.causes)
-        warnings = fault_causes.take_warnings()
-        _say("\n".join(_result_lines(case, status, verdict, warnings, scripted=scripted)))
+        lines = _result_lines(case, status, verdict, fault_causes.warnings, scripted=scripted)
+        _say("\n".join(lines))
         notes += len(verdict.model_notes)
         if not verdict.passed(scripted=scripted):
             failed.append(case.name)
