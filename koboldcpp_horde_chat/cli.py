@@ -9,24 +9,20 @@ import sys
 from collections.abc import Sequence
 
 from .hosts.standalone import run_standalone
-from .hosts.standalone_flags import SUBCOMMANDS
 
-__all__ = ["SUBCOMMANDS", "main"]
+__all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command (``argv`` defaults to ``sys.argv[1:]``); the exit code."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments and arguments[0] == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(arguments[1:])
-    if arguments and arguments[0] == "devhorde":
-        from .devkit.serve import main as devhorde_main
-
-        return devhorde_main(arguments[1:])
-    if arguments and arguments[0] == "devkcpp":
-        from .devkit.serve_kcpp import main as devkcpp_main
-
-        return devkcpp_main(arguments[1:])
-    return run_standalone(arguments)
+    command = arguments[0] if arguments else ""
+    if command == "demo":
+        from .demo import main as subcommand
+    elif command == "devhorde":
+        from .devkit.serve import main as subcommand
+    elif command == "devkcpp":
+        from .devkit.serve_kcpp import main as subcommand
+    else:
+        return run_standalone(arguments)
+    return subcommand(arguments[1:])

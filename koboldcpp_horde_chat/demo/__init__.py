@@ -11,17 +11,15 @@ in a temporary directory, never in the user's state directory.
 from __future__ import annotations
 
 from .cases import DemoCase, demo_cases
-from .command import OPENING, FaultCauses, build_parser, main
-from .verdict import Verdict, judge, unusable_model_output
+from .command import OPENING, build_parser, main
+from .verdict import Verdict, judge
 
 __all__ = [
     "OPENING",
     "DemoCase",
-    "FaultCauses",
     "Verdict",
     "build_parser",
     "demo_cases",
     "judge",
     "main",
-    "unusable_model_output",
 ]

@@ -38,10 +38,6 @@ DEMO_IMAGE_DATA_URL = "data:image/jpeg;base64," + (
 Hope = Callable[[dict[str, Any]], str | None]
 
 
-def _hopes_nothing(status: dict[str, Any]) -> str | None:
-    return None
-
-
 @dataclass
 class DemoCase:
     """One client request, what the worker must do with it and what the model is hoped to do.
@@ -56,7 +52,7 @@ class DemoCase:
     name: str
     kind: str  # "chat" or "text"
     body: dict[str, Any]
-    hope: Hope = _hopes_nothing
+    hope: Hope | None = None
     expect_fault: str | None = None
     max_attempts: int = 2
     skip: str = ""
@@ -65,22 +61,15 @@ class DemoCase:
 
     @property
     def offered(self) -> frozenset[str]:
-        names = set()
-        for tool in self.body.get("tools") or []:
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("name"), str):
-                names.add(function["name"])
-        return frozenset(names)
+        """The names of the functions the request's tools offer."""
+        return frozenset(tool["function"]["name"] for tool in self.body.get("tools") or [])
 
     @property
     def features_needed(self) -> list[str]:
         """The chat features a chat case's request needs (``tools``, a JSON format)."""
-        if self.kind != "chat":
-            return []
         needed = ["tools"] if self.body.get("tools") else []
-        fmt = self.body.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
-            needed.append(str(fmt["type"]))
+        if "response_format" in self.body:
+            needed.append(self.body["response_format"]["type"])
         return needed
 
 
@@ -103,13 +92,6 @@ def _calls(status: dict[str, Any]) -> list[str]:
     return [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
 
 
-def _is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def _cut(status: dict[str, Any], max_tokens: int) -> str:
     if status.get("finish_reason") == "length":
         return f"; its reply was cut at max_tokens {max_tokens} (finish_reason=length)"
@@ -129,8 +111,11 @@ def _hope_tool_call(status: dict[str, Any]) -> str | None:
 
 
 def _hope_json_object(status: dict[str, Any]) -> str | None:
-    if _is_json_object(_content(status)):
-        return None
+    try:
+        if isinstance(json.loads(_content(status)), dict):
+            return None
+    except ValueError:
+        pass
     return "the model's reply is not a JSON object" + _cut(status, 64)
 
 
@@ -161,9 +146,39 @@ MODEL_REFUSAL_WARNINGS = (
 )
 
 
-def _asks(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """A chat body of one user message."""
-    return {"messages": [{"role": "user", "content": text}], **extra, "max_tokens": max_tokens}
+#: Said before the case that does not fit.
+OVERFLOW_WARNING = (
+    "The next WARNING is expected: this conversation is longer than the model's context, "
+    "and the worker must fault it with prompt_overflow."
+)
+#: Why the image case is not sent.
+NO_VISION = (
+    "koboldcpp reports no vision (start it with --mmproj to load a vision projector and "
+    "this case runs)"
+)
+PARIS = "What is the weather in Paris?"
+PARIS_CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+#: A conversation after a tool call and its result.
+TOOL_HISTORY = [
+    {"role": "user", "content": PARIS},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_12345", "type": "function", "function": PARIS_CALL}],
+    },
+    {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
+]
+PICTURE = [
+    {"type": "text", "text": "What is in this picture?"},
+    {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
+]
+
+
+def _asks(content: Any, max_tokens: int, *, system: str = "", **extra: Any) -> dict[str, Any]:
+    """A chat body of one user message (``content``: text or parts), after ``system`` if given."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    return {"messages": messages, **extra, "max_tokens": max_tokens}
 
 
 def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[DemoCase]:
@@ -173,121 +188,37 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     only the scripted koboldcpp can keep.
     """
     overflow_text = "Please summarise this. " + ("lorem ipsum dolor sit amet " * (context // 2))
-    tool_history = [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_12345",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_12345", "content": '{"temp_c": 18, "sky": "clear"}'},
-    ]
-    image_body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is in this picture?"},
-                    {"type": "image_url", "image_url": {"url": DEMO_IMAGE_DATA_URL}},
-                ],
-            }
-        ],
-        "max_tokens": 64,
-    }
+    colour = [{"type": "text", "text": "Name one colour."}]
+    terse = _asks(colour, 32, system="You are a terse assistant.", temperature=0.5)
+    weather = _asks(PARIS, 128, tools=[WEATHER_TOOL], tool_choice="required")
+    follow_up = {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL], "max_tokens": 64}
+    as_json = _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"})
+    think = _asks("Think first: what is 2 + 2?", 128)
+    story = _asks("Tell me a short story about a fox.", 96, stream=True)
+    text = {"prompt": "The capital of France is", "max_length": 24}
+    warned = "" if scripted else MODEL_REFUSAL_WARNINGS
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
-        DemoCase(
-            "system prompt",
-            "chat",
-            {
-                "messages": [
-                    {"role": "system", "content": "You are a terse assistant."},
-                    {"role": "user", "content": [{"type": "text", "text": "Name one colour."}]},
-                ],
-                "temperature": 0.5,
-                "max_tokens": 32,
-            },
-            _hope_reply,
-        ),
-        DemoCase(
-            "tool call",
-            "chat",
-            _asks(
-                "What is the weather in Paris?", 128, tools=[WEATHER_TOOL], tool_choice="required"
-            ),
-            _hope_tool_call,
-            before="" if scripted else MODEL_REFUSAL_WARNINGS,
-        ),
-        DemoCase(
-            "tool-history follow-up",
-            "chat",
-            {"messages": tool_history, "tools": [WEATHER_TOOL], "max_tokens": 64},
-            _hope_reply,
-            before="" if scripted else MODEL_REFUSAL_WARNINGS,
-        ),
-        DemoCase(
-            "json_object",
-            "chat",
-            _asks("Describe a cat as JSON.", 64, response_format={"type": "json_object"}),
-            _hope_json_object,
-        ),
-        DemoCase(
-            "reasoning reply", "chat", _asks("Think first: what is 2 + 2?", 128), _hope_reasoning
-        ),
+        DemoCase("system prompt", "chat", terse, _hope_reply),
+        DemoCase("tool call", "chat", weather, _hope_tool_call, before=warned),
+        DemoCase("tool-history follow-up", "chat", follow_up, _hope_reply, before=warned),
+        DemoCase("json_object", "chat", as_json, _hope_json_object),
+        DemoCase("reasoning reply", "chat", think, _hope_reasoning),
         DemoCase(
             "does not fit",
             "chat",
             _asks(overflow_text, 64),
             expect_fault="prompt_overflow",
             max_attempts=1,
-            before="The next WARNING is expected: this conversation is longer than the "
-            "model's context, and the worker must fault it with prompt_overflow.",
+            before=OVERFLOW_WARNING,
         ),
-        DemoCase(
-            "streamed reply",
-            "chat",
-            _asks("Tell me a short story about a fox.", 96, stream=True),
-            _hope_reply,
-        ),
-        DemoCase(
-            "text job",
-            "text",
-            {"prompt": "The capital of France is", "max_length": 24},
-            _hope_text,
-        ),
+        DemoCase("streamed reply", "chat", story, _hope_reply),
+        DemoCase("text job", "text", text, _hope_text),
         DemoCase(
             "image",
             "chat",
-            image_body,
+            _asks(PICTURE, 64),
             _hope_image_seen if scripted else _hope_reply,
-            skip=""
-            if vision
-            else "koboldcpp reports no vision (start it with --mmproj to load a "
-            "vision projector and this case runs)",
+            skip="" if vision else NO_VISION,
         ),
     ]
-
-
-def _withdrawn(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """The features ``case`` needs that the worker's latest pop, after ``pops_seen``
-    pops, no longer declares."""
-    needed = case.features_needed
-    if not needed or len(horde.pops) <= pops_seen:
-        return []
-    body = horde.pops[-1]["body"]
-    if not body.get("chat_jobs"):
-        return []
-    return [name for name in needed if name not in body.get("chat_features", [])]
-
-
-def _withdrew(gone: list[str], outcome: str) -> str:
-    return (
-        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
-        f"the model's replies for it: {outcome}"
-    )

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 from ..errors import BackendError, ConfigError
@@ -18,9 +19,9 @@ from ..hosts.standalone import configure_logging, run_standalone
 from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
 from ..settings import DEFAULT_KCPP_URL
-from .cases import DemoCase, _withdrawn, _withdrew, demo_cases
-from .interrupt import ctrl_c_noted, raise_if_interrupted, sigint_ignored
-from .verdict import _result_lines, _warnings_line, judge
+from .cases import DemoCase, demo_cases
+from .interrupt import raise_if_interrupted, sigint_handled
+from .verdict import _result_lines, judge
 
 DEMO_KEY = "demo-key-0000"
 #: The logger the worker's lines reach (the package's), where :class:`FaultCauses` listens.
@@ -85,7 +86,7 @@ class FaultCauses(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.causes: dict[str, str] = {}
-        self.warnings = 0
+        self.warnings = 0  # WARNING (and worse) lines, counted from each case's start
 
     def emit(self, record: logging.LogRecord) -> None:
         self.warnings += 1
@@ -93,37 +94,46 @@ class FaultCauses(logging.Handler):
         if match:
             self.causes[match.group(1)] = match.group(2)
 
-    def take_warnings(self) -> int:
-        """The WARNING (and worse) lines the worker logged since the last call."""
-        count, self.warnings = self.warnings, 0
-        return count
 
-
-def _say(text: str = "") -> None:
+def _say(text: str) -> None:
     """Print a line at once, so the worker's log lines on stderr interleave in order."""
     print(text, flush=True)
 
 
 def _wait(
     horde: Any, case: DemoCase, deadline: float, worker: threading.Thread, pops_seen: int
-) -> bool:
-    """Wait for the case's request to end, until ``deadline`` (monotonic), the worker
-    stops, or the worker withdrew a feature the request needs (it would wait, not
-    be served)."""
+) -> str | None:
+    """Wait for the case's request to end (None), until ``deadline`` (monotonic) or the
+    worker stops (""), or until the Horde refused a reply of the request and the worker
+    withdrew a feature the request needs: why the request is cancelled (it would wait,
+    not be served)."""
     while True:
         raise_if_interrupted()
         left = deadline - time.monotonic()
         if horde.wait([case.request_id], timeout_s=max(0.0, min(left, 0.5))):
-            return True
-        if left <= 0 or not worker.is_alive() or _withdrawn_during(case, horde, pops_seen):
-            return False
+            return None
+        refused = any(
+            e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)
+        )
+        gone = _withdrawn(case, horde, pops_seen, "the request was cancelled") if refused else ""
+        if left <= 0 or not worker.is_alive() or gone:
+            return gone
 
 
-def _withdrawn_during(case: DemoCase, horde: Any, pops_seen: int) -> list[str]:
-    """:func:`_withdrawn`, once the Horde refused a reply of the case's request."""
-    if not any(e["request_id"] == case.request_id and e.get("rc") for e in list(horde.ledger)):
-        return []
-    return _withdrawn(case, horde, pops_seen)
+def _withdrawn(case: DemoCase, horde: Any, pops_seen: int, outcome: str) -> str:
+    """Why ``case`` is not served (ending in ``outcome``) when the worker's latest pop,
+    after ``pops_seen`` pops, no longer declares a feature it needs; "" otherwise."""
+    needed = case.features_needed
+    if not needed or len(horde.pops) <= pops_seen:
+        return ""
+    body = horde.pops[-1]["body"]
+    gone = [name for name in needed if name not in body.get("chat_features", [])]
+    if not body.get("chat_jobs") or not gone:
+        return ""
+    return (
+        f"model: the worker withdrew {', '.join(gone)} for a while after the Horde refused "
+        f"the model's replies for it: {outcome}"
+    )
 
 
 #: The demo's last line after Ctrl-C (exit code 130, as a shell gives for SIGINT).
@@ -142,8 +152,7 @@ def _withdrawn_skip(case: DemoCase, horde: Any, pops_seen: int) -> str:
     deadline = time.monotonic() + DECLARATION_WAIT_S
     while len(horde.pops) <= pops_seen and time.monotonic() < deadline:
         time.sleep(0.1)
-    gone = _withdrawn(case, horde, pops_seen)
-    return _withdrew(gone, "not sent") if gone else ""
+    return _withdrawn(case, horde, pops_seen, "not sent")
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -151,8 +160,10 @@ def main(argv: Sequence[str] = ()) -> int:
     by ``--kcpp-url`` (or a bad ``KCPP_URL``) cannot be used, 130 after Ctrl-C."""
     args = build_parser().parse_args(list(argv))
     try:
-        with ctrl_c_noted():
-            return _run(args)
+        with sigint_handled(ignore=False):
+            configure_logging(args.log_level)
+            found = _find_koboldcpp(args)
+            return 2 if found is None else _run(args, *found)
     except KeyboardInterrupt:
         _say(f"\n{INTERRUPTED}")
         return 130
@@ -166,18 +177,18 @@ def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
     except ConfigError as exc:
         print(f"{exc}. Fix it, or run the demo with --scripted.")
         return None
-    real = False
-    if not args.scripted:
-        try:
-            real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
-        except BackendError:
-            real = False
-        if not real and args.kcpp_url is not None:
-            print(
-                f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
-                "--scripted to use the devkit's scripted koboldcpp."
-            )
-            return None
+    if args.scripted:
+        return kcpp_url, False
+    try:
+        real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
+    except BackendError:
+        real = False
+    if not real and args.kcpp_url is not None:
+        print(
+            f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
+            "--scripted to use the devkit's scripted koboldcpp."
+        )
+        return None
     return kcpp_url, real
 
 
@@ -192,91 +203,77 @@ def _worker_args(
         "--hordegenlen": "256",
         "--journal-dir": journal,
         "--log-level": args.log_level,
+        "--kcpp-password": args.kcpp_password,  # only when given
     }
-    if args.kcpp_password:
-        flags["--kcpp-password"] = args.kcpp_password
-    return [word for flag in flags.items() for word in flag]
+    return [word for flag, value in flags.items() if value for word in (flag, value)]
 
 
-def _run(args: argparse.Namespace) -> int:
-    """The demo with its parsed flags; a KeyboardInterrupt passes through once
-    everything it started is stopped."""
+def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
+    """The demo with its parsed flags and koboldcpp (``real``: one answers there); a
+    KeyboardInterrupt passes through once everything it started is stopped."""
     from ..devkit.horde import DevHorde
     from ..devkit.kcpp import ScriptedKoboldcpp
 
-    configure_logging(args.log_level)
     fault_causes = FaultCauses()
-    scripted_kcpp: ScriptedKoboldcpp | None = None
-    found = _find_koboldcpp(args)
-    if found is None:
-        return 2
-    kcpp_url, real = found
     stop = threading.Event()
     result: dict[str, int] = {}
-    journal = tempfile.TemporaryDirectory(
-        prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
-    )
-    horde: DevHorde | None = None
-    thread: threading.Thread | None = None
+    started = ExitStack()  # what the demo started, stopped in reverse order
     try:
-        for line in OPENING:
-            _say(line)
-        _say()
+        journal = started.enter_context(
+            tempfile.TemporaryDirectory(
+                prefix="koboldcpp-horde-chat-demo-", ignore_cleanup_errors=True
+            )
+        )
+        _say("\n".join(OPENING) + "\n")
         if real:
             _say(f"Using the koboldcpp at {kcpp_url}.")
         else:
-            scripted_kcpp = ScriptedKoboldcpp(token_delay_s=0.02, vision=True)
-            scripted_kcpp.start()
+            kcpp = started.enter_context(ScriptedKoboldcpp(token_delay_s=0.02, vision=True))
             why = "--scripted" if args.scripted else f"No koboldcpp answers at {kcpp_url}"
-            kcpp_url = scripted_kcpp.url
+            kcpp_url = kcpp.url
             _say(
                 f"{why}: using the devkit's SCRIPTED koboldcpp at {kcpp_url} "
                 "(canned replies, real koboldcpp response shapes)."
             )
-        scripted = scripted_kcpp is not None
         # A trusted owner: a fast koboldcpp draws no suspicion line, which would be
         # about the dev Horde, not the worker or the model the demo judges.
         horde = DevHorde(api_keys=(DEMO_KEY,), trusted=True)
+        started.callback(horde.stop)
         horde.start()
         _say(f"Dev Horde at {horde.url}")
-        worker_args = _worker_args(args, horde.url, kcpp_url, journal.name)
+        worker_args = _worker_args(args, horde.url, kcpp_url, journal)
         thread = threading.Thread(
             target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
             name="demo-worker",
             daemon=True,
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
-        cases = demo_cases(info.max_context_length, scripted=scripted, vision=info.vision)
-        _say_rules(scripted, len([c for c in cases if not c.skip]))
+        cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)
+        _say_rules(real, sum(not case.skip for case in cases))
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
+        started.callback(logging.getLogger(WORKER_LOGGER).removeHandler, fault_causes)
         thread.start()
+        started.callback(thread.join, timeout=10)
+        started.callback(stop.set)
         deadline = time.monotonic() + args.timeout
-        failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, scripted)
+        failed, notes = _run_cases(cases, horde, thread, fault_causes, deadline, not real)
         raise_if_interrupted()
         if not thread.is_alive() and "code" in result:
             _say(f"\nThe worker stopped with exit code {result['code']}; see its lines above.")
-        return _summary(cases, horde, failed, notes, scripted)
+        return _summary(cases, horde, failed, notes, not real)
     finally:
-        with sigint_ignored():
-            stop.set()
-            thread.join(timeout=10) if thread is not None and thread.is_alive() else None
-            logging.getLogger(WORKER_LOGGER).removeHandler(fault_causes)
-            if horde is not None:
-                horde.stop()
-            if scripted_kcpp is not None:
-                scripted_kcpp.stop()
-            journal.cleanup()
+        with sigint_handled(ignore=True):
+            started.close()
             time.sleep(0)
 
 
-def _say_rules(scripted: bool, sent: int) -> None:
-    if scripted:
-        _say("Each case passes when the worker did right and the scripted reply is as expected.")
-    else:
-        _say(
-            "Each case passes when the worker did right; what your model did not do "
-            '("model:") does not fail it.'
-        )
+def _say_rules(real: bool, sent: int) -> None:
+    rule = (
+        '; what your model did not do ("model:") does not fail it'
+        if real
+        else " and the scripted reply is as expected"
+    )
+    _say(f"Each case passes when the worker did right{rule}.")
     _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
 
 
@@ -296,42 +293,34 @@ def _run_cases(
     for case in cases:
         if not case.skip:
             raise_if_interrupted()
-            fault_causes.take_warnings()  # what came before this case is not its
+            fault_causes.warnings = 0  # what came before this case is not its
             case.skip = _withdrawn_skip(case, horde, pops_seen) if notes else ""
         if case.skip:
             _say(f"[skip] {case.name:<24} {case.skip}")
             continue
         if case.before:
             _say(f"       {case.before}")
-        if case.kind == "chat":
+        if case.kind == "text":
+            case.request_id = horde.send_text(**case.body)  # prompt, max_length
+        else:
             case.request_id = horde.send_chat(
                 case.body, best_effort=True, max_attempts=case.max_attempts
             )
-        else:
-            case.request_id = horde.send_text(
-                case.body["prompt"], max_length=case.body["max_length"]
-            )
-        started_at = len(horde.pops)
-        finished = _wait(horde, case, deadline, worker, started_at)
+        gone = _wait(horde, case, deadline, worker, len(horde.pops))
+        finished = gone is None
         pops_seen = len(horde.pops)
-        gone = [] if finished else _withdrawn_during(case, horde, started_at)
         if gone:
             horde.cancel(case.request_id)
-            case.skip = _withdrew(gone, "the request was cancelled")
+            case.skip = gone
             _say(f"[skip] {case.name:<24} {case.skip}")
             notes += 1
             continue
         status = horde.status(case.request_id)
         ledger = [e for e in horde.ledger if e["request_id"] == case.request_id]
         models = {e["job_id"]: (horde.job(e["job_id"]) or {}).get("model") for e in ledger}
-        verdict = judge(
-            case, status, ledger, models, finished=finished, causes=fault_causes.causes
-        )
-        for line in _result_lines(case, status, verdict, scripted=scripted):
-            _say(line)
-        explained = _warnings_line(fault_causes.take_warnings(), case, verdict, scripted)
-        if explained:
-            _say(explained)
+        verdict = judge(case, status, ledger, models, finished=finished, causes=fault_causes.causes)
+        lines = _result_lines(case, status, verdict, fault_causes.warnings, scripted=scripted)
+        _say("\n".join(lines))
         notes += len(verdict.model_notes)
         if not verdict.passed(scripted=scripted):
             failed.append(case.name)
@@ -359,6 +348,5 @@ def _summary(
     if failed:
         _say(f"\nDemo FAILED: {', '.join(failed)}.{tail}")
         return 1
-    sent = [c for c in cases if not c.skip]
-    _say(f"\nDemo passed: the worker did right in all {len(sent)} cases.{tail}")
+    _say(f"\nDemo passed: the worker did right in all {len(cases) - len(skipped)} cases.{tail}")
     return 0

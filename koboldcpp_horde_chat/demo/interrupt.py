@@ -18,32 +18,21 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
-@contextmanager
-def ctrl_c_noted() -> Iterator[None]:
-    """Note Ctrl-C in :data:`_INTERRUPTED` as well as raising KeyboardInterrupt (main thread)."""
-    _INTERRUPTED.clear()
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigint(signum: int, frame: object) -> None:
-        _INTERRUPTED.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def _note_and_raise(signum: int, frame: object) -> None:
+    _INTERRUPTED.set()
+    raise KeyboardInterrupt
 
 
 @contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Ignore Ctrl-C meanwhile (in the main thread), so a second one cannot cut a stop short."""
+def sigint_handled(*, ignore: bool) -> Iterator[None]:
+    """Meanwhile, in the main thread: Ctrl-C ignored (so a second one cannot cut a stop
+    short), or noted in :data:`_INTERRUPTED` as well as raising KeyboardInterrupt."""
+    if not ignore:
+        _INTERRUPTED.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if ignore else _note_and_raise)
     try:
         yield
     finally:

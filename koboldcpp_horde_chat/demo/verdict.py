@@ -4,15 +4,15 @@ Horde's ledger (seed 000, steps 6 to 8), and the case's printed lines. Pure: no 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..horde.codes import CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT
-from .cases import DemoCase, _content, _done
+from ..translate.submits import FINISH_REASONS
+from .cases import DemoCase, _calls, _content, _done
 
-#: What a chat job's submitted ``finish_reason`` may be (seed 000, step 6).
-FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
 #: The fault reasons the Horde knows (seed 000, step 7).
 FAULT_REASONS = frozenset({"prompt_overflow", "reply_refused"})
 #: What a submit, once accepted or faulted, ends a job with; anything else in the
@@ -38,14 +38,13 @@ def _submit_problems(
     kind: str, body: dict[str, Any], model: str | None, offered: frozenset[str]
 ) -> list[str]:
     """Seed 000, steps 6 and 8."""
+    problems = []
     if kind == "text":
-        problems = []
         if not isinstance(body.get("generation"), str):
             problems.append("the text submit has no generation")
         if "message" in body:
             problems.append("the text submit carries a chat message")
         return problems
-    problems = []
     message = body.get("message")
     if not isinstance(message, dict):
         return ["the chat submit has no message"]
@@ -110,11 +109,9 @@ def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[
     return problems
 
 
-def _model_refusal(entry: dict[str, Any]) -> bool:
+def _model_refusal(rc: str | None, message: str) -> bool:
     """The submit was refused for what the model generated, not for what the worker
     built (seed 000, "Submit refusals")."""
-    rc = entry.get("rc")
-    message = str(entry.get("message") or "")
     return rc == CHAT_SUBMIT_NONCONFORMANT or (
         rc == CHAT_SUBMIT_INVALID and "not a function of the request" in message
     )
@@ -122,28 +119,26 @@ def _model_refusal(entry: dict[str, Any]) -> bool:
 
 @dataclass
 class _Findings:
-    """What :func:`judge` found job by job."""
+    """What :func:`judge` found job by job; ``refusals``: the Horde's refusal message
+    by job id, ``causes``: the worker's reason for faulting each job, by job id."""
 
+    case: DemoCase
+    models: dict[str, str | None]
+    refusals: dict[str, str]
+    causes: dict[str, str]
+    finished: bool
     problems: list[str] = field(default_factory=list)
     excused: list[str] = field(default_factory=list)  # what the model did, per fault it caused
     faults: list[str | None] = field(default_factory=list)
     wrong_faults: list[str] = field(default_factory=list)
     submitted: int = 0
 
-    def job(
-        self,
-        case: DemoCase,
-        job_id: str,
-        entries: list[dict[str, Any]],
-        refusal: str,
-        model: str | None,
-        why: str,
-        *,
-        finished: bool,
-    ) -> None:
-        """One job's ledger ``entries``; ``refusal``: the Horde's refusal message,
-        ``why``: the worker's reason for faulting it."""
-        problems = self.problems
+    def job(self, job_id: str, entries: list[dict[str, Any]]) -> None:
+        """One job's ledger ``entries``. A fault without a reason for a tool call the
+        model wrote, which the Horde would refuse, is the model's doing (seed 000,
+        "Submit refusals")."""
+        problems, model = self.problems, self.models.get(job_id)
+        refusal, why = self.refusals.get(job_id, ""), self.causes.get(job_id, "")
         terminal = [e for e in entries if e["action"] in TERMINAL_ACTIONS]
         short = job_id[:8]
         for e in entries:
@@ -156,7 +151,7 @@ class _Findings:
         if len(terminal) > 1:
             problems.append(f"job {short} has {len(terminal)} terminal actions, not one")
         if not terminal:
-            if finished and not any(e["action"] == "expired" for e in entries):
+            if self.finished and not any(e["action"] == "expired" for e in entries):
                 problems.append(f"job {short} was neither submitted nor faulted")
             return
         end = terminal[0]
@@ -166,7 +161,7 @@ class _Findings:
             problems.append(f"job {short}'s reply was submitted again after a refusal")
         model_refused = False
         for e in refused:
-            if _model_refusal({**e, "message": refusal}):
+            if _model_refusal(e.get("rc"), refusal):
                 model_refused = True
                 self.excused.append(
                     f"the Horde refused the model's reply ({refusal.rstrip('.')})"
@@ -180,12 +175,12 @@ class _Findings:
             self.submitted += 1
             problems += [
                 f"job {short}: {p}"
-                for p in _submit_problems(end["kind"], body, model, case.offered)
+                for p in _submit_problems(end["kind"], body, model, self.case.offered)
             ]
             return
         reason = end.get("fault_reason")
         self.faults.append(reason)
-        if reason is None and unusable_model_output(why):
+        if reason is None and why.startswith("generation failed: tool_calls"):
             self.excused.append(
                 f"the model wrote a reply no submit can carry ({why.split(': ', 1)[-1]})"
                 "; the worker faulted the job, as it must"
@@ -214,24 +209,13 @@ def judge(
     reply needs a ``reply_refused`` fault after it. A refusal of the model's
     output, or a fault for a reply no submit can carry, is a model note.
     """
-    found = _Findings()
-    refusal_text = {
-        r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []
-    }
-    job_ids = list(dict.fromkeys(e["job_id"] for e in ledger))
-    for job_id in status.get("job_ids") or []:
-        if job_id not in job_ids and finished:
-            job_ids.append(job_id)
+    refusals = {r.get("job_id"): str(r.get("message") or "") for r in status.get("refusals") or []}
+    found = _Findings(case, models, refusals, causes or {}, finished)
+    job_ids = dict.fromkeys(e["job_id"] for e in ledger)
+    if finished:  # a job the ledger has no entry for was neither submitted nor faulted
+        job_ids.update(dict.fromkeys(status.get("job_ids") or []))
     for job_id in job_ids:
-        found.job(
-            case,
-            job_id,
-            [e for e in ledger if e["job_id"] == job_id],
-            refusal_text.get(job_id, ""),
-            models.get(job_id),
-            (causes or {}).get(job_id, ""),
-            finished=finished,
-        )
+        found.job(job_id, [e for e in ledger if e["job_id"] == job_id])
     problems, faults, submitted = found.problems, found.faults, found.submitted
     notes: list[str] = []
     if not finished:
@@ -240,9 +224,7 @@ def judge(
         if faults != [case.expect_fault] or submitted:
             problems.append(f"one fault with {case.expect_fault} was expected")
         did = (
-            f"faulted with {case.expect_fault}, as it must"
-            if not problems
-            else _did(faults, submitted)
+            _did(faults, submitted) if problems else f"faulted with {case.expect_fault}, as it must"
         )
         return Verdict(not problems, did, problems, notes)
     for why in found.wrong_faults:
@@ -250,11 +232,10 @@ def judge(
             "a job was faulted instead of served"
             + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    for text in dict.fromkeys(found.excused):
-        times = found.excused.count(text)
+    for text, times in Counter(found.excused).items():
         notes.append(text + (f" ({times} times)" if times > 1 else ""))
     if _done(status):
-        note = case.hope(status)
+        note = case.hope(status) if case.hope else None
         if note:
             notes.append(note)
         if status.get("stream") is not None and case.body.get("stream"):
@@ -262,19 +243,12 @@ def judge(
     return Verdict(not problems, _did(faults, submitted), problems, notes)
 
 
-def unusable_model_output(why: str) -> bool:
-    """The worker's reason for a fault without ``fault_reason`` is a tool call the
-    model wrote that the Horde would refuse (seed 000, "Submit refusals")."""
-    return why.startswith("generation failed: tool_calls")
-
-
 def _stream_problems(status: dict[str, Any]) -> list[str]:
     """The progress posts, joined, must be the submitted text (seed 000, "Streaming
     progress")."""
     posts = status.get("stream") or []
     posted = "".join(p.get("content") or "" for p in posts)
-    content = _content(status)
-    if posted == content:
+    if posted == _content(status):
         return []
     if not posts:
         return ["the streamed reply was submitted without a progress post"]
@@ -306,13 +280,10 @@ def _clip(value: object, limit: int) -> str:
 def _describe(case: DemoCase, status: dict[str, Any]) -> str:
     if case.kind == "text":
         return f"generation={_clip(status.get('generation'), 60)}"
-    if status.get("faulted"):
-        return f"faulted, fault_reasons={status.get('fault_reasons')}"
     message = status.get("message") or {}
     parts = [f"finish_reason={status.get('finish_reason')}"]
     if message.get("tool_calls"):
-        calls = [c.get("function", {}).get("name") for c in message["tool_calls"]]
-        parts.append(f"tool_calls={calls}")
+        parts.append(f"tool_calls={_calls(status)}")
     if message.get("reasoning_content"):
         parts.append(f"reasoning={_clip(message['reasoning_content'], 40)}")
     parts.append(f"content={_clip(message.get('content'), 60)}")
@@ -323,12 +294,13 @@ def _describe(case: DemoCase, status: dict[str, Any]) -> str:
 
 
 def _result_lines(
-    case: DemoCase, status: dict[str, Any], verdict: Verdict, *, scripted: bool
+    case: DemoCase, status: dict[str, Any], verdict: Verdict, warnings: int, *, scripted: bool
 ) -> list[str]:
     """``[ok  ]``/``[FAIL]``, the name, what the worker did and what the requester
-    got; then one line per worker problem and per model note."""
-    mark = "ok  " if verdict.passed(scripted=scripted) else "FAIL"
-    line = f"[{mark}] {case.name:<24} {verdict.did}"
+    got; then one line per worker problem and per model note; then, when the case
+    passed after ``warnings`` WARNING lines, what they were."""
+    passed = verdict.passed(scripted=scripted)
+    line = f"[{'ok  ' if passed else 'FAIL'}] {case.name:<24} {verdict.did}"
     if _done(status):
         line += ": " + _describe(case, status)
     elif status.get("faulted") and case.expect_fault is None:
@@ -337,16 +309,11 @@ def _result_lines(
     lines += [f"       worker: {p}" for p in verdict.problems]
     label = "not as expected" if scripted else "model"
     lines += [f"       {label}: {n}" for n in verdict.model_notes]
-    return lines
-
-
-def _warnings_line(count: int, case: DemoCase, verdict: Verdict, scripted: bool) -> str:
-    """What the case's WARNING lines above were, when it passed with some; "" otherwise."""
-    if not count or not verdict.passed(scripted=scripted):
-        return ""
-    lines = f"{count} WARNING line{'s' if count > 1 else ''} above"
+    if not warnings or not passed:
+        return lines
+    above = f"       the {warnings} WARNING line{'s' if warnings > 1 else ''} above"
     if case.expect_fault is not None:
-        return f"       the {lines}: the expected {case.expect_fault} fault"
+        return [*lines, f"{above}: the expected {case.expect_fault} fault"]
     if verdict.model_notes:
-        return f"       the {lines}: expected, from what the model did (model: above)"
-    return f"       the {lines}: said by the worker while it did right"
+        return [*lines, f"{above}: expected, from what the model did (model: above)"]
+    return [*lines, f"{above}: said by the worker while it did right"]
