@@ -19,7 +19,7 @@ from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities, chat_features
 from ..horde.watch import HordeWatch
 from ..inflight import CallDeadlines
-from ..koboldcpp.api import BackendInfo, KcppAPI
+from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import LocalManners
 from ..koboldcpp.versions import CHAT_ROUTE_SINCE, since
@@ -136,27 +136,24 @@ def koboldcpp_found_line(
     )
 
 
-def no_chat_template_line(info: BackendInfo) -> str:
-    """The WARNING for a model without a chat template: koboldcpp then renders chat
-    with its fallback tags (1.116.1 ``koboldcpp.py`` L4264-4270). Chat stays
-    declared, as the seed's worked example declares it for any loaded model: the
-    fallback is right for models trained on Alpaca's tags."""
-    model = info.model_name.removeprefix("koboldcpp/")
-    return (
-        f"koboldcpp reports no chat template for model {model}: chat replies go through "
-        "koboldcpp's fallback template (Alpaca's '### Instruction:' / '### Response:', or "
-        "the tags of --chatcompletionsadapter), which a model trained on other tags may "
-        "answer poorly; chat is declared all the same (load a model with a chat template, "
-        "or give koboldcpp one with --jinjatemplate, for better replies)"
-    )
-
-
 def say_koboldcpp_found(
     info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
 ) -> None:
+    """Log :func:`koboldcpp_found_line`, and a WARNING for a model without a chat
+    template: koboldcpp then renders chat with its fallback tags (1.116.1
+    ``koboldcpp.py`` L4264-4270). Chat stays declared, as the seed's worked example
+    declares it for any loaded model: the fallback is right for models trained on
+    Alpaca's tags."""
     log.info("%s", koboldcpp_found_line(info, settings, caps))
     if info.chat_template == "" and caps.chat:
-        log.warning("%s", no_chat_template_line(info))
+        log.warning(
+            "koboldcpp reports no chat template for model %s: chat replies go through "
+            "koboldcpp's fallback template (Alpaca's '### Instruction:' / '### Response:', or "
+            "the tags of --chatcompletionsadapter), which a model trained on other tags may "
+            "answer poorly; chat is declared all the same (load a model with a chat template, "
+            "or give koboldcpp one with --jinjatemplate, for better replies)",
+            info.model_name.removeprefix("koboldcpp/"),
+        )
 
 
 def open_journal(
@@ -246,27 +243,20 @@ def open_state(
     journal_setting: str = JOURNAL_DIR_ENV,
     journal: Journal | None = None,
     recovery: Recovery | None = None,
-    abort_orphans: bool = True,
-    call_deadlines: CallDeadlines | None = None,
 ) -> WorkerState:
-    """A worker's shared state, with its journal and the recovery under way (the
-    loops wait for it before their first pop).
+    """A worker's shared state inside koboldcpp, with its journal and the recovery
+    under way (the loops wait for it before their first pop).
 
-    ``journal`` and ``recovery``: already opened and started (the standalone
-    worker starts them before koboldcpp answers); None: done here, the recovery
-    aborting orphaned generations on koboldcpp when ``abort_orphans``. Without a
-    journal (one WARNING) the state has none. ConfigError when another process
-    serves the same worker name.
+    ``journal`` and ``recovery``: already opened and started (before the model
+    loaded); None: done here, aborting nothing on koboldcpp (its restart ended
+    every earlier generation). Without a journal (one WARNING) the state has
+    none. ConfigError when another process serves the same worker name.
     """
     if journal is None:
         journal = open_journal(
             settings.worker_name, journal_directory, journal_setting=journal_setting
         )
-    if journal is not None:
-        journal.serve(settings.horde_url)
-    state = WorkerState(
-        settings, stop_event=stop_event, journal=journal, call_deadlines=call_deadlines
-    )
+    state = WorkerState(settings, stop_event=stop_event, journal=journal)
     if journal is None:
         return state
     if recovery is None:
@@ -276,7 +266,6 @@ def open_state(
             api_key=settings.api_key,
             model_id_default=settings.model_id,
             stop_event=state.stop_event,
-            kcpp=(settings.kcpp_url, settings.kcpp_password) if abort_orphans else None,
             connect_timeout_s=settings.connect_timeout_s,
             deadlines=state.call_deadlines,
         )
@@ -332,7 +321,6 @@ def run_worker(
     manners: LocalManners | None = None,
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
-    backend: KcppAPI | None = None,
     state: WorkerState | None = None,
 ) -> int:
     """Build one thread's clients and run one pop loop until stopped; the exit code
@@ -349,13 +337,11 @@ def run_worker(
         return 3
     if state.owner_trusted is None:  # the suspicion warning need not ask again
         state.owner_trusted = owner_trusted(settings.horde_url, settings.api_key)
-    if backend is None:
-        backend = kcpp_client(settings, deadlines)
     watch = horde_watch(state)
     worker = Worker(
         settings,
         horde=horde_client(settings, deadlines, watch),
-        backend=backend,
+        backend=kcpp_client(settings, deadlines),
         stop_event=stop_event,
         manners=manners,
         caps=caps,

@@ -206,7 +206,7 @@ def shared_state(
             journal, recovery = _EARLY.pop((settings.worker_name, settings.horde_url), (None, None))
             state = open_state(
                 settings, journal_dir(env), stop_event=recovery.stop_event if recovery else None,
-                journal=journal, recovery=recovery, abort_orphans=False,
+                journal=journal, recovery=recovery,
             )
             _SHARED[key] = state
         return state
@@ -343,30 +343,22 @@ def run_horde_worker(
     configure_logging(debug=getattr(args, "debugmode", 0) == 1, kcpp=kcpp)
     try:
         settings = settings_from_kcpp(kcpp, args, api_key, worker_name, parallel_batching_threads)
-    except ConfigError as exc:
-        log.error("worker %d: not started: %s", worker_id, exc)
-        return
-    if settings.model_id == INACTIVE_MODEL_NAME:
-        log.error("worker %d: not started: koboldcpp has no text model loaded", worker_id)
-        return
-    for warning in model_id_warnings(settings.model_id):
-        log.warning("worker %d: %s", worker_id, warning)
-    log.info("worker %d: %s", worker_id, serving_line(settings))
-    if worker_id == 1:
-        hosting.say_koboldcpp_found(found_info(kcpp, settings), settings, capabilities(settings))
-    manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
-    try:
+        if settings.model_id == INACTIVE_MODEL_NAME:
+            raise ConfigError("koboldcpp has no text model loaded")
+        for warning in model_id_warnings(settings.model_id):
+            log.warning("worker %d: %s", worker_id, warning)
+        log.info("worker %d: %s", worker_id, serving_line(settings))
+        caps = capabilities(settings)
+        if worker_id == 1:
+            hosting.say_koboldcpp_found(found_info(kcpp, settings), settings, caps)
+        manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
         state = shared_state(settings)
     except ConfigError as exc:
         log.error("worker %d: not started: %s", worker_id, exc)
         return
     try:
         code = hosting.run_worker(
-            settings,
-            manners=manners,
-            caps=capabilities(settings),
-            worker_id=worker_id,
-            state=state,
+            settings, manners=manners, caps=caps, worker_id=worker_id, state=state
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

@@ -29,7 +29,6 @@ from ..state.shared import WorkerState
 from .hosting import (
     check_journal_dir,
     open_journal,
-    open_state,
     run_worker,
     say_koboldcpp_found,
     serving_line,
@@ -53,18 +52,6 @@ def configure_logging(level: str = "INFO") -> None:
         root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("urllib3").setLevel(logging.WARNING)
-
-
-def settings_from_args(
-    args: argparse.Namespace,
-    backend: KoboldClient,
-    *,
-    wait_s: float | None = 0.0,
-    stop_event: threading.Event | None = None,
-) -> tuple[WorkerSettings, BackendCapabilities]:
-    """The flags and the running koboldcpp as settings and capabilities."""
-    info = read_koboldcpp(args, backend, wait_s=wait_s, stop_event=stop_event)
-    return settings_from_info(args, info)
 
 
 def read_koboldcpp(
@@ -182,28 +169,21 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         on_signal = _signal_handler(args, stopper, states, deadlines, forced)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-    directory, journal_source = _journal_directory(args)
-    # The jobs an earlier run left in hand go first, as soon as the Horde answers:
-    # their leases run while koboldcpp loads or restarts, so the recovery does
-    # not wait for it (the pop loops wait for the recovery).
+    # The key after the flags, before the journal, the recovery and the wait for
+    # koboldcpp: a wrong one is said now, not at the first pop.
     try:
-        check_flags(args)
-        if journal_source is not None:
-            check_journal_dir(directory, journal_source)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    # The key first, before the journal, the recovery and the wait for koboldcpp:
-    # a wrong one is said now, not at the first pop.
-    refused = check_api_key(args.horde_url, args.hordekey, deadlines=deadlines)
-    if refused is not None:
-        log.error("%s", refused)
-        return 3
-    try:
+        directory = _check_flags_and_journal_dir(args)
+        refused = check_api_key(args.horde_url, args.hordekey, deadlines=deadlines)
+        if refused is not None:
+            log.error("%s", refused)
+            return 3
         journal = open_journal(args.hordeworkername, directory, journal_setting="--journal-dir")
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
+    # The jobs an earlier run left in hand go first, as soon as the Horde answers:
+    # their leases run while koboldcpp loads or restarts, so the recovery does
+    # not wait for it (the pop loops wait for the recovery).
     recovery = None
     if journal is not None:
         recovery = start_recovery(
@@ -216,7 +196,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             deadlines=deadlines,
         )
     try:
-        return _run_declared(args, stopper, states, directory, journal, recovery, deadlines)
+        return _run_declared(args, stopper, states, journal, recovery, deadlines)
     finally:
         # The recovery's last attempts end by the stop's deadline; the rest stays
         # in the journal, which is released only then (not after a second signal).
@@ -226,14 +206,19 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             journal.unlock()
 
 
-def _journal_directory(args: argparse.Namespace) -> tuple[Path, str | None]:
-    """The journal's directory, and the flag or variable that named it: a directory
-    the operator named must keep the journal (else exit 2); the default one only
-    turns crash recovery off, saying so (``hosting.open_journal``)."""
+def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
+    """Check the flags; the journal's directory. A directory the operator named
+    (``--journal-dir`` or the variable) must keep the journal (else ConfigError,
+    exit 2); the default one only turns crash recovery off, saying so
+    (``hosting.open_journal``)."""
+    check_flags(args)
     if args.journal_dir:
-        return Path(args.journal_dir).expanduser(), "--journal-dir"
-    named = JOURNAL_DIR_ENV if os.environ.get(JOURNAL_DIR_ENV, "").strip() else None
-    return journal_dir(), named
+        directory = Path(args.journal_dir).expanduser()
+        check_journal_dir(directory, "--journal-dir")
+        return directory
+    if os.environ.get(JOURNAL_DIR_ENV, "").strip():
+        check_journal_dir(journal_dir(), JOURNAL_DIR_ENV)
+    return journal_dir()
 
 
 def _signal_handler(
@@ -277,7 +262,6 @@ def _run_declared(
     args: argparse.Namespace,
     stop_event: threading.Event,
     states: list[WorkerState],
-    directory: Path,
     journal: Journal | None,
     recovery: Recovery | None,
     deadlines: CallDeadlines,
@@ -296,15 +280,10 @@ def _run_declared(
                 return 0
             log.error("%s", exc)
             return 2
-        if journal is not None:
-            state = open_state(
-                settings, directory, stop_event=stop_event, journal=journal, recovery=recovery,
-                call_deadlines=deadlines,
-            )
-        else:
-            state = WorkerState(
-                settings, stop_event=stop_event, journal=None, call_deadlines=deadlines
-            )
+        state = WorkerState(
+            settings, stop_event=stop_event, journal=journal, call_deadlines=deadlines
+        )
+        state.recovery = recovery
         if states:
             state.carry_over(states[0])
         states[:] = [state]

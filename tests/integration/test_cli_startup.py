@@ -19,7 +19,7 @@ import pytest
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.hosts.standalone import settings_from_args
+from koboldcpp_horde_chat.hosts.standalone import read_koboldcpp, settings_from_info
 from koboldcpp_horde_chat.hosts.standalone_flags import build_parser, check_flags, normalise_url
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
@@ -131,7 +131,7 @@ def test_check_flags_normalises_both_urls() -> None:
 def test_koboldcpps_maxrequestsize_is_given_in_mb_and_32_by_default(flags: list[str], limit: int) -> None:
     with ScriptedKoboldcpp() as kcpp:
         args = build_parser().parse_args(["--hordekey", "k", "--hordeworkername", "w", "--kcpp-url", kcpp.url, *flags])
-        settings, _caps = settings_from_args(args, KoboldClient(kcpp.url))
+        settings, _caps = settings_from_info(args, read_koboldcpp(args, KoboldClient(kcpp.url)))
     assert settings.kcpp_max_request_bytes == limit
 
 
