@@ -189,8 +189,10 @@ def open_journal(
 
 
 def start_recovery(
-    journal: Journal,
+    worker_name: str,
+    journal_directory: Path,
     *,
+    journal_setting: str = JOURNAL_DIR_ENV,
     horde_url: str,
     api_key: str,
     model_id_default: str,
@@ -198,9 +200,10 @@ def start_recovery(
     kcpp: tuple[str, str] | None = None,
     connect_timeout_s: float = 10.0,
     deadlines: CallDeadlines | None = None,
-) -> Recovery:
-    """Start ending the jobs an earlier run left unfinished, on a thread of its own;
-    it needs the Horde and the key only.
+) -> Recovery | None:
+    """Open the worker's journal (:func:`open_journal`: None without one) and start
+    ending the jobs an earlier run left unfinished, on a thread of its own; it
+    needs the Horde and the key only. The journal is ``recovery.journal``.
 
     ``model_id_default``: the ``model_id`` of a chat fault whose entry has none.
     ``kcpp``: ``(url, password)`` of the koboldcpp whose orphaned generations to
@@ -208,6 +211,9 @@ def start_recovery(
     stop, the recovery's calls end by them and unanswered jobs stay in the
     journal (None: a stop keeps them at once).
     """
+    journal = open_journal(worker_name, journal_directory, journal_setting=journal_setting)
+    if journal is None:
+        return None
     journal.serve(horde_url)  # its jobs record this Horde; another Horde's are left alone
 
     def horde() -> HordeClient:
@@ -239,36 +245,38 @@ def open_state(
     settings: WorkerSettings,
     journal_directory: Path,
     *,
-    stop_event: threading.Event | None = None,
     journal_setting: str = JOURNAL_DIR_ENV,
-    journal: Journal | None = None,
     recovery: Recovery | None = None,
 ) -> WorkerState:
     """A worker's shared state inside koboldcpp, with its journal and the recovery
     under way (the loops wait for it before their first pop).
 
-    ``journal`` and ``recovery``: already opened and started (before the model
-    loaded); None: done here, aborting nothing on koboldcpp (its restart ended
-    every earlier generation). Without a journal (one WARNING) the state has
-    none. ConfigError when another process serves the same worker name.
+    ``recovery``: started before the model loaded, the state takes its journal
+    and stop event; None: started here, aborting nothing on koboldcpp (its
+    restart ended every earlier generation). Without a journal (one WARNING)
+    the state has none. ConfigError when another process serves the same
+    worker name.
     """
-    if journal is None:
-        journal = open_journal(
-            settings.worker_name, journal_directory, journal_setting=journal_setting
-        )
-    state = WorkerState(settings, stop_event=stop_event, journal=journal)
-    if journal is None:
-        return state
+    stop_event = recovery.stop_event if recovery is not None else threading.Event()
+    deadlines = CallDeadlines()
     if recovery is None:
         recovery = start_recovery(
-            journal,
+            settings.worker_name,
+            journal_directory,
+            journal_setting=journal_setting,
             horde_url=settings.horde_url,
             api_key=settings.api_key,
             model_id_default=settings.model_id,
-            stop_event=state.stop_event,
+            stop_event=stop_event,
             connect_timeout_s=settings.connect_timeout_s,
-            deadlines=state.call_deadlines,
+            deadlines=deadlines,
         )
+    state = WorkerState(
+        settings,
+        stop_event=stop_event,
+        journal=recovery.journal if recovery is not None else None,
+        call_deadlines=deadlines,
+    )
     state.recovery = recovery
     return state
 

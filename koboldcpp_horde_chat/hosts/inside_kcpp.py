@@ -26,7 +26,6 @@ from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.manners import NoManners
 from ..service.recovery import Recovery
 from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
-from ..state.journal import Journal
 from ..state.journal_paths import journal_dir
 from ..state.shared import WorkerState
 from . import hosting
@@ -56,9 +55,9 @@ _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[tuple[str, str, str], WorkerState] = {}
-#: The journals and recoveries :func:`start_recovery` opened before the model
-#: loaded, by (worker name, Horde URL), until the first worker thread takes them.
-_EARLY: dict[tuple[str, str], tuple[Journal, Recovery]] = {}
+#: The recoveries (with their journals) :func:`start_recovery` started before the
+#: model loaded, by (worker name, Horde URL), until the first worker thread takes them.
+_EARLY: dict[tuple[str, str], Recovery] = {}
 
 
 def _as_int(value: object, what: str) -> int:
@@ -203,11 +202,8 @@ def shared_state(
         state = _SHARED.get(key)
         if state is None:
             env = os.environ if environ is None else environ
-            journal, recovery = _EARLY.pop((settings.worker_name, settings.horde_url), (None, None))
-            state = open_state(
-                settings, journal_dir(env), stop_event=recovery.stop_event if recovery else None,
-                journal=journal, recovery=recovery,
-            )
+            recovery = _EARLY.pop((settings.worker_name, settings.horde_url), None)
+            state = open_state(settings, journal_dir(env), recovery=recovery)
             _SHARED[key] = state
         return state
 
@@ -237,17 +233,17 @@ def start_recovery(
                 key[:2] == (worker_name, horde_url) for key in _SHARED
             ):
                 return False
-            journal = hosting.open_journal(worker_name, journal_dir(env))
-            if journal is None:
-                return False
             recovery = hosting.start_recovery(
-                journal,
+                worker_name,
+                journal_dir(env),
                 horde_url=horde_url,
                 api_key=api_key,
                 model_id_default=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
                 stop_event=threading.Event(),
             )
-            _EARLY[(worker_name, horde_url)] = (journal, recovery)
+            if recovery is None:
+                return False
+            _EARLY[(worker_name, horde_url)] = recovery
         return True
     except ConfigError as exc:
         log.error("the jobs in hand at the last stop are not recovered yet: %s", exc)

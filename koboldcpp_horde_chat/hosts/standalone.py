@@ -23,12 +23,10 @@ from ..koboldcpp.manners import BackendIdentity, StandaloneManners
 from ..koboldcpp.versions import CHAT_ROUTE_SINCE, has_chat_route, since
 from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
-from ..state.journal import Journal
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
     check_journal_dir,
-    open_journal,
     run_worker,
     say_koboldcpp_found,
     serving_line,
@@ -177,17 +175,13 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         if refused is not None:
             log.error("%s", refused)
             return 3
-        journal = open_journal(args.hordeworkername, directory, journal_setting="--journal-dir")
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    # The jobs an earlier run left in hand go first, as soon as the Horde answers:
-    # their leases run while koboldcpp loads or restarts, so the recovery does
-    # not wait for it (the pop loops wait for the recovery).
-    recovery = None
-    if journal is not None:
+        # The jobs an earlier run left in hand go first, as soon as the Horde answers:
+        # their leases run while koboldcpp loads or restarts, so the recovery does
+        # not wait for it (the pop loops wait for the recovery).
         recovery = start_recovery(
-            journal,
+            args.hordeworkername,
+            directory,
+            journal_setting="--journal-dir",
             horde_url=args.horde_url,
             api_key=args.hordekey,
             model_id_default=standalone_model_id("", args.hordemodelname),
@@ -195,15 +189,18 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             kcpp=(args.kcpp_url, args.kcpp_password),
             deadlines=deadlines,
         )
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     try:
-        return _run_declared(args, stopper, states, journal, recovery, deadlines)
+        return _run_declared(args, stopper, states, recovery, deadlines)
     finally:
         # The recovery's last attempts end by the stop's deadline; the rest stays
         # in the journal, which is released only then (not after a second signal).
         if recovery is not None and not forced:
             recovery.finish(args.stop_grace)
-        if journal is not None:
-            journal.unlock()
+        if recovery is not None:
+            recovery.journal.unlock()
 
 
 def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
@@ -262,7 +259,6 @@ def _run_declared(
     args: argparse.Namespace,
     stop_event: threading.Event,
     states: list[WorkerState],
-    journal: Journal | None,
     recovery: Recovery | None,
     deadlines: CallDeadlines,
 ) -> int:
@@ -280,6 +276,7 @@ def _run_declared(
                 return 0
             log.error("%s", exc)
             return 2
+        journal = recovery.journal if recovery is not None else None
         state = WorkerState(
             settings, stop_event=stop_event, journal=journal, call_deadlines=deadlines
         )
