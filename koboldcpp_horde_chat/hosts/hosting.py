@@ -301,15 +301,6 @@ _WATCHES: weakref.WeakKeyDictionary[WorkerState, HordeWatch] = weakref.WeakKeyDi
 _WATCHES_LOCK = threading.Lock()
 
 
-def horde_watch(state: WorkerState) -> HordeWatch:
-    """The one ``HordeWatch`` of all a worker's loops' Horde clients."""
-    with _WATCHES_LOCK:
-        watch = _WATCHES.get(state)
-        if watch is None:
-            watch = _WATCHES[state] = HordeWatch()
-        return watch
-
-
 def kcpp_client(
     settings: WorkerSettings, deadlines: CallDeadlines | None = None
 ) -> KoboldClient:
@@ -345,7 +336,8 @@ def run_worker(
         return 3
     if state.owner_trusted is None:  # the suspicion warning need not ask again
         state.owner_trusted = owner_trusted(settings.horde_url, settings.api_key)
-    watch = horde_watch(state)
+    with _WATCHES_LOCK:  # one HordeWatch for all a worker's loops' Horde clients
+        watch = _WATCHES.setdefault(state, HordeWatch())
     worker = Worker(
         settings,
         horde=horde_client(settings, deadlines, watch),

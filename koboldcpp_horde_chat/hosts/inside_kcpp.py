@@ -266,19 +266,15 @@ class ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._kcpp = kcpp
         self._last: tuple[object, bool] | None = None
 
-    def _mark(self) -> tuple[object, bool]:
-        """(``totalgens``, a generation is running or waiting)."""
-        busy = (
-            _generating(self._kcpp)
-            or _queued(self._kcpp)
-            or bool(getattr(self._kcpp, "currentusergenkey", ""))
-        )
-        return getattr(self._kcpp, "totalgens", None), busy
-
     def emit(self, record: logging.LogRecord) -> None:
         try:
             msg = self.format(record)
-            mark = self._mark()
+            busy = (  # a generation is running or waiting
+                _generating(self._kcpp)
+                or _queued(self._kcpp)
+                or bool(getattr(self._kcpp, "currentusergenkey", ""))
+            )
+            mark = (getattr(self._kcpp, "totalgens", None), busy)
             last, self._last = self._last, mark
             fresh_line = last is not None and last[0] == mark[0] and not (last[1] or mark[1])
             self.stream.write(("" if fresh_line else "\n") + msg + self.terminator)

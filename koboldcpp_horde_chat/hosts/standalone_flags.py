@@ -262,11 +262,6 @@ def parse_withhold(text: str) -> frozenset[str]:
     return names
 
 
-def normalise_url(value: str, flag: str) -> str:
-    """``value`` checked by ``hosting.check_url``, as a Horde URL when ``flag`` names one."""
-    return check_url(value, flag, horde=flag in (HORDE_URL_FLAG, HORDE_URL_ENV))
-
-
 def resolve_url(
     given: str | None,
     flag: str,
@@ -275,14 +270,14 @@ def resolve_url(
     environ: Mapping[str, str] | None = None,
 ) -> str:
     """The flag's value when given, else ``env_name``'s when not blank, else ``default``;
-    checked, naming the flag or the variable a bad value came from."""
+    checked by ``hosting.check_url`` (as a Horde URL for the Horde's flag and
+    variable), naming the flag or the variable a bad value came from."""
     if given is not None:
-        return normalise_url(given, flag)
-    env = os.environ if environ is None else environ
-    value = env.get(env_name, "")
+        return check_url(given, flag, horde=flag == HORDE_URL_FLAG)
+    value = (os.environ if environ is None else environ).get(env_name, "")
     if not value.strip():
         return default
-    return normalise_url(value, env_name)
+    return check_url(value, env_name, horde=env_name == HORDE_URL_ENV)
 
 
 def check_flags(args: argparse.Namespace) -> None:
