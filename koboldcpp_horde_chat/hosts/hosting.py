@@ -203,7 +203,7 @@ def start_recovery(
 ) -> Recovery | None:
     """Open the worker's journal (:func:`open_journal`: None without one) and start
     ending the jobs an earlier run left unfinished, on a thread of its own; it
-    needs the Horde and the key only. The journal is ``recovery.journal``.
+    needs the Horde and the key only. The journal is the recovery's ``journal``.
 
     ``model_id_default``: the ``model_id`` of a chat fault whose entry has none.
     ``kcpp``: ``(url, password)`` of the koboldcpp whose orphaned generations to

@@ -14,7 +14,6 @@ Seed: "Worked example: koboldcpp's embedded worker"; seed 004.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import types
@@ -187,9 +186,7 @@ class KcppManners(NoManners):
         return genkey if isinstance(genkey, str) and genkey else None
 
 
-def shared_state(
-    settings: WorkerSettings, *, environ: Mapping[str, str] | None = None
-) -> WorkerState:
+def shared_state(settings: WorkerSettings) -> WorkerState:
     """The state koboldcpp's worker threads of one worker (by name, Horde and model)
     share in this process.
 
@@ -201,16 +198,13 @@ def shared_state(
     with _SHARED_LOCK:
         state = _SHARED.get(key)
         if state is None:
-            env = os.environ if environ is None else environ
             recovery = _EARLY.pop((settings.worker_name, settings.horde_url), None)
-            state = open_state(settings, journal_dir(env), recovery=recovery)
+            state = open_state(settings, journal_dir(), recovery=recovery)
             _SHARED[key] = state
         return state
 
 
-def start_recovery(
-    kcpp: types.ModuleType, args: object, *, environ: Mapping[str, str] | None = None
-) -> bool:
+def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
     """Start recovering the jobs the last run left unfinished now, before the model
     loads, so that their leases do not run out meanwhile; once per worker name
     and Horde.
@@ -224,10 +218,9 @@ def start_recovery(
         api_key = str(getattr(args, "hordekey", "") or "")
         name = str(getattr(args, "hordeworkername", "") or "")
         worker_name = check_worker_name(name, "--hordeworkername")
-        horde_url = _horde_url(environ)
+        horde_url = _horde_url(None)
         if not api_key:
             return False
-        env = os.environ if environ is None else environ
         with _SHARED_LOCK:
             if (worker_name, horde_url) in _EARLY or any(
                 key[:2] == (worker_name, horde_url) for key in _SHARED
@@ -235,7 +228,7 @@ def start_recovery(
                 return False
             recovery = hosting.start_recovery(
                 worker_name,
-                journal_dir(env),
+                journal_dir(),
                 horde_url=horde_url,
                 api_key=api_key,
                 model_id_default=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),

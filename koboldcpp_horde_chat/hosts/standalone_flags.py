@@ -61,18 +61,17 @@ KOBOLDCPP_HABITS = {
 def unknown_argument_hint(
     given: str, flags: Iterable[str], subcommands: Iterable[str] = ()
 ) -> str:
-    """A hint for an argument the parser does not know (``--port``, ``dmeo``), in one
-    clause: the worker's flag for one of koboldcpp's, else the nearest flag or
-    subcommand; "" when nothing is near."""
-    name = given.split("=", 1)[0]
+    """A hint for an argument the parser does not know (``--port``, ``dmeo``; without
+    a value typed with it), in one clause: the worker's flag for one of koboldcpp's,
+    else the nearest flag or subcommand; "" when nothing is near."""
     long_flags = [f for f in flags if f.startswith("--")]
-    if name in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[name][0] in long_flags:
-        flag, why = KOBOLDCPP_HABITS[name]
+    if given in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[given][0] in long_flags:
+        flag, why = KOBOLDCPP_HABITS[given]
         return f"did you mean {flag}? ({why})"
-    if name.startswith("-"):
-        near = difflib.get_close_matches(name, long_flags, n=1, cutoff=0.6)
+    if given.startswith("-"):
+        near = difflib.get_close_matches(given, long_flags, n=1, cutoff=0.6)
         return f"did you mean {near[0]}?" if near else ""
-    near = difflib.get_close_matches(name, list(subcommands), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(given, list(subcommands), n=1, cutoff=0.6)
     return f"did you mean the subcommand {near[0]}? (named first)" if near else ""
 
 
