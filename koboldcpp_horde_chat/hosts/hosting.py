@@ -91,6 +91,14 @@ def check_journal_dir(directory: Path, source: str) -> None:
         ) from None
 
 
+def capabilities(settings: WorkerSettings, *, chat: bool = True) -> BackendCapabilities:
+    """What both hosts declare for the same settings (the same pop body); ``chat``
+    False: koboldcpp is too old for chat."""
+    return BackendCapabilities(
+        vision=settings.vision, image_url=settings.image_url_transport, chat=chat
+    )
+
+
 def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
     """The start line both hosts log: what the Horde will send, for which model,
     from which Horde, via which koboldcpp. Only a Horde with the chat routes

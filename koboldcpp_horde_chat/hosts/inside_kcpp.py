@@ -20,7 +20,7 @@ import types
 from collections.abc import Mapping
 
 from ..errors import ConfigError
-from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
+from ..horde.declaration import INACTIVE_MODEL_NAME, model_id_warnings
 from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.manners import NoManners
 from ..service.recovery import Recovery
@@ -28,7 +28,7 @@ from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from ..state.journal_paths import journal_dir
 from ..state.shared import WorkerState
 from . import hosting
-from .hosting import check_limits, check_worker_name, open_state, serving_line
+from .hosting import capabilities, check_limits, check_worker_name, open_state, serving_line
 from .standalone_flags import HORDE_URL_ENV, HORDE_URL_FLAG, resolve_url
 
 log = logging.getLogger("koboldcpp_horde_chat.kcpp_hook")
@@ -127,11 +127,6 @@ def settings_from_kcpp(
         ) * MIB,
         kcpp_genlimit=max(0, _as_int(getattr(args, "genlimit", 0) or 0, "genlimit")),
     )
-
-
-def capabilities(settings: WorkerSettings) -> BackendCapabilities:
-    """Built as the standalone worker builds them: the same settings, the same pop body."""
-    return BackendCapabilities(vision=settings.vision, image_url=settings.image_url_transport)
 
 
 def _generating(kcpp: types.ModuleType) -> bool:

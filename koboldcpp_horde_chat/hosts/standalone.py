@@ -26,6 +26,7 @@ from ..settings import MIB, WorkerSettings
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
+    capabilities,
     check_journal_dir,
     run_worker,
     say_koboldcpp_found,
@@ -140,10 +141,7 @@ def settings_from_info(
         kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
         kcpp_genlimit=args.kcpp_genlimit,
     )
-    caps = BackendCapabilities(
-        vision=info.vision, image_url=settings.image_url_transport, chat=chat
-    )
-    return settings, caps
+    return settings, capabilities(settings, chat=chat)
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
