@@ -346,11 +346,10 @@ def run_worker(
         state.owner_trusted = owner_trusted(settings.horde_url, settings.api_key)
     with _WATCHES_LOCK:  # one HordeWatch for all a worker's loops' Horde clients
         watch = _WATCHES.setdefault(state, HordeWatch())
-    worker = Worker(
+    return Worker(
         settings,
         horde=horde_client(settings, deadlines, watch),
         backend=kcpp_client(settings, deadlines),
-        stop_event=stop_event,
         manners=manners,
         caps=caps,
         worker_id=worker_id,
@@ -358,5 +357,4 @@ def run_worker(
         pop_horde=horde_client(settings, deadlines, watch),
         abort_backend=kcpp_client(settings, deadlines),
         retry_horde=lambda: horde_client(settings, deadlines, watch),
-    )
-    return worker.run()
+    ).run()
