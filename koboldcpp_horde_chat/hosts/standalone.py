@@ -74,15 +74,13 @@ def read_koboldcpp(
         try:
             return backend.info()
         except BackendUnauthorized:
-            if args.kcpp_password:
-                raise ConfigError(
-                    f"koboldcpp at {args.kcpp_url} refused the password given with "
-                    "--kcpp-password (or KCPP_PASSWORD)"
-                ) from None
-            raise ConfigError(
-                f"koboldcpp at {args.kcpp_url} is password protected: pass its password "
-                "with --kcpp-password or KCPP_PASSWORD"
-            ) from None
+            problem = (
+                "refused the password given with --kcpp-password (or KCPP_PASSWORD)"
+                if args.kcpp_password
+                else "is password protected: pass its password with --kcpp-password or "
+                "KCPP_PASSWORD"
+            )
+            raise ConfigError(f"koboldcpp at {args.kcpp_url} {problem}") from None
         except BackendError as exc:
             now = time.monotonic()
             if wait_s is not None and now - started >= wait_s:
