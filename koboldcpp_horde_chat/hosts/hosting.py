@@ -19,7 +19,7 @@ from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities, chat_features
 from ..horde.watch import HordeWatch
 from ..inflight import CallDeadlines
-from ..koboldcpp.api import BackendInfo, KcppAPI
+from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import LocalManners
 from ..koboldcpp.versions import CHAT_ROUTE_SINCE, since
@@ -91,6 +91,14 @@ def check_journal_dir(directory: Path, source: str) -> None:
         ) from None
 
 
+def capabilities(settings: WorkerSettings, *, chat: bool = True) -> BackendCapabilities:
+    """What both hosts declare for the same settings (the same pop body); ``chat``
+    False: koboldcpp is too old for chat."""
+    return BackendCapabilities(
+        vision=settings.vision, image_url=settings.image_url_transport, chat=chat
+    )
+
+
 def serving_line(settings: WorkerSettings, *, chat: bool = True) -> str:
     """The start line both hosts log: what the Horde will send, for which model,
     from which Horde, via which koboldcpp. Only a Horde with the chat routes
@@ -136,27 +144,24 @@ def koboldcpp_found_line(
     )
 
 
-def no_chat_template_line(info: BackendInfo) -> str:
-    """The WARNING for a model without a chat template: koboldcpp then renders chat
-    with its fallback tags (1.116.1 ``koboldcpp.py`` L4264-4270). Chat stays
-    declared, as the seed's worked example declares it for any loaded model: the
-    fallback is right for models trained on Alpaca's tags."""
-    model = info.model_name.removeprefix("koboldcpp/")
-    return (
-        f"koboldcpp reports no chat template for model {model}: chat replies go through "
-        "koboldcpp's fallback template (Alpaca's '### Instruction:' / '### Response:', or "
-        "the tags of --chatcompletionsadapter), which a model trained on other tags may "
-        "answer poorly; chat is declared all the same (load a model with a chat template, "
-        "or give koboldcpp one with --jinjatemplate, for better replies)"
-    )
-
-
 def say_koboldcpp_found(
     info: BackendInfo, settings: WorkerSettings, caps: BackendCapabilities
 ) -> None:
+    """Log :func:`koboldcpp_found_line`, and a WARNING for a model without a chat
+    template: koboldcpp then renders chat with its fallback tags (1.116.1
+    ``koboldcpp.py`` L4264-4270). Chat stays declared, as the seed's worked example
+    declares it for any loaded model: the fallback is right for models trained on
+    Alpaca's tags."""
     log.info("%s", koboldcpp_found_line(info, settings, caps))
     if info.chat_template == "" and caps.chat:
-        log.warning("%s", no_chat_template_line(info))
+        log.warning(
+            "koboldcpp reports no chat template for model %s: chat replies go through "
+            "koboldcpp's fallback template (Alpaca's '### Instruction:' / '### Response:', or "
+            "the tags of --chatcompletionsadapter), which a model trained on other tags may "
+            "answer poorly; chat is declared all the same (load a model with a chat template, "
+            "or give koboldcpp one with --jinjatemplate, for better replies)",
+            info.model_name.removeprefix("koboldcpp/"),
+        )
 
 
 def open_journal(
@@ -192,8 +197,10 @@ def open_journal(
 
 
 def start_recovery(
-    journal: Journal,
+    worker_name: str,
+    journal_directory: Path,
     *,
+    journal_setting: str = JOURNAL_DIR_ENV,
     horde_url: str,
     api_key: str,
     model_id_default: str,
@@ -201,9 +208,10 @@ def start_recovery(
     kcpp: tuple[str, str] | None = None,
     connect_timeout_s: float = 10.0,
     deadlines: CallDeadlines | None = None,
-) -> Recovery:
-    """Start ending the jobs an earlier run left unfinished, on a thread of its own;
-    it needs the Horde and the key only.
+) -> Recovery | None:
+    """Open the worker's journal (:func:`open_journal`: None without one) and start
+    ending the jobs an earlier run left unfinished, on a thread of its own; it
+    needs the Horde and the key only. The journal is the recovery's ``journal``.
 
     ``model_id_default``: the ``model_id`` of a chat fault whose entry has none.
     ``kcpp``: ``(url, password)`` of the koboldcpp whose orphaned generations to
@@ -211,6 +219,9 @@ def start_recovery(
     stop, the recovery's calls end by them and unanswered jobs stay in the
     journal (None: a stop keeps them at once).
     """
+    journal = open_journal(worker_name, journal_directory, journal_setting=journal_setting)
+    if journal is None:
+        return None
     journal.serve(horde_url)  # its jobs record this Horde; another Horde's are left alone
 
     def horde() -> HordeClient:
@@ -242,44 +253,38 @@ def open_state(
     settings: WorkerSettings,
     journal_directory: Path,
     *,
-    stop_event: threading.Event | None = None,
     journal_setting: str = JOURNAL_DIR_ENV,
-    journal: Journal | None = None,
     recovery: Recovery | None = None,
-    abort_orphans: bool = True,
-    call_deadlines: CallDeadlines | None = None,
 ) -> WorkerState:
-    """A worker's shared state, with its journal and the recovery under way (the
-    loops wait for it before their first pop).
+    """A worker's shared state inside koboldcpp, with its journal and the recovery
+    under way (the loops wait for it before their first pop).
 
-    ``journal`` and ``recovery``: already opened and started (the standalone
-    worker starts them before koboldcpp answers); None: done here, the recovery
-    aborting orphaned generations on koboldcpp when ``abort_orphans``. Without a
-    journal (one WARNING) the state has none. ConfigError when another process
-    serves the same worker name.
+    ``recovery``: started before the model loaded, the state takes its journal
+    and stop event; None: started here, aborting nothing on koboldcpp (its
+    restart ended every earlier generation). Without a journal (one WARNING)
+    the state has none. ConfigError when another process serves the same
+    worker name.
     """
-    if journal is None:
-        journal = open_journal(
-            settings.worker_name, journal_directory, journal_setting=journal_setting
-        )
-    if journal is not None:
-        journal.serve(settings.horde_url)
-    state = WorkerState(
-        settings, stop_event=stop_event, journal=journal, call_deadlines=call_deadlines
-    )
-    if journal is None:
-        return state
+    stop_event = recovery.stop_event if recovery is not None else threading.Event()
+    deadlines = CallDeadlines()
     if recovery is None:
         recovery = start_recovery(
-            journal,
+            settings.worker_name,
+            journal_directory,
+            journal_setting=journal_setting,
             horde_url=settings.horde_url,
             api_key=settings.api_key,
             model_id_default=settings.model_id,
-            stop_event=state.stop_event,
-            kcpp=(settings.kcpp_url, settings.kcpp_password) if abort_orphans else None,
+            stop_event=stop_event,
             connect_timeout_s=settings.connect_timeout_s,
-            deadlines=state.call_deadlines,
+            deadlines=deadlines,
         )
+    state = WorkerState(
+        settings,
+        stop_event=stop_event,
+        journal=recovery.journal if recovery is not None else None,
+        call_deadlines=deadlines,
+    )
     state.recovery = recovery
     return state
 
@@ -304,15 +309,6 @@ _WATCHES: weakref.WeakKeyDictionary[WorkerState, HordeWatch] = weakref.WeakKeyDi
 _WATCHES_LOCK = threading.Lock()
 
 
-def horde_watch(state: WorkerState) -> HordeWatch:
-    """The one ``HordeWatch`` of all a worker's loops' Horde clients."""
-    with _WATCHES_LOCK:
-        watch = _WATCHES.get(state)
-        if watch is None:
-            watch = _WATCHES[state] = HordeWatch()
-        return watch
-
-
 def kcpp_client(
     settings: WorkerSettings, deadlines: CallDeadlines | None = None
 ) -> KoboldClient:
@@ -332,7 +328,6 @@ def run_worker(
     manners: LocalManners | None = None,
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
-    backend: KcppAPI | None = None,
     state: WorkerState | None = None,
 ) -> int:
     """Build one thread's clients and run one pop loop until stopped; the exit code
@@ -349,14 +344,12 @@ def run_worker(
         return 3
     if state.owner_trusted is None:  # the suspicion warning need not ask again
         state.owner_trusted = owner_trusted(settings.horde_url, settings.api_key)
-    if backend is None:
-        backend = kcpp_client(settings, deadlines)
-    watch = horde_watch(state)
-    worker = Worker(
+    with _WATCHES_LOCK:  # one HordeWatch for all a worker's loops' Horde clients
+        watch = _WATCHES.setdefault(state, HordeWatch())
+    return Worker(
         settings,
         horde=horde_client(settings, deadlines, watch),
-        backend=backend,
-        stop_event=stop_event,
+        backend=kcpp_client(settings, deadlines),
         manners=manners,
         caps=caps,
         worker_id=worker_id,
@@ -364,5 +357,4 @@ def run_worker(
         pop_horde=horde_client(settings, deadlines, watch),
         abort_backend=kcpp_client(settings, deadlines),
         retry_horde=lambda: horde_client(settings, deadlines, watch),
-    )
-    return worker.run()
+    ).run()

@@ -14,23 +14,21 @@ Seed: "Worked example: koboldcpp's embedded worker"; seed 004.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import types
 from collections.abc import Mapping
 
 from ..errors import ConfigError
-from ..horde.declaration import INACTIVE_MODEL_NAME, BackendCapabilities, model_id_warnings
+from ..horde.declaration import INACTIVE_MODEL_NAME, model_id_warnings
 from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.manners import NoManners
 from ..service.recovery import Recovery
 from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
-from ..state.journal import Journal
 from ..state.journal_paths import journal_dir
 from ..state.shared import WorkerState
 from . import hosting
-from .hosting import check_limits, check_worker_name, open_state, serving_line
+from .hosting import capabilities, check_limits, check_worker_name, open_state, serving_line
 from .standalone_flags import HORDE_URL_ENV, HORDE_URL_FLAG, resolve_url
 
 log = logging.getLogger("koboldcpp_horde_chat.kcpp_hook")
@@ -56,9 +54,9 @@ _LOGGING_LOCK = threading.Lock()
 _logging_configured = False
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[tuple[str, str, str], WorkerState] = {}
-#: The journals and recoveries :func:`start_recovery` opened before the model
-#: loaded, by (worker name, Horde URL), until the first worker thread takes them.
-_EARLY: dict[tuple[str, str], tuple[Journal, Recovery]] = {}
+#: The recoveries (with their journals) :func:`start_recovery` started before the
+#: model loaded, by (worker name, Horde URL), until the first worker thread takes them.
+_EARLY: dict[tuple[str, str], Recovery] = {}
 
 
 def _as_int(value: object, what: str) -> int:
@@ -131,11 +129,6 @@ def settings_from_kcpp(
     )
 
 
-def capabilities(settings: WorkerSettings) -> BackendCapabilities:
-    """Built as the standalone worker builds them: the same settings, the same pop body."""
-    return BackendCapabilities(vision=settings.vision, image_url=settings.image_url_transport)
-
-
 def _generating(kcpp: types.ModuleType) -> bool:
     """koboldcpp holds ``modelbusy``."""
     locked = getattr(getattr(kcpp, "modelbusy", None), "locked", None)
@@ -188,9 +181,7 @@ class KcppManners(NoManners):
         return genkey if isinstance(genkey, str) and genkey else None
 
 
-def shared_state(
-    settings: WorkerSettings, *, environ: Mapping[str, str] | None = None
-) -> WorkerState:
+def shared_state(settings: WorkerSettings) -> WorkerState:
     """The state koboldcpp's worker threads of one worker (by name, Horde and model)
     share in this process.
 
@@ -202,19 +193,13 @@ def shared_state(
     with _SHARED_LOCK:
         state = _SHARED.get(key)
         if state is None:
-            env = os.environ if environ is None else environ
-            journal, recovery = _EARLY.pop((settings.worker_name, settings.horde_url), (None, None))
-            state = open_state(
-                settings, journal_dir(env), stop_event=recovery.stop_event if recovery else None,
-                journal=journal, recovery=recovery, abort_orphans=False,
-            )
+            recovery = _EARLY.pop((settings.worker_name, settings.horde_url), None)
+            state = open_state(settings, journal_dir(), recovery=recovery)
             _SHARED[key] = state
         return state
 
 
-def start_recovery(
-    kcpp: types.ModuleType, args: object, *, environ: Mapping[str, str] | None = None
-) -> bool:
+def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
     """Start recovering the jobs the last run left unfinished now, before the model
     loads, so that their leases do not run out meanwhile; once per worker name
     and Horde.
@@ -228,26 +213,25 @@ def start_recovery(
         api_key = str(getattr(args, "hordekey", "") or "")
         name = str(getattr(args, "hordeworkername", "") or "")
         worker_name = check_worker_name(name, "--hordeworkername")
-        horde_url = _horde_url(environ)
+        horde_url = _horde_url(None)
         if not api_key:
             return False
-        env = os.environ if environ is None else environ
         with _SHARED_LOCK:
             if (worker_name, horde_url) in _EARLY or any(
                 key[:2] == (worker_name, horde_url) for key in _SHARED
             ):
                 return False
-            journal = hosting.open_journal(worker_name, journal_dir(env))
-            if journal is None:
-                return False
             recovery = hosting.start_recovery(
-                journal,
+                worker_name,
+                journal_dir(),
                 horde_url=horde_url,
                 api_key=api_key,
                 model_id_default=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
                 stop_event=threading.Event(),
             )
-            _EARLY[(worker_name, horde_url)] = (journal, recovery)
+            if recovery is None:
+                return False
+            _EARLY[(worker_name, horde_url)] = recovery
         return True
     except ConfigError as exc:
         log.error("the jobs in hand at the last stop are not recovered yet: %s", exc)
@@ -270,19 +254,15 @@ class ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._kcpp = kcpp
         self._last: tuple[object, bool] | None = None
 
-    def _mark(self) -> tuple[object, bool]:
-        """(``totalgens``, a generation is running or waiting)."""
-        busy = (
-            _generating(self._kcpp)
-            or _queued(self._kcpp)
-            or bool(getattr(self._kcpp, "currentusergenkey", ""))
-        )
-        return getattr(self._kcpp, "totalgens", None), busy
-
     def emit(self, record: logging.LogRecord) -> None:
         try:
             msg = self.format(record)
-            mark = self._mark()
+            busy = (  # a generation is running or waiting
+                _generating(self._kcpp)
+                or _queued(self._kcpp)
+                or bool(getattr(self._kcpp, "currentusergenkey", ""))
+            )
+            mark = (getattr(self._kcpp, "totalgens", None), busy)
             last, self._last = self._last, mark
             fresh_line = last is not None and last[0] == mark[0] and not (last[1] or mark[1])
             self.stream.write(("" if fresh_line else "\n") + msg + self.terminator)
@@ -343,19 +323,15 @@ def run_horde_worker(
     configure_logging(debug=getattr(args, "debugmode", 0) == 1, kcpp=kcpp)
     try:
         settings = settings_from_kcpp(kcpp, args, api_key, worker_name, parallel_batching_threads)
-    except ConfigError as exc:
-        log.error("worker %d: not started: %s", worker_id, exc)
-        return
-    if settings.model_id == INACTIVE_MODEL_NAME:
-        log.error("worker %d: not started: koboldcpp has no text model loaded", worker_id)
-        return
-    for warning in model_id_warnings(settings.model_id):
-        log.warning("worker %d: %s", worker_id, warning)
-    log.info("worker %d: %s", worker_id, serving_line(settings))
-    if worker_id == 1:
-        hosting.say_koboldcpp_found(found_info(kcpp, settings), settings, capabilities(settings))
-    manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
-    try:
+        if settings.model_id == INACTIVE_MODEL_NAME:
+            raise ConfigError("koboldcpp has no text model loaded")
+        for warning in model_id_warnings(settings.model_id):
+            log.warning("worker %d: %s", worker_id, warning)
+        log.info("worker %d: %s", worker_id, serving_line(settings))
+        caps = capabilities(settings)
+        if worker_id == 1:
+            hosting.say_koboldcpp_found(found_info(kcpp, settings), settings, caps)
+        manners = KcppManners(kcpp, check_busy=parallel_batching_threads <= 1)
         state = shared_state(settings)
     except ConfigError as exc:
         log.error("worker %d: not started: %s", worker_id, exc)
@@ -364,7 +340,7 @@ def run_horde_worker(
         code = hosting.run_worker(
             settings,
             manners=manners,
-            caps=capabilities(settings),
+            caps=caps,
             worker_id=worker_id,
             state=state,
         )

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -23,13 +23,11 @@ from ..koboldcpp.manners import BackendIdentity, StandaloneManners
 from ..koboldcpp.versions import CHAT_ROUTE_SINCE, has_chat_route, since
 from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
-from ..state.journal import Journal
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
 from .hosting import (
+    capabilities,
     check_journal_dir,
-    open_journal,
-    open_state,
     run_worker,
     say_koboldcpp_found,
     serving_line,
@@ -55,18 +53,6 @@ def configure_logging(level: str = "INFO") -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
-def settings_from_args(
-    args: argparse.Namespace,
-    backend: KoboldClient,
-    *,
-    wait_s: float | None = 0.0,
-    stop_event: threading.Event | None = None,
-) -> tuple[WorkerSettings, BackendCapabilities]:
-    """The flags and the running koboldcpp as settings and capabilities."""
-    info = read_koboldcpp(args, backend, wait_s=wait_s, stop_event=stop_event)
-    return settings_from_info(args, info)
-
-
 def read_koboldcpp(
     args: argparse.Namespace,
     backend: KoboldClient,
@@ -88,15 +74,13 @@ def read_koboldcpp(
         try:
             return backend.info()
         except BackendUnauthorized:
-            if args.kcpp_password:
-                raise ConfigError(
-                    f"koboldcpp at {args.kcpp_url} refused the password given with "
-                    "--kcpp-password (or KCPP_PASSWORD)"
-                ) from None
-            raise ConfigError(
-                f"koboldcpp at {args.kcpp_url} is password protected: pass its password "
-                "with --kcpp-password or KCPP_PASSWORD"
-            ) from None
+            problem = (
+                "refused the password given with --kcpp-password (or KCPP_PASSWORD)"
+                if args.kcpp_password
+                else "is password protected: pass its password with --kcpp-password or "
+                "KCPP_PASSWORD"
+            )
+            raise ConfigError(f"koboldcpp at {args.kcpp_url} {problem}") from None
         except BackendError as exc:
             now = time.monotonic()
             if wait_s is not None and now - started >= wait_s:
@@ -155,10 +139,7 @@ def settings_from_info(
         kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
         kcpp_genlimit=args.kcpp_genlimit,
     )
-    caps = BackendCapabilities(
-        vision=info.vision, image_url=settings.image_url_transport, chat=chat
-    )
-    return settings, caps
+    return settings, capabilities(settings, chat=chat)
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
@@ -172,176 +153,161 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     """
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level if args.log_level in LOG_LEVELS else "INFO")
-    stopper = stop_event if stop_event is not None else threading.Event()
-    states: list[WorkerState] = []
-    # The stop's deadlines exist before any state: a signal during the recovery or
-    # the wait for koboldcpp bounds their calls too (the states share them).
-    deadlines = CallDeadlines()
-    forced: list[bool] = []
+    run = _Run(args, stop_event if stop_event is not None else threading.Event())
     if threading.current_thread() is threading.main_thread():
-        on_signal = _signal_handler(args, stopper, states, deadlines, forced)
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-    directory, journal_source = _journal_directory(args)
-    # The jobs an earlier run left in hand go first, as soon as the Horde answers:
-    # their leases run while koboldcpp loads or restarts, so the recovery does
-    # not wait for it (the pop loops wait for the recovery).
+        signal.signal(signal.SIGINT, run.on_signal)
+        signal.signal(signal.SIGTERM, run.on_signal)
+    # The key after the flags, before the journal, the recovery and the wait for
+    # koboldcpp: a wrong one is said now, not at the first pop.
     try:
-        check_flags(args)
-        if journal_source is not None:
-            check_journal_dir(directory, journal_source)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    # The key first, before the journal, the recovery and the wait for koboldcpp:
-    # a wrong one is said now, not at the first pop.
-    refused = check_api_key(args.horde_url, args.hordekey, deadlines=deadlines)
-    if refused is not None:
-        log.error("%s", refused)
-        return 3
-    try:
-        journal = open_journal(args.hordeworkername, directory, journal_setting="--journal-dir")
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    recovery = None
-    if journal is not None:
-        recovery = start_recovery(
-            journal,
+        directory = _check_flags_and_journal_dir(args)
+        refused = check_api_key(args.horde_url, args.hordekey, deadlines=run.deadlines)
+        if refused is not None:
+            log.error("%s", refused)
+            return 3
+        # The jobs an earlier run left in hand go first, as soon as the Horde answers:
+        # their leases run while koboldcpp loads or restarts, so the recovery does
+        # not wait for it (the pop loops wait for the recovery).
+        run.recovery = start_recovery(
+            args.hordeworkername,
+            directory,
+            journal_setting="--journal-dir",
             horde_url=args.horde_url,
             api_key=args.hordekey,
             model_id_default=standalone_model_id("", args.hordemodelname),
-            stop_event=stopper,
+            stop_event=run.stop_event,
             kcpp=(args.kcpp_url, args.kcpp_password),
-            deadlines=deadlines,
+            deadlines=run.deadlines,
         )
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     try:
-        return _run_declared(args, stopper, states, directory, journal, recovery, deadlines)
+        return run.declare_and_serve()
     finally:
         # The recovery's last attempts end by the stop's deadline; the rest stays
         # in the journal, which is released only then (not after a second signal).
-        if recovery is not None and not forced:
-            recovery.finish(args.stop_grace)
-        if journal is not None:
-            journal.unlock()
+        if run.recovery is not None:
+            if not run.forced:
+                run.recovery.finish(args.stop_grace)
+            run.recovery.journal.unlock()
 
 
-def _journal_directory(args: argparse.Namespace) -> tuple[Path, str | None]:
-    """The journal's directory, and the flag or variable that named it: a directory
-    the operator named must keep the journal (else exit 2); the default one only
-    turns crash recovery off, saying so (``hosting.open_journal``)."""
+def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
+    """Check the flags; the journal's directory. A directory the operator named
+    (``--journal-dir`` or the variable) must keep the journal (else ConfigError,
+    exit 2); the default one only turns crash recovery off, saying so
+    (``hosting.open_journal``)."""
+    check_flags(args)
     if args.journal_dir:
-        return Path(args.journal_dir).expanduser(), "--journal-dir"
-    named = JOURNAL_DIR_ENV if os.environ.get(JOURNAL_DIR_ENV, "").strip() else None
-    return journal_dir(), named
+        directory = Path(args.journal_dir).expanduser()
+        check_journal_dir(directory, "--journal-dir")
+        return directory
+    if os.environ.get(JOURNAL_DIR_ENV, "").strip():
+        check_journal_dir(journal_dir(), JOURNAL_DIR_ENV)
+    return journal_dir()
 
 
-def _signal_handler(
-    args: argparse.Namespace,
-    stopper: threading.Event,
-    states: list[WorkerState],
-    deadlines: CallDeadlines,
-    forced: list[bool],
-) -> Callable[[int, FrameType | None], None]:
-    """The SIGINT and SIGTERM handler: the first signal stops, the second exits."""
+class _Run:
+    """One run of the standalone worker: its flags, its stop, its states (one per
+    declaration; the last one serves) and its recovery."""
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopper.is_set():
+    def __init__(self, args: argparse.Namespace, stop_event: threading.Event) -> None:
+        self.args = args
+        self.stop_event = stop_event
+        # The stop's deadlines exist before any state: a signal during the recovery or
+        # the wait for koboldcpp bounds their calls too (the states share them).
+        self.deadlines = CallDeadlines()
+        self.states: list[WorkerState] = []
+        self.forced = False  # a second signal came
+        self.recovery: Recovery | None = None
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """SIGINT and SIGTERM: the first signal stops, the second exits."""
+        grace = self.args.stop_grace
+        if self.stop_event.is_set():
             log.warning("second signal: faulting the jobs in hand and exiting now")
-            forced.append(True)
-            for state in states:
+            self.forced = True
+            for state in self.states:
                 state.fault_jobs_now()
             raise SystemExit(130)
-        if states:
-            in_hand = len(states[0].jobs_in_hand())
+        if self.states:
+            in_hand = len(self.states[0].jobs_in_hand())
             if in_hand:
                 log.info(
                     "signal %d: finishing the %s in hand (within %g s, else faulted), "
                     "then stopping",
                     signum,
                     "job" if in_hand == 1 else f"{in_hand} jobs",
-                    args.stop_grace,
+                    grace,
                 )
             else:
                 log.info("signal %d: stopping (no job in hand)", signum)
-            states[0].request_stop(args.stop_grace)
+            self.states[0].request_stop(grace)
         else:
-            log.info("signal %d: stopping (within %g s)", signum, args.stop_grace)
-            deadlines.set(stop_call_ends(time.monotonic() + args.stop_grace))
-            stopper.set()
+            log.info("signal %d: stopping (within %g s)", signum, grace)
+            self.deadlines.set(stop_call_ends(time.monotonic() + grace))
+            self.stop_event.set()
 
-    return on_signal
-
-
-def _run_declared(
-    args: argparse.Namespace,
-    stop_event: threading.Event,
-    states: list[WorkerState],
-    directory: Path,
-    journal: Journal | None,
-    recovery: Recovery | None,
-    deadlines: CallDeadlines,
-) -> int:
-    """Read koboldcpp, declare and serve; again when koboldcpp came back serving
-    something else. The exit code."""
-    while True:
-        try:
-            backend = KoboldClient(args.kcpp_url, args.kcpp_password)
-            backend.deadlines = deadlines  # its reads end by a stop's deadline
-            info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
-            settings, caps = settings_from_info(args, info)
-        except ConfigError as exc:
-            if stop_event.is_set():
-                log.info("%s", exc)
-                return 0
-            log.error("%s", exc)
-            return 2
-        if journal is not None:
-            state = open_state(
-                settings, directory, stop_event=stop_event, journal=journal, recovery=recovery,
-                call_deadlines=deadlines,
-            )
-        else:
+    def declare_and_serve(self) -> int:
+        """Read koboldcpp, declare and serve; again when koboldcpp came back serving
+        something else. The exit code."""
+        args, stop_event = self.args, self.stop_event
+        while True:
+            try:
+                backend = KoboldClient(args.kcpp_url, args.kcpp_password)
+                backend.deadlines = self.deadlines  # its reads end by a stop's deadline
+                info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
+                settings, caps = settings_from_info(args, info)
+            except ConfigError as exc:
+                if stop_event.is_set():
+                    log.info("%s", exc)
+                    return 0
+                log.error("%s", exc)
+                return 2
             state = WorkerState(
-                settings, stop_event=stop_event, journal=None, call_deadlines=deadlines
+                settings,
+                stop_event=stop_event,
+                journal=self.recovery.journal if self.recovery is not None else None,
+                call_deadlines=self.deadlines,
             )
-        if states:
-            state.carry_over(states[0])
-        states[:] = [state]
-        log.info("%s", serving_line(settings, chat=caps.chat))
-        say_koboldcpp_found(info, settings, caps)
-        manners = StandaloneManners(
-            backend,
-            check_busy=args.parallelrequests <= 1,
-            identity=BackendIdentity.of(info),
-        )
-        code = _serve(settings, caps, state, manners, args.parallelrequests)
-        if manners.changed is None or stop_event.is_set():
-            return code
-        log.warning("%s: reading it again to declare what it serves now", manners.changed)
+            state.recovery = self.recovery
+            if self.states:
+                state.carry_over(self.states[0])
+            self.states[:] = [state]
+            log.info("%s", serving_line(settings, chat=caps.chat))
+            say_koboldcpp_found(info, settings, caps)
+            manners = StandaloneManners(
+                backend,
+                check_busy=args.parallelrequests <= 1,
+                identity=BackendIdentity.of(info),
+            )
+            code = self._serve(settings, caps, state, manners)
+            if manners.changed is None or stop_event.is_set():
+                return code
+            log.warning("%s: reading it again to declare what it serves now", manners.changed)
 
+    def _serve(
+        self,
+        settings: WorkerSettings,
+        caps: BackendCapabilities,
+        state: WorkerState,
+        manners: StandaloneManners,
+    ) -> int:
+        codes: list[int] = []
 
-def _serve(
-    settings: WorkerSettings,
-    caps: BackendCapabilities,
-    state: WorkerState,
-    manners: StandaloneManners,
-    slots: int,
-) -> int:
-    codes: list[int] = []
+        def serve(worker_id: int) -> None:
+            codes.append(
+                run_worker(settings, manners=manners, caps=caps, worker_id=worker_id, state=state)
+            )
 
-    def serve(worker_id: int) -> None:
-        codes.append(
-            run_worker(settings, manners=manners, caps=caps, worker_id=worker_id, state=state)
-        )
-
-    threads = [
-        threading.Thread(target=serve, args=(n,), name=f"horde-worker-{n}", daemon=True)
-        for n in range(1, slots + 1)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        while thread.is_alive():
-            thread.join(0.25)
-    return max([state.exit_code, *codes])
+        threads = [
+            threading.Thread(target=serve, args=(n,), name=f"horde-worker-{n}", daemon=True)
+            for n in range(1, self.args.parallelrequests + 1)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.25)
+        return max([state.exit_code, *codes])

@@ -61,18 +61,17 @@ KOBOLDCPP_HABITS = {
 def unknown_argument_hint(
     given: str, flags: Iterable[str], subcommands: Iterable[str] = ()
 ) -> str:
-    """A hint for an argument the parser does not know (``--port``, ``dmeo``), in one
-    clause: the worker's flag for one of koboldcpp's, else the nearest flag or
-    subcommand; "" when nothing is near."""
-    name = given.split("=", 1)[0]
+    """A hint for an argument the parser does not know (``--port``, ``dmeo``; without
+    a value typed with it), in one clause: the worker's flag for one of koboldcpp's,
+    else the nearest flag or subcommand; "" when nothing is near."""
     long_flags = [f for f in flags if f.startswith("--")]
-    if name in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[name][0] in long_flags:
-        flag, why = KOBOLDCPP_HABITS[name]
+    if given in KOBOLDCPP_HABITS and KOBOLDCPP_HABITS[given][0] in long_flags:
+        flag, why = KOBOLDCPP_HABITS[given]
         return f"did you mean {flag}? ({why})"
-    if name.startswith("-"):
-        near = difflib.get_close_matches(name, long_flags, n=1, cutoff=0.6)
+    if given.startswith("-"):
+        near = difflib.get_close_matches(given, long_flags, n=1, cutoff=0.6)
         return f"did you mean {near[0]}?" if near else ""
-    near = difflib.get_close_matches(name, list(subcommands), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(given, list(subcommands), n=1, cutoff=0.6)
     return f"did you mean the subcommand {near[0]}? (named first)" if near else ""
 
 
@@ -262,11 +261,6 @@ def parse_withhold(text: str) -> frozenset[str]:
     return names
 
 
-def normalise_url(value: str, flag: str) -> str:
-    """``value`` checked by ``hosting.check_url``, as a Horde URL when ``flag`` names one."""
-    return check_url(value, flag, horde=flag in (HORDE_URL_FLAG, HORDE_URL_ENV))
-
-
 def resolve_url(
     given: str | None,
     flag: str,
@@ -275,14 +269,14 @@ def resolve_url(
     environ: Mapping[str, str] | None = None,
 ) -> str:
     """The flag's value when given, else ``env_name``'s when not blank, else ``default``;
-    checked, naming the flag or the variable a bad value came from."""
+    checked by ``hosting.check_url`` (as a Horde URL for the Horde's flag and
+    variable), naming the flag or the variable a bad value came from."""
     if given is not None:
-        return normalise_url(given, flag)
-    env = os.environ if environ is None else environ
-    value = env.get(env_name, "")
+        return check_url(given, flag, horde=flag == HORDE_URL_FLAG)
+    value = (os.environ if environ is None else environ).get(env_name, "")
     if not value.strip():
         return default
-    return normalise_url(value, env_name)
+    return check_url(value, env_name, horde=env_name == HORDE_URL_ENV)
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -19,8 +19,8 @@ import pytest
 from koboldcpp_horde_chat.devkit.horde import DevHorde
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.errors import ConfigError
-from koboldcpp_horde_chat.hosts.standalone import settings_from_args
-from koboldcpp_horde_chat.hosts.standalone_flags import build_parser, check_flags, normalise_url
+from koboldcpp_horde_chat.hosts.standalone import read_koboldcpp, settings_from_info
+from koboldcpp_horde_chat.hosts.standalone_flags import build_parser, check_flags, resolve_url
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 from tests.startup_cases import REFUSED_AT_START
@@ -52,13 +52,13 @@ def run_cli(*args: str, timeout_s: float = 20) -> subprocess.CompletedProcess[st
     ],
 )
 def test_a_horde_url_is_cut_back_to_its_base(value: str, expected: str) -> None:
-    assert normalise_url(value, "--horde-url") == expected
+    assert resolve_url(value, "--horde-url", "AI_HORDE_URL", "") == expected
 
 
 @pytest.mark.parametrize("value", ["aihorde.net", "htps://aihorde.net", "127.0.0.1:5001", "file:///x", ""])
 def test_a_url_without_an_http_scheme_is_a_config_error(value: str) -> None:
     with pytest.raises(ConfigError, match="needs an http"):
-        normalise_url(value, "--kcpp-url")
+        resolve_url(value, "--kcpp-url", "KCPP_URL", "")
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_check_flags_normalises_both_urls() -> None:
 def test_koboldcpps_maxrequestsize_is_given_in_mb_and_32_by_default(flags: list[str], limit: int) -> None:
     with ScriptedKoboldcpp() as kcpp:
         args = build_parser().parse_args(["--hordekey", "k", "--hordeworkername", "w", "--kcpp-url", kcpp.url, *flags])
-        settings, _caps = settings_from_args(args, KoboldClient(kcpp.url))
+        settings, _caps = settings_from_info(args, read_koboldcpp(args, KoboldClient(kcpp.url)))
     assert settings.kcpp_max_request_bytes == limit
 
 

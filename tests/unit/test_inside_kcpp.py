@@ -289,7 +289,8 @@ def _cli_pop_body(flags: list[str], info: Any) -> dict[str, Any]:
             return info
 
     args = standalone_flags.build_parser().parse_args(flags)
-    settings, caps = standalone.settings_from_args(args, Backend())  # type: ignore[arg-type]
+    info = standalone.read_koboldcpp(args, Backend())  # type: ignore[arg-type]
+    settings, caps = standalone.settings_from_info(args, info)
     return pop_body(settings, caps)
 
 
