@@ -30,7 +30,8 @@ OWN_TAIL_S = 0.5
 
 
 class LocalManners(Protocol):
-    """What the host tells the pop gate about local use of koboldcpp.
+    """What the host tells the pop gate about local use of koboldcpp; the bodies
+    here are :class:`NoManners`' answers.
 
     ``unreachable``: the last read of koboldcpp's state got no answer.
     ``last_local_request_time``: epoch seconds of a local user's last
@@ -43,31 +44,8 @@ class LocalManners(Protocol):
     """
 
     @property
-    def unreachable(self) -> bool: ...
-
-    def last_local_request_time(self) -> float | None: ...
-
-    def model_busy(self) -> bool: ...
-
-    def requests_queued(self) -> bool: ...
-
-    def should_stop(self) -> bool: ...
-
-    def recheck(self) -> str | None: ...
-
-    def note_own_request(self) -> None: ...
-
-    def note_own_request_done(self) -> None: ...
-
-    def running_genkey(self) -> str | None: ...
-
-    def own_worker_running(self) -> bool: ...
-
-
-class NoManners:
-    """Manners for a backend nobody else uses: never busy, never stopping."""
-
-    unreachable = False
+    def unreachable(self) -> bool:
+        return False
 
     def last_local_request_time(self) -> float | None:
         return None
@@ -95,6 +73,12 @@ class NoManners:
 
     def own_worker_running(self) -> bool:
         return False
+
+
+class NoManners(LocalManners):
+    """Manners for a backend nobody else uses: never busy, never stopping."""
+
+    unreachable = False
 
 
 @dataclass(frozen=True)

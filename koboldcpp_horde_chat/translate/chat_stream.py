@@ -40,9 +40,6 @@ class StreamDelta:
     content: str = ""
     reasoning: str = ""
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning)
-
 
 _EMPTY = StreamDelta()
 
@@ -79,14 +76,12 @@ class ChatStreamAccumulator:
         self.native_finish_reason: str | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
-        self.events = 0
 
     def feed_event(self, data: str) -> StreamDelta:
         """The text one event's data releases (often none). Never raises; events after
         ``[DONE]`` or an error are ignored."""
         if self.done or self.error is not None:
             return _EMPTY
-        self.events += 1
         if data.strip() == "[DONE]":
             self.done = True
             return _EMPTY
