@@ -120,8 +120,9 @@ class BackendIdentity:
         return "koboldcpp restarted with the model's chat template changed"
 
 
-class StandaloneManners:
-    """Manners read from a separate koboldcpp's ``/api/extra/perf``.
+class StandaloneManners(NoManners):
+    """Manners read from a separate koboldcpp's ``/api/extra/perf`` (whose HTTP API
+    does not tell whose generation runs: no ``running_genkey``).
 
     koboldcpp reports ``idle`` (0 while generating or with requests queued) and
     ``idletime`` (seconds since the last generation request, ours included): a
@@ -286,10 +287,6 @@ class StandaloneManners:
 
     def should_stop(self) -> bool:
         return self.changed is not None
-
-    def running_genkey(self) -> str | None:
-        # koboldcpp's HTTP API does not tell whose generation runs.
-        return None
 
     def own_worker_running(self) -> bool:
         return self._own_worker
