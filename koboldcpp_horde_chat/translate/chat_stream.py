@@ -103,9 +103,7 @@ class ChatStreamAccumulator:
             return self._fail("chunk choices is not a list")
         if not choices:
             return _EMPTY
-        choice = next(
-            (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), choices[0]
-        )
+        choice = choices[0]  # koboldcpp sends one choice (1.116.1 L5634)
         if not isinstance(choice, dict):
             return self._fail("chunk choice is not an object")
         finish = choice.get("finish_reason")
@@ -141,18 +139,6 @@ class ChatStreamAccumulator:
         released = self._emit(content, reasoning)
         self._reasoning_held = ""
         return released
-
-    @property
-    def content_so_far(self) -> str:
-        return "".join(self._content)
-
-    @property
-    def reasoning_so_far(self) -> str:
-        return "".join(self._reasoning)
-
-    @property
-    def stopped_on_sequence(self) -> bool:
-        return self._splitter.stopped
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far, in index order: id, type and name from the first fragment
