@@ -73,11 +73,11 @@ _NAMES: Final = {media_type: name for media_type, name, _ in _MAGIC} | {"image/x
 def sniff_media_type(data: bytes) -> str | None:
     """The media type from the magic number (seed step 5: from the bytes, never a
     label), or None."""
-    head = bytes(data[:1024])
+    head = data[:1024]
     for media_type, _name, magic in _MAGIC:
         if magic.match(head):
             return media_type
-    if bytes(data[-18:]) == b"TRUEVISION-XFILE.\x00":  # TGA has a footer, no magic number
+    if data[-18:] == b"TRUEVISION-XFILE.\x00":  # TGA has a footer, no magic number
         return "image/x-tga"
     return None
 
@@ -150,7 +150,7 @@ def _check_png(data: bytes) -> tuple[int, int]:
     checked."""
     n, pos = len(data), 8
     size: tuple[int, int] | None = None
-    color, palette, idat = 0, False, False
+    color, palette = 0, False
     while True:
         if pos + 8 > n:
             raise ImageError("truncated PNG")
@@ -174,10 +174,7 @@ def _check_png(data: bytes) -> tuple[int, int]:
         elif ctype == b"IDAT":
             if color == 3 and not palette:
                 raise ImageError("corrupt PNG: palette image without PLTE")
-            idat = True
         elif ctype == b"IEND":
-            if not idat:
-                raise ImageError("corrupt PNG: no IDAT chunk")
             return size
         elif not ctype[0] & 0x20:
             raise _unreadable(f"PNG with the unknown critical chunk {ctype.decode('ascii')}")
@@ -189,7 +186,6 @@ def check_decodable(data: bytes) -> str:
     the problem (``"GIF image, not JPEG or PNG"``, ``"truncated JPEG"``)."""
     if not data:
         raise ImageError("empty image")
-    data = bytes(data)
     media_type = sniff_media_type(data)
     if media_type is None:
         raise ImageError(f"unknown image format (first bytes {data[:8].hex(' ')})")
