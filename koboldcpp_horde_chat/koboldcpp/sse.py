@@ -108,9 +108,6 @@ class SSEDecoder:
                 len(self._pending) + len(self._head or b""),
                 len(self._data),
             )
-        self._pending = bytearray()
-        self._data = []
-        self._event_type = ""
         return []
 
     def _keep(self, piece: bytes) -> None:
