@@ -81,8 +81,6 @@ def _first_result(body: object) -> dict[str, Any] | None:
 
 def text_generation(body: object) -> str:
     """The text of ``{"results": [{"text": str, ...}]}``; ReplyError for another shape."""
-    if not isinstance(body, dict):
-        raise ReplyError("the generate answer is not a JSON object")
     first = _first_result(body)
     if first is None:
         raise ReplyError("the generate answer has no results")

@@ -44,7 +44,10 @@ class BackendStream:
         self._password = password
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._sock = socket_of(response)
+        raw = response.raw
+        connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+        sock = getattr(connection, "sock", None)
+        self._sock = sock if isinstance(sock, socket.socket) else None
 
     @property
     def status(self) -> int:
@@ -143,13 +146,6 @@ class InFlight(Call):
                 if hung_up:
                     raise BackendError(f"{what}: hung up by the worker") from None
                 raise
-
-
-def socket_of(response: requests.Response) -> socket.socket | None:
-    raw = response.raw
-    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    return sock if isinstance(sock, socket.socket) else None
 
 
 def describe_failure(exc: BaseException, what: str, password: str) -> str:

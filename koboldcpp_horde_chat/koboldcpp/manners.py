@@ -30,7 +30,8 @@ OWN_TAIL_S = 0.5
 
 
 class LocalManners(Protocol):
-    """What the host tells the pop gate about local use of koboldcpp.
+    """What the host tells the pop gate about local use of koboldcpp; the bodies
+    here are :class:`NoManners`' answers.
 
     ``unreachable``: the last read of koboldcpp's state got no answer.
     ``last_local_request_time``: epoch seconds of a local user's last
@@ -43,31 +44,8 @@ class LocalManners(Protocol):
     """
 
     @property
-    def unreachable(self) -> bool: ...
-
-    def last_local_request_time(self) -> float | None: ...
-
-    def model_busy(self) -> bool: ...
-
-    def requests_queued(self) -> bool: ...
-
-    def should_stop(self) -> bool: ...
-
-    def recheck(self) -> str | None: ...
-
-    def note_own_request(self) -> None: ...
-
-    def note_own_request_done(self) -> None: ...
-
-    def running_genkey(self) -> str | None: ...
-
-    def own_worker_running(self) -> bool: ...
-
-
-class NoManners:
-    """Manners for a backend nobody else uses: never busy, never stopping."""
-
-    unreachable = False
+    def unreachable(self) -> bool:
+        return False
 
     def last_local_request_time(self) -> float | None:
         return None
@@ -95,6 +73,12 @@ class NoManners:
 
     def own_worker_running(self) -> bool:
         return False
+
+
+class NoManners(LocalManners):
+    """Manners for a backend nobody else uses: never busy, never stopping."""
+
+    unreachable = False
 
 
 @dataclass(frozen=True)
@@ -136,8 +120,9 @@ class BackendIdentity:
         return "koboldcpp restarted with the model's chat template changed"
 
 
-class StandaloneManners:
-    """Manners read from a separate koboldcpp's ``/api/extra/perf``.
+class StandaloneManners(NoManners):
+    """Manners read from a separate koboldcpp's ``/api/extra/perf`` (whose HTTP API
+    does not tell whose generation runs: no ``running_genkey``).
 
     koboldcpp reports ``idle`` (0 while generating or with requests queued) and
     ``idletime`` (seconds since the last generation request, ours included): a
@@ -302,10 +287,6 @@ class StandaloneManners:
 
     def should_stop(self) -> bool:
         return self.changed is not None
-
-    def running_genkey(self) -> str | None:
-        # koboldcpp's HTTP API does not tell whose generation runs.
-        return None
 
     def own_worker_running(self) -> bool:
         return self._own_worker

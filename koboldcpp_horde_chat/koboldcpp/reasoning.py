@@ -30,6 +30,9 @@ START_TAGS: tuple[str, ...] = tuple(start for start, _ in THINK_TAGS)
 END_TAGS: tuple[str, ...] = tuple(end for _, end in THINK_TAGS)
 
 _START, _END, _SWALLOW, _STOP = "start", "end", "swallow", "stop"
+# What ends or swallows text inside a block, and what starts or swallows one outside.
+_IN_REASONING = [(tag, _END) for tag in END_TAGS] + [(tag, _SWALLOW) for tag in START_TAGS]
+_IN_CONTENT = [(tag, _START) for tag in START_TAGS] + [(tag, _SWALLOW) for tag in END_TAGS]
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class StreamSplitter:
     def __init__(
         self, stop_sequences: Iterable[str] = (), start_in_reasoning: bool = False
     ) -> None:
-        self._stops: tuple[str, ...] = tuple(s for s in stop_sequences if s)
+        self._content_needles = _IN_CONTENT + [(stop, _STOP) for stop in stop_sequences if stop]
         self._in_reasoning = start_in_reasoning
         self._buffer = ""
         self._stopped = False
@@ -80,15 +83,6 @@ class StreamSplitter:
             return "", ""
         return _join(self._process(final=True))
 
-    def _needles(self) -> list[tuple[str, str]]:
-        if self._in_reasoning:
-            return [(tag, _END) for tag in END_TAGS] + [(tag, _SWALLOW) for tag in START_TAGS]
-        return (
-            [(tag, _START) for tag in START_TAGS]
-            + [(tag, _SWALLOW) for tag in END_TAGS]
-            + [(stop, _STOP) for stop in self._stops]
-        )
-
     def _process(self, *, final: bool) -> list[tuple[bool, str]]:
         """Consume the buffer as far as possible; ``(is_reasoning, text)`` pieces."""
         pieces: list[tuple[bool, str]] = []
@@ -99,7 +93,7 @@ class StreamSplitter:
 
         while True:
             buf = self._buffer
-            needles = self._needles()
+            needles = _IN_REASONING if self._in_reasoning else self._content_needles
             event = _earliest(buf, needles)
             hold = None if final else _partial_start(buf, [n for n, _ in needles])
             if event is None:

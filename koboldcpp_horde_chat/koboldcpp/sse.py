@@ -43,8 +43,7 @@ class SSEDecoder:
 
     def __init__(self, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self._max_line_bytes = max_line_bytes
-        self._pending: list[bytes] = []  # an unterminated line, in pieces
-        self._pending_len = 0
+        self._pending = bytearray()  # an unterminated line
         self._skip_lf = False  # the previous read ended in CR
         # The first bytes while the BOM check waits for three (None: checked).
         self._head: bytes | None = b""
@@ -81,11 +80,9 @@ class SSEDecoder:
         if end < 0:
             self._keep(data)
             return []
-        block = data[: end + 1]  # the whole read itself when it ends a line
+        block: bytes | bytearray = data[: end + 1]  # the whole read when it ends a line
         if self._pending:
-            block = b"".join([*self._pending, block])
-            self._pending = []
-            self._pending_len = 0
+            block, self._pending = self._pending + block, bytearray()
         if end + 1 < len(data):
             self._keep(data[end + 1 :])
         elif data[end] == _CR:
@@ -108,21 +105,15 @@ class SSEDecoder:
             log.debug(
                 "event stream ended inside an event; discarded %d unterminated bytes "
                 "and %d data lines",
-                self._pending_len + len(self._head or b""),
+                len(self._pending) + len(self._head or b""),
                 len(self._data),
             )
-        self._pending = []
-        self._pending_len = 0
-        self._data = []
-        self._event_type = ""
         return []
 
     def _keep(self, piece: bytes) -> None:
-        self._pending.append(piece)
-        self._pending_len += len(piece)
-        if self._pending_len > self._max_line_bytes:
-            self._pending = []
-            self._pending_len = 0
+        self._pending += piece
+        if len(self._pending) > self._max_line_bytes:
+            self._pending = bytearray()
             raise BackendError(
                 f"event stream line longer than {self._max_line_bytes} bytes"
             )

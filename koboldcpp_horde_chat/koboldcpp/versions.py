@@ -17,24 +17,21 @@ PROPS_SINCE = (1, 79)
 _LEADING_NUMBERS = re.compile(r"\s*v?(\d+(?:\.\d+)*)")
 
 
-def parse_version(version: str) -> tuple[int, ...] | None:
-    """``"1.104.yr0-ROCm"`` gives ``(1, 104)``; None without a leading number."""
+def _at_least(version: str, release: tuple[int, ...]) -> bool:
+    """``"1.104.yr0-ROCm"`` reads as ``(1, 104)``; True for a version without a
+    leading number."""
     match = _LEADING_NUMBERS.match(version)
-    if match is None:
-        return None
-    return tuple(int(part) for part in match.group(1).split("."))
+    return match is None or tuple(int(part) for part in match.group(1).split(".")) >= release
 
 
 def has_chat_route(version: str) -> bool:
     """True from 1.46, and for an unreadable version (the first chat job tells)."""
-    parsed = parse_version(version)
-    return parsed is None or parsed >= CHAT_ROUTE_SINCE
+    return _at_least(version, CHAT_ROUTE_SINCE)
 
 
 def has_props_route(version: str) -> bool:
     """True from 1.79, and for an unreadable version (asking costs one GET)."""
-    parsed = parse_version(version)
-    return parsed is None or parsed >= PROPS_SINCE
+    return _at_least(version, PROPS_SINCE)
 
 
 def since(release: tuple[int, ...]) -> str:

@@ -58,14 +58,10 @@ def chat_request_body(
             job.max_context_length if max_context_length is None else max_context_length
         ),
     }
-    for key in SAMPLER_KEYS:
-        if key in payload:
-            body[key] = payload[key]
+    body.update({key: payload[key] for key in SAMPLER_KEYS if key in payload})
     if payload.get("stop_sequence") is not None:
         body["stop"] = payload["stop_sequence"]
-    for key in PASSTHROUGH_KEYS:
-        if key in payload and payload[key] is not None:
-            body[key] = payload[key]
+    body.update({key: payload[key] for key in PASSTHROUGH_KEYS if payload.get(key) is not None})
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "json_object":
         del body["response_format"]
@@ -79,6 +75,4 @@ def chat_request_body(
 
 def text_request_body(job: TextJob, *, genkey: str) -> dict[str, Any]:
     """A copy of the payload with ``genkey`` set, as koboldcpp's own worker sends it."""
-    body = dict(job.payload)
-    body["genkey"] = genkey
-    return body
+    return {**job.payload, "genkey": genkey}

@@ -40,9 +40,6 @@ class StreamDelta:
     content: str = ""
     reasoning: str = ""
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning)
-
 
 _EMPTY = StreamDelta()
 
@@ -79,14 +76,12 @@ class ChatStreamAccumulator:
         self.native_finish_reason: str | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
-        self.events = 0
 
     def feed_event(self, data: str) -> StreamDelta:
         """The text one event's data releases (often none). Never raises; events after
         ``[DONE]`` or an error are ignored."""
         if self.done or self.error is not None:
             return _EMPTY
-        self.events += 1
         if data.strip() == "[DONE]":
             self.done = True
             return _EMPTY
@@ -108,9 +103,7 @@ class ChatStreamAccumulator:
             return self._fail("chunk choices is not a list")
         if not choices:
             return _EMPTY
-        choice = next(
-            (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), choices[0]
-        )
+        choice = choices[0]  # koboldcpp sends one choice (1.116.1 L5634)
         if not isinstance(choice, dict):
             return self._fail("chunk choice is not an object")
         finish = choice.get("finish_reason")
@@ -146,18 +139,6 @@ class ChatStreamAccumulator:
         released = self._emit(content, reasoning)
         self._reasoning_held = ""
         return released
-
-    @property
-    def content_so_far(self) -> str:
-        return "".join(self._content)
-
-    @property
-    def reasoning_so_far(self) -> str:
-        return "".join(self._reasoning)
-
-    @property
-    def stopped_on_sequence(self) -> bool:
-        return self._splitter.stopped
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far, in index order: id, type and name from the first fragment

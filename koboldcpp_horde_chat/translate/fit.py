@@ -54,12 +54,8 @@ def fit_prompt(messages: list[Any], tools: object = None, response_format: objec
         if _parts(message) else message
         for message in messages
     ]
-    pieces = [json.dumps(shown, ensure_ascii=False)]
-    if tools is not None:
-        pieces.append(json.dumps(tools, ensure_ascii=False))
-    if response_format is not None:
-        pieces.append(json.dumps(response_format, ensure_ascii=False))
-    return "\n".join(pieces)
+    pieces = (shown, tools, response_format)
+    return "\n".join(json.dumps(p, ensure_ascii=False) for p in pieces if p is not None)
 
 
 def count_images(messages: list[Any]) -> int:

@@ -65,12 +65,10 @@ def map_finish_reason(
         if completion_tokens is None or completion_tokens >= max_length:
             return "length"
         return "stop"
-    if native == "stop":
-        return "stop"
+    if native in ("stop", "content_filter"):
+        return native
     if native == "tool_calls":
         return "tool_calls" if has_tool_calls else "stop"
-    if native == "content_filter":
-        return "content_filter"
     raise ReplyError(f"unusable finish reason {native!r}")
 
 
@@ -188,14 +186,6 @@ def chat_submit(
     return body
 
 
-def fault_submit(job_id: str, model_id: str, fault_reason: str | None = None) -> dict[str, Any]:
-    """A chat job's fault; ``model_id`` marks it a chat submit (no generation needed)."""
-    body: dict[str, Any] = {"id": job_id, "state": "faulted", "model_id": model_id}
-    if fault_reason:
-        body["fault_reason"] = fault_reason
-    return body
-
-
 def text_submit(job_id: str, generation: str) -> dict[str, Any]:
     return {"id": job_id, "generation": strip_nul(generation), "state": "ok"}
 
@@ -203,7 +193,11 @@ def text_submit(job_id: str, generation: str) -> dict[str, Any]:
 def job_fault_submit(
     job_id: str, kind: str, model_id: str, fault_reason: str | None = None
 ) -> dict[str, Any]:
-    """A job's fault in its kind's shape (seed step 8: a text fault has no reason)."""
-    if kind == "chat":
-        return fault_submit(job_id, model_id, fault_reason)
-    return {"id": job_id, "generation": "", "state": "faulted"}
+    """A job's fault in its kind's shape: a chat fault's ``model_id`` marks it a chat
+    submit (no generation needed); a text fault has no reason (seed step 8)."""
+    if kind != "chat":
+        return {"id": job_id, "generation": "", "state": "faulted"}
+    body: dict[str, Any] = {"id": job_id, "state": "faulted", "model_id": model_id}
+    if fault_reason:
+        body["fault_reason"] = fault_reason
+    return body

@@ -30,7 +30,7 @@ from koboldcpp_horde_chat.translate.submits import (
     FAULT_REPLY_REFUSED,
     FINISH_REASONS,
     chat_submit,
-    fault_submit,
+    job_fault_submit,
     map_finish_reason,
     normalise_tool_calls,
     strip_nul,
@@ -143,18 +143,18 @@ def test_the_seeds_submit_shape() -> None:
 
 
 def test_the_seeds_fault_bodies() -> None:
-    assert fault_submit("<job-id>", "<model-name>", FAULT_PROMPT_OVERFLOW) == {
+    assert job_fault_submit("<job-id>", "chat", "<model-name>", FAULT_PROMPT_OVERFLOW) == {
         "id": "<job-id>",
         "state": "faulted",
         "model_id": "<model-name>",
         "fault_reason": "prompt_overflow",
     }
-    assert fault_submit("<job-id>", "<model-name>") == {
+    assert job_fault_submit("<job-id>", "chat", "<model-name>") == {
         "id": "<job-id>",
         "state": "faulted",
         "model_id": "<model-name>",
     }
-    assert fault_submit("j", "m", FAULT_REPLY_REFUSED)["fault_reason"] == "reply_refused"
+    assert job_fault_submit("j", "chat", "m", FAULT_REPLY_REFUSED)["fault_reason"] == "reply_refused"
 
 
 def test_constants() -> None:
