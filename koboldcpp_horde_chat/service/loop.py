@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..clock import Clock
-from ..errors import HordeError, HordeRefusal, HordeUnavailable
+from ..errors import HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.codes import WORKER_MAINTENANCE
 from ..horde.declaration import BackendCapabilities
-from ..horde.pop import PopAnswer, read_pop
+from ..horde.pop import PopAnswer
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import LocalManners, NoManners
 from ..run.driver import JobDriver
@@ -35,7 +35,7 @@ from ..state.skipped import SkippedReporter
 from ..state.status import PauseTracker, describe_pop_refusal
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, PopGate
-from .pop_ahead import NextPop, Popped
+from .pop_ahead import NextPop, Popped, pop_now
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -236,16 +236,7 @@ class Worker:
             return False
         if self.stopping():  # the checks may have found koboldcpp serving something else
             return False
-        body = self.state.pop_body(self.caps)
-        sent_at = self.clock.monotonic()
-        try:
-            pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
-        except HordeError as exc:
-            return self._after_pop(Popped(body, None, exc, self.clock.monotonic()))
-        popped_at = self.clock.monotonic()
-        self.next_pop.timing.popped(popped_at - sent_at)
-        answer = read_pop(pop, default_ttl_s=self.settings.lease_s)
-        return self._after_pop(Popped(body, answer, None, popped_at, popped_at - sent_at))
+        return self._after_pop(pop_now(self, self.horde, self.state.pop_body(self.caps)))
 
     def _after_pop(self, popped: Popped) -> bool:
         body, error, answer = popped.body, popped.error, popped.answer
@@ -345,7 +336,7 @@ class Worker:
             and not self.manners.should_stop()
         ):
             return None
-        return self.gate.backend_changed()
+        return self.manners.recheck()
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Say the refusal and what the owner can do; stop, wait a minute, or back off."""

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HordeError, HordeUnavailable
@@ -78,6 +78,21 @@ class EarlyPopTiming:
         return max(0.0, expected - self.round_trip_s - EARLY_POP_MARGIN_S)
 
 
+def pop_now(loop: Worker, horde: HordeAPI, body: dict[str, Any]) -> Popped:
+    """Send the pop ``body`` on ``horde``: its answer read, or the HordeError;
+    the round trip of an answered one goes into the loop's timing."""
+    clock = loop.clock.monotonic
+    sent_at = clock()
+    try:
+        answer = horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
+    except HordeError as exc:
+        return Popped(body, None, exc, clock())
+    popped_at = clock()
+    loop.next_pop.timing.popped(popped_at - sent_at)
+    popped = read_pop(answer, default_ttl_s=loop.settings.lease_s)
+    return Popped(body, popped, None, popped_at, popped_at - sent_at)
+
+
 @dataclass(frozen=True)
 class Popped:
     """A pop's answer (None when it failed: ``error``) as the loop takes it;
@@ -94,7 +109,7 @@ class Popped:
 class PopAhead:
     """The next pop, on a thread of its own (``horde-pop``): ``skipped`` when
     :meth:`NextPop.prepare` said not now, else after :meth:`join` ``popped``
-    holds its answer and ``round_trip_s`` its round trip (None: it failed)."""
+    holds its answer."""
 
     def __init__(
         self, next_pop: NextPop, horde: HordeAPI,
@@ -105,7 +120,6 @@ class PopAhead:
         self._horde = horde
         self.skipped = False
         self.popped: Popped | None = None
-        self.round_trip_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
 
@@ -127,25 +141,21 @@ class PopAhead:
         if body is None:
             self.skipped = True
             return
-        clock = loop.clock.monotonic
-        sent_at = clock()
         try:
-            answer = self._horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
+            popped = pop_now(loop, self._horde, body)
         except Exception as exc:  # handed to the loop, which logs it
-            error = exc if isinstance(exc, HordeError) else HordeUnavailable(
-                f"pop failed: {type(exc).__name__}"
-            )
-            self.popped = Popped(body, None, error, clock())
+            error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
+            self.popped = Popped(body, None, error, loop.clock.monotonic())
             return
-        popped_at = clock()
-        self.round_trip_s = popped_at - sent_at
-        popped = read_pop(answer, default_ttl_s=loop.settings.lease_s)
-        ctx = None
-        try:
-            ctx = loop.driver.take_in_hand(body, popped, popped_at, pop_wait_s=self.round_trip_s)
-        except Exception:  # the loop takes the job in hand itself
-            log.debug("the job popped beside the submit was not received", exc_info=True)
-        self.popped = Popped(body, popped, None, popped_at, self.round_trip_s, ctx)
+        if popped.answer is not None:
+            try:
+                ctx = loop.driver.take_in_hand(
+                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s
+                )
+                popped = replace(popped, ctx=ctx)
+            except Exception:  # the loop takes the job in hand itself
+                log.debug("the job popped beside the submit was not received", exc_info=True)
+        self.popped = popped
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for the pop (at most ``timeout_s``); True when it ended."""
@@ -177,7 +187,6 @@ class NextPop:
         early = self.early_go is not None
         ahead.join()
         self.early_go = None
-        self.timing.popped(ahead.round_trip_s)
         if early and ahead.ctx is not None and self.loop.stopping():
             # It waited behind the last generation: its own could not be known
             # to end by the stop's deadline. Faulted now, never generated.
@@ -193,7 +202,8 @@ class NextPop:
 
     def generation_over(self) -> None:
         """The job's serving ended, however: a pop waiting for it goes now."""
-        self.loop.gate.own_generation_over()
+        if self.loop.gate.own_running:  # a job broke before its generation's end
+            self.loop.gate.own_generation_ended()
         self._text_generation = None
         if self.early_go is not None:
             self.early_go.set()
@@ -215,7 +225,7 @@ class NextPop:
         last a while, the next pop goes out during it, timed to answer before its end."""
         now = self.loop.clock.monotonic()
         self._text_generation = (now, max_length)
-        self.loop.gate.own_generation_started()
+        self.loop.gate.own_running = True
         delay = self.timing.delay_s(max_length)
         horde = None if delay is None else self._horde(ctx, is_fault=True, now=now)
         if delay is None or horde is None:
