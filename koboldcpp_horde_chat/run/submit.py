@@ -94,15 +94,12 @@ class SubmitPipeline:
         if not self._send(_Submit(ctx, body, detail, on_refused, ctx.started)):
             self.state.release(ctx)
 
-    def fault(self, ctx: JobContext, fault: JobFault) -> None:
-        """Seed step 7: submit the job's fault (``translate.submits.job_fault_submit``)."""
-        if ctx.settle() and not self._fault(ctx, fault):
-            self.state.release(ctx)
-
-    def fault_after_error(self, ctx: JobContext, fault: JobFault) -> None:
-        """Fault a job whose serving or submit broke unexpectedly on the loop's
-        own thread (the loop may be sending its terminal action): the safety net."""
-        if (ctx.phase is Phase.SETTLING or ctx.settle()) and not self._fault(ctx, fault):
+    def fault(self, ctx: JobContext, fault: JobFault, *, after_error: bool = False) -> None:
+        """Seed step 7: submit the job's fault (``translate.submits.job_fault_submit``).
+        ``after_error``: the safety net, its serving or submit broke unexpectedly
+        on the loop's own thread (which may be sending its terminal action)."""
+        settling = after_error and ctx.phase is Phase.SETTLING
+        if (settling or ctx.settle()) and not self._fault(ctx, fault):
             self.state.release(ctx)
 
     def _fault(self, ctx: JobContext, fault: JobFault) -> bool:
@@ -337,7 +334,7 @@ class ReplyBeside:
                 )
             except Exception:
                 log.exception("job=%s unexpected error while submitting it", ctx.id)
-                sender.fault_after_error(ctx, JobFault("internal error"))
+                sender.fault(ctx, JobFault("internal error"), after_error=True)
 
         self._thread = threading.Thread(target=run, name=f"submit-{ctx.id[:8]}", daemon=True)
         self._thread.start()

@@ -261,7 +261,7 @@ class NextPop:
         that job at once. False: not sent."""
         ahead, loop = self.ahead, self.loop
         if (
-            loop.retry_horde is None
+            loop.pipeline.retry_horde is None
             or ahead is None
             or self.early_go is None  # not the pop sent during the generation
             or (ahead.join(0) and ahead.ctx is None)  # it brought no job
