@@ -17,7 +17,6 @@ from ..errors import HordeError, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.pop import PopAnswer, read_pop
 from ..koboldcpp.manners import OWN_TAIL_S
-from ..run.submit import ReplyBeside
 from ..state.job import JobContext, Outcome
 from .gate import OWN_TAIL_POLL_S
 
@@ -177,7 +176,6 @@ class NextPop:
         #: (monotonic start, max_length) of the text generation under way, and when it ended.
         self._text_generation: tuple[float, int] | None = None
         self._generation_end: float | None = None
-        self._beside: ReplyBeside | None = None
 
     def take(self) -> Popped | None:
         """The answer of the pop sent ahead, once it came; None: no such pop."""
@@ -267,9 +265,7 @@ class NextPop:
             or (ahead.join(0) and ahead.ctx is None)  # it brought no job
         ):
             return False
-        if self._beside is None:
-            self._beside = ReplyBeside(loop.pipeline)
-        self._beside.send(ctx, outcome)
+        loop.pipeline.reply_beside(ctx, outcome)
         return True
 
     def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
