@@ -150,8 +150,11 @@ class PopGate:
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock.monotonic()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
-        if not self._kinds_generate():
-            streak = self.state.failure_streak
+        streak = self.state.failure_streak
+        for kind in ("text", "chat"):  # a kind failing alone is withdrawn until its probe generates
+            if streak.kind_failing(kind):
+                self._probe_until_generates(kind, kind)
+        if not self.state.kinds_to_pop():
             return "kind_failing", self._next_probe_in(
                 [kind for kind in ("text", "chat") if streak.kind_failing(kind)]
             )
@@ -191,16 +194,6 @@ class PopGate:
             self.backend_suspect = False
             return self.manners.recheck() is None  # not serving another model or context
         return False
-
-    def _kinds_generate(self) -> bool:
-        """Probe each kind that failed alone (withdrawn from the pops until its
-        probe, of its own kind and its failed job's size, generates); False
-        while no kind is left to pop for."""
-        streak = self.state.failure_streak
-        for kind in ("text", "chat"):
-            if streak.kind_failing(kind):
-                self._probe_until_generates(kind, kind)
-        return bool(self.state.kinds_to_pop())
 
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
         """Probe a failing subject (:data:`ALL` or one kind) when its wait is

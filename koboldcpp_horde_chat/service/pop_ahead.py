@@ -106,9 +106,8 @@ class Popped:
 
 
 class PopAhead:
-    """The next pop, on a thread of its own (``horde-pop``): ``skipped`` when
-    :meth:`NextPop.prepare` said not now, else after :meth:`join` ``popped``
-    holds its answer."""
+    """The next pop, on a thread of its own (``horde-pop``): after :meth:`join`
+    ``popped`` holds its answer, None when :meth:`NextPop.prepare` said not now."""
 
     def __init__(
         self, next_pop: NextPop, horde: HordeAPI,
@@ -117,7 +116,6 @@ class PopAhead:
         self.next_pop = next_pop
         self.early = early
         self._horde = horde
-        self.skipped = False
         self.popped: Popped | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
@@ -138,7 +136,6 @@ class PopAhead:
             log.debug("the pop beside the submit was not prepared", exc_info=True)
             body = None
         if body is None:
-            self.skipped = True
             return
         try:
             popped = pop_now(loop, self._horde, body)
@@ -189,7 +186,7 @@ class NextPop:
             # It waited behind the last generation: its own could not be known
             # to end by the stop's deadline. Faulted now, never generated.
             ahead.ctx.give_up("popped during the last generation, not generated at the stop")
-        return None if ahead.skipped else ahead.popped
+        return ahead.popped
 
     def generation_ended(self) -> None:
         """The job's own request to koboldcpp ended (``PopGate.own_generation_ended``)."""
@@ -274,7 +271,7 @@ class NextPop:
         if not is_fault and started is not None and end is not None:
             self.timing.generated(end - started[0], started[1])
         early = self.ahead
-        if early is not None and early.join(0) and early.skipped:
+        if early is not None and early.join(0) and early.popped is None:
             self.ahead = self.early_go = None  # that pop did not go: one beside
         horde = self._horde(ctx, is_fault=is_fault, now=self.loop.clock.monotonic())
         if horde is not None:
