@@ -61,7 +61,6 @@ class ChatRun:
         self.job = job
         self.ctx = ctx
         self.settings = ports.settings
-        self.model_id = ctx.model_id
         self.messages: list[dict[str, Any]] = []
 
     def received(self) -> None:
@@ -221,7 +220,7 @@ class ChatRun:
                 job.max_length, sent_context, kcpp_context, self.settings.kcpp_genlimit
             )
             self._check_not_aborted(backend_reply, budget)
-            submit_body = chat_submit(job.id, self.model_id, backend_reply, max_length=budget)
+            submit_body = chat_submit(job.id, ctx.model_id, backend_reply, max_length=budget)
         except (BackendError, ReplyError) as exc:
             # Given up meanwhile (the stop hangs up a stream, which then ends cut
             # short): the fault names the stop, not koboldcpp.

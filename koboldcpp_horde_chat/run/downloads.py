@@ -117,9 +117,8 @@ def _fetch(
     """GET ``url`` under the module's rules: the decoded body."""
     start = time.monotonic()
     deadline = start + timeout_s
-    own = session is None
     sess = requests.Session() if session is None else session
-    if own:
+    if session is None:
         adapter = TrackingAdapter()  # a hang-up shuts its connections down
         sess.mount("http://", adapter)
         sess.mount("https://", adapter)
@@ -154,7 +153,7 @@ def _fetch(
                 raise failed(f"no answer in {timeout_s:g} s") from None
             except requests.exceptions.RequestException as exc:
                 raise failed(netfail.describe(exc)) from None
-            try:
+            with response:  # closed however it ends
                 target = sess.get_redirect_target(response) if response.is_redirect else None
                 if target is not None:
                     nxt = urljoin(current, target).split("#", 1)[0]
@@ -181,14 +180,12 @@ def _fetch(
                     time.monotonic() - start,
                 )
                 return body
-            finally:
-                response.close()
         raise AssertionError("unreachable")  # pragma: no cover
     except FetchError as exc:
         log.debug("%s failed after %.2f s: %s", what, time.monotonic() - start, exc)
         raise
     finally:
-        if own:
+        if session is None:
             sess.close()
 
 

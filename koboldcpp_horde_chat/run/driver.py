@@ -268,7 +268,7 @@ class JobDriver:
                 raise
             # Whatever went wrong, a popped job is answered: never left to expire.
             log.exception("job=%s unexpected error while serving it; faulting it", ctx.id)
-            self.pipeline.fault_after_error(ctx, JobFault("internal error"))
+            self.pipeline.fault(ctx, JobFault("internal error"), after_error=True)
         except BaseException:
             # A forced exit: stop koboldcpp's generation, one quick fault, then go.
             self.fault_jobs_now()

@@ -108,17 +108,12 @@ class _StreamedGeneration:
                     continue
                 ended = self._take(item, decoder)
                 # What koboldcpp sent while the last post was answered goes into the
-                # next post whole: a slow Horde must not turn into one post per chunk.
-                while not ended:
-                    try:
-                        item = chunks.get_nowait()
-                    except queue.Empty:
-                        break
-                    ended = self._take(item, decoder)
+                # next post whole: a slow Horde must not turn into one post per chunk
+                # (this thread alone takes from the queue).
+                while not ended and not chunks.empty():
+                    ended = self._take(chunks.get_nowait(), decoder)
                 if not ended:
                     self._post_due()
-            if accumulator.error is not None:
-                raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
             if accumulator.native_finish_reason is None:
                 raise ReplyError(
                     "the stream ended without a finish reason"
@@ -138,24 +133,20 @@ class _StreamedGeneration:
         """Feed one item of the reader's queue; True when the stream ended. Raises
         BackendError or ReplyError (in-band) after aborting the generation."""
         accumulator = self.accumulator
-        if item is None:
-            for event in decoder.close():
-                self._feed(event.data)
-            return True
         if isinstance(item, BaseException):
             self._close_and_abort()
             if isinstance(item, BackendError):
                 raise item
             raise BackendError(f"stream failed: {item!r}")
-        for event in decoder.feed(item):
+        for event in decoder.close() if item is None else decoder.feed(item):
             self._feed(event.data)
             if accumulator.done or accumulator.error is not None:
                 break
         if accumulator.error is not None:
-            # Abort at once: what koboldcpp sends after an error is not used.
-            self._close_and_abort()
+            if item is not None:  # abort at once: what koboldcpp sends after an error is not used
+                self._close_and_abort()
             raise ReplyError(f"koboldcpp reported an error mid-stream: {accumulator.error}")
-        return accumulator.done
+        return item is None or accumulator.done
 
     def _open_stream(self) -> KcppStream:
         """Open koboldcpp's stream, waiting out 503 busy answers (BackendError when

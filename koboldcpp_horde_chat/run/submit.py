@@ -72,6 +72,9 @@ class SubmitPipeline:
         self.state = state
         self.stop = stop
         self.retry_horde = retry_horde
+        #: Replies sent beside the loop's next job: their pipeline, and the last one's thread.
+        self._beside: SubmitPipeline | None = None
+        self._beside_thread: threading.Thread | None = None
 
     def _now(self) -> float:
         return self.state.clock.monotonic()
@@ -94,15 +97,40 @@ class SubmitPipeline:
         if not self._send(_Submit(ctx, body, detail, on_refused, ctx.started)):
             self.state.release(ctx)
 
-    def fault(self, ctx: JobContext, fault: JobFault) -> None:
-        """Seed step 7: submit the job's fault (``translate.submits.job_fault_submit``)."""
-        if ctx.settle() and not self._fault(ctx, fault):
-            self.state.release(ctx)
+    def reply_beside(self, ctx: JobContext, outcome: Outcome) -> None:
+        """Submit the job's reply (:meth:`reply`) on a thread of its own
+        (``submit-<job id>``), beside the loop's next job, once the one before was
+        answered, on a Horde client of their own made by ``retry_horde``; an
+        unexpected error faults the job."""
+        if self._beside is None:
+            assert self.retry_horde is not None
+            self._beside = SubmitPipeline(
+                self.settings, self.retry_horde(), self.state, stop=self.stop,
+                retry_horde=self.retry_horde,
+            )
+        if self._beside_thread is not None:
+            self._beside_thread.join()
+        sender = self._beside
 
-    def fault_after_error(self, ctx: JobContext, fault: JobFault) -> None:
-        """Fault a job whose serving or submit broke unexpectedly on the loop's
-        own thread (the loop may be sending its terminal action): the safety net."""
-        if (ctx.phase is Phase.SETTLING or ctx.settle()) and not self._fault(ctx, fault):
+        def run() -> None:
+            try:
+                sender.reply(
+                    ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused
+                )
+            except Exception:
+                log.exception("job=%s unexpected error while submitting it", ctx.id)
+                sender.fault(ctx, JobFault("internal error"), after_error=True)
+
+        thread = threading.Thread(target=run, name=f"submit-{ctx.id[:8]}", daemon=True)
+        self._beside_thread = thread
+        thread.start()
+
+    def fault(self, ctx: JobContext, fault: JobFault, *, after_error: bool = False) -> None:
+        """Seed step 7: submit the job's fault (``translate.submits.job_fault_submit``).
+        ``after_error``: the safety net, its serving or submit broke unexpectedly
+        on the loop's own thread (which may be sending its terminal action)."""
+        settling = after_error and ctx.phase is Phase.SETTLING
+        if (settling or ctx.settle()) and not self._fault(ctx, fault):
             self.state.release(ctx)
 
     def _fault(self, ctx: JobContext, fault: JobFault) -> bool:
@@ -307,37 +335,3 @@ class SubmitPipeline:
                 horde.close()
 
         threading.Thread(target=run, name=f"submit-retry-{ctx.id[:8]}", daemon=True).start()
-
-
-class ReplyBeside:
-    """Replies submitted on a thread of their own (``submit-<job id>``), beside the
-    loop's next job, one at a time, on a Horde client of their own made by the
-    pipeline's ``retry_horde``."""
-
-    def __init__(self, pipeline: SubmitPipeline) -> None:
-        make_horde = pipeline.retry_horde
-        assert make_horde is not None
-        self._sender = SubmitPipeline(
-            pipeline.settings, make_horde(), pipeline.state, stop=pipeline.stop,
-            retry_horde=make_horde,
-        )
-        self._thread: threading.Thread | None = None
-
-    def send(self, ctx: JobContext, outcome: Outcome) -> None:
-        """Submit the job's reply (:meth:`SubmitPipeline.reply`) once the one
-        before was answered; an unexpected error faults the job."""
-        if self._thread is not None:
-            self._thread.join()
-        sender = self._sender
-
-        def run() -> None:
-            try:
-                sender.reply(
-                    ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused
-                )
-            except Exception:
-                log.exception("job=%s unexpected error while submitting it", ctx.id)
-                sender.fault_after_error(ctx, JobFault("internal error"))
-
-        self._thread = threading.Thread(target=run, name=f"submit-{ctx.id[:8]}", daemon=True)
-        self._thread.start()

@@ -19,7 +19,7 @@ RETRY_AFTER_CAP_S = 600.0
 
 class Backoff:
     """Exponential backoff with equal jitter, seconds; a ``Retry-After`` may ask
-    for up to ``max(cap_s, retry_after_cap_s)``. ValueError for a non-positive
+    for up to ``max(cap_s, RETRY_AFTER_CAP_S)``. ValueError for a non-positive
     base, a cap below it or a factor below 1."""
 
     def __init__(
@@ -29,7 +29,6 @@ class Backoff:
         *,
         factor: float = 2.0,
         rng: random.Random | None = None,
-        retry_after_cap_s: float = RETRY_AFTER_CAP_S,
     ) -> None:
         if not base_s > 0 or not math.isfinite(base_s):
             raise ValueError(f"base_s must be a positive number of seconds, not {base_s!r}")
@@ -40,7 +39,7 @@ class Backoff:
         self.base_s = base_s
         self.cap_s = cap_s
         self.factor = factor
-        self.retry_after_cap_s = max(cap_s, retry_after_cap_s)
+        self.retry_after_cap_s = max(cap_s, RETRY_AFTER_CAP_S)
         self._rng = rng if rng is not None else random.Random()
         self._bound = base_s
         self.attempts = 0

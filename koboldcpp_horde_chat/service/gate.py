@@ -14,6 +14,7 @@ import math
 import re
 import secrets
 import threading
+from typing import Any
 
 from ..clock import Clock
 from ..errors import BackendError, ReplyError
@@ -69,9 +70,6 @@ CHAT_PROBE_OVERHEAD = 48
 #: A re-measure (``lease_fit``) that answers fewer tokens than this (an early
 #: stop) measures no generation speed.
 REMEASURE_MIN_TOKENS = 8
-#: The probe subject of a koboldcpp failing generations of every kind together
-#: (``guard.FailureStreak.failing``); each kind is a subject of its own.
-ALL_KINDS = ALL
 
 
 def probe_prompt(tokens: int) -> str:
@@ -102,7 +100,8 @@ class PopGate:
         self._own_done_at: float | None = None
         #: koboldcpp's figures of each probe: the job meter's reader, so each is read once.
         self.figures = figures
-        self._own_running = False
+        #: The worker's own generation runs: a busy koboldcpp with nothing queued is busy with it.
+        self.own_running = False
         #: The words of the last pause when not its reason's own, else None.
         self.line: str | None = None
         self._abort_line: tuple[tuple[int, int], str] | None = None
@@ -130,8 +129,9 @@ class PopGate:
         if self.state.retrying_submits:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
-        if not self._backend_generates():
-            return "backend_failing", self._next_probe_in([ALL_KINDS])
+        if self.state.failure_streak.failing and not self._probe_until_generates(ALL, "text"):
+            # koboldcpp fails generations of every kind together: probed back first.
+            return "backend_failing", self._next_probe_in([ALL])
         limit = self.state.abort_limit(self.clock.monotonic())
         if limit is not None:
             count, in_hand, resume_at = limit
@@ -150,8 +150,11 @@ class PopGate:
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock.monotonic()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
-        if not self._kinds_generate():
-            streak = self.state.failure_streak
+        streak = self.state.failure_streak
+        for kind in ("text", "chat"):  # a kind failing alone is withdrawn until its probe generates
+            if streak.kind_failing(kind):
+                self._probe_until_generates(kind, kind)
+        if not self.state.kinds_to_pop():
             return "kind_failing", self._next_probe_in(
                 [kind for kind in ("text", "chat") if streak.kind_failing(kind)]
             )
@@ -172,27 +175,14 @@ class PopGate:
             return "kcpp_worker"
         return reason
 
-    def backend_changed(self) -> str | None:
-        """How koboldcpp, read now, serves something else than declared, or None."""
-        return self.manners.recheck()
-
     def own_tail(self) -> bool:
         """True while the worker's own generation runs and within ``OWN_TAIL_S`` of its end."""
         own = self._own_done_at
-        return self._own_running or (own is not None and self.clock.monotonic() - own < OWN_TAIL_S)
-
-    def own_generation_started(self) -> None:
-        """Until it ends, a busy koboldcpp with nothing queued is busy with it."""
-        self._own_running = True
+        return self.own_running or (own is not None and self.clock.monotonic() - own < OWN_TAIL_S)
 
     def own_generation_ended(self) -> None:
-        self._own_running = False
+        self.own_running = False
         self._own_done_at = self.clock.monotonic()
-
-    def own_generation_over(self) -> None:
-        """End the worker's own generation if still running (a job broke before its end)."""
-        if self._own_running:
-            self.own_generation_ended()
 
     def _backend_answers(self) -> bool:
         """False while koboldcpp, which failed a job without answering, still does
@@ -202,41 +192,35 @@ class PopGate:
             return True
         if self.backend.ready():
             self.backend_suspect = False
-            return self.backend_changed() is None
+            return self.manners.recheck() is None  # not serving another model or context
         return False
 
-    def _backend_generates(self) -> bool:
-        """False while koboldcpp, failing generations in a row, is not probed back."""
-        if not self.state.failure_streak.failing:
-            return True
-        return self._probe_until_generates(ALL_KINDS, "text")
-
-    def _kinds_generate(self) -> bool:
-        """Probe each kind that failed alone (withdrawn from the pops until its
-        probe, of its own kind and its failed job's size, generates); False
-        while no kind is left to pop for."""
-        streak = self.state.failure_streak
-        for kind in ("text", "chat"):
-            if streak.kind_failing(kind):
-                self._probe_until_generates(kind, kind)
-        return bool(self.state.kinds_to_pop())
-
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
-        """Probe a failing subject (:data:`ALL_KINDS` or one kind) when its wait is
-        over (60 s, then twice the last); True when the probe generated (the
-        subject is declared again, on probation)."""
+        """Probe a failing subject (:data:`ALL` or one kind) when its wait is
+        over (60 s, then twice the last) with a generation of its failed job's
+        size (``(prompt tokens, max_length)``, else the default probe), measured
+        like a job's; True when it generated (the subject is declared again, on
+        probation)."""
         plan = self.state.probe_plan
         with self.state.lock:
             if not plan.due(subject, self.clock.monotonic()):
                 return False
             size = plan.size(subject)
-        if self._probe(kind, size) is None:
+        prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
+        max_length = max_length or PROBE_MAX_LENGTH
+        measured = self._generate(kind, prompt_tokens, max_length)
+        if measured is None:
             with self.state.lock:
                 plan.probe_failed(subject, self.clock.monotonic())
             return False
+        tokens, seconds, figures = measured
+        record_generated(
+            self.state, kind, tokens, seconds, max_length=max_length,
+            ttl_s=self.state.lease_fit.lease_s, now=self.clock.monotonic(), figures=figures,
+        )
         with self.state.lock:
             plan.probe_succeeded(subject)
-            self.state.failure_streak.probation(None if subject == ALL_KINDS else kind)
+            self.state.failure_streak.probation(None if subject == ALL else kind)
         return True
 
     def _next_probe_in(self, subjects: list[str]) -> float:
@@ -272,27 +256,6 @@ class PopGate:
             for change in changes:
                 log.warning("%s", change.line())
 
-    def _probe(self, kind: str, size: tuple[int, int] | None) -> tuple[int, float] | None:
-        """One probe of ``kind`` of ``size`` (``(prompt tokens, max_length)``, None:
-        the default probe), measured like a job's: ``(tokens, seconds)`` or None."""
-        prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
-        max_length = max_length or PROBE_MAX_LENGTH
-        measured = self._generate(kind, prompt_tokens, max_length)
-        if measured is None:
-            return None
-        tokens, seconds, figures = measured
-        record_generated(
-            self.state,
-            kind,
-            tokens,
-            seconds,
-            max_length=max_length,
-            ttl_s=self.state.lease_fit.lease_s,
-            now=self.clock.monotonic(),
-            figures=figures,
-        )
-        return tokens, seconds
-
     def _generate(
         self, kind: str, prompt_tokens: int, max_length: int
     ) -> tuple[int, float, PerfFigures | None] | None:
@@ -306,57 +269,48 @@ class PopGate:
             cancel.set()
             self.backend.hang_up()
 
-        with self.state.call_deadlines.until(STOP_KIND, hang_up):
-            measured = self._generate_now(kind, prompt_tokens, max_length, genkey, cancel)
+        fit = self.state.lease_fit
+        timeout_s = max(PROBE_TIMEOUT_S, budget_s(fit.lease_s, fit.margin_s))
+        started = self.clock.monotonic()
+        self.manners.note_own_request()
+        try:
+            with self.state.call_deadlines.until(STOP_KIND, hang_up):
+                if kind == "chat":
+                    content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
+                    body: dict[str, Any] = {
+                        "messages": [{"role": "user", "content": content}],
+                        "max_tokens": max_length,
+                        "genkey": genkey,
+                    }
+                    answer = parse_chat_completion(
+                        self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel)
+                    )
+                    text = (answer.content or "") + (answer.reasoning_content or "")
+                    counted = answer.completion_tokens
+                    tokens = counted if counted is not None else tokens_of_text(text)
+                else:
+                    body = {
+                        "prompt": probe_prompt(prompt_tokens),
+                        "max_length": max_length,
+                        "max_context_length": max(512, prompt_tokens + max_length + 16),
+                        "genkey": genkey,
+                    }
+                    text = text_generation(
+                        self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
+                    )
+                    tokens = tokens_of_text(text)
+        except (BackendError, ReplyError) as exc:
+            if not cancel.is_set():  # else aborted below, as hung up at the stop
+                if isinstance(exc, BackendError) and exc.status == 0:
+                    abort_quietly(self.backend, genkey)  # timed out: it runs on in koboldcpp
+                return None
+        finally:
+            self.manners.note_own_request_done()
+            self.own_generation_ended()
         if cancel.is_set():
             try:  # a generation hung up runs on inside koboldcpp
                 self.backend.abort(genkey, timeout_s=PROBE_ABORT_TIMEOUT_S)
             except BackendError:
                 log.debug("the probe's abort at the stop failed", exc_info=True)
             return None
-        return measured
-
-    def _generate_now(
-        self, kind: str, prompt_tokens: int, max_length: int, genkey: str,
-        cancel: threading.Event,
-    ) -> tuple[int, float, PerfFigures | None] | None:
-        fit = self.state.lease_fit
-        timeout_s = max(PROBE_TIMEOUT_S, budget_s(fit.lease_s, fit.margin_s))
-        started = self.clock.monotonic()
-        self.manners.note_own_request()
-        try:
-            if kind == "chat":
-                content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
-                answer = parse_chat_completion(
-                    self.backend.chat_completion(
-                        {
-                            "messages": [{"role": "user", "content": content}],
-                            "max_tokens": max_length,
-                            "genkey": genkey,
-                        },
-                        timeout_s=timeout_s,
-                        cancel=cancel,
-                    )
-                )
-                text = (answer.content or "") + (answer.reasoning_content or "")
-                counted = answer.completion_tokens
-                tokens = counted if counted is not None else tokens_of_text(text)
-            else:
-                body = {
-                    "prompt": probe_prompt(prompt_tokens),
-                    "max_length": max_length,
-                    "max_context_length": max(512, prompt_tokens + max_length + 16),
-                    "genkey": genkey,
-                }
-                text = text_generation(
-                    self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
-                )
-                tokens = tokens_of_text(text)
-        except (BackendError, ReplyError) as exc:
-            if isinstance(exc, BackendError) and exc.status == 0 and not cancel.is_set():
-                abort_quietly(self.backend, genkey)  # timed out: it runs on in koboldcpp
-            return None
-        finally:
-            self.manners.note_own_request_done()
-            self.own_generation_ended()
         return tokens, self.clock.monotonic() - started, self.figures.read()

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..clock import Clock
-from ..errors import HordeError, HordeRefusal, HordeUnavailable
+from ..errors import HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.codes import WORKER_MAINTENANCE
 from ..horde.declaration import BackendCapabilities
-from ..horde.pop import PopAnswer, read_pop
+from ..horde.pop import PopAnswer
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import LocalManners, NoManners
 from ..run.driver import JobDriver
@@ -35,7 +35,7 @@ from ..state.skipped import SkippedReporter
 from ..state.status import PauseTracker, describe_pop_refusal
 from .backoff import Backoff, EmptyPopBackoff
 from .gate import MAINTENANCE_POLL_S, PopGate
-from .pop_ahead import NextPop, Popped
+from .pop_ahead import NextPop, Popped, pop_now
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -85,15 +85,14 @@ class Worker:
         self.backend = backend
         if state is None:
             state = WorkerState(settings, stop_event=stop_event)
-        clock = state.clock
         self.state = state
         self.stop_event = state.stop_event
         self.manners: LocalManners = manners if manners is not None else NoManners()
         self.caps = caps if caps is not None else BackendCapabilities(vision=settings.vision)
+        clock = state.clock
         self.clock: Clock = clock
         self.worker_id = worker_id
         self.pop_horde = pop_horde
-        self.abort_backend = abort_backend if abort_backend is not None else backend
         self.meter = JobMeter(state, backend, clock.monotonic)
         self.gate = PopGate(self.manners, backend, state, settings, clock, self.meter.figures)
         stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
@@ -102,7 +101,7 @@ class Worker:
             horde=horde,
             koboldcpp=KoboldcppPort(
                 backend=backend,
-                abort_backend=self.abort_backend,
+                abort_backend=abort_backend if abort_backend is not None else backend,
                 clock=clock,
                 stop=stop,
                 note_own_request=self.manners.note_own_request,
@@ -113,7 +112,6 @@ class Worker:
             journal=state.journal,
         )
         self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
-        self.retry_horde = retry_horde
         self.next_pop = NextPop(self)
         self._error_backoff = Backoff(1.0, 60.0)
         self._empty_backoff = EmptyPopBackoff()
@@ -162,7 +160,13 @@ class Worker:
             while not self.stopping():
                 self._pass()
             self.drain()
-            self._wait_jobs_ended()
+            deadline = self.state.stop_deadline
+            bound = (
+                deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
+                if deadline is not None
+                else self.settings.lease_cap_s
+            )
+            self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
             self.state.flush_journal()
         finally:
             with self.state.lock:
@@ -203,24 +207,13 @@ class Worker:
         chat = body is None or "chat_jobs" in body
         self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
 
-    def _wait_jobs_ended(self) -> None:
-        deadline = self.state.stop_deadline
-        bound = (
-            deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
-            if deadline is not None
-            else self.settings.lease_cap_s
-        )
-        self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
-
     def stopping(self) -> bool:
         return self.stop_event.is_set() or self.manners.should_stop()
 
     def run_once(self) -> bool:
         """One pass of the pop loop: the answer of the pop sent ahead, or a pop now
         when the gate lets it. True when a job was served."""
-        summary = self.state.periodic_summary(self.clock.monotonic(), self.clock.time())
-        if summary is not None:
-            log.info("worker %d: %s", self.worker_id, summary)
+        self._say(self.state.periodic_summary(self.clock.monotonic(), self.clock.time()))
         popped = self.next_pop.take()
         if popped is not None:
             return self._after_pop(popped)
@@ -229,23 +222,12 @@ class Worker:
         pause = self.gate.pause()
         if pause is not None:
             reason, wait_s = pause
-            line = self._pauses.pausing(reason, self.clock.monotonic(), line=self.gate.line)
-            if line is not None:
-                log.info("worker %d: %s", self.worker_id, line)
+            self._say(self._pauses.pausing(reason, self.clock.monotonic(), line=self.gate.line))
             self.stop_event.wait(wait_s)
             return False
         if self.stopping():  # the checks may have found koboldcpp serving something else
             return False
-        body = self.state.pop_body(self.caps)
-        sent_at = self.clock.monotonic()
-        try:
-            pop = self.horde.pop(body, timeout_s=self.settings.pop_timeout_s)
-        except HordeError as exc:
-            return self._after_pop(Popped(body, None, exc, self.clock.monotonic()))
-        popped_at = self.clock.monotonic()
-        self.next_pop.timing.popped(popped_at - sent_at)
-        answer = read_pop(pop, default_ttl_s=self.settings.lease_s)
-        return self._after_pop(Popped(body, answer, None, popped_at, popped_at - sent_at))
+        return self._after_pop(pop_now(self, self.horde, self.state.pop_body(self.caps)))
 
     def _after_pop(self, popped: Popped) -> bool:
         body, error, answer = popped.body, popped.error, popped.answer
@@ -271,9 +253,7 @@ class Worker:
                             again=f"pop failed: {error}; retrying in {delay:.1f} s")
             return False
         self._error_backoff.reset()
-        line = self._pauses.popping(popped.popped_at)
-        if line is not None:
-            log.info("worker %d: %s", self.worker_id, line)
+        self._say(self._pauses.popping(popped.popped_at))
         for message in self.state.new_moderator_lines(answer.messages):
             log.warning("worker %d: %s", self.worker_id, message)
         ctx = popped.ctx
@@ -287,6 +267,10 @@ class Worker:
         finally:
             self.next_pop.generation_over()
         return True
+
+    def _say(self, line: str | None) -> None:
+        if line is not None:
+            log.info("worker %d: %s", self.worker_id, line)
 
     def _no_job(self, answer: PopAnswer, body: dict[str, Any]) -> bool:
         """A pop's answer without a usable job id: say why, and wait the empty-pop
@@ -345,7 +329,7 @@ class Worker:
             and not self.manners.should_stop()
         ):
             return None
-        return self.gate.backend_changed()
+        return self.manners.recheck()
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Say the refusal and what the owner can do; stop, wait a minute, or back off."""

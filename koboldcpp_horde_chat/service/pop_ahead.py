@@ -10,14 +10,13 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HordeError, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.pop import PopAnswer, read_pop
 from ..koboldcpp.manners import OWN_TAIL_S
-from ..run.submit import ReplyBeside
 from ..state.job import JobContext, Outcome
 from .gate import OWN_TAIL_POLL_S
 
@@ -78,6 +77,21 @@ class EarlyPopTiming:
         return max(0.0, expected - self.round_trip_s - EARLY_POP_MARGIN_S)
 
 
+def pop_now(loop: Worker, horde: HordeAPI, body: dict[str, Any]) -> Popped:
+    """Send the pop ``body`` on ``horde``: its answer read, or the HordeError;
+    the round trip of an answered one goes into the loop's timing."""
+    clock = loop.clock.monotonic
+    sent_at = clock()
+    try:
+        answer = horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
+    except HordeError as exc:
+        return Popped(body, None, exc, clock())
+    popped_at = clock()
+    loop.next_pop.timing.popped(popped_at - sent_at)
+    popped = read_pop(answer, default_ttl_s=loop.settings.lease_s)
+    return Popped(body, popped, None, popped_at, popped_at - sent_at)
+
+
 @dataclass(frozen=True)
 class Popped:
     """A pop's answer (None when it failed: ``error``) as the loop takes it;
@@ -92,9 +106,8 @@ class Popped:
 
 
 class PopAhead:
-    """The next pop, on a thread of its own (``horde-pop``): ``skipped`` when
-    :meth:`NextPop.prepare` said not now, else after :meth:`join` ``popped``
-    holds its answer and ``round_trip_s`` its round trip (None: it failed)."""
+    """The next pop, on a thread of its own (``horde-pop``): after :meth:`join`
+    ``popped`` holds its answer, None when :meth:`NextPop.prepare` said not now."""
 
     def __init__(
         self, next_pop: NextPop, horde: HordeAPI,
@@ -103,9 +116,7 @@ class PopAhead:
         self.next_pop = next_pop
         self.early = early
         self._horde = horde
-        self.skipped = False
         self.popped: Popped | None = None
-        self.round_trip_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
 
@@ -125,27 +136,22 @@ class PopAhead:
             log.debug("the pop beside the submit was not prepared", exc_info=True)
             body = None
         if body is None:
-            self.skipped = True
             return
-        clock = loop.clock.monotonic
-        sent_at = clock()
         try:
-            answer = self._horde.pop(body, timeout_s=loop.settings.pop_timeout_s)
+            popped = pop_now(loop, self._horde, body)
         except Exception as exc:  # handed to the loop, which logs it
-            error = exc if isinstance(exc, HordeError) else HordeUnavailable(
-                f"pop failed: {type(exc).__name__}"
-            )
-            self.popped = Popped(body, None, error, clock())
+            error = HordeUnavailable(f"pop failed: {type(exc).__name__}")
+            self.popped = Popped(body, None, error, loop.clock.monotonic())
             return
-        popped_at = clock()
-        self.round_trip_s = popped_at - sent_at
-        popped = read_pop(answer, default_ttl_s=loop.settings.lease_s)
-        ctx = None
-        try:
-            ctx = loop.driver.take_in_hand(body, popped, popped_at, pop_wait_s=self.round_trip_s)
-        except Exception:  # the loop takes the job in hand itself
-            log.debug("the job popped beside the submit was not received", exc_info=True)
-        self.popped = Popped(body, popped, None, popped_at, self.round_trip_s, ctx)
+        if popped.answer is not None:
+            try:
+                ctx = loop.driver.take_in_hand(
+                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s
+                )
+                popped = replace(popped, ctx=ctx)
+            except Exception:  # the loop takes the job in hand itself
+                log.debug("the job popped beside the submit was not received", exc_info=True)
+        self.popped = popped
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for the pop (at most ``timeout_s``); True when it ended."""
@@ -167,7 +173,6 @@ class NextPop:
         #: (monotonic start, max_length) of the text generation under way, and when it ended.
         self._text_generation: tuple[float, int] | None = None
         self._generation_end: float | None = None
-        self._beside: ReplyBeside | None = None
 
     def take(self) -> Popped | None:
         """The answer of the pop sent ahead, once it came; None: no such pop."""
@@ -177,12 +182,11 @@ class NextPop:
         early = self.early_go is not None
         ahead.join()
         self.early_go = None
-        self.timing.popped(ahead.round_trip_s)
         if early and ahead.ctx is not None and self.loop.stopping():
             # It waited behind the last generation: its own could not be known
             # to end by the stop's deadline. Faulted now, never generated.
             ahead.ctx.give_up("popped during the last generation, not generated at the stop")
-        return None if ahead.skipped else ahead.popped
+        return ahead.popped
 
     def generation_ended(self) -> None:
         """The job's own request to koboldcpp ended (``PopGate.own_generation_ended``)."""
@@ -193,7 +197,8 @@ class NextPop:
 
     def generation_over(self) -> None:
         """The job's serving ended, however: a pop waiting for it goes now."""
-        self.loop.gate.own_generation_over()
+        if self.loop.gate.own_running:  # a job broke before its generation's end
+            self.loop.gate.own_generation_ended()
         self._text_generation = None
         if self.early_go is not None:
             self.early_go.set()
@@ -215,7 +220,7 @@ class NextPop:
         last a while, the next pop goes out during it, timed to answer before its end."""
         now = self.loop.clock.monotonic()
         self._text_generation = (now, max_length)
-        self.loop.gate.own_generation_started()
+        self.loop.gate.own_running = True
         delay = self.timing.delay_s(max_length)
         horde = None if delay is None else self._horde(ctx, is_fault=True, now=now)
         if delay is None or horde is None:
@@ -251,15 +256,13 @@ class NextPop:
         that job at once. False: not sent."""
         ahead, loop = self.ahead, self.loop
         if (
-            loop.retry_horde is None
+            loop.pipeline.retry_horde is None
             or ahead is None
             or self.early_go is None  # not the pop sent during the generation
             or (ahead.join(0) and ahead.ctx is None)  # it brought no job
         ):
             return False
-        if self._beside is None:
-            self._beside = ReplyBeside(loop.pipeline)
-        self._beside.send(ctx, outcome)
+        loop.pipeline.reply_beside(ctx, outcome)
         return True
 
     def terminal_action_next(self, ctx: JobContext, *, is_fault: bool) -> None:
@@ -268,7 +271,7 @@ class NextPop:
         if not is_fault and started is not None and end is not None:
             self.timing.generated(end - started[0], started[1])
         early = self.ahead
-        if early is not None and early.join(0) and early.skipped:
+        if early is not None and early.join(0) and early.popped is None:
             self.ahead = self.early_go = None  # that pop did not go: one beside
         horde = self._horde(ctx, is_fault=is_fault, now=self.loop.clock.monotonic())
         if horde is not None:
