@@ -200,8 +200,11 @@ class JobDriver:
         self.state.release(ctx)
         return Served(job=job, done=True, generation_ended=True)
 
-    def reply(self, ctx: JobContext, outcome: Outcome, seconds: float) -> None:
+    def reply(self, ctx: JobContext, outcome: Outcome) -> None:
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
+
+    def check_speed(self, outcome: Outcome, seconds: float) -> None:
+        """After the reply went (here or beside the next job), ``seconds`` after the pop."""
         if seconds > 0:
             self._check_suspicion(reply_tokens(outcome.body) / seconds)
 

@@ -317,7 +317,8 @@ class Worker:
             seconds = self.clock.monotonic() - ctx.started
             next_pop.terminal_action_next(ctx, is_fault=False)
             if not next_pop.reply_beside(ctx, outcome):
-                driver.reply(ctx, outcome, seconds)
+                driver.reply(ctx, outcome)
+            driver.check_speed(outcome, seconds)
 
     def _backend_changed(self, ctx: JobContext) -> str | None:
         """How koboldcpp now differs from the job's pop's declaration, or None; read

@@ -4,6 +4,7 @@ submit beside the next job), and nothing changes for short ones."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -93,3 +94,28 @@ def test_short_text_generations_still_pop_beside_the_submit(
     idle = [b - a - generation_s for a, b in zip(starts, starts[1:], strict=False)]
     # one round trip between two short jobs: the submit's, the pop beside it
     assert min(idle) >= LATENCY_S * 0.9, idle
+
+
+def test_an_untrusted_owner_hears_of_a_fast_reply_sent_beside_the_next_job(
+    horde: DevHorde, kcpp: ScriptedKoboldcpp, start_worker: Callable[..., RunningWorker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first and last jobs are slow (50 tokens/s, 6 s); the ones between are
+    popped during a generation and their replies sent beside the next job, and run
+    at 250 tokens/s, above the 150 the Horde allows an untrusted owner's worker:
+    the owner is told once, though no reply at that speed went the usual way."""
+    caplog.set_level(logging.INFO)
+    calls: list[int] = []
+
+    def script(body: dict[str, Any]) -> ScriptedReply:
+        kcpp.token_delay_s = 0.004 if 1 <= len(calls) <= 2 else 0.02
+        calls.append(1)
+        return ScriptedReply(text="word " * 400, finish="length")
+
+    kcpp.script(script)
+    worker = start_worker()
+    rids = [horde.send_text("Once upon a time", max_length=300) for _ in range(4)]
+    assert horde.wait(rids, timeout_s=120)
+    assert worker.stop() == 0
+    assert [e["action"] for e in horde.ledger] == ["submitted"] * 4
+    assert caplog.text.count("above the 150 tokens/s the Horde allows a worker of an untrusted owner") == 1
