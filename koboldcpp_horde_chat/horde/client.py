@@ -48,10 +48,6 @@ POP_MAX_BYTES: Final = 64 * MIB
 RESPONSE_MAX_BYTES: Final = 1 * MIB
 MESSAGE_MAX_CHARS: Final = 300
 CLIENT_AGENT: Final = f"koboldcpp-horde-chat:{__version__}"
-#: Each route's kind in ``inflight.CallDeadlines`` (the key check ends with the pops).
-ROUTE_KINDS: Final = {
-    ROUTE_POP: "pop", ROUTE_SUBMIT: "submit", ROUTE_PROGRESS: "progress", ROUTE_FIND_USER: "pop",
-}
 RETRY_AFTER_MAX_S: Final = 3600.0
 
 
@@ -177,21 +173,20 @@ class HordeClient:
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST the pop; the answer is read by ``horde.pop.parse_pop``."""
-        return self._request(
-            "POST", ROUTE_POP, body, timeout_s=timeout_s, max_bytes=self._pop_max_bytes
-        )
+        return self._request("POST", ROUTE_POP, body, "pop", timeout_s, self._pop_max_bytes)
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a submit; ``{"reward": <kudos>}``."""
-        return self._request("POST", ROUTE_SUBMIT, body, timeout_s=timeout_s)
+        return self._request("POST", ROUTE_SUBMIT, body, "submit", timeout_s)
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a progress post; ``{"accepted_seq": n, "cancelled": false}``."""
-        return self._request("POST", ROUTE_PROGRESS, body, timeout_s=timeout_s)
+        return self._request("POST", ROUTE_PROGRESS, body, "progress", timeout_s)
 
     def find_user(self, *, timeout_s: float) -> dict[str, Any]:
-        """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``)."""
-        return self._request("GET", ROUTE_FIND_USER, None, timeout_s=timeout_s)
+        """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``).
+        The key check ends with the pops at a stop."""
+        return self._request("GET", ROUTE_FIND_USER, None, "pop", timeout_s)
 
     def _safe(self, text: str) -> str:
         """``text`` without the API key, on one line, shortened."""
@@ -205,77 +200,62 @@ class HordeClient:
         method: str,
         route: str,
         body: dict[str, Any] | None,
-        *,
+        kind: str,
         timeout_s: float,
         max_bytes: int = RESPONSE_MAX_BYTES,
     ) -> dict[str, Any]:
+        """One call; ``kind`` names its deadline in ``inflight.CallDeadlines``."""
         raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
-        data = (
-            None if body is None
-            else json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        )
-        kind = ROUTE_KINDS.get(route, route)
-        if self._watch is None:
-            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-        with self._watch.call(route.rsplit("/", 1)[-1]):
-            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-
-    def _send(
-        self,
-        method: str,
-        route: str,
-        data: str | None,
-        kind: str,
-        job_id: str | None,
-        timeout_s: float,
-        max_bytes: int,
-    ) -> dict[str, Any]:
-        connect_s = self._connect_timeout_s
-        left = self._deadlines.left(kind) if self._deadlines is not None else None
-        if left is not None:
-            if left <= 0:
-                raise HordeUnavailable(
-                    f"{method} {route}: not sent, the worker's stop deadline has passed",
-                    status=0, job_id=job_id, sent=False,
-                )
-            timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
-        start = time.monotonic()
-        deadline = start + connect_s + timeout_s
-        if left is not None:
-            deadline = min(deadline, start + left)
-        call = self._call
-        cut_at_stop = (
-            nullcontext() if self._deadlines is None else self._deadlines.running(kind, call)
-        )
-        with call.running(), cut_at_stop:
-            try:
-                try:
-                    response = self._session.request(
-                        method,
-                        self._base_url + route,
-                        data=None if data is None else data.encode("utf-8"),
-                        headers=self._headers,
-                        timeout=(connect_s, timeout_s),
-                        allow_redirects=False,
-                        stream=True,
-                    )
-                except requests.exceptions.RequestException as exc:
-                    log.debug("%s %s: no answer after %.2f s: %s",
-                              method, route, time.monotonic() - start, netfail.describe(exc))
-                    raise self._network_error(route, exc, job_id, method) from None
-                try:
-                    return self._answer(route, response, job_id, max_bytes, deadline, start,
-                                        method)
-                finally:
-                    response.close()
-            except HordeUnavailable:
-                if call.hung_up:  # at the stop's deadline: it may have reached the Horde
+        data = None if body is None else json.dumps(
+            body, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode("utf-8")
+        watch = self._watch
+        with nullcontext() if watch is None else watch.call(route.rsplit("/", 1)[-1]):
+            connect_s = self._connect_timeout_s
+            whole_s = connect_s + timeout_s  # the whole call, its body included
+            left = self._deadlines.left(kind) if self._deadlines is not None else None
+            if left is not None:
+                if left <= 0:
                     raise HordeUnavailable(
-                        f"{method} {route}: no answer from {self._host} by the worker's stop "
-                        "deadline", status=0, job_id=job_id, sent=None,
-                    ) from None
-                raise
+                        f"{method} {route}: not sent, the worker's stop deadline has passed",
+                        status=0, job_id=job_id, sent=False,
+                    )
+                timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
+                whole_s = min(whole_s, left)
+            start = time.monotonic()
+            call = self._call
+            cut_at_stop = (
+                nullcontext() if self._deadlines is None else self._deadlines.running(kind, call)
+            )
+            with call.running(), cut_at_stop:
+                try:
+                    try:
+                        response = self._session.request(
+                            method,
+                            self._base_url + route,
+                            data=data,
+                            headers=self._headers,
+                            timeout=(connect_s, timeout_s),
+                            allow_redirects=False,
+                            stream=True,
+                        )
+                    except requests.exceptions.RequestException as exc:
+                        log.debug("%s %s: no answer after %.2f s: %s", method, route,
+                                  time.monotonic() - start, netfail.describe(exc))
+                        raise self._network_error(route, exc, job_id, method) from None
+                    try:
+                        return self._answer(route, response, job_id, max_bytes,
+                                            start + whole_s, start, method)
+                    finally:
+                        response.close()
+                except HordeUnavailable:
+                    if call.hung_up:  # at the stop's deadline: it may have reached the Horde
+                        raise HordeUnavailable(
+                            f"{method} {route}: no answer from {self._host} by the worker's "
+                            "stop deadline", status=0, job_id=job_id, sent=None,
+                        ) from None
+                    raise
 
     def _answer(
         self,
@@ -301,29 +281,25 @@ class HordeClient:
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
-        obj: dict[str, Any] | None = None
-        if raw is not None:
-            try:
-                text = raw.decode("utf-8")
-                parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                parsed = None
-            obj = parsed if isinstance(parsed, dict) else None
-
+        if ok and read_problem:
+            raise HordeUnavailable(
+                self._safe(f"{route}: the Horde's answer could not be read: {read_problem}"),
+                status=status, job_id=job_id, sent=True,
+            )
+        try:
+            text = (raw or b"").decode("utf-8")
+            parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            parsed = None
+        body: dict[str, Any] = parsed if isinstance(parsed, dict) else {}
         if ok:
-            if read_problem:
-                raise HordeUnavailable(
-                    self._safe(f"{route}: the Horde's answer could not be read: {read_problem}"),
-                    status=status, job_id=job_id, sent=True,
-                )
-            if obj is None:
+            if not isinstance(parsed, dict):
                 raise HordeUnavailable(
                     f"{route}: invalid JSON in the Horde's answer (expected an object)",
                     status=status, job_id=job_id, sent=True,
                 )
-            return obj
+            return body
 
-        body = obj or {}
         rc_raw = body.get("rc")
         rc = self._safe(rc_raw) if isinstance(rc_raw, str) else ""
         msg_raw = body.get("message")
