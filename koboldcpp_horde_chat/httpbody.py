@@ -45,7 +45,7 @@ class _BodyDecoder:
         self.out = bytearray()
         self._decomp: Any = None  # zlib decompress object of the current member
         self._head = b""  # deflate: bytes kept until the zlib/raw sniff can run
-        self._done = False  # deflate: the stream ended
+        self._done = False  # a stream ended (deflate: no data may follow)
 
     def _append(self, data: bytes) -> None:
         self.out += data
@@ -65,53 +65,44 @@ class _BodyDecoder:
                 return b""
 
     def feed(self, data: bytes) -> None:
+        if self.encoding == "identity":
+            self._append(data)
+            return
         try:
-            if self.encoding == "identity":
-                self._append(data)
-            elif self.encoding == "gzip":
-                self._feed_gzip(data)
-            else:
-                self._feed_deflate(data)
+            while data:
+                if self._decomp is None:
+                    data = self._start(data)
+                    if self._decomp is None:
+                        return
+                data = self._inflate(data)
+                if self._decomp.eof:
+                    self._decomp = None
+                    self._done = True
         except zlib.error as exc:
             raise FetchError(f"invalid {self.encoding} body ({exc})") from None
 
-    def _feed_gzip(self, buf: bytes) -> None:
-        while buf:
-            if self._decomp is None:
-                # Between members: skip zero padding, as gzip readers do.
-                buf = buf.lstrip(b"\0")
-                if not buf:
-                    return
-                self._decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            buf = self._inflate(buf)
-            if self._decomp.eof:
-                self._decomp = None
-
-    def _feed_deflate(self, data: bytes) -> None:
-        if self._done:
+    def _start(self, data: bytes) -> bytes:
+        """Start the next stream (gzip: member) when ``data`` allows; what is left of it."""
+        if self.encoding == "gzip":
+            data = data.lstrip(b"\0")  # between members: zero padding, skipped as gzip does
             if data:
-                raise FetchError("invalid deflate body (data after the end of the stream)")
-            return
-        if self._decomp is None:
-            self._head += data
-            if len(self._head) < 2:
-                return
-            b0, b1 = self._head[0], self._head[1]
-            zlib_wrapped = (b0 & 0x0F) == 8 and ((b0 << 8) | b1) % 31 == 0
-            # "deflate" should be zlib-wrapped; some servers send a raw stream.
-            self._decomp = zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
-            data, self._head = self._head, b""
-        rest = self._inflate(data)
-        if self._decomp.eof:
-            self._done = True
-            if rest:
-                raise FetchError("invalid deflate body (data after the end of the stream)")
+                self._decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            return data
+        if self._done:
+            raise FetchError("invalid deflate body (data after the end of the stream)")
+        self._head += data
+        if len(self._head) < 2:
+            return b""
+        b0, b1 = self._head[0], self._head[1]
+        zlib_wrapped = (b0 & 0x0F) == 8 and ((b0 << 8) | b1) % 31 == 0
+        # "deflate" should be zlib-wrapped; some servers send a raw stream.
+        self._decomp = zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
+        data, self._head = self._head, b""
+        return data
 
     def finish(self) -> bytes:
-        if self.encoding == "gzip" and self._decomp is not None:
-            raise FetchError("truncated gzip body")
-        if self.encoding == "deflate" and not self._done and (self._decomp or self._head):
-            raise FetchError("truncated deflate body")
+        if self._decomp is not None or self._head:
+            raise FetchError(f"truncated {self.encoding} body")
         return bytes(self.out)
 
 
