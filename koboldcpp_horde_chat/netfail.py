@@ -35,11 +35,9 @@ _NAME_NOT_FOUND: tuple[type[BaseException], ...] = (
     # urllib3 2 wraps a DNS failure in this NewConnectionError subclass.
     getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror),
 )
+#: Errors without an OSError subclass of their own (OSError(ECONNRESET, ...) makes a
+#: ConnectionResetError, named below by its type).
 _ERRNO_CAUSES = {
-    errno.ECONNREFUSED: "refused",
-    errno.ECONNRESET: "reset",
-    errno.ECONNABORTED: "reset",
-    errno.EPIPE: "reset",
     errno.ENETUNREACH: "network unreachable",
     errno.EHOSTUNREACH: "host unreachable",
 }
@@ -101,12 +99,10 @@ def describe(exc: BaseException) -> str:
     """What went wrong, as an edge appends it to what it was doing: ``"timed out"``,
     ``"connection failed (refused)"``, ``"connection failed"``, ``"failed"``..."""
     why = cause(exc)
-    if why == TIMED_OUT:
-        return TIMED_OUT
+    if why in (TIMED_OUT, TLS_FAILED):
+        return why
     if why == CERTIFICATE_NOT_TRUSTED:
         return "TLS certificate not trusted"
-    if why == TLS_FAILED:
-        return TLS_FAILED
     if why:
         return f"connection failed ({why})"
     if isinstance(
