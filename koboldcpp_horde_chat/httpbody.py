@@ -187,7 +187,5 @@ def read_body(
     body = decoder.finish()
     # Read to its end: hand the connection back to the pool for keep-alive
     # (``response.close()`` would close it).
-    release = getattr(raw, "release_conn", None)
-    if release is not None:
-        release()
+    raw.release_conn()
     return body

@@ -336,9 +336,7 @@ class HordeClient:
     ) -> HordeUnavailable:
         """A ``requests`` failure before any answer, said in a few words
         (``"POST /api/v2/generate/text/pop: could not connect to aihorde.net (refused)"``)."""
-        inner: BaseException = exc
-        if exc.args and isinstance(exc.args[0], BaseException):
-            inner = exc.args[0]
+        inner = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else exc
         if isinstance(inner, urllib3.exceptions.MaxRetryError) and inner.reason is not None:
             inner = inner.reason
         why = netfail.cause(exc)
