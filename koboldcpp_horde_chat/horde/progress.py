@@ -58,12 +58,7 @@ def _utf8_len(text: str) -> int:
 
 def utf8_prefix(text: str, max_bytes: int) -> str:
     """The longest prefix of ``text`` within ``max_bytes`` of UTF-8."""
-    if max_bytes <= 0:
-        return ""
-    raw = text.encode("utf-8")
-    if len(raw) <= max_bytes:
-        return text
-    return raw[:max_bytes].decode("utf-8", "ignore")
+    return text.encode("utf-8")[: max(max_bytes, 0)].decode("utf-8", "ignore")
 
 
 @dataclass
