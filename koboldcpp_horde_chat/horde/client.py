@@ -18,7 +18,6 @@ import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime, timezone
-from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -163,12 +162,7 @@ class HordeClient:
     def __enter__(self) -> HordeClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
@@ -341,25 +335,22 @@ class HordeClient:
             inner = inner.reason
         why = netfail.cause(exc)
         because = f" ({why})" if why not in ("", netfail.TIMED_OUT, netfail.TLS_FAILED) else ""
-        sent: bool | None
+        sent: bool | None = None  # it may have reached the Horde
         if isinstance(exc, requests.exceptions.SSLError):
             what = (
                 f"TLS failure talking to {self._host}{because}; if a proxy or private CA sits "
                 "in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
             )
-            sent = None
         elif isinstance(exc, requests.exceptions.ConnectTimeout):
             what, sent = f"could not connect to {self._host} in time", False
         elif isinstance(exc, requests.exceptions.Timeout):
-            what, sent = f"no answer from {self._host} in time", None
-        elif isinstance(exc, requests.exceptions.ConnectionError) and isinstance(
-            inner, urllib3.exceptions.NewConnectionError | ConnectionRefusedError
-        ):
+            what = f"no answer from {self._host} in time"
+        elif not isinstance(exc, requests.exceptions.ConnectionError):
+            what = f"request to {self._host} failed{because}"
+        elif isinstance(inner, urllib3.exceptions.NewConnectionError | ConnectionRefusedError):
             what, sent = f"could not connect to {self._host}{because}", False
-        elif isinstance(exc, requests.exceptions.ConnectionError):
-            what, sent = f"connection to {self._host} lost{because}", None
         else:
-            what, sent = f"request to {self._host} failed{because}", None
+            what = f"connection to {self._host} lost{because}"
         return HordeUnavailable(
             self._safe(f"{method} {route}: {what}"), status=0, job_id=job_id, sent=sent
         )

@@ -100,14 +100,12 @@ def chat_features(
 
 def image_transports(caps: BackendCapabilities) -> list[str]:
     """``image_transports``: ``base64`` and ``url`` only with vision (seed 004)."""
-    transports: list[str] = []
-    if caps.messages_url:
-        transports.append("messages_url")
-    if caps.vision:
-        transports.append("base64")
-        if caps.image_url:
-            transports.append("url")
-    return transports
+    offered = (
+        ("messages_url", caps.messages_url),
+        ("base64", caps.vision),
+        ("url", caps.vision and caps.image_url),
+    )
+    return [name for name, on in offered if on]
 
 
 def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
