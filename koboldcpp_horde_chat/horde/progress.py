@@ -135,10 +135,6 @@ class ProgressPoster:
         self._lost_in_row = 0
         self._conflicts_in_row = 0
 
-    @property
-    def lease_deadline(self) -> float:
-        return self.lease.deadline
-
     def add(self, content: str, reasoning: str) -> None:
         """Buffer released text (as the chat stream's accumulator gives it, so the
         posts add up to the submitted reply); ignored once posting stopped."""
