@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -200,10 +200,8 @@ class CallDeadlines:
         at = self.ends_at(kind)
         return None if at is None else at - self._clock.monotonic()
 
-    @contextmanager
-    def running(self, kind: str, call: Call) -> Iterator[None]:
-        with self.until(kind, call.hang_up):
-            yield
+    def running(self, kind: str, call: Call) -> AbstractContextManager[None]:
+        return self.until(kind, call.hang_up)
 
     @contextmanager
     def until(self, kind: str, hang_up: Callable[[], object]) -> Iterator[None]:

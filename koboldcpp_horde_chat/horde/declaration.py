@@ -205,16 +205,13 @@ def koboldcpp_model_name(
     debug mode or with ``gendefaults`` (``Foo`` gives ``koboldcpp/debug-Foo``);
     neither: ``"inactive"``.
     """
-    name = INACTIVE_MODEL_NAME
+    if hordemodelname:
+        debug = "debug-" if debugmode == 1 or gendefaults else ""
+        return _prefixed(debug + hordemodelname)
     if model_path:
         stem = os.path.splitext(os.path.basename(model_path))[0]
-        name = KOBOLDCPP_PREFIX + _UNSAFE_NAME_CHARS.sub("", stem)
-    if hordemodelname:
-        name = hordemodelname
-        if debugmode == 1 or gendefaults:
-            name = "debug-" + name
-        name = _prefixed(name)
-    return name
+        return KOBOLDCPP_PREFIX + _UNSAFE_NAME_CHARS.sub("", stem)
+    return INACTIVE_MODEL_NAME
 
 
 def standalone_model_id(backend_model_name: str, hordemodelname: str) -> str:
