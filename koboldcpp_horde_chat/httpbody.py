@@ -4,6 +4,7 @@ redacted for errors and logs (I/O helpers of the three I/O edges).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import time
 import zlib
@@ -108,28 +109,22 @@ class _BodyDecoder:
 
 def _content_encoding(response: requests.Response) -> str:
     raw = response.headers.get("Content-Encoding", "")
-    codings = [c.strip().lower() for c in raw.split(",") if c.strip()]
-    codings = [c for c in codings if c != "identity"]
+    codings = [c.strip().lower() for c in raw.split(",")]
+    codings = [c for c in codings if c not in ("", "identity")]
     if not codings:
         return "identity"
-    if len(codings) == 1:
-        coding = codings[0]
-        if coding in ("gzip", "x-gzip"):
-            return "gzip"
-        if coding == "deflate":
-            return "deflate"
+    if codings in (["gzip"], ["x-gzip"]):
+        return "gzip"
+    if codings == ["deflate"]:
+        return "deflate"
     raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
 
 
 def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
-    conn = getattr(response.raw, "connection", None)
-    sock = getattr(conn, "sock", None)
-    settimeout = getattr(sock, "settimeout", None)
-    if settimeout is not None:
-        try:
-            settimeout(max(seconds, 0.001))
-        except OSError:
-            pass
+    sock = getattr(getattr(response.raw, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(max(seconds, 0.001))
 
 
 def read_body(

@@ -37,8 +37,7 @@ class HordeWatch:
         self.quiet_after_s = QUIET_AFTER_S if quiet_after_s is None else quiet_after_s
         self.failures = FAILURES_IN_A_ROW if failures is None else failures
         self._cond = threading.Condition()
-        self._next_token = 0
-        self._in_flight: dict[int, tuple[str, float]] = {}
+        self._in_flight: dict[object, tuple[str, float]] = {}  # by call token
         # The start of the first call made since the last answer (None: none).
         self._quiet_since: float | None = None
         self._failed_in_a_row = 0
@@ -52,8 +51,7 @@ class HordeWatch:
         raises ``HordeRefusal``, failed on any other exception."""
         with self._cond:
             now = time.monotonic()
-            self._next_token += 1
-            token = self._next_token
+            token = object()
             self._in_flight[token] = (kind, now)
             if self._quiet_since is None:
                 self._quiet_since = now
@@ -73,7 +71,7 @@ class HordeWatch:
             raise
         self._ended(token, failed=False)
 
-    def _ended(self, token: int, *, failed: bool) -> None:
+    def _ended(self, token: object, *, failed: bool) -> None:
         line = None
         with self._cond:
             now = time.monotonic()
