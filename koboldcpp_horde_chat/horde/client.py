@@ -263,15 +263,14 @@ class HordeClient:
     ) -> dict[str, Any]:
         status = response.status_code
         ok = 200 <= status < 300
-        raw: bytes | None = None
-        read_problem = ""
         try:
             raw = read_body(
                 response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
                 deadline=deadline,
             )
+            read_problem = ""
         except FetchError as exc:
-            read_problem = str(exc)
+            raw, read_problem = b"", str(exc)
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
@@ -281,7 +280,7 @@ class HordeClient:
                 status=status, job_id=job_id, sent=True,
             )
         try:
-            text = (raw or b"").decode("utf-8")
+            text = raw.decode("utf-8")
             parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             parsed = None

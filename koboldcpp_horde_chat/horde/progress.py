@@ -39,8 +39,9 @@ MAX_POSTS = 1000
 CAP_BYTES_PER_TOKEN = 16
 BASE_LEASE_S = 150.0
 UNTRUSTED_LEASE_CAP_S = 200.0
-#: 409 answers in a row after which posting stops.
-MAX_CONFLICTS = 3
+#: 409 or lost answers in a row after which posting stops (and, by default,
+#: unavailable ones).
+MAX_IN_A_ROW = 3
 
 
 class ProgressAction(enum.Enum):
@@ -101,8 +102,7 @@ class ProgressPoster:
         max_length: int,
         interval_s: float = 1.0,
         max_posts: int = MAX_POSTS,
-        max_unavailable: int = 3,
-        max_lost: int = 3,
+        max_unavailable: int = MAX_IN_A_ROW,
         lease: Lease | None = None,
         popped_at: float = 0.0,
         base_lease_s: float = BASE_LEASE_S,
@@ -111,8 +111,7 @@ class ProgressPoster:
         self.job_id = job_id
         self.interval_s = interval_s
         self.max_posts = max_posts
-        self.max_unavailable = max(1, max_unavailable)
-        self.max_lost = max(1, max_lost)
+        self.max_unavailable = max_unavailable
         self.lease = lease or Lease(popped_at, popped_at + base_lease_s)
         self.base_lease_s = base_lease_s
         self.lease_cap_s = lease_cap_s
@@ -224,7 +223,7 @@ class ProgressPoster:
         if self._in_flight is None:
             raise RuntimeError("lost progress answer without a post in flight")
         self._lost_in_row += 1
-        if self._lost_in_row >= self.max_lost:
+        if self._lost_in_row >= MAX_IN_A_ROW:
             return self._stop_posting(f"{self._lost_in_row} lost answers in a row")
         self._in_flight.resent = True
         return ProgressAction.RETRY
@@ -300,7 +299,7 @@ class ProgressPoster:
             self.posts_accepted -= len(drop)
         self._conflicts_in_row = conflicts
         self.seq = expected
-        if conflicts >= MAX_CONFLICTS:
+        if conflicts >= MAX_IN_A_ROW:
             return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
         if last:
             return self._stop_posting(f"cap reached at seq {seq}")
