@@ -54,8 +54,6 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
     """``Retry-After`` (seconds or an HTTP date, counted from ``now``) in seconds,
     clamped to 0..3600; None when absent or invalid."""
     value = (value or "").strip()
-    if not value:
-        return None
     try:
         seconds = float(value)
     except ValueError:
