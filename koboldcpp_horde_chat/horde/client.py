@@ -75,7 +75,8 @@ class HordeClient:
     ``api_key`` goes as ``apikey`` to ``base_url``'s host only; ``bridge_agent`` is the
     ``User-Agent``. A session the client makes reads the proxy and CA bundle variables
     once, never ``.netrc``. While the worker stops, a call ends by ``deadlines``' time
-    for its route. Raises ConfigError for an unusable URL or key (never quoting it).
+    for its kind (a route's name; the key check's is ``"pop"``). Raises ConfigError for
+    an unusable URL or key (never quoting it).
     """
 
     def __init__(
@@ -196,7 +197,6 @@ class HordeClient:
         timeout_s: float,
         max_bytes: int = RESPONSE_MAX_BYTES,
     ) -> dict[str, Any]:
-        """One call; ``kind`` names its deadline in ``inflight.CallDeadlines``."""
         raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
         data = None if body is None else json.dumps(
@@ -272,49 +272,42 @@ class HordeClient:
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
-        if ok and read_problem:
-            raise HordeUnavailable(
-                self._safe(f"{route}: the Horde's answer could not be read: {read_problem}"),
-                status=status, job_id=job_id, sent=True,
-            )
         try:
             text = raw.decode("utf-8")
             parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             parsed = None
-        body: dict[str, Any] = parsed if isinstance(parsed, dict) else {}
         if ok:
             if not isinstance(parsed, dict):
-                raise HordeUnavailable(
-                    f"{route}: invalid JSON in the Horde's answer (expected an object)",
-                    status=status, job_id=job_id, sent=True,
+                why = (
+                    f"the Horde's answer could not be read: {read_problem}" if read_problem
+                    else "invalid JSON in the Horde's answer (expected an object)"
                 )
-            return body
+                raise HordeUnavailable(
+                    self._safe(f"{route}: {why}"), status=status, job_id=job_id, sent=True
+                )
+            return parsed
 
+        body: dict[str, Any] = parsed if isinstance(parsed, dict) else {}
         rc_raw = body.get("rc")
         rc = self._safe(rc_raw) if isinstance(rc_raw, str) else ""
-        msg_raw = body.get("message")
-        if not (isinstance(msg_raw, str) and msg_raw.strip()):
-            msg_raw = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
-        message = self._safe(msg_raw)
-
+        message = body.get("message")
         if 300 <= status < 400:
             location = response.headers.get("Location")
             where = redact_url(location) if location else "no Location"
-            raise HordeRefusal(
-                self._safe(
-                    f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
-                    f"not followed, so the API key stays with {self._host}. "
-                    "Set the Horde URL to the final address"
-                ),
-                status=status, rc=rc, job_id=job_id, body=body,
+            message = (
+                f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
+                f"not followed, so the API key stays with {self._host}. "
+                "Set the Horde URL to the final address"
             )
-        if 400 <= status < 500 and status != 429:
-            raise HordeRefusal(message, status=status, rc=rc, job_id=job_id, body=body)
+        elif not (isinstance(message, str) and message.strip()):
+            message = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
+        if 300 <= status < 500 and status != 429:  # a redirect, not followed, or a 4xx
+            raise HordeRefusal(self._safe(message), status=status, rc=rc, job_id=job_id, body=body)
         # 429, 5xx, or an odd status (1xx) not understood: try again later.
         retry_after = response.headers.get("Retry-After") if status >= 429 else None
         raise HordeUnavailable(
-            message, status=status, rc=rc, job_id=job_id, body=body,
+            self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
             retry_after_s=parse_retry_after(retry_after), sent=True,
         )
 
