@@ -114,11 +114,10 @@ class HordeClient:
         self._host = self._base_url.split("://", 1)[1].split("/", 1)[0]
         if parts.scheme.lower() == "http" and host not in ("127.0.0.1", "localhost", "::1"):
             with _PLAIN_HTTP_LOCK:
-                first = self._base_url not in _PLAIN_HTTP_WARNED
-                _PLAIN_HTTP_WARNED.add(self._base_url)
-            if first:
-                log.warning("the Horde URL %s is plain http: the API key travels unencrypted",
-                            self._base_url)
+                if self._base_url not in _PLAIN_HTTP_WARNED:
+                    _PLAIN_HTTP_WARNED.add(self._base_url)
+                    log.warning("the Horde URL %s is plain http: the API key travels "
+                                "unencrypted", self._base_url)
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._own_session = session is None

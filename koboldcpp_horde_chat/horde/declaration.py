@@ -125,8 +125,7 @@ def chat_declaration(
 ) -> dict[str, Any]:
     """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
     withholding ``vision`` drops the image transports too."""
-    withheld = frozenset(withhold) | settings.chat_withhold
-    features = chat_features(caps, withheld)
+    features = chat_features(caps, frozenset(withhold) | settings.chat_withhold)
     body: dict[str, Any] = {
         "chat_jobs": True,
         "chat_features": features,
