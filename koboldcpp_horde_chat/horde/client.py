@@ -265,9 +265,9 @@ class HordeClient:
                 response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
                 deadline=deadline,
             )
-            read_problem = ""
+            unusable = "invalid JSON in the Horde's answer (expected an object)"
         except FetchError as exc:
-            raw, read_problem = b"", str(exc)
+            raw, unusable = b"", f"the Horde's answer could not be read: {exc}"
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
@@ -278,12 +278,8 @@ class HordeClient:
             parsed = None
         if ok:
             if not isinstance(parsed, dict):
-                why = (
-                    f"the Horde's answer could not be read: {read_problem}" if read_problem
-                    else "invalid JSON in the Horde's answer (expected an object)"
-                )
                 raise HordeUnavailable(
-                    self._safe(f"{route}: {why}"), status=status, job_id=job_id, sent=True
+                    self._safe(f"{route}: {unusable}"), status=status, job_id=job_id, sent=True
                 )
             return parsed
 

@@ -171,6 +171,9 @@ SAMPLER_KEYS = (
 
 
 def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
+    stream_progress = payload.get("stream_progress")
+    if stream_progress is not None and not isinstance(stream_progress, bool):
+        raise PayloadError("payload.stream_progress", "not a boolean", job_id=job_id)
     for key in SAMPLER_KEYS:
         value = payload.get(key)
         if value is None:
@@ -244,9 +247,6 @@ def parse_pop(
 
     max_length = _positive_int(payload, "max_length", job_id)
     max_context_length = _positive_int(payload, "max_context_length", job_id)
-    stream_progress = payload.get("stream_progress")
-    if stream_progress is not None and not isinstance(stream_progress, bool):
-        raise PayloadError("payload.stream_progress", "not a boolean", job_id=job_id)
     _check_optional_fields(payload, job_id)
     return ChatJob(
         id=job_id,
@@ -257,7 +257,7 @@ def parse_pop(
         messages_url=None if messages is not None else url,
         max_length=max_length,
         max_context_length=max_context_length,
-        stream_progress=stream_progress is True,
+        stream_progress=payload.get("stream_progress") is True,
     )
 
 
