@@ -162,12 +162,7 @@ def read_body(
                 chunk = read1(CHUNK_BYTES, decode_content=False)
             else:  # pragma: no cover - urllib3 1.26
                 chunk = raw.read(CHUNK_BYTES, decode_content=False)
-        except (
-            urllib3.exceptions.HTTPError,
-            requests.exceptions.RequestException,
-            http.client.HTTPException,
-            OSError,
-        ) as exc:
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
             if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError):
                 raise FetchError(f"body not received in time ({raw_total} bytes read)") from None
             raise FetchError(f"body read failed: {netfail.describe(exc)}") from None
