@@ -61,15 +61,14 @@ class HordeWatch:
                 )
                 self._monitor.start()
             self._cond.notify_all()
+        failed = False
         try:
             yield
-        except HordeRefusal:
-            self._ended(token, failed=False)
+        except BaseException as exc:
+            failed = not isinstance(exc, HordeRefusal)
             raise
-        except BaseException:
-            self._ended(token, failed=True)
-            raise
-        self._ended(token, failed=False)
+        finally:
+            self._ended(token, failed=failed)
 
     def _ended(self, token: object, *, failed: bool) -> None:
         line = None
