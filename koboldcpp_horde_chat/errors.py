@@ -22,7 +22,8 @@ class ConfigError(HordeChatError):
 
 class HordeError(HordeChatError):
     """An answer from the Horde other than success (``status`` 0: no answer; ``rc``:
-    the Horde's return code or ``""``; ``body``: the answer's JSON object or {})."""
+    the Horde's return code or ``""``; ``body``: the answer's JSON object or {};
+    ``retry_after_s`` and ``sent``: see :class:`HordeUnavailable`)."""
 
     def __init__(
         self,
@@ -32,6 +33,8 @@ class HordeError(HordeChatError):
         rc: str = "",
         job_id: str | None = None,
         body: dict[str, Any] | None = None,
+        retry_after_s: float | None = None,
+        sent: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -39,6 +42,8 @@ class HordeError(HordeChatError):
         self.rc = rc
         self.job_id = job_id
         self.body = body if body is not None else {}
+        self.retry_after_s = retry_after_s
+        self.sent = sent
 
     def __str__(self) -> str:
         return self._describe(with_job=True)
@@ -62,25 +67,11 @@ class HordeRefusal(HordeError):
 
 
 class HordeUnavailable(HordeError):
-    """5xx, 429 or a network failure (status 0). ``sent`` False: the request certainly
-    did not reach the Horde (connection refused)."""
+    """5xx, 429 or a network failure (status 0), with its ``Retry-After`` in seconds
+    or None. ``sent`` False: the request certainly did not reach the Horde
+    (connection refused); None: it may have."""
 
     retryable = True
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 0,
-        rc: str = "",
-        job_id: str | None = None,
-        body: dict[str, Any] | None = None,
-        retry_after_s: float | None = None,
-        sent: bool | None = None,
-    ) -> None:
-        super().__init__(message, status=status, rc=rc, job_id=job_id, body=body)
-        self.retry_after_s = retry_after_s
-        self.sent = sent
 
 
 # --- koboldcpp -----------------------------------------------------------------

@@ -4,6 +4,7 @@ redacted for errors and logs (I/O helpers of the three I/O edges).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import time
 import zlib
@@ -45,7 +46,7 @@ class _BodyDecoder:
         self.out = bytearray()
         self._decomp: Any = None  # zlib decompress object of the current member
         self._head = b""  # deflate: bytes kept until the zlib/raw sniff can run
-        self._done = False  # deflate: the stream ended
+        self._done = False  # a stream ended (deflate: no data may follow)
 
     def _append(self, data: bytes) -> None:
         self.out += data
@@ -65,80 +66,65 @@ class _BodyDecoder:
                 return b""
 
     def feed(self, data: bytes) -> None:
+        if self.encoding == "identity":
+            self._append(data)
+            return
         try:
-            if self.encoding == "identity":
-                self._append(data)
-            elif self.encoding == "gzip":
-                self._feed_gzip(data)
-            else:
-                self._feed_deflate(data)
+            while data:
+                if self._decomp is None:
+                    data = self._start(data)
+                    if self._decomp is None:
+                        return
+                data = self._inflate(data)
+                if self._decomp.eof:
+                    self._decomp = None
+                    self._done = True
         except zlib.error as exc:
             raise FetchError(f"invalid {self.encoding} body ({exc})") from None
 
-    def _feed_gzip(self, buf: bytes) -> None:
-        while buf:
-            if self._decomp is None:
-                # Between members: skip zero padding, as gzip readers do.
-                buf = buf.lstrip(b"\0")
-                if not buf:
-                    return
-                self._decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            buf = self._inflate(buf)
-            if self._decomp.eof:
-                self._decomp = None
-
-    def _feed_deflate(self, data: bytes) -> None:
-        if self._done:
+    def _start(self, data: bytes) -> bytes:
+        """Start the next stream (gzip: member) when ``data`` allows; what is left of it."""
+        if self.encoding == "gzip":
+            data = data.lstrip(b"\0")  # between members: zero padding, skipped as gzip does
             if data:
-                raise FetchError("invalid deflate body (data after the end of the stream)")
-            return
-        if self._decomp is None:
-            self._head += data
-            if len(self._head) < 2:
-                return
-            b0, b1 = self._head[0], self._head[1]
-            zlib_wrapped = (b0 & 0x0F) == 8 and ((b0 << 8) | b1) % 31 == 0
-            # "deflate" should be zlib-wrapped; some servers send a raw stream.
-            self._decomp = zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
-            data, self._head = self._head, b""
-        rest = self._inflate(data)
-        if self._decomp.eof:
-            self._done = True
-            if rest:
-                raise FetchError("invalid deflate body (data after the end of the stream)")
+                self._decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            return data
+        if self._done:
+            raise FetchError("invalid deflate body (data after the end of the stream)")
+        self._head += data
+        if len(self._head) < 2:
+            return b""
+        b0, b1 = self._head[0], self._head[1]
+        zlib_wrapped = (b0 & 0x0F) == 8 and ((b0 << 8) | b1) % 31 == 0
+        # "deflate" should be zlib-wrapped; some servers send a raw stream.
+        self._decomp = zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
+        data, self._head = self._head, b""
+        return data
 
     def finish(self) -> bytes:
-        if self.encoding == "gzip" and self._decomp is not None:
-            raise FetchError("truncated gzip body")
-        if self.encoding == "deflate" and not self._done and (self._decomp or self._head):
-            raise FetchError("truncated deflate body")
+        if self._decomp is not None or self._head:
+            raise FetchError(f"truncated {self.encoding} body")
         return bytes(self.out)
 
 
 def _content_encoding(response: requests.Response) -> str:
     raw = response.headers.get("Content-Encoding", "")
-    codings = [c.strip().lower() for c in raw.split(",") if c.strip()]
-    codings = [c for c in codings if c != "identity"]
+    codings = [c.strip().lower() for c in raw.split(",")]
+    codings = [c for c in codings if c not in ("", "identity")]
     if not codings:
         return "identity"
-    if len(codings) == 1:
-        coding = codings[0]
-        if coding in ("gzip", "x-gzip"):
-            return "gzip"
-        if coding == "deflate":
-            return "deflate"
+    if codings in (["gzip"], ["x-gzip"]):
+        return "gzip"
+    if codings == ["deflate"]:
+        return "deflate"
     raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
 
 
 def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
-    conn = getattr(response.raw, "connection", None)
-    sock = getattr(conn, "sock", None)
-    settimeout = getattr(sock, "settimeout", None)
-    if settimeout is not None:
-        try:
-            settimeout(max(seconds, 0.001))
-        except OSError:
-            pass
+    sock = getattr(getattr(response.raw, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(max(seconds, 0.001))
 
 
 def read_body(
@@ -176,12 +162,7 @@ def read_body(
                 chunk = read1(CHUNK_BYTES, decode_content=False)
             else:  # pragma: no cover - urllib3 1.26
                 chunk = raw.read(CHUNK_BYTES, decode_content=False)
-        except (
-            urllib3.exceptions.HTTPError,
-            requests.exceptions.RequestException,
-            http.client.HTTPException,
-            OSError,
-        ) as exc:
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
             if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError):
                 raise FetchError(f"body not received in time ({raw_total} bytes read)") from None
             raise FetchError(f"body read failed: {netfail.describe(exc)}") from None
@@ -196,7 +177,5 @@ def read_body(
     body = decoder.finish()
     # Read to its end: hand the connection back to the pool for keep-alive
     # (``response.close()`` would close it).
-    release = getattr(raw, "release_conn", None)
-    if release is not None:
-        release()
+    raw.release_conn()
     return body

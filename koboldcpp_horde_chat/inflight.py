@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -20,7 +20,7 @@ import requests.adapters
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from .clock import SYSTEM_CLOCK, Clock, Timer
+from .clock import SYSTEM_CLOCK, Clock
 
 
 class Call:
@@ -170,7 +170,6 @@ class CallDeadlines:
         self._lock = threading.Lock()
         self._ends: dict[str, float] = {}
         self._calls: dict[object, tuple[str, Callable[[], object]]] = {}
-        self._timers: list[Timer] = []
 
     def set(self, ends: dict[str, float]) -> None:
         """Set each kind's deadline (monotonic seconds), once."""
@@ -178,12 +177,13 @@ class CallDeadlines:
             if self._ends:
                 return
             self._ends = dict(ends)
-            for at in sorted(set(ends.values())):
-                timer = self._clock.timer(
+            timers = [
+                self._clock.timer(
                     at - self._clock.monotonic(), partial(self._cut, at), name="stop-cut"
                 )
-                self._timers.append(timer)
-        for timer in self._timers:
+                for at in sorted(set(ends.values()))
+            ]
+        for timer in timers:
             timer.start()
 
     def ends_at(self, kind: str) -> float | None:
@@ -200,16 +200,8 @@ class CallDeadlines:
         at = self.ends_at(kind)
         return None if at is None else at - self._clock.monotonic()
 
-    def cancel(self) -> None:
-        with self._lock:
-            timers = list(self._timers)
-        for timer in timers:
-            timer.cancel()
-
-    @contextmanager
-    def running(self, kind: str, call: Call) -> Iterator[None]:
-        with self.until(kind, call.hang_up):
-            yield
+    def running(self, kind: str, call: Call) -> AbstractContextManager[None]:
+        return self.until(kind, call.hang_up)
 
     @contextmanager
     def until(self, kind: str, hang_up: Callable[[], object]) -> Iterator[None]:

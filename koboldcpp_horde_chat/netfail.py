@@ -20,26 +20,9 @@ TIMED_OUT = "timed out"
 CERTIFICATE_NOT_TRUSTED = "certificate not trusted"
 TLS_FAILED = "TLS failed"
 
-_CUT_SHORT: tuple[type[BaseException], ...] = (
-    http.client.IncompleteRead,
-    urllib3.exceptions.IncompleteRead,
-    urllib3.exceptions.InvalidChunkLength,
-    requests.exceptions.ChunkedEncodingError,
-)
-_PROXY: tuple[type[BaseException], ...] = (
-    requests.exceptions.ProxyError,
-    urllib3.exceptions.ProxyError,
-)
-_NAME_NOT_FOUND: tuple[type[BaseException], ...] = (
-    socket.gaierror,
-    # urllib3 2 wraps a DNS failure in this NewConnectionError subclass.
-    getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror),
-)
+#: Errors without an OSError subclass of their own (OSError(ECONNRESET, ...) makes a
+#: ConnectionResetError, named below by its type).
 _ERRNO_CAUSES = {
-    errno.ECONNREFUSED: "refused",
-    errno.ECONNRESET: "reset",
-    errno.ECONNABORTED: "reset",
-    errno.EPIPE: "reset",
     errno.ENETUNREACH: "network unreachable",
     errno.EHOSTUNREACH: "host unreachable",
 }
@@ -67,11 +50,13 @@ _CAUSES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], str]
     (ConnectionRefusedError, "refused"),
     # http.client.RemoteDisconnected is a ConnectionResetError
     ((ConnectionResetError, ConnectionAbortedError, BrokenPipeError), "reset"),
-    (_NAME_NOT_FOUND, "host name not found"),
+    # urllib3 2's NameResolutionError is raised from the socket.gaierror
+    (socket.gaierror, "host name not found"),
     # a ConnectTimeoutError by inheritance only: its cause is wrapped in it
     (urllib3.exceptions.NewConnectionError, ""),
     ((requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError), TIMED_OUT),
-    (_CUT_SHORT, "cut short"),
+    # urllib3's IncompleteRead and InvalidChunkLength are http.client's
+    (http.client.IncompleteRead, "cut short"),
 )
 
 
@@ -92,7 +77,8 @@ def cause(exc: BaseException) -> str:
     found = causes[0] if causes else ""  # the outermost: later ones may be stale contexts
     if found == TLS_FAILED and CERTIFICATE_NOT_TRUSTED in causes:
         found = CERTIFICATE_NOT_TRUSTED
-    if any(isinstance(item, _PROXY) for item in chain):
+    # requests' ProxyError always wraps urllib3's
+    if any(isinstance(item, urllib3.exceptions.ProxyError) for item in chain):
         return f"proxy {found}" if found else "proxy"
     return found
 
@@ -101,12 +87,10 @@ def describe(exc: BaseException) -> str:
     """What went wrong, as an edge appends it to what it was doing: ``"timed out"``,
     ``"connection failed (refused)"``, ``"connection failed"``, ``"failed"``..."""
     why = cause(exc)
-    if why == TIMED_OUT:
-        return TIMED_OUT
+    if why in (TIMED_OUT, TLS_FAILED):
+        return why
     if why == CERTIFICATE_NOT_TRUSTED:
         return "TLS certificate not trusted"
-    if why == TLS_FAILED:
-        return TLS_FAILED
     if why:
         return f"connection failed ({why})"
     if isinstance(

@@ -7,7 +7,7 @@ Seed: "1. Declare chat on pop" and "Worked example: koboldcpp's embedded worker"
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 from dataclasses import dataclass, field
 
 from . import BRIDGE_AGENT
@@ -66,18 +66,10 @@ def kcpp_context_keeping_budget(
     koboldcpp generates ``max_length`` whole, tokens: ``(420, 500, 4096) -> 524``,
     ``(4000, 4096, 4096) -> 4096``. Send it only once the fit check passed: the
     prompt then fits, so the model sees the same prompt."""
-    low = min(max_context_length, kcpp_max_context)
-    high = kcpp_max_context
-    if kcpp_max_uncut_length(low) >= max_length or kcpp_max_uncut_length(high) < max_length:
-        return low if kcpp_max_uncut_length(low) >= max_length else high
+    contexts = range(min(max_context_length, kcpp_max_context), kcpp_max_context + 1)
     # kcpp_max_uncut_length never decreases as the context grows: bisect.
-    while high - low > 1:
-        middle = (low + high) // 2
-        if kcpp_max_uncut_length(middle) >= max_length:
-            high = middle
-        else:
-            low = middle
-    return high
+    found = bisect.bisect_left(contexts, max_length, key=kcpp_max_uncut_length)
+    return contexts[min(found, len(contexts) - 1)]
 
 
 @dataclass(frozen=True)
@@ -154,6 +146,3 @@ class WorkerSettings:
     @property
     def lease_cap_s(self) -> float:
         return 600.0 if self.trusted else 200.0
-
-    def replace(self, **changes: object) -> WorkerSettings:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -18,7 +18,6 @@ import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime, timezone
-from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -48,10 +47,6 @@ POP_MAX_BYTES: Final = 64 * MIB
 RESPONSE_MAX_BYTES: Final = 1 * MIB
 MESSAGE_MAX_CHARS: Final = 300
 CLIENT_AGENT: Final = f"koboldcpp-horde-chat:{__version__}"
-#: Each route's kind in ``inflight.CallDeadlines`` (the key check ends with the pops).
-ROUTE_KINDS: Final = {
-    ROUTE_POP: "pop", ROUTE_SUBMIT: "submit", ROUTE_PROGRESS: "progress", ROUTE_FIND_USER: "pop",
-}
 RETRY_AFTER_MAX_S: Final = 3600.0
 
 
@@ -59,8 +54,6 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
     """``Retry-After`` (seconds or an HTTP date, counted from ``now``) in seconds,
     clamped to 0..3600; None when absent or invalid."""
     value = (value or "").strip()
-    if not value:
-        return None
     try:
         seconds = float(value)
     except ValueError:
@@ -82,7 +75,8 @@ class HordeClient:
     ``api_key`` goes as ``apikey`` to ``base_url``'s host only; ``bridge_agent`` is the
     ``User-Agent``. A session the client makes reads the proxy and CA bundle variables
     once, never ``.netrc``. While the worker stops, a call ends by ``deadlines``' time
-    for its route. Raises ConfigError for an unusable URL or key (never quoting it).
+    for its kind (a route's name; the key check's is ``"pop"``). Raises ConfigError for
+    an unusable URL or key (never quoting it).
     """
 
     def __init__(
@@ -120,11 +114,10 @@ class HordeClient:
         self._host = self._base_url.split("://", 1)[1].split("/", 1)[0]
         if parts.scheme.lower() == "http" and host not in ("127.0.0.1", "localhost", "::1"):
             with _PLAIN_HTTP_LOCK:
-                first = self._base_url not in _PLAIN_HTTP_WARNED
-                _PLAIN_HTTP_WARNED.add(self._base_url)
-            if first:
-                log.warning("the Horde URL %s is plain http: the API key travels unencrypted",
-                            self._base_url)
+                if self._base_url not in _PLAIN_HTTP_WARNED:
+                    _PLAIN_HTTP_WARNED.add(self._base_url)
+                    log.warning("the Horde URL %s is plain http: the API key travels "
+                                "unencrypted", self._base_url)
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._own_session = session is None
@@ -167,31 +160,25 @@ class HordeClient:
     def __enter__(self) -> HordeClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST the pop; the answer is read by ``horde.pop.parse_pop``."""
-        return self._request(
-            "POST", ROUTE_POP, body, timeout_s=timeout_s, max_bytes=self._pop_max_bytes
-        )
+        return self._request("POST", ROUTE_POP, body, "pop", timeout_s, self._pop_max_bytes)
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a submit; ``{"reward": <kudos>}``."""
-        return self._request("POST", ROUTE_SUBMIT, body, timeout_s=timeout_s)
+        return self._request("POST", ROUTE_SUBMIT, body, "submit", timeout_s)
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a progress post; ``{"accepted_seq": n, "cancelled": false}``."""
-        return self._request("POST", ROUTE_PROGRESS, body, timeout_s=timeout_s)
+        return self._request("POST", ROUTE_PROGRESS, body, "progress", timeout_s)
 
     def find_user(self, *, timeout_s: float) -> dict[str, Any]:
-        """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``)."""
-        return self._request("GET", ROUTE_FIND_USER, None, timeout_s=timeout_s)
+        """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``).
+        The key check ends with the pops at a stop."""
+        return self._request("GET", ROUTE_FIND_USER, None, "pop", timeout_s)
 
     def _safe(self, text: str) -> str:
         """``text`` without the API key, on one line, shortened."""
@@ -205,77 +192,61 @@ class HordeClient:
         method: str,
         route: str,
         body: dict[str, Any] | None,
-        *,
+        kind: str,
         timeout_s: float,
         max_bytes: int = RESPONSE_MAX_BYTES,
     ) -> dict[str, Any]:
         raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
-        data = (
-            None if body is None
-            else json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        )
-        kind = ROUTE_KINDS.get(route, route)
-        if self._watch is None:
-            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-        with self._watch.call(route.rsplit("/", 1)[-1]):
-            return self._send(method, route, data, kind, job_id, timeout_s, max_bytes)
-
-    def _send(
-        self,
-        method: str,
-        route: str,
-        data: str | None,
-        kind: str,
-        job_id: str | None,
-        timeout_s: float,
-        max_bytes: int,
-    ) -> dict[str, Any]:
-        connect_s = self._connect_timeout_s
-        left = self._deadlines.left(kind) if self._deadlines is not None else None
-        if left is not None:
-            if left <= 0:
-                raise HordeUnavailable(
-                    f"{method} {route}: not sent, the worker's stop deadline has passed",
-                    status=0, job_id=job_id, sent=False,
-                )
-            timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
-        start = time.monotonic()
-        deadline = start + connect_s + timeout_s
-        if left is not None:
-            deadline = min(deadline, start + left)
-        call = self._call
-        cut_at_stop = (
-            nullcontext() if self._deadlines is None else self._deadlines.running(kind, call)
-        )
-        with call.running(), cut_at_stop:
-            try:
-                try:
-                    response = self._session.request(
-                        method,
-                        self._base_url + route,
-                        data=None if data is None else data.encode("utf-8"),
-                        headers=self._headers,
-                        timeout=(connect_s, timeout_s),
-                        allow_redirects=False,
-                        stream=True,
-                    )
-                except requests.exceptions.RequestException as exc:
-                    log.debug("%s %s: no answer after %.2f s: %s",
-                              method, route, time.monotonic() - start, netfail.describe(exc))
-                    raise self._network_error(route, exc, job_id, method) from None
-                try:
-                    return self._answer(route, response, job_id, max_bytes, deadline, start,
-                                        method)
-                finally:
-                    response.close()
-            except HordeUnavailable:
-                if call.hung_up:  # at the stop's deadline: it may have reached the Horde
+        data = None if body is None else json.dumps(
+            body, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode("utf-8")
+        watch = self._watch
+        with nullcontext() if watch is None else watch.call(route.rsplit("/", 1)[-1]):
+            connect_s = self._connect_timeout_s
+            whole_s = connect_s + timeout_s  # the whole call, its body included
+            left = self._deadlines.left(kind) if self._deadlines is not None else None
+            if left is not None:
+                if left <= 0:
                     raise HordeUnavailable(
-                        f"{method} {route}: no answer from {self._host} by the worker's stop "
-                        "deadline", status=0, job_id=job_id, sent=None,
-                    ) from None
-                raise
+                        f"{method} {route}: not sent, the worker's stop deadline has passed",
+                        status=0, job_id=job_id, sent=False,
+                    )
+                timeout_s, connect_s = min(timeout_s, left), min(connect_s, left)
+                whole_s = min(whole_s, left)
+            start = time.monotonic()
+            call = self._call
+            cut_at_stop = (
+                nullcontext() if self._deadlines is None else self._deadlines.running(kind, call)
+            )
+            with call.running(), cut_at_stop:
+                try:
+                    try:
+                        response = self._session.request(
+                            method,
+                            self._base_url + route,
+                            data=data,
+                            headers=self._headers,
+                            timeout=(connect_s, timeout_s),
+                            allow_redirects=False,
+                            stream=True,
+                        )
+                    except requests.exceptions.RequestException as exc:
+                        log.debug("%s %s: no answer after %.2f s: %s", method, route,
+                                  time.monotonic() - start, netfail.describe(exc))
+                        raise self._network_error(route, exc, job_id, method) from None
+                    try:
+                        return self._answer(route, response, job_id, max_bytes,
+                                            start + whole_s, start, method)
+                    finally:
+                        response.close()
+                except HordeUnavailable:
+                    if call.hung_up:  # at the stop's deadline: it may have reached the Horde
+                        raise HordeUnavailable(
+                            f"{method} {route}: no answer from {self._host} by the worker's "
+                            "stop deadline", status=0, job_id=job_id, sent=None,
+                        ) from None
+                    raise
 
     def _answer(
         self,
@@ -289,65 +260,49 @@ class HordeClient:
     ) -> dict[str, Any]:
         status = response.status_code
         ok = 200 <= status < 300
-        raw: bytes | None = None
-        read_problem = ""
         try:
             raw = read_body(
                 response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
                 deadline=deadline,
             )
+            unusable = "invalid JSON in the Horde's answer (expected an object)"
         except FetchError as exc:
-            read_problem = str(exc)
+            raw, unusable = b"", f"the Horde's answer could not be read: {exc}"
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
 
-        obj: dict[str, Any] | None = None
-        if raw is not None:
-            try:
-                text = raw.decode("utf-8")
-                parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                parsed = None
-            obj = parsed if isinstance(parsed, dict) else None
-
+        try:
+            text = raw.decode("utf-8")
+            parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            parsed = None
         if ok:
-            if read_problem:
+            if not isinstance(parsed, dict):
                 raise HordeUnavailable(
-                    self._safe(f"{route}: the Horde's answer could not be read: {read_problem}"),
-                    status=status, job_id=job_id, sent=True,
+                    self._safe(f"{route}: {unusable}"), status=status, job_id=job_id, sent=True
                 )
-            if obj is None:
-                raise HordeUnavailable(
-                    f"{route}: invalid JSON in the Horde's answer (expected an object)",
-                    status=status, job_id=job_id, sent=True,
-                )
-            return obj
+            return parsed
 
-        body = obj or {}
+        body: dict[str, Any] = parsed if isinstance(parsed, dict) else {}
         rc_raw = body.get("rc")
         rc = self._safe(rc_raw) if isinstance(rc_raw, str) else ""
-        msg_raw = body.get("message")
-        if not (isinstance(msg_raw, str) and msg_raw.strip()):
-            msg_raw = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
-        message = self._safe(msg_raw)
-
+        message = body.get("message")
         if 300 <= status < 400:
             location = response.headers.get("Location")
             where = redact_url(location) if location else "no Location"
-            raise HordeRefusal(
-                self._safe(
-                    f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
-                    f"not followed, so the API key stays with {self._host}. "
-                    "Set the Horde URL to the final address"
-                ),
-                status=status, rc=rc, job_id=job_id, body=body,
+            message = (
+                f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
+                f"not followed, so the API key stays with {self._host}. "
+                "Set the Horde URL to the final address"
             )
-        if 400 <= status < 500 and status != 429:
-            raise HordeRefusal(message, status=status, rc=rc, job_id=job_id, body=body)
+        elif not (isinstance(message, str) and message.strip()):
+            message = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
+        if 300 <= status < 500 and status != 429:  # a redirect, not followed, or a 4xx
+            raise HordeRefusal(self._safe(message), status=status, rc=rc, job_id=job_id, body=body)
         # 429, 5xx, or an odd status (1xx) not understood: try again later.
         retry_after = response.headers.get("Retry-After") if status >= 429 else None
         raise HordeUnavailable(
-            message, status=status, rc=rc, job_id=job_id, body=body,
+            self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
             retry_after_s=parse_retry_after(retry_after), sent=True,
         )
 
@@ -360,32 +315,27 @@ class HordeClient:
     ) -> HordeUnavailable:
         """A ``requests`` failure before any answer, said in a few words
         (``"POST /api/v2/generate/text/pop: could not connect to aihorde.net (refused)"``)."""
-        inner: BaseException = exc
-        if exc.args and isinstance(exc.args[0], BaseException):
-            inner = exc.args[0]
+        inner = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else exc
         if isinstance(inner, urllib3.exceptions.MaxRetryError) and inner.reason is not None:
             inner = inner.reason
         why = netfail.cause(exc)
         because = f" ({why})" if why not in ("", netfail.TIMED_OUT, netfail.TLS_FAILED) else ""
-        sent: bool | None
+        sent: bool | None = None  # it may have reached the Horde
         if isinstance(exc, requests.exceptions.SSLError):
             what = (
                 f"TLS failure talking to {self._host}{because}; if a proxy or private CA sits "
                 "in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
             )
-            sent = None
         elif isinstance(exc, requests.exceptions.ConnectTimeout):
             what, sent = f"could not connect to {self._host} in time", False
         elif isinstance(exc, requests.exceptions.Timeout):
-            what, sent = f"no answer from {self._host} in time", None
-        elif isinstance(exc, requests.exceptions.ConnectionError) and isinstance(
-            inner, urllib3.exceptions.NewConnectionError | ConnectionRefusedError
-        ):
+            what = f"no answer from {self._host} in time"
+        elif not isinstance(exc, requests.exceptions.ConnectionError):
+            what = f"request to {self._host} failed{because}"
+        elif isinstance(inner, urllib3.exceptions.NewConnectionError | ConnectionRefusedError):
             what, sent = f"could not connect to {self._host}{because}", False
-        elif isinstance(exc, requests.exceptions.ConnectionError):
-            what, sent = f"connection to {self._host} lost{because}", None
         else:
-            what, sent = f"request to {self._host} failed{because}", None
+            what = f"connection to {self._host} lost{because}"
         return HordeUnavailable(
             self._safe(f"{method} {route}: {what}"), status=0, job_id=job_id, sent=sent
         )

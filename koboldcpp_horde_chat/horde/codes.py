@@ -20,8 +20,6 @@ JOB_ABORTED: Final = "ChatJobAborted"
 
 #: 403 codes that mean the API key (or the worker name's owner) is wrong.
 CREDENTIAL_RCS: Final = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
-#: A submit refused because the job was already submitted or ended on the Horde.
-SETTLED_RCS: Final = frozenset({ABORTED_GEN, DUPLICATE_GEN})
 #: Refusals of a chat reply; the fault after them names ``reply_refused``.
 REFUSAL_RCS: Final = frozenset(
     {CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT, "ChatModelMismatch"}

@@ -100,14 +100,12 @@ def chat_features(
 
 def image_transports(caps: BackendCapabilities) -> list[str]:
     """``image_transports``: ``base64`` and ``url`` only with vision (seed 004)."""
-    transports: list[str] = []
-    if caps.messages_url:
-        transports.append("messages_url")
-    if caps.vision:
-        transports.append("base64")
-        if caps.image_url:
-            transports.append("url")
-    return transports
+    offered = (
+        ("messages_url", caps.messages_url),
+        ("base64", caps.vision),
+        ("url", caps.vision and caps.image_url),
+    )
+    return [name for name, on in offered if on]
 
 
 def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
@@ -127,8 +125,7 @@ def chat_declaration(
 ) -> dict[str, Any]:
     """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
     withholding ``vision`` drops the image transports too."""
-    withheld = frozenset(withhold) | settings.chat_withhold
-    features = chat_features(caps, withheld)
+    features = chat_features(caps, frozenset(withhold) | settings.chat_withhold)
     body: dict[str, Any] = {
         "chat_jobs": True,
         "chat_features": features,
@@ -207,16 +204,13 @@ def koboldcpp_model_name(
     debug mode or with ``gendefaults`` (``Foo`` gives ``koboldcpp/debug-Foo``);
     neither: ``"inactive"``.
     """
-    name = INACTIVE_MODEL_NAME
+    if hordemodelname:
+        debug = "debug-" if debugmode == 1 or gendefaults else ""
+        return _prefixed(debug + hordemodelname)
     if model_path:
         stem = os.path.splitext(os.path.basename(model_path))[0]
-        name = KOBOLDCPP_PREFIX + _UNSAFE_NAME_CHARS.sub("", stem)
-    if hordemodelname:
-        name = hordemodelname
-        if debugmode == 1 or gendefaults:
-            name = "debug-" + name
-        name = _prefixed(name)
-    return name
+        return KOBOLDCPP_PREFIX + _UNSAFE_NAME_CHARS.sub("", stem)
+    return INACTIVE_MODEL_NAME
 
 
 def standalone_model_id(backend_model_name: str, hordemodelname: str) -> str:

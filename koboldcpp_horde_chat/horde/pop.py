@@ -170,7 +170,10 @@ SAMPLER_KEYS = (
 )
 
 
-def _check_samplers(payload: dict[str, Any], job_id: str) -> None:
+def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
+    stream_progress = payload.get("stream_progress")
+    if stream_progress is not None and not isinstance(stream_progress, bool):
+        raise PayloadError("payload.stream_progress", "not a boolean", job_id=job_id)
     for key in SAMPLER_KEYS:
         value = payload.get(key)
         if value is None:
@@ -180,10 +183,6 @@ def _check_samplers(payload: dict[str, Any], job_id: str) -> None:
     seed = payload.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise PayloadError("payload.seed", "not an integer", job_id=job_id)
-
-
-def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
-    _check_samplers(payload, job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
         _expect(stop, list, "payload.stop_sequence", job_id)
@@ -236,27 +235,18 @@ def parse_pop(
         return TextJob(id=job_id, payload=payload, ttl_s=ttl_s, model=model)
 
     messages: list[dict[str, Any]] | None = None
-    messages_url: str | None = None
     inline = payload.get("messages")
     url = payload.get("messages_url")
-    if isinstance(inline, list) and inline:
-        messages = validate_messages(inline, job_id=job_id)
-    elif url is not None:
+    if url is not None and not (isinstance(inline, list) and inline):
         if not isinstance(url, str) or not _HTTP_URL.match(url):
             raise PayloadError("payload.messages_url", "not an http(s) URL", job_id=job_id)
-        messages_url = url
-    elif inline is not None:
-        messages = validate_messages(inline, job_id=job_id)
-    else:
+    elif inline is None:
         raise PayloadError("payload.messages", "missing (and no messages_url)", job_id=job_id)
+    else:
+        messages = validate_messages(inline, job_id=job_id)
 
     max_length = _positive_int(payload, "max_length", job_id)
     max_context_length = _positive_int(payload, "max_context_length", job_id)
-    stream_progress = payload.get("stream_progress", False)
-    if stream_progress is None:
-        stream_progress = False
-    if not isinstance(stream_progress, bool):
-        raise PayloadError("payload.stream_progress", "not a boolean", job_id=job_id)
     _check_optional_fields(payload, job_id)
     return ChatJob(
         id=job_id,
@@ -264,10 +254,10 @@ def parse_pop(
         ttl_s=ttl_s,
         model=model,
         messages=messages,
-        messages_url=messages_url,
+        messages_url=None if messages is not None else url,
         max_length=max_length,
         max_context_length=max_context_length,
-        stream_progress=stream_progress,
+        stream_progress=payload.get("stream_progress") is True,
     )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from .codes import JOB_ABORTED, PROGRESS_OUT_OF_SEQUENCE
@@ -38,8 +39,9 @@ MAX_POSTS = 1000
 CAP_BYTES_PER_TOKEN = 16
 BASE_LEASE_S = 150.0
 UNTRUSTED_LEASE_CAP_S = 200.0
-#: 409 answers in a row after which posting stops.
-MAX_CONFLICTS = 3
+#: 409 or lost answers in a row after which posting stops (and, by default,
+#: unavailable ones).
+MAX_IN_A_ROW = 3
 
 
 class ProgressAction(enum.Enum):
@@ -57,12 +59,30 @@ def _utf8_len(text: str) -> int:
 
 def utf8_prefix(text: str, max_bytes: int) -> str:
     """The longest prefix of ``text`` within ``max_bytes`` of UTF-8."""
-    if max_bytes <= 0:
-        return ""
-    raw = text.encode("utf-8")
-    if len(raw) <= max_bytes:
-        return text
-    return raw[:max_bytes].decode("utf-8", "ignore")
+    return text.encode("utf-8")[: max(max_bytes, 0)].decode("utf-8", "ignore")
+
+
+@dataclass
+class _Post:
+    """A post in flight, or accepted (kept to be resent after a 409)."""
+
+    seq: int
+    content: str
+    reasoning: str
+    sent_at: float | None
+    resent: bool = False
+    last: bool = False
+
+    @property
+    def size(self) -> int:
+        """Its text's UTF-8 bytes."""
+        return _utf8_len(self.content) + _utf8_len(self.reasoning)
+
+    def body(self, job_id: str) -> dict[str, Any]:
+        delta = {"content": self.content}
+        if self.reasoning:
+            delta["reasoning_content"] = self.reasoning
+        return {"id": job_id, "seq": self.seq, "delta": delta}
 
 
 class ProgressPoster:
@@ -82,22 +102,17 @@ class ProgressPoster:
         max_length: int,
         interval_s: float = 1.0,
         max_posts: int = MAX_POSTS,
-        max_unavailable: int = 3,
-        max_lost: int = 3,
+        max_unavailable: int = MAX_IN_A_ROW,
         lease: Lease | None = None,
         popped_at: float = 0.0,
         base_lease_s: float = BASE_LEASE_S,
         lease_cap_s: float = UNTRUSTED_LEASE_CAP_S,
     ) -> None:
-        if lease is None:
-            lease = Lease(popped_at, popped_at + base_lease_s)
         self.job_id = job_id
         self.interval_s = interval_s
         self.max_posts = max_posts
-        self.max_unavailable = max(1, max_unavailable)
-        self.max_lost = max(1, max_lost)
-        self.lease = lease
-        self.popped_at = lease.popped_at
+        self.max_unavailable = max_unavailable
+        self.lease = lease or Lease(popped_at, popped_at + base_lease_s)
         self.base_lease_s = base_lease_s
         self.lease_cap_s = lease_cap_s
         self.cap_bytes = CAP_BYTES_PER_TOKEN * max(0, max_length)
@@ -111,23 +126,13 @@ class ProgressPoster:
 
         self._buf_content: list[str] = []
         self._buf_reasoning: list[str] = []
-        # (seq, content, reasoning, utf-8 bytes) of each accepted post.
-        self._history: list[tuple[int, str, str, int]] = []
-
-        self._in_flight: dict[str, Any] | None = None
-        self._in_flight_bytes = 0
-        self._in_flight_sent_at: float | None = None
-        self._in_flight_resent = False
-        self._in_flight_last = False
+        self._history: list[_Post] = []  # the accepted posts
+        self._in_flight: _Post | None = None
         self._last_sent_at: float | None = None
 
         self._unavailable_in_row = 0
         self._lost_in_row = 0
         self._conflicts_in_row = 0
-
-    @property
-    def lease_deadline(self) -> float:
-        return self.lease.deadline
 
     def add(self, content: str, reasoning: str) -> None:
         """Buffer released text (as the chat stream's accumulator gives it, so the
@@ -139,10 +144,6 @@ class ProgressPoster:
         if reasoning:
             self._buf_reasoning.append(reasoning)
 
-    @property
-    def has_buffered(self) -> bool:
-        return bool(self._buf_content or self._buf_reasoning)
-
     def due(self, now: float) -> dict[str, Any] | None:
         """The next post, now in flight, or None: nothing buffered, a post in flight,
         posting stopped, or less than ``interval_s`` since the last post."""
@@ -152,7 +153,8 @@ class ProgressPoster:
 
     def pending_final(self, now: float | None = None) -> dict[str, Any] | None:
         """Like :meth:`due` without the interval: the last post before the submit."""
-        if not self.posting or self._in_flight is not None or not self.has_buffered:
+        buffered = self._buf_content or self._buf_reasoning
+        if not self.posting or self._in_flight is not None or not buffered:
             return None
         return self._send(now)
 
@@ -160,31 +162,32 @@ class ProgressPoster:
         """The post in flight, to send again. Raises RuntimeError without one."""
         if self._in_flight is None:
             raise RuntimeError("no progress post in flight")
-        return _copy_body(self._in_flight)
+        return self._in_flight.body(self.job_id)
 
     @property
     def in_flight(self) -> dict[str, Any] | None:
-        return None if self._in_flight is None else _copy_body(self._in_flight)
+        return None if self._in_flight is None else self._in_flight.body(self.job_id)
 
     @property
     def posted_content(self) -> str:
-        return "".join(post[1] for post in self._history)
+        return "".join(post.content for post in self._history)
 
     @property
     def posted_reasoning(self) -> str:
-        return "".join(post[2] for post in self._history)
+        return "".join(post.reasoning for post in self._history)
 
     def on_response(self, status: int, body: object, now: float) -> ProgressAction:
         """Handle the Horde's answer (``body`` decoded; not a dict counts as ``{}``).
 
         Raises RuntimeError when no post is in flight.
         """
-        if self._in_flight is None:
+        post = self._in_flight
+        if post is None:
             raise RuntimeError("progress answer without a post in flight")
         data: dict[str, Any] = body if isinstance(body, dict) else {}
         rc = data.get("rc") if isinstance(data.get("rc"), str) else ""
         cancelled = data.get("cancelled") is True
-        seq = self._in_flight["seq"]
+        seq = post.seq
 
         if 200 <= status < 300:
             accepted = data.get("accepted_seq")
@@ -193,7 +196,7 @@ class ProgressPoster:
                     "job=%s progress post seq %d answered with accepted_seq %d",
                     self.job_id, seq, accepted,
                 )
-            last = self._accept(now, extend=not self._in_flight_resent)
+            last = self._accept(now, extend=not post.resent)
             if cancelled:
                 return self._stop_generating("cancelled", f"cancelled on seq {seq}")
             if last:
@@ -204,14 +207,14 @@ class ProgressPoster:
         if status == 404 and rc == JOB_ABORTED:
             return self._stop_generating("aborted", f"{status} {rc}")
         if status == 409 and rc == PROGRESS_OUT_OF_SEQUENCE:
-            return self._out_of_sequence(data.get("expected_seq"), now)
+            return self._out_of_sequence(post, data.get("expected_seq"), now)
         if status >= 500 or status == 429:
             self._unavailable_in_row += 1
             if self._unavailable_in_row >= self.max_unavailable:
                 return self._stop_posting(
                     f"{self._unavailable_in_row} unavailable answers in a row ({status} {rc})"
                 )
-            self._in_flight_resent = True
+            post.resent = True
             return ProgressAction.RETRY
         return self._stop_posting(f"{status} {rc}".strip())
 
@@ -220,70 +223,55 @@ class ProgressPoster:
         if self._in_flight is None:
             raise RuntimeError("lost progress answer without a post in flight")
         self._lost_in_row += 1
-        if self._lost_in_row >= self.max_lost:
+        if self._lost_in_row >= MAX_IN_A_ROW:
             return self._stop_posting(f"{self._lost_in_row} lost answers in a row")
-        self._in_flight_resent = True
+        self._in_flight.resent = True
         return ProgressAction.RETRY
 
     def _send(self, now: float | None) -> dict[str, Any] | None:
         if self.seq > self.max_posts:
             self._stop_posting(f"post cap of {self.max_posts} reached")
             return None
-        content = "".join(self._buf_content)
-        reasoning = "".join(self._buf_reasoning)
+        post = _Post(self.seq, "".join(self._buf_content), "".join(self._buf_reasoning), now)
         self._buf_content = []
         self._buf_reasoning = []
         remaining = self.cap_bytes - self.bytes_accepted
-        r_bytes = _utf8_len(reasoning)
-        c_bytes = _utf8_len(content)
-        last = self.seq >= self.max_posts
-        if r_bytes + c_bytes >= remaining:
-            last = True
-            if r_bytes + c_bytes > remaining:
-                reasoning = utf8_prefix(reasoning, remaining)
-                r_bytes = _utf8_len(reasoning)
-                content = utf8_prefix(content, remaining - r_bytes)
-                c_bytes = _utf8_len(content)
-                log.debug(
-                    "job=%s progress byte cap of %d bytes reached; last post trimmed",
-                    self.job_id, self.cap_bytes,
-                )
-            if r_bytes + c_bytes == 0:
+        post.last = self.seq >= self.max_posts or post.size >= remaining
+        if post.size > remaining:
+            post.reasoning = utf8_prefix(post.reasoning, remaining)
+            post.content = utf8_prefix(post.content, remaining - _utf8_len(post.reasoning))
+            log.debug(
+                "job=%s progress byte cap of %d bytes reached; last post trimmed",
+                self.job_id, self.cap_bytes,
+            )
+            if post.size == 0:
                 self._stop_posting(f"byte cap of {self.cap_bytes} bytes reached")
                 return None
-        body = _make_body(self.job_id, self.seq, content, reasoning)
-        self._in_flight = body
-        self._in_flight_bytes = r_bytes + c_bytes
-        self._in_flight_sent_at = now
-        self._in_flight_resent = False
-        self._in_flight_last = last
+        self._in_flight = post
         if now is not None:
             self._last_sent_at = now
-        return _copy_body(body)
+        return post.body(self.job_id)
 
     def _accept(self, now: float, *, extend: bool) -> bool:
         """Record the post in flight as accepted; True when it was the last."""
-        assert self._in_flight is not None
-        delta = self._in_flight["delta"]
-        self._history.append((self._in_flight["seq"], delta["content"],
-                              delta.get("reasoning_content", ""), self._in_flight_bytes))
-        self.bytes_accepted += self._in_flight_bytes
+        post = self._in_flight
+        assert post is not None
+        self._history.append(post)
+        self.bytes_accepted += post.size
         self.posts_accepted += 1
         if extend:
-            sent = self._in_flight_sent_at if self._in_flight_sent_at is not None else now
-            new_deadline = min(sent + self.base_lease_s, self.popped_at + self.lease_cap_s)
-            self.lease.extend_to(new_deadline)
-        self.seq = self._in_flight["seq"] + 1
-        last = self._in_flight_last
+            sent = post.sent_at if post.sent_at is not None else now
+            lease = self.lease
+            lease.extend_to(min(sent + self.base_lease_s, lease.popped_at + self.lease_cap_s))
+        self.seq = post.seq + 1
         self._in_flight = None
         self._unavailable_in_row = 0
         self._lost_in_row = 0
         self._conflicts_in_row = 0
-        return last
+        return post.last
 
-    def _out_of_sequence(self, expected: object, now: float) -> ProgressAction:
-        assert self._in_flight is not None
-        seq: int = self._in_flight["seq"]
+    def _out_of_sequence(self, post: _Post, expected: object, now: float) -> ProgressAction:
+        seq = post.seq
         if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
             return self._stop_posting(
                 f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid expected_seq"
@@ -292,7 +280,7 @@ class ProgressPoster:
             return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} expecting our own seq {seq}")
         conflicts = self._conflicts_in_row + 1
         last = False
-        drop: list[tuple[int, str, str, int]] = []
+        drop: list[_Post] = []
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
             log.debug(
@@ -304,34 +292,29 @@ class ProgressPoster:
         else:
             # The horde lacks our posts from `expected` on: their text goes with the post
             # in flight, sent as `expected`.
-            keep = [h for h in self._history if h[0] < expected]
+            keep = [h for h in self._history if h.seq < expected]
             drop = self._history[len(keep):]
             self._history = keep
-            self.bytes_accepted -= sum(h[3] for h in drop)
+            self.bytes_accepted -= sum(h.size for h in drop)
             self.posts_accepted -= len(drop)
         self._conflicts_in_row = conflicts
         self.seq = expected
-        if conflicts >= MAX_CONFLICTS:
+        if conflicts >= MAX_IN_A_ROW:
             return self._stop_posting(f"{conflicts} out-of-sequence answers in a row")
         if last:
             return self._stop_posting(f"cap reached at seq {seq}")
         if expected > seq:
             return ProgressAction.CONTINUE
-        delta = self._in_flight["delta"]
         log.warning(
             "job=%s progress: the Horde expects seq %d, below our seq %d; "
             "resending %d posts' text as seq %d",
             self.job_id, expected, seq, len(drop), expected,
         )
-        self._in_flight = _make_body(
-            self.job_id,
-            expected,
-            "".join(h[1] for h in drop) + delta["content"],
-            "".join(h[2] for h in drop) + delta.get("reasoning_content", ""),
-        )
-        self._in_flight_bytes += sum(h[3] for h in drop)
-        self._in_flight_resent = True
-        self._in_flight_last = self._in_flight_last or expected >= self.max_posts
+        post.seq = expected
+        post.content = "".join(h.content for h in drop) + post.content
+        post.reasoning = "".join(h.reasoning for h in drop) + post.reasoning
+        post.resent = True
+        post.last = post.last or expected >= self.max_posts
         return ProgressAction.RETRY
 
     def _stop_posting(self, reason: str, *, logged: bool = False) -> ProgressAction:
@@ -349,14 +332,3 @@ class ProgressPoster:
         self._stop_posting(reason, logged=True)
         self.stopped_generating = why
         return ProgressAction.STOP_GENERATING
-
-
-def _make_body(job_id: str, seq: int, content: str, reasoning: str) -> dict[str, Any]:
-    delta: dict[str, str] = {"content": content}
-    if reasoning:
-        delta["reasoning_content"] = reasoning
-    return {"id": job_id, "seq": seq, "delta": delta}
-
-
-def _copy_body(body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": body["id"], "seq": body["seq"], "delta": dict(body["delta"])}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import HordeRefusal
@@ -31,21 +31,13 @@ LINGER_S = 30.0
 
 
 class HordeWatch:
-    """Watches a worker's calls to the Horde; thread-safe. ``clock``: monotonic seconds."""
+    """Watches a worker's calls to the Horde; thread-safe."""
 
-    def __init__(
-        self,
-        *,
-        quiet_after_s: float | None = None,
-        failures: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, *, quiet_after_s: float | None = None, failures: int | None = None) -> None:
         self.quiet_after_s = QUIET_AFTER_S if quiet_after_s is None else quiet_after_s
         self.failures = FAILURES_IN_A_ROW if failures is None else failures
-        self._clock = clock
         self._cond = threading.Condition()
-        self._next_token = 0
-        self._in_flight: dict[int, tuple[str, float]] = {}
+        self._in_flight: dict[object, tuple[str, float]] = {}  # by call token
         # The start of the first call made since the last answer (None: none).
         self._quiet_since: float | None = None
         self._failed_in_a_row = 0
@@ -58,9 +50,8 @@ class HordeWatch:
         """Around one call of ``kind`` (``"pop"``...): answered when it returns or
         raises ``HordeRefusal``, failed on any other exception."""
         with self._cond:
-            now = self._clock()
-            self._next_token += 1
-            token = self._next_token
+            now = time.monotonic()
+            token = object()
             self._in_flight[token] = (kind, now)
             if self._quiet_since is None:
                 self._quiet_since = now
@@ -70,44 +61,34 @@ class HordeWatch:
                 )
                 self._monitor.start()
             self._cond.notify_all()
+        failed = False
         try:
             yield
-        except HordeRefusal:
-            self._answered(token)
+        except BaseException as exc:
+            failed = not isinstance(exc, HordeRefusal)
             raise
-        except BaseException:
-            self._failed(token)
-            raise
-        self._answered(token)
+        finally:
+            self._ended(token, failed=failed)
 
-    def _answered(self, token: int) -> None:
+    def _ended(self, token: object, *, failed: bool) -> None:
         line = None
         with self._cond:
-            now = self._clock()
-            self._in_flight.pop(token, None)
-            self._failed_in_a_row = 0
-            if self._said_since is not None:
-                line = f"Horde answering again after {now - self._said_since:.0f} s"
-                self._said_since = None
-            # Calls still waiting count their silence from this answer on.
-            self._quiet_since = now if self._in_flight else None
-            self._cond.notify_all()
-        if line is not None:
-            log.info("%s", line)
-
-    def _failed(self, token: int) -> None:
-        line = None
-        with self._cond:
-            now = self._clock()
+            now = time.monotonic()
             kind, _ = self._in_flight.pop(token, ("call", now))
-            self._failed_in_a_row += 1
-            if self._said_since is None and self._failed_in_a_row >= self.failures:
-                line = self._say(
-                    now, f"{kind}; {self._failed_in_a_row} calls failed in a row"
-                )
+            if failed:
+                self._failed_in_a_row += 1
+                if self._said_since is None and self._failed_in_a_row >= self.failures:
+                    line = self._say(now, f"{kind}; {self._failed_in_a_row} calls failed in a row")
+            else:
+                self._failed_in_a_row = 0
+                if self._said_since is not None:
+                    line = f"Horde answering again after {now - self._said_since:.0f} s"
+                    self._said_since = None
+                # Calls still waiting count their silence from this answer on.
+                self._quiet_since = now if self._in_flight else None
             self._cond.notify_all()
         if line is not None:
-            log.warning("%s", line)
+            log.log(logging.WARNING if failed else logging.INFO, "%s", line)
 
     def _say(self, now: float, what: str) -> str:
         """Start the episode said now (under the lock); returns its line."""
@@ -116,11 +97,11 @@ class HordeWatch:
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
     def _watch(self) -> None:
-        idle_since = self._clock()
+        idle_since = time.monotonic()
         while True:
             line = None
             with self._cond:
-                now = self._clock()
+                now = time.monotonic()
                 if self._in_flight:
                     idle_since = now
                 elif now - idle_since >= LINGER_S:

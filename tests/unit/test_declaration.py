@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -52,7 +53,7 @@ def settings(**changes: object) -> WorkerSettings:
         backend_max_context_length=4096,
         max_length=512,
     )
-    return base.replace(**changes)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 # --- features ------------------------------------------------------------------------

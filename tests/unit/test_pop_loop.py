@@ -7,6 +7,7 @@ named by their rc, empty pops' skipped counts and the periodic totals line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -417,7 +418,7 @@ def test_a_koboldcpp_that_failed_a_job_and_does_not_answer_is_probed_every_3_s(
         api_key=KEY, worker_name="loop-worker", model_id=MODEL, backend_max_context_length=4096
     )
     if probe_s is not None:
-        settings = settings.replace(backend_probe_s=probe_s)
+        settings = dataclasses.replace(settings, backend_probe_s=probe_s)
     worker = Worker(
         settings,
         horde=FakeHorde(clock, pops=[chat_pop("j1")]),

@@ -448,11 +448,11 @@ def test_a_cancel_on_the_last_capped_post_still_stops_generation() -> None:
 
 def test_the_lease_starts_at_the_ttl_and_is_extended_by_an_accepted_post() -> None:
     p = poster(base_lease_s=150, lease_cap_s=200)
-    assert p.lease_deadline == T0 + 150
+    assert p.lease.deadline == T0 + 150
     p.add("a", "")
     p.due(T0 + 30)
     p.on_response(200, ok(1), T0 + 30.5)
-    assert p.lease_deadline == T0 + 180  # 150 s after the post was sent
+    assert p.lease.deadline == T0 + 180  # 150 s after the post was sent
 
 
 def test_an_accepted_post_extends_the_jobs_own_lease_not_a_copy() -> None:
@@ -463,7 +463,7 @@ def test_an_accepted_post_extends_the_jobs_own_lease_not_a_copy() -> None:
     p.add("a", "")
     p.due(T0 + 30)
     p.on_response(200, ok(1), T0 + 30.5)
-    assert lease.deadline == T0 + 180 and p.lease_deadline == T0 + 180
+    assert lease.deadline == T0 + 180 and p.lease.deadline == T0 + 180
     assert not lease.extend_to(T0 + 170)  # never earlier
     assert lease.deadline == T0 + 180
 
@@ -473,12 +473,12 @@ def test_the_lease_never_passes_the_cap_from_pop() -> None:
     p.add("a", "")
     p.due(T0 + 100)
     p.on_response(200, ok(1), T0 + 100)
-    assert p.lease_deadline == T0 + 200
+    assert p.lease.deadline == T0 + 200
     trusted = poster(base_lease_s=150, lease_cap_s=600, interval_s=0)
     trusted.add("a", "")
     trusted.due(T0 + 100)
     trusted.on_response(200, ok(1), T0 + 100)
-    assert trusted.lease_deadline == T0 + 250
+    assert trusted.lease.deadline == T0 + 250
 
 
 def test_a_retried_post_does_not_extend_the_lease() -> None:
@@ -487,12 +487,12 @@ def test_a_retried_post_does_not_extend_the_lease() -> None:
     p.due(T0 + 40)
     p.on_lost(T0 + 50)
     p.on_response(200, ok(1), T0 + 51)
-    assert p.lease_deadline == T0 + 150
+    assert p.lease.deadline == T0 + 150
     p.add("b", "")
     p.due(T0 + 60)
     p.on_response(503, {}, T0 + 60)
     p.on_response(200, ok(2), T0 + 61)
-    assert p.lease_deadline == T0 + 150
+    assert p.lease.deadline == T0 + 150
 
 
 def test_the_lease_never_moves_backwards() -> None:
@@ -500,11 +500,11 @@ def test_the_lease_never_moves_backwards() -> None:
     p.add("a", "")
     p.due(T0 + 50)
     p.on_response(200, ok(1), T0 + 50)
-    assert p.lease_deadline == T0 + 200
+    assert p.lease.deadline == T0 + 200
     p.add("b", "")
     assert p.pending_final(T0 + 20) is not None  # a clock that went backwards
     p.on_response(200, ok(2), T0 + 20)
-    assert p.lease_deadline == T0 + 200
+    assert p.lease.deadline == T0 + 200
 
 
 def test_pending_final_without_a_time_extends_from_the_answer_time() -> None:
@@ -512,7 +512,7 @@ def test_pending_final_without_a_time_extends_from_the_answer_time() -> None:
     p.add("a", "")
     p.pending_final()
     p.on_response(200, ok(1), T0 + 70)
-    assert p.lease_deadline == T0 + 220
+    assert p.lease.deadline == T0 + 220
 
 
 def test_a_rejected_post_does_not_extend_the_lease() -> None:
@@ -520,7 +520,7 @@ def test_a_rejected_post_does_not_extend_the_lease() -> None:
     p.add("a", "")
     p.due(T0 + 40)
     p.on_response(413, refusal("ChatProgressCapReached"), T0 + 40)
-    assert p.lease_deadline == T0 + 150
+    assert p.lease.deadline == T0 + 150
 
 
 # --- property: the accepted text is the added text, whatever the answers ----------------------

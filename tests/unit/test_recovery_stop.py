@@ -273,7 +273,6 @@ def test_finish_sets_the_stops_deadline_on_the_recoverys_clock(tmp_path: Path) -
         finishing.join(5.0)
         assert not finishing.is_alive()
     finally:
-        deadlines.cancel()
         journal.unlock()
     assert horde.bodies == [REPLY, REPLY]
     assert recovery.result == RecoveryResult(replied=1, kudos=12.0)

@@ -8,6 +8,8 @@ cut to that value.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from koboldcpp_horde_chat.settings import (
@@ -27,7 +29,7 @@ def settings(**changes: object) -> WorkerSettings:
         backend_max_context_length=4096,
         max_length=512,
     )
-    return base.replace(**changes)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
