@@ -269,9 +269,7 @@ class Journal:
         """The terminal action just sent is known not to have reached the Horde:
         a fault back to ``none``, a reply to ``reply_kept``. False when the job
         is not recorded."""
-        with self._lock:
-            self._load_locked()
-            entry = self._entries.get(job_id)
+        entry = self.entry(job_id)
         if entry is None:
             return False
         back = {"fault_sent": "none", "reply_sent": "reply_kept"}.get(entry.terminal)
@@ -280,14 +278,10 @@ class Journal:
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress
         post. False when the job is not recorded."""
-        with self._lock:
-            self._load_locked()
-            entry = self._entries.get(job_id)
-            if entry is None or lease_end <= entry.lease_end:
-                return entry is not None
-            self._entries[job_id] = replace(entry, lease_end=lease_end)
-            self._write_locked(durable=False)
-            return True
+        entry = self.entry(job_id)
+        if entry is None or lease_end <= entry.lease_end:
+            return entry is not None
+        return self._change(job_id, lease_end=lease_end)
 
     def entry(self, job_id: str) -> JournalEntry | None:
         with self._lock:
