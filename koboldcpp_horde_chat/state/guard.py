@@ -105,7 +105,8 @@ class MaintenanceGuard:
     def record_fault(self, now: float, kind: str | None = None, feature: str | None = None) -> None:
         """Count one aborted job; ``kind`` None (not known) is taken as possibly
         chat; one with a ``feature`` (its refused reply's declared name) does
-        not count toward withdrawing chat."""
+        not count toward withdrawing chat. A pop whose answer was lost counts at
+        the time its job would expire on the Horde (``now`` ahead of the clock)."""
         self._faults.append((now, kind, feature))
         # Kept in order: a lost pop's time lies ahead of now.
         if len(self._faults) < 2 or self._faults[-2][0] <= now:
@@ -113,12 +114,6 @@ class MaintenanceGuard:
         ordered = sorted(self._faults, key=lambda fault: fault[0])
         self._faults.clear()
         self._faults.extend(ordered)
-
-    def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
-        """Count a pop whose answer was lost: a job the Horde may have assigned
-        expires there at ``expires_at`` (later than now), counted until a
-        window after it; ``kind`` ``"text"`` when the pop did not declare chat."""
-        self.record_fault(expires_at, kind)
 
     def _forget(self, now: float) -> None:
         while self._faults and now - self._faults[0][0] >= self.window_s:

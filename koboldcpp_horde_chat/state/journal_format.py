@@ -93,9 +93,8 @@ class JournalEntry:
 
     def to_json(self) -> dict[str, Any]:
         """The entry's object: the fields in order, those at their default left out."""
-        obj = {
-            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default
-        }
+        values = {f.name: (getattr(self, f.name), f.default) for f in fields(self)}
+        obj = {name: value for name, (value, default) in values.items() if value != default}
         obj["lease_end"] = float(self.lease_end)
         return obj
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -78,6 +77,12 @@ class WorkerState(Declaring):
     stop, the waits for the jobs in hand and the journal's faults.
     """
 
+    #: What :meth:`carry_over` takes over as it is.
+    _CARRIED = (
+        "maintenance_guard", "refusal_guard", "failure_streak", "probe_plan", "stats",
+        "_next_summary", "_faults_restored", "chat_job_seen",
+    )
+
     def __init__(
         self,
         settings: WorkerSettings,
@@ -143,16 +148,10 @@ class WorkerState(Declaring):
         the totals go on: a koboldcpp that keeps crashing still gets chat
         withdrawn before maintenance."""
         with earlier.lock:
-            self.maintenance_guard = earlier.maintenance_guard
-            self.refusal_guard = earlier.refusal_guard
-            self.failure_streak = earlier.failure_streak
-            self.probe_plan = earlier.probe_plan
+            for name in self._CARRIED:
+                setattr(self, name, getattr(earlier, name))
             self.withheld = self.withheld | earlier.withheld
             self.moderator_messages_seen = set(earlier.moderator_messages_seen)
-            self.stats = earlier.stats
-            self._next_summary = earlier._next_summary
-            self._faults_restored = earlier._faults_restored
-            self.chat_job_seen = earlier.chat_job_seen
 
     def wait_recovered(self) -> bool:
         """Before a loop's first pop: wait for the start-up recovery, then count
@@ -165,11 +164,11 @@ class WorkerState(Declaring):
             restored, self._faults_restored = self._faults_restored, True
         if restored or self.journal is None:
             return True
-        self.restore_faults(
-            self.journal.recent_faults(self.clock.time()),
-            now=self.clock.monotonic(),
-            wall=self.clock.time(),
-        )
+        # The earlier faults (epoch seconds) on the monotonic clock of this window.
+        now, wall = self.clock.monotonic(), self.clock.time()
+        with self.lock:
+            for at in self.journal.recent_faults(wall):
+                self.maintenance_guard.record_fault(now - (wall - at))
         return True
 
     # ------------------------------------------------------------------ stop
@@ -306,11 +305,10 @@ class WorkerState(Declaring):
         """A pop's answer was lost: the Horde may have assigned a job that expires
         after its lease and the 60 s sweep, so it counts toward maintenance
         until the Horde's hour after that. ``chat``: the pop declared chat."""
-        expires_at = now + self.settings.lease_s + LOST_POP_SWEEP_S
         with self.lock:
-            self.maintenance_guard.record_lost_pop(expires_at, None if chat else "text")
-            if self.journal is not None:
-                self.journal.record_fault(self.clock.time())
+            self._count_toward_maintenance(
+                now + self.settings.lease_s + LOST_POP_SWEEP_S, None if chat else "text"
+            )
 
     def _count_toward_maintenance(
         self, now: float, kind: str | None = None, feature: str | None = None
@@ -318,13 +316,6 @@ class WorkerState(Declaring):
         self.maintenance_guard.record_fault(now, kind, feature)
         if self.journal is not None:
             self.journal.record_fault(self.clock.time())
-
-    def restore_faults(self, faults: Iterable[float], *, now: float, wall: float) -> None:
-        """Count an earlier process's faults (epoch seconds) in this window, which
-        runs on monotonic ``now``; ``wall`` is the epoch time of that instant."""
-        with self.lock:
-            for at in faults:
-                self.maintenance_guard.record_fault(now - (wall - at))
 
     def record_dropped(self) -> None:
         with self.lock:
