@@ -337,9 +337,8 @@ class WorkerState(Declaring):
                 elapsed_s=now - stats.started_at,
             )
 
-    def stop_summary(self, now: float) -> str:
-        """The totals line at the stop (its ``Time`` is the uptime)."""
-        return self.summary(now)
+    #: The totals line at the stop (its ``Time`` is the uptime).
+    stop_summary = summary
 
     def first_chat_job(self) -> bool:
         """True the first time a chat job is popped (by any loop)."""
