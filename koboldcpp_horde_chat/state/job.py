@@ -130,10 +130,6 @@ class JobContext:
         return self.phase in ENDED
 
     @property
-    def in_hand(self) -> bool:
-        return self.phase not in ENDED
-
-    @property
     def chat(self) -> bool:
         return self.kind == "chat"
 

@@ -128,7 +128,8 @@ class WorkerState(Declaring):
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: Timer | None = None
-        self._grace_s = 0.0
+        #: Why a job in hand at the stop's deadline is given up.
+        self._grace_why = ""
         self._in_hand: dict[str, JobContext] = {}
         self._ended = threading.Condition(self.lock)
         #: Submits being retried on threads of their own (no pop meanwhile).
@@ -206,14 +207,11 @@ class WorkerState(Declaring):
                 return
             self.stop_deadline = deadline = self.clock.monotonic() + grace_s
             self.call_deadlines.set(stop_call_ends(deadline))
-            self._grace_s = grace_s
+            self._grace_why = f"the job did not end within the {grace_s:g} s stop grace period"
             timer = self.clock.timer(grace_s, self._grace_over, name="stop-grace")
             self._watchdog = timer
         self.stop_event.set()
         timer.start()
-
-    def _grace_why(self) -> str:
-        return f"the job did not end within the {self._grace_s:g} s stop grace period"
 
     def stop_overdue(self) -> bool:
         """The worker is stopping and the stop's deadline has passed."""
@@ -222,7 +220,7 @@ class WorkerState(Declaring):
 
     def _grace_over(self) -> None:
         for ctx in self.jobs_in_hand():
-            ctx.give_up(self._grace_why())
+            ctx.give_up(self._grace_why)
 
     def fault_jobs_now(self) -> None:
         """Fault every job in hand at once (a second signal: the process exits)."""
@@ -240,7 +238,7 @@ class WorkerState(Declaring):
         with self.lock:
             self._in_hand[ctx.id] = ctx
         if self.stop_overdue():
-            ctx.give_up(self._grace_why())
+            ctx.give_up(self._grace_why)
 
     def release(self, ctx: JobContext) -> None:
         """The job's life ended; a settled job's removal from the journal is
