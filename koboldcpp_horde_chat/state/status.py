@@ -101,10 +101,6 @@ class PauseTracker:
         self._since = 0.0
         self._said: str | None = None
 
-    @property
-    def reason(self) -> str | None:
-        return self._reason
-
     def pausing(self, reason: str, now: float, *, line: str | None = None) -> str | None:
         """``line`` replaces the reason's words; a new ``line`` is said again."""
         key = f"{reason}:{line}" if line else reason
