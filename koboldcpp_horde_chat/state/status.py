@@ -147,12 +147,8 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
             for name, word in (("origin", "origin"), ("expiry", "expires"))
             if message.get(name) not in (None, "")
         ]
-        lines.append(
-            "message from the Horde"
-            + (f" ({', '.join(about)})" if about else "")
-            + ": "
-            + _one_line(text, MESSAGE_MAX_CHARS)
-        )
+        said = f" ({', '.join(about)})" if about else ""
+        lines.append(f"message from the Horde{said}: {_one_line(text, MESSAGE_MAX_CHARS)}")
     return lines
 
 
