@@ -212,19 +212,15 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
     ``"structured_output_enforced"`` else that type. The guarantee is preferred:
     withdrawing it keeps the best_effort requests (seed "Submit refusals")."""
     names = set(declared)
-    found: list[str] = []
+    preferred: list[tuple[str, ...]] = []  # per point: the names it may mean, best first
     if "tool_choice" in payload or "tools" in payload:
-        pick = next((n for n in TOOL_NAMES if n in names), None)
-        if pick is not None:
-            found.append(pick)
+        preferred.append(TOOL_NAMES)
     response_format = payload.get("response_format")
     rf_type = response_format.get("type") if isinstance(response_format, Mapping) else None
     if rf_type in FORMAT_TYPES:
-        if FORMAT_GUARANTEE in names:
-            found.append(FORMAT_GUARANTEE)
-        elif rf_type in names:
-            found.append(str(rf_type))
-    return found
+        preferred.append((FORMAT_GUARANTEE, str(rf_type)))
+    picks = (next((n for n in options if n in names), None) for options in preferred)
+    return [pick for pick in picks if pick is not None]
 
 
 def refused_reply_features(

@@ -110,11 +110,7 @@ class JobContext:
     def settle(self) -> bool:
         """Move to ``settling``: True for the first caller only, so a job never
         gets two terminal actions."""
-        with self._lock:
-            if not may(self.phase, Move.SETTLE):
-                return False
-            self._to_phase(Phase.SETTLING)
-            return True
+        return self.end(Move.SETTLE)
 
     def end(self, move: Move) -> bool:
         """End the job with ``move`` when allowed now; False when not (already ended)."""
