@@ -122,9 +122,7 @@ class WorkerState(Declaring):
         self.slots: list[Slot] = []
         self.stop_deadline: float | None = None
         #: When a stopping worker's calls end, by kind (its clients share it).
-        self.call_deadlines = (
-            call_deadlines if call_deadlines is not None else CallDeadlines(clock)
-        )
+        self.call_deadlines = call_deadlines or CallDeadlines(clock)
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: Timer | None = None
