@@ -114,11 +114,6 @@ class LeaseFit:
     def cooloff_s(self, kind: str) -> float:
         return self._cooloff[kind]
 
-    def held(self, kind: str, now: float | None) -> bool:
-        """A run-out's cool-off holds ``kind``'s raises at ``now``."""
-        hold = self._hold_until[kind]
-        return now is not None and hold is not None and now < hold
-
     def speed(self, kind: str) -> float | None:
         """``g``: the measured tokens/s of ``kind``, else koboldcpp's figure, else None."""
         tokens, seconds = _sums(self._samples[kind])
@@ -342,7 +337,8 @@ class LeaseFit:
             margin_s=self.margin_s,
         )
         budget = budget_s(self.lease_s, self.margin_s)
-        held = self.held(kind, now)
+        hold = self._hold_until[kind]  # a run-out's cool-off holds the raises
+        held = now is not None and hold is not None and now < hold
         changes = []
         old = self._declared[kind]
         # Nothing measured about generation is no reason to raise max_length.

@@ -347,12 +347,11 @@ class WorkerState(Declaring):
         """The totals line once every ``status.SUMMARY_EVERY_S`` (monotonic
         ``now``) for one loop of the worker; None in between."""
         with self.lock:
-            if self._next_summary is None:
+            due = self._next_summary is not None and now >= self._next_summary
+            if due or self._next_summary is None:
                 self._next_summary = now + status.SUMMARY_EVERY_S
+            if not due:
                 return None
-            if now < self._next_summary:
-                return None
-            self._next_summary = now + status.SUMMARY_EVERY_S
             stats = self.stats
             line = status.summary_line(
                 jobs=stats.jobs,
