@@ -108,12 +108,8 @@ class MaintenanceGuard:
         not count toward withdrawing chat. A pop whose answer was lost counts at
         the time its job would expire on the Horde (``now`` ahead of the clock)."""
         self._faults.append((now, kind, feature))
-        # Kept in order: a lost pop's time lies ahead of now.
-        if len(self._faults) < 2 or self._faults[-2][0] <= now:
-            return
-        ordered = sorted(self._faults, key=lambda fault: fault[0])
-        self._faults.clear()
-        self._faults.extend(ordered)
+        if len(self._faults) > 1 and self._faults[-2][0] > now:  # kept in time order
+            self._faults = deque(sorted(self._faults, key=lambda f: f[0]), self._faults.maxlen)
 
     def _forget(self, now: float) -> None:
         while self._faults and now - self._faults[0][0] >= self.window_s:

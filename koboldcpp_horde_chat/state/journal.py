@@ -124,10 +124,9 @@ class Journal:
         try:
             _lock_file(fd)
         except OSError:
-            try:
+            holder = ""
+            with contextlib.suppress(OSError):
                 holder = os.read(fd, 32).decode("ascii", "replace").strip()
-            except OSError:
-                holder = ""
             os.close(fd)
             return int(holder) if holder.isdigit() else 0
         with contextlib.suppress(OSError):  # the lock holds without the holder's id
