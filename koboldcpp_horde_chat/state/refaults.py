@@ -33,10 +33,8 @@ MAX_REQUESTS: Final = 256
 
 
 def _without_queries(value: Any) -> Any:
-    if isinstance(value, str):
-        if value.startswith(("http://", "https://")):
-            return value.split("?", 1)[0]
-        return value
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return value.split("?", 1)[0]
     if isinstance(value, Mapping):
         return {str(k): _without_queries(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
