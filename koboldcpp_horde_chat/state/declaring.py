@@ -147,14 +147,12 @@ class Declaring:
                 self.settings,
                 caps,
                 withhold=self.withheld | self.refusal_guard.withdrawn,
-                chat_jobs=self.chat_enabled
-                and not self.no_chat_route
-                and not self.failure_streak.kind_failing("chat"),
+                chat_jobs=self._pops("chat"),
                 max_length=self.lease_fit.declared("text"),
                 chat_max_length=self.lease_fit.declared("chat"),
                 max_context_length=self.lease_fit.declared_context("text"),
                 chat_max_context_length=self.lease_fit.declared_context("chat"),
-                prompt_jobs=not self.failure_streak.kind_failing("text"),
+                prompt_jobs=self._pops("text"),
             )
 
     def skip_context(self, body: dict[str, Any]) -> SkipContext:
@@ -171,10 +169,12 @@ class Declaring:
     def kinds_to_pop(self) -> tuple[str, ...]:
         """The kinds the next pop may ask for (empty: do not pop)."""
         with self.lock:
-            streak = self.failure_streak
-            kinds = []
-            if self.settings.prompt_jobs and not streak.kind_failing("text"):
-                kinds.append("text")
-            if self.chat_enabled and not self.no_chat_route and not streak.kind_failing("chat"):
-                kinds.append("chat")
-            return tuple(kinds)
+            return tuple(kind for kind in ("text", "chat") if self._pops(kind))
+
+    def _pops(self, kind: str) -> bool:
+        """Whether the next pop may ask for ``kind`` (under the lock)."""
+        if self.failure_streak.kind_failing(kind):
+            return False
+        if kind == "text":
+            return self.settings.prompt_jobs
+        return self.chat_enabled and not self.no_chat_route

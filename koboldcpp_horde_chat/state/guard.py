@@ -105,20 +105,11 @@ class MaintenanceGuard:
     def record_fault(self, now: float, kind: str | None = None, feature: str | None = None) -> None:
         """Count one aborted job; ``kind`` None (not known) is taken as possibly
         chat; one with a ``feature`` (its refused reply's declared name) does
-        not count toward withdrawing chat."""
+        not count toward withdrawing chat. A pop whose answer was lost counts at
+        the time its job would expire on the Horde (``now`` ahead of the clock)."""
         self._faults.append((now, kind, feature))
-        # Kept in order: a lost pop's time lies ahead of now.
-        if len(self._faults) < 2 or self._faults[-2][0] <= now:
-            return
-        ordered = sorted(self._faults, key=lambda fault: fault[0])
-        self._faults.clear()
-        self._faults.extend(ordered)
-
-    def record_lost_pop(self, expires_at: float, kind: str | None = None) -> None:
-        """Count a pop whose answer was lost: a job the Horde may have assigned
-        expires there at ``expires_at`` (later than now), counted until a
-        window after it; ``kind`` ``"text"`` when the pop did not declare chat."""
-        self.record_fault(expires_at, kind)
+        if len(self._faults) > 1 and self._faults[-2][0] > now:  # kept in time order
+            self._faults = deque(sorted(self._faults, key=lambda f: f[0]), self._faults.maxlen)
 
     def _forget(self, now: float) -> None:
         while self._faults and now - self._faults[0][0] >= self.window_s:
@@ -217,19 +208,15 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
     ``"structured_output_enforced"`` else that type. The guarantee is preferred:
     withdrawing it keeps the best_effort requests (seed "Submit refusals")."""
     names = set(declared)
-    found: list[str] = []
+    preferred: list[tuple[str, ...]] = []  # per point: the names it may mean, best first
     if "tool_choice" in payload or "tools" in payload:
-        pick = next((n for n in TOOL_NAMES if n in names), None)
-        if pick is not None:
-            found.append(pick)
+        preferred.append(TOOL_NAMES)
     response_format = payload.get("response_format")
     rf_type = response_format.get("type") if isinstance(response_format, Mapping) else None
     if rf_type in FORMAT_TYPES:
-        if FORMAT_GUARANTEE in names:
-            found.append(FORMAT_GUARANTEE)
-        elif rf_type in names:
-            found.append(str(rf_type))
-    return found
+        preferred.append((FORMAT_GUARANTEE, str(rf_type)))
+    picks = (next((n for n in options if n in names), None) for options in preferred)
+    return [pick for pick in picks if pick is not None]
 
 
 def refused_reply_features(

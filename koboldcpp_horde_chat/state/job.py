@@ -31,9 +31,6 @@ T = TypeVar("T")
 #: Seconds kept free at the end of a lease for the submit.
 SUBMIT_MARGIN_S = 5.0
 
-__all__ = ["SUBMIT_MARGIN_S", "JobContext", "Lease", "Outcome", "Steps", "new_genkey",
-           "payload_keys"]
-
 
 @dataclass
 class JobContext:
@@ -86,15 +83,19 @@ class JobContext:
             self._to_phase(next_phase(self.phase, move))
 
     def _to_phase(self, phase: Phase) -> None:
-        now = self.clock.monotonic()
         if phase is Phase.GENERATING and self.phase is not Phase.GENERATING:
-            self._gen_from = (now, self._horde_s)
+            self._gen_from = (self.clock.monotonic(), self._horde_s)
         elif self.phase is Phase.GENERATING and phase is not Phase.GENERATING:
-            if self._gen_from is not None:
-                since, horde_then = self._gen_from
-                self._gen_s += max(0.0, now - since - (self._horde_s - horde_then))
-                self._gen_from = None
+            self._gen_s = self._gen_so_far()
+            self._gen_from = None
         self.phase = phase
+
+    def _gen_so_far(self) -> float:
+        """Generation seconds, the Horde's waits during it left out (under the lock)."""
+        if self._gen_from is None:
+            return self._gen_s
+        since, horde_then = self._gen_from
+        return self._gen_s + max(0.0, self.clock.monotonic() - since - (self._horde_s - horde_then))
 
     def note_horde_wait(self, seconds: float) -> None:
         """The job waited ``seconds`` for the Horde; thread-safe."""
@@ -104,20 +105,12 @@ class JobContext:
     def times(self) -> tuple[float, float]:
         """``(generation, horde)`` seconds so far (progress posts are Horde time)."""
         with self._lock:
-            gen = self._gen_s
-            if self._gen_from is not None:
-                since, horde_then = self._gen_from
-                gen += max(0.0, self.clock.monotonic() - since - (self._horde_s - horde_then))
-            return gen, self._horde_s
+            return self._gen_so_far(), self._horde_s
 
     def settle(self) -> bool:
         """Move to ``settling``: True for the first caller only, so a job never
         gets two terminal actions."""
-        with self._lock:
-            if not may(self.phase, Move.SETTLE):
-                return False
-            self._to_phase(Phase.SETTLING)
-            return True
+        return self.end(Move.SETTLE)
 
     def end(self, move: Move) -> bool:
         """End the job with ``move`` when allowed now; False when not (already ended)."""
@@ -131,10 +124,6 @@ class JobContext:
     def settled(self) -> bool:
         """True once the job's life ended: nothing more is sent."""
         return self.phase in ENDED
-
-    @property
-    def in_hand(self) -> bool:
-        return self.phase not in ENDED
 
     @property
     def chat(self) -> bool:

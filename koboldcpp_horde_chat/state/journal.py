@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
@@ -123,10 +124,9 @@ class Journal:
         try:
             _lock_file(fd)
         except OSError:
-            try:
+            holder = ""
+            with contextlib.suppress(OSError):
                 holder = os.read(fd, 32).decode("ascii", "replace").strip()
-            except OSError:
-                holder = ""
             os.close(fd)
             return int(holder) if holder.isdigit() else 0
         with contextlib.suppress(OSError):  # the lock holds without the holder's id
@@ -159,8 +159,7 @@ class Journal:
         ``<name>.version-<n>-<epoch seconds>`` (a line each; the journal is then
         empty); an entry of the wrong shape is skipped with a line.
         """
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             return list(self._entries.values())
 
     load = entries
@@ -168,10 +167,16 @@ class Journal:
     def clocks(self) -> tuple[ClockMark | None, ClockMark]:
         """(the earlier process's clocks' mark, None without one; this
         process's mark when it read the file)."""
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             assert self._loaded_clock is not None
             return self._earlier_clock, self._loaded_clock
+
+    @contextlib.contextmanager
+    def _read_first(self) -> Iterator[None]:
+        """Hold the lock, the file an earlier process left read first."""
+        with self._lock:
+            self._load_locked()
+            yield
 
     def _load_locked(self) -> None:
         if self._loaded:
@@ -224,8 +229,7 @@ class Journal:
         """Record a job in hand, written before it returns (what a kill must
         survive); ``durable`` also waits for the disk (``fsync``), which only a
         machine going down needs."""
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             if entry.horde is None and self.horde is not None:
                 entry = replace(entry, horde=self.horde)
             self._entries[entry.job_id] = entry
@@ -235,8 +239,7 @@ class Journal:
         """Clear a job whose terminal action was answered (or that ended without
         one on purpose), written at once unless ``write`` is False (then with
         the next write or :meth:`flush`)."""
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             removed = self._entries.pop(job_id, None) is not None
             if write and (removed or self._dirty):
                 self._write_locked(durable=False)
@@ -244,8 +247,7 @@ class Journal:
                 self._dirty = True
 
     def _change(self, job_id: str, **changes: Any) -> bool:
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             entry = self._entries.get(job_id)
             if entry is None:
                 return False
@@ -269,9 +271,7 @@ class Journal:
         """The terminal action just sent is known not to have reached the Horde:
         a fault back to ``none``, a reply to ``reply_kept``. False when the job
         is not recorded."""
-        with self._lock:
-            self._load_locked()
-            entry = self._entries.get(job_id)
+        entry = self.entry(job_id)
         if entry is None:
             return False
         back = {"fault_sent": "none", "reply_sent": "reply_kept"}.get(entry.terminal)
@@ -280,33 +280,26 @@ class Journal:
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress
         post. False when the job is not recorded."""
-        with self._lock:
-            self._load_locked()
-            entry = self._entries.get(job_id)
-            if entry is None or lease_end <= entry.lease_end:
-                return entry is not None
-            self._entries[job_id] = replace(entry, lease_end=lease_end)
-            self._write_locked(durable=False)
-            return True
+        entry = self.entry(job_id)
+        if entry is None or lease_end <= entry.lease_end:
+            return entry is not None
+        return self._change(job_id, lease_end=lease_end)
 
     def entry(self, job_id: str) -> JournalEntry | None:
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             return self._entries.get(job_id)
 
     def record_fault(self, at: float) -> None:
         """Keep a fault counted toward maintenance (epoch seconds), written with
         the next change."""
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             self._faults = [t for t in self._faults if t > at - FAULT_WINDOW_S][-MAX_FAULTS + 1 :]
             self._faults.append(at)
             self._dirty = True
 
     def recent_faults(self, now: float) -> list[float]:
         """The kept faults of the last hour before epoch ``now``, oldest first."""
-        with self._lock:
-            self._load_locked()
+        with self._read_first():
             return [t for t in self._faults if now - FAULT_WINDOW_S < t <= now]
 
     def flush(self) -> None:

@@ -24,7 +24,7 @@ import functools
 import json
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from ..httpbody import redact_url
@@ -92,19 +92,10 @@ class JournalEntry:
             raise ValueError("horde is not a non-empty string or null")
 
     def to_json(self) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "job_id": self.job_id,
-            "kind": self.kind,
-            "model_id": self.model_id,
-            "genkey": self.genkey,
-            "lease_end": float(self.lease_end),
-        }
-        if self.terminal != "none":
-            obj["terminal"] = self.terminal
-        if self.reply is not None:
-            obj["reply"] = self.reply
-        if self.horde is not None:
-            obj["horde"] = self.horde
+        """The entry's object: the fields in order, those at their default left out."""
+        values = {f.name: (getattr(self, f.name), f.default) for f in fields(self)}
+        obj = {name: value for name, (value, default) in values.items() if value != default}
+        obj["lease_end"] = float(self.lease_end)
         return obj
 
     @classmethod
@@ -119,16 +110,8 @@ class JournalEntry:
         for key in ("job_id", "kind", "genkey", "lease_end"):
             if key not in obj:
                 raise ValueError(f"{key} is missing")
-        return cls(
-            job_id=obj["job_id"],
-            kind=obj["kind"],
-            model_id=obj.get("model_id"),
-            genkey=obj["genkey"],
-            lease_end=obj["lease_end"],
-            terminal=obj.get("terminal", "none"),
-            reply=obj.get("reply"),
-            horde=obj.get("horde"),
-        )
+        names = {f.name for f in fields(cls)}
+        return cls(**{"model_id": None, **{k: v for k, v in obj.items() if k in names}})
 
 
 @functools.cache
@@ -227,15 +210,12 @@ def read_document(raw: bytes) -> JournalDocument:
         except (TypeError, ValueError) as exc:
             skipped.append((index, str(exc)))
     faults = doc.get("faults")
+    kept = faults[-MAX_FAULTS:] if isinstance(faults, list) else []
     return JournalDocument(
         entries=entries,
         skipped=skipped,
         clock=ClockMark.from_json(doc.get("clock")),
-        faults=[
-            t for t in map(finite_number, faults[-MAX_FAULTS:]) if t is not None
-        ]
-        if isinstance(faults, list)
-        else [],
+        faults=[t for t in map(finite_number, kept) if t is not None],
     )
 
 

@@ -84,9 +84,7 @@ def elapsed_bounds(then: ClockMark | None, now: ClockMark) -> tuple[float, float
     floor = 0.0
     if then.boot_id and now.boot_id and not same_boot and now.boottime is not None:
         floor = max(0.0, now.boottime)
-    if wall_elapsed >= floor:
-        return floor, wall_elapsed
-    return floor, math.inf
+    return floor, wall_elapsed if wall_elapsed >= floor else math.inf
 
 
 @dataclass(frozen=True)

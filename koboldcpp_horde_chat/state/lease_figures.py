@@ -103,16 +103,15 @@ def tokens_of_text(text: str) -> int:
 
 def job_max_length(payload: Mapping[str, Any]) -> int:
     """A job payload's ``max_length``, tokens (0 when it has none that is valid)."""
-    value = payload.get("max_length")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return _count(payload.get("max_length")) or 0
 
 
 def reply_tokens(body: Mapping[str, Any]) -> int:
     """Tokens of a submit body: koboldcpp's ``completion_tokens`` when given, else
     the Horde's estimate of the message's content and reasoning (or of a text
     job's ``generation``)."""
-    counted = body.get("completion_tokens")
-    if isinstance(counted, int) and not isinstance(counted, bool) and counted >= 0:
+    counted = _count(body.get("completion_tokens"))
+    if counted is not None:
         return counted
     message = body.get("message")
     if isinstance(message, Mapping):
@@ -126,32 +125,27 @@ def _number(value: object) -> float | None:
     return number if number is not None and number >= 0 else None
 
 
-def _generations(perf: Mapping[str, Any]) -> int | None:
-    gens = perf.get("total_gens")
-    if isinstance(gens, bool) or not isinstance(gens, int) or gens <= 0:
-        return None
-    return gens
+def _count(value: object) -> int | None:
+    """``value`` when it is an int (not a bool) of at least 0, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def perf_speed(perf: Mapping[str, Any]) -> float | None:
     """koboldcpp's ``last_eval_speed``, tokens/s, once it generated something;
     None when it has no figure (a fresh koboldcpp answers 0)."""
     speed = _number(perf.get("last_eval_speed"))
-    return speed if _generations(perf) is not None and speed else None
+    return speed if _count(perf.get("total_gens")) and speed else None
 
 
 def perf_figures(perf: Mapping[str, Any]) -> PerfFigures | None:
     """The figures of koboldcpp's last generation, or None when it has none
     (no generation, a figure missing or not a number, no time measured)."""
-    gens = _generations(perf)
-    if gens is None:
-        return None
-    values = [
+    gens = _count(perf.get("total_gens"))
+    prompt, process, tokens, evaluated = (
         _number(perf.get(key))
         for key in ("last_input_count", "last_process_time", "last_token_count", "last_eval_time")
-    ]
-    prompt, process, tokens, evaluated = values
-    if prompt is None or process is None or tokens is None or evaluated is None:
+    )
+    if not gens or prompt is None or process is None or tokens is None or evaluated is None:
         return None
     if process <= 0 and evaluated <= 0:
         return None

@@ -114,26 +114,15 @@ class LeaseFit:
     def cooloff_s(self, kind: str) -> float:
         return self._cooloff[kind]
 
-    def held(self, kind: str, now: float | None) -> bool:
-        """A run-out's cool-off holds ``kind``'s raises at ``now``."""
-        hold = self._hold_until[kind]
-        return now is not None and hold is not None and now < hold
-
     def speed(self, kind: str) -> float | None:
         """``g``: the measured tokens/s of ``kind``, else koboldcpp's figure, else None."""
-        samples = self._samples[kind]
-        seconds = sum(s for _, s in samples)
-        if samples and seconds > 0:
-            return sum(t for t, _ in samples) / seconds
-        return self._seed_speed
+        tokens, seconds = _sums(self._samples[kind])
+        return tokens / seconds if seconds > 0 else self._seed_speed
 
     def process_s(self, kind: str) -> float | None:
         """``p``: the measured seconds per prompt token, else koboldcpp's, else None."""
-        samples = self._process[kind]
-        tokens = sum(t for t, _ in samples)
-        if samples and tokens > 0:
-            return sum(s for _, s in samples) / tokens
-        return self._seed_process
+        tokens, seconds = _sums(self._process[kind])
+        return seconds / tokens if tokens > 0 else self._seed_process
 
     def probe_size(self, kind: str) -> tuple[int, int]:
         """``(prompt tokens, max_length)`` of a re-measure: the last job that ran
@@ -348,7 +337,8 @@ class LeaseFit:
             margin_s=self.margin_s,
         )
         budget = budget_s(self.lease_s, self.margin_s)
-        held = self.held(kind, now)
+        hold = self._hold_until[kind]  # a run-out's cool-off holds the raises
+        held = now is not None and hold is not None and now < hold
         changes = []
         old = self._declared[kind]
         # Nothing measured about generation is no reason to raise max_length.
@@ -380,3 +370,8 @@ class LeaseFit:
         if fit < old:
             return True
         return fit > old and not held and (fit >= cap or fit >= old * RAISE_FACTOR)
+
+
+def _sums(samples: deque[tuple[int, float]]) -> tuple[int, float]:
+    """``(tokens, seconds)`` of all ``samples``."""
+    return sum(t for t, _ in samples), sum(s for _, s in samples)

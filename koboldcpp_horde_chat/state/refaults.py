@@ -33,10 +33,8 @@ MAX_REQUESTS: Final = 256
 
 
 def _without_queries(value: Any) -> Any:
-    if isinstance(value, str):
-        if value.startswith(("http://", "https://")):
-            return value.split("?", 1)[0]
-        return value
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return value.split("?", 1)[0]
     if isinstance(value, Mapping):
         return {str(k): _without_queries(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -62,32 +60,25 @@ class RequestFaults:
     def __init__(self, window_s: float = WINDOW_S, *, max_requests: int = MAX_REQUESTS) -> None:
         self.window_s = float(window_s)
         self.max_requests = max(1, int(max_requests))
-        self._faults: OrderedDict[str, deque[float]] = OrderedDict()
-        self._backend: dict[str, bool] = {}
+        #: Per request: its last fault times, and whether koboldcpp failed the last one.
+        self._faults: OrderedDict[str, tuple[deque[float], bool]] = OrderedDict()
 
     def faulted(self, digest: str, now: float, *, backend_failed: bool = False) -> None:
         """``backend_failed``: koboldcpp failed its generation."""
-        times = self._faults.pop(digest, None)
-        if times is None:
-            times = deque(maxlen=FAULTS_BEFORE_HOLDING)
+        times, _ = self._faults.pop(digest, (deque(maxlen=FAULTS_BEFORE_HOLDING), False))
         times.append(now)
-        self._faults[digest] = times
-        self._backend[digest] = backend_failed
+        self._faults[digest] = times, backend_failed
         while len(self._faults) > self.max_requests:
-            oldest, _ = self._faults.popitem(last=False)
-            self._backend.pop(oldest, None)
+            self._faults.popitem(last=False)
 
     def served(self, digest: str) -> None:
         self._faults.pop(digest, None)
-        self._backend.pop(digest, None)
 
     def backend_failed(self, digest: str) -> bool:
-        return self._backend.get(digest, False)
+        return digest in self._faults and self._faults[digest][1]
 
     def recent(self, digest: str, now: float) -> int:
-        times = self._faults.get(digest)
-        if times is None:
-            return 0
+        times, _ = self._faults.get(digest, ((), False))
         return sum(1 for t in times if now - t <= self.window_s)
 
     def hold(self, digest: str, now: float) -> bool:

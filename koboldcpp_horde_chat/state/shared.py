@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -78,6 +77,12 @@ class WorkerState(Declaring):
     stop, the waits for the jobs in hand and the journal's faults.
     """
 
+    #: What :meth:`carry_over` takes over as it is.
+    _CARRIED = (
+        "maintenance_guard", "refusal_guard", "failure_streak", "probe_plan", "stats",
+        "_next_summary", "_faults_restored", "chat_job_seen",
+    )
+
     def __init__(
         self,
         settings: WorkerSettings,
@@ -117,13 +122,12 @@ class WorkerState(Declaring):
         self.slots: list[Slot] = []
         self.stop_deadline: float | None = None
         #: When a stopping worker's calls end, by kind (its clients share it).
-        self.call_deadlines = (
-            call_deadlines if call_deadlines is not None else CallDeadlines(clock)
-        )
+        self.call_deadlines = call_deadlines or CallDeadlines(clock)
         self.moderator_messages_seen: set[str] = set()
         self._next_summary: float | None = None
         self._watchdog: Timer | None = None
-        self._grace_s = 0.0
+        #: Why a job in hand at the stop's deadline is given up.
+        self._grace_why = ""
         self._in_hand: dict[str, JobContext] = {}
         self._ended = threading.Condition(self.lock)
         #: Submits being retried on threads of their own (no pop meanwhile).
@@ -143,16 +147,10 @@ class WorkerState(Declaring):
         the totals go on: a koboldcpp that keeps crashing still gets chat
         withdrawn before maintenance."""
         with earlier.lock:
-            self.maintenance_guard = earlier.maintenance_guard
-            self.refusal_guard = earlier.refusal_guard
-            self.failure_streak = earlier.failure_streak
-            self.probe_plan = earlier.probe_plan
+            for name in self._CARRIED:
+                setattr(self, name, getattr(earlier, name))
             self.withheld = self.withheld | earlier.withheld
             self.moderator_messages_seen = set(earlier.moderator_messages_seen)
-            self.stats = earlier.stats
-            self._next_summary = earlier._next_summary
-            self._faults_restored = earlier._faults_restored
-            self.chat_job_seen = earlier.chat_job_seen
 
     def wait_recovered(self) -> bool:
         """Before a loop's first pop: wait for the start-up recovery, then count
@@ -165,11 +163,11 @@ class WorkerState(Declaring):
             restored, self._faults_restored = self._faults_restored, True
         if restored or self.journal is None:
             return True
-        self.restore_faults(
-            self.journal.recent_faults(self.clock.time()),
-            now=self.clock.monotonic(),
-            wall=self.clock.time(),
-        )
+        # The earlier faults (epoch seconds) on the monotonic clock of this window.
+        now, wall = self.clock.monotonic(), self.clock.time()
+        with self.lock:
+            for at in self.journal.recent_faults(wall):
+                self.maintenance_guard.record_fault(now - (wall - at))
         return True
 
     # ------------------------------------------------------------------ stop
@@ -207,14 +205,11 @@ class WorkerState(Declaring):
                 return
             self.stop_deadline = deadline = self.clock.monotonic() + grace_s
             self.call_deadlines.set(stop_call_ends(deadline))
-            self._grace_s = grace_s
+            self._grace_why = f"the job did not end within the {grace_s:g} s stop grace period"
             timer = self.clock.timer(grace_s, self._grace_over, name="stop-grace")
             self._watchdog = timer
         self.stop_event.set()
         timer.start()
-
-    def _grace_why(self) -> str:
-        return f"the job did not end within the {self._grace_s:g} s stop grace period"
 
     def stop_overdue(self) -> bool:
         """The worker is stopping and the stop's deadline has passed."""
@@ -223,7 +218,7 @@ class WorkerState(Declaring):
 
     def _grace_over(self) -> None:
         for ctx in self.jobs_in_hand():
-            ctx.give_up(self._grace_why())
+            ctx.give_up(self._grace_why)
 
     def fault_jobs_now(self) -> None:
         """Fault every job in hand at once (a second signal: the process exits)."""
@@ -241,7 +236,7 @@ class WorkerState(Declaring):
         with self.lock:
             self._in_hand[ctx.id] = ctx
         if self.stop_overdue():
-            ctx.give_up(self._grace_why())
+            ctx.give_up(self._grace_why)
 
     def release(self, ctx: JobContext) -> None:
         """The job's life ended; a settled job's removal from the journal is
@@ -306,11 +301,10 @@ class WorkerState(Declaring):
         """A pop's answer was lost: the Horde may have assigned a job that expires
         after its lease and the 60 s sweep, so it counts toward maintenance
         until the Horde's hour after that. ``chat``: the pop declared chat."""
-        expires_at = now + self.settings.lease_s + LOST_POP_SWEEP_S
         with self.lock:
-            self.maintenance_guard.record_lost_pop(expires_at, None if chat else "text")
-            if self.journal is not None:
-                self.journal.record_fault(self.clock.time())
+            self._count_toward_maintenance(
+                now + self.settings.lease_s + LOST_POP_SWEEP_S, None if chat else "text"
+            )
 
     def _count_toward_maintenance(
         self, now: float, kind: str | None = None, feature: str | None = None
@@ -318,13 +312,6 @@ class WorkerState(Declaring):
         self.maintenance_guard.record_fault(now, kind, feature)
         if self.journal is not None:
             self.journal.record_fault(self.clock.time())
-
-    def restore_faults(self, faults: Iterable[float], *, now: float, wall: float) -> None:
-        """Count an earlier process's faults (epoch seconds) in this window, which
-        runs on monotonic ``now``; ``wall`` is the epoch time of that instant."""
-        with self.lock:
-            for at in faults:
-                self.maintenance_guard.record_fault(now - (wall - at))
 
     def record_dropped(self) -> None:
         with self.lock:
@@ -346,9 +333,8 @@ class WorkerState(Declaring):
                 elapsed_s=now - stats.started_at,
             )
 
-    def stop_summary(self, now: float) -> str:
-        """The totals line at the stop (its ``Time`` is the uptime)."""
-        return self.summary(now)
+    #: The totals line at the stop (its ``Time`` is the uptime).
+    stop_summary = summary
 
     def first_chat_job(self) -> bool:
         """True the first time a chat job is popped (by any loop)."""
@@ -361,12 +347,11 @@ class WorkerState(Declaring):
         """The totals line once every ``status.SUMMARY_EVERY_S`` (monotonic
         ``now``) for one loop of the worker; None in between."""
         with self.lock:
-            if self._next_summary is None:
+            due = self._next_summary is not None and now >= self._next_summary
+            if due or self._next_summary is None:
                 self._next_summary = now + status.SUMMARY_EVERY_S
+            if not due:
                 return None
-            if now < self._next_summary:
-                return None
-            self._next_summary = now + status.SUMMARY_EVERY_S
             stats = self.stats
             line = status.summary_line(
                 jobs=stats.jobs,

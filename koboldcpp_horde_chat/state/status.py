@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..settings import WorkerSettings
 
@@ -102,10 +101,6 @@ class PauseTracker:
         self._since = 0.0
         self._said: str | None = None
 
-    @property
-    def reason(self) -> str | None:
-        return self._reason
-
     def pausing(self, reason: str, now: float, *, line: str | None = None) -> str | None:
         """``line`` replaces the reason's words; a new ``line`` is said again."""
         key = f"{reason}:{line}" if line else reason
@@ -128,13 +123,6 @@ class PauseTracker:
         return PAUSE_REASONS[said.partition(":")[0]][1].format(**self._details)
 
 
-def message_key(message: Mapping[str, Any]) -> str:
-    ident = message.get("id")
-    if isinstance(ident, (str, int)) and not isinstance(ident, bool) and str(ident):
-        return f"id:{ident}"
-    return f"text:{message.get('message')}"
-
-
 def moderator_lines(messages: object, seen: set[str]) -> list[str]:
     """A line per message of the pop answer's ``messages`` not in ``seen``
     (updated): ``message from the Horde (origin moderator, expires
@@ -148,7 +136,9 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
         text = message.get("message")
         if not isinstance(text, str) or not text.strip():
             continue
-        key = message_key(message)
+        ident = message.get("id")
+        named = isinstance(ident, (str, int)) and not isinstance(ident, bool) and str(ident)
+        key = f"id:{ident}" if named else f"text:{text}"
         if key in seen:
             continue
         seen.add(key)
@@ -157,12 +147,8 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
             for name, word in (("origin", "origin"), ("expiry", "expires"))
             if message.get(name) not in (None, "")
         ]
-        lines.append(
-            "message from the Horde"
-            + (f" ({', '.join(about)})" if about else "")
-            + ": "
-            + _one_line(text, MESSAGE_MAX_CHARS)
-        )
+        said = f" ({', '.join(about)})" if about else ""
+        lines.append(f"message from the Horde{said}: {_one_line(text, MESSAGE_MAX_CHARS)}")
     return lines
 
 
@@ -219,70 +205,52 @@ class RefusalAdvice:
     line: str
 
 
-#: (action, what to do) by the Horde's ``rc`` (its ``horde/exceptions.py``).
+#: What to do, by action and the Horde's ``rc`` (its ``horde/exceptions.py``).
+_REFUSALS_BY_ACTION: Mapping[str, Mapping[str, str]] = {
+    "stop_key": {
+        "InvalidAPIKey": "check your API key (--hordekey): the Horde knows no user with it",
+        "WrongCredentials": "the worker name belongs to another user's worker: check your API "
+        "key, or choose another --hordeworkername",
+        "DeletedUser": "the account of this API key is scheduled for deletion",
+        "AnonForbiddenWorker": "the anonymous API key cannot run a worker: register on the "
+        "Horde and use your own key",
+    },
+    "stop_config": {
+        "ChatDeclarationInvalid": "the chat declaration is invalid: check --hordemodelname and "
+        "--chat-withhold",
+        "PolymorphicNameConflict": "an image or interrogation worker already has this name: "
+        "choose another --hordeworkername",
+        "ProfaneWorkerName": "choose another --hordeworkername",
+    },
+    "owner": {
+        "TooManyWorkers": "the account's worker limit is reached (untrusted accounts may have "
+        "a few distinct workers): keep --hordeworkername the same across runs, or delete "
+        "unused workers on the Horde",
+        "TooManyWorkersTrusted": "the account's worker limit is reached: keep "
+        "--hordeworkername the same across runs, or ask the Horde's moderators for more",
+        "TooManySameIPs": "too many of the account's workers run from this address: ask the "
+        "Horde's moderators",
+        "WorkerInviteOnly": "the Horde takes new workers by invitation only: ask its "
+        "moderators, or reuse an existing worker name",
+        "UnsafeIP": "the Horde does not take new workers from VPN addresses: run from another "
+        "address or ask its moderators",
+        "WorkerMaintenance": "the worker is in maintenance: fix what made it drop jobs, then "
+        "take it out of maintenance on the Horde (its worker page, or PUT "
+        "/api/v2/workers/<id> with maintenance false)",
+        "WorkerFlaggedMaintenance": "the account was flagged by the Horde's community: contact "
+        "its moderators",
+        "NulByteInPayload": "the pop held a U+0000 character: check --hordemodelname",
+    },
+    "retry": {
+        "TimeoutIP": "this address is in a timeout on the Horde; trying again later",
+        "TooManyNewIPs": "the Horde takes no new workers from unknown addresses right now",
+    },
+}
+#: (action, what to do) by the Horde's ``rc``.
 POP_REFUSALS: Mapping[str, tuple[str, str]] = {
-    "InvalidAPIKey": (
-        "stop_key",
-        "check your API key (--hordekey): the Horde knows no user with it",
-    ),
-    "WrongCredentials": (
-        "stop_key",
-        "the worker name belongs to another user's worker: check your API key, or choose "
-        "another --hordeworkername",
-    ),
-    "DeletedUser": ("stop_key", "the account of this API key is scheduled for deletion"),
-    "AnonForbiddenWorker": (
-        "stop_key",
-        "the anonymous API key cannot run a worker: register on the Horde and use your own key",
-    ),
-    "ChatDeclarationInvalid": (
-        "stop_config",
-        "the chat declaration is invalid: check --hordemodelname and --chat-withhold",
-    ),
-    "PolymorphicNameConflict": (
-        "stop_config",
-        "an image or interrogation worker already has this name: choose another "
-        "--hordeworkername",
-    ),
-    "ProfaneWorkerName": ("stop_config", "choose another --hordeworkername"),
-    "TooManyWorkers": (
-        "owner",
-        "the account's worker limit is reached (untrusted accounts may have a few distinct "
-        "workers): keep --hordeworkername the same across runs, or delete unused workers "
-        "on the Horde",
-    ),
-    "TooManyWorkersTrusted": (
-        "owner",
-        "the account's worker limit is reached: keep --hordeworkername the same across runs, "
-        "or ask the Horde's moderators for more",
-    ),
-    "TooManySameIPs": (
-        "owner",
-        "too many of the account's workers run from this address: ask the Horde's moderators",
-    ),
-    "WorkerInviteOnly": (
-        "owner",
-        "the Horde takes new workers by invitation only: ask its moderators, or reuse an "
-        "existing worker name",
-    ),
-    "UnsafeIP": (
-        "owner",
-        "the Horde does not take new workers from VPN addresses: run from another address "
-        "or ask its moderators",
-    ),
-    "WorkerMaintenance": (
-        "owner",
-        "the worker is in maintenance: fix what made it drop jobs, then take it out of "
-        "maintenance on the Horde (its worker page, or PUT /api/v2/workers/<id> with "
-        "maintenance false)",
-    ),
-    "WorkerFlaggedMaintenance": (
-        "owner",
-        "the account was flagged by the Horde's community: contact its moderators",
-    ),
-    "NulByteInPayload": ("owner", "the pop held a U+0000 character: check --hordemodelname"),
-    "TimeoutIP": ("retry", "this address is in a timeout on the Horde; trying again later"),
-    "TooManyNewIPs": ("retry", "the Horde takes no new workers from unknown addresses right now"),
+    rc: (action, advice)
+    for action, by_rc in _REFUSALS_BY_ACTION.items()
+    for rc, advice in by_rc.items()
 }
 
 

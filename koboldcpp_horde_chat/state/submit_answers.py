@@ -74,7 +74,8 @@ class Reading:
 def read_answer(answer: Answered, *, fault: bool) -> Reading:
     """Read the answer to a reply's submit (``fault`` False) or a fault's."""
     if isinstance(answer, dict):
-        return Reading(Answer.ACCEPTED, kudos=0.0 if fault else reward_kudos(answer.get("reward")))
+        kudos = None if fault else finite_number(answer.get("reward"))
+        return Reading(Answer.ACCEPTED, kudos=kudos or 0.0)
     if isinstance(answer, HordeUnavailable):
         not_taken = fault and known_not_taken(answer.status, answer.sent)
         lost = fault and not not_taken
@@ -98,9 +99,3 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
         fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
         counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT,
     )
-
-
-def reward_kudos(reward: object) -> float:
-    """The submit answer's ``reward`` as kudos; 0.0 when it is not a finite number."""
-    kudos = finite_number(reward)
-    return 0.0 if kudos is None else kudos

@@ -352,7 +352,7 @@ def test_a_lost_pop_counts_at_once_and_until_an_hour_after_the_horde_would_expir
     g = MaintenanceGuard(window_s=3660.0)
     for t in range(17):
         g.record_fault(float(t))
-    g.record_lost_pop(100.0 + 210.0)
+    g.record_fault(100.0 + 210.0)  # the lost pop, at its job's expiry
     assert g.recent(100.0) == 18
     g.record_fault(101.0)
     assert not g.pop_allowed(101.0)
