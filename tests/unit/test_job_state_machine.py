@@ -498,13 +498,18 @@ class JobLife(RuleBasedStateMachine):
 
     def settle_threads(self, *, retries: bool = True) -> None:
         """Wait for each slot's pop beside a submit to be answered (or held in
-        flight), then let the submits retried on their own go on, one by one,
-        unless they are held."""
+        flight) and its reply sent beside the next job to be answered, then let
+        the submits retried on their own go on, one by one, unless they are held."""
         for worker, ahead in zip(self.workers, self.ahead, strict=True):
             pending = worker.next_pop.ahead
             if pending is not None:
                 wait_until(lambda p=pending, a=ahead: p.join(0.001) or a.held > 0,  # type: ignore[misc]
                            "the pop beside a submit")
+        for worker in self.workers:
+            beside = worker.pipeline._beside_thread  # noqa: SLF001 - a reply sent beside
+            if beside is not None:
+                wait_until(lambda b=beside: not b.is_alive(),  # type: ignore[misc]
+                           "a reply sent beside the next job")
         state = self.ws
         wait_until(lambda: self.desk.arrived() == state.retrying_submits, "a submit retry start")
         while retries and not self.desk.hold and state.retrying_submits:
