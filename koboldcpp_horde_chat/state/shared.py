@@ -42,10 +42,8 @@ LOST_POP_SWEEP_S = 60.0
 class StartupRecovery(Protocol):
     """The start-up recovery (``service.recovery.Recovery``) as the state waits for it."""
 
-    def wait(
-        self, stop_event: threading.Event | None = None, timeout_s: float | None = None
-    ) -> bool:
-        """True once the recovery ended; False when stopped or timed out first."""
+    def wait(self, stop_event: threading.Event) -> bool:
+        """True once the recovery ended; False when stopped first."""
         ...
 
 
@@ -84,29 +82,22 @@ class WorkerState(Declaring):
     )
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        stop_event: threading.Event | None = None,
-        started_at: float | None = None,
-        journal: Journal | None = None,
-        call_deadlines: CallDeadlines | None = None,
+        self, settings: WorkerSettings, *, stop_event: threading.Event | None = None,
+        journal: Journal | None = None, call_deadlines: CallDeadlines | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
         self.clock = clock
         self.journal = journal
         self.stop_event = stop_event if stop_event is not None else threading.Event()
-        self.stats = WorkerStats(started_at=clock.time() if started_at is None else started_at)
+        self.stats = WorkerStats(started_at=clock.time())
         self.exit_code = 0
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.maintenance_guard = MaintenanceGuard()
         self.refusal_guard = RefusalGuard()
         self.lease_fit = LeaseFit(
-            settings.declared_max_length,
-            settings.lease_s,
-            margin_s=SUBMIT_MARGIN_S,
-            context_cap=settings.max_context_length,
+            settings.declared_max_length, settings.lease_s,
+            margin_s=SUBMIT_MARGIN_S, context_cap=settings.max_context_length,
         )
         self.failure_streak = FailureStreak()
         #: The failure streak's probes: their waits and sizes (``state.probes``).
@@ -159,15 +150,13 @@ class WorkerState(Declaring):
         recovery = self.recovery
         if recovery is not None and not recovery.wait(self.stop_event):
             return False
-        with self.lock:
-            restored, self._faults_restored = self._faults_restored, True
-        if restored or self.journal is None:
-            return True
         # The earlier faults (epoch seconds) on the monotonic clock of this window.
         now, wall = self.clock.monotonic(), self.clock.time()
         with self.lock:
-            for at in self.journal.recent_faults(wall):
-                self.maintenance_guard.record_fault(now - (wall - at))
+            restored, self._faults_restored = self._faults_restored, True
+            if not restored and self.journal is not None:
+                for at in self.journal.recent_faults(wall):
+                    self.maintenance_guard.record_fault(now - (wall - at))
         return True
 
     # ------------------------------------------------------------------ stop
@@ -175,16 +164,13 @@ class WorkerState(Declaring):
     def stop_for_key(self, exc: HordeRefusal, line: str | None = None) -> None:
         """The API key or worker name is not the owner's: say so once, stop, exit 3."""
         with self.lock:
-            first = not self._key_refused
-            self._key_refused = True
+            first, self._key_refused = not self._key_refused, True
             self.exit_code = 3
         if first:
-            if line is None:
-                line = (
-                    f"the Horde refused the API key (HTTP {exc.status} {exc.rc or 'no rc'}): "
-                    "check your API key"
-                )
-            log.error("%s; stopping", line)
+            log.error("%s; stopping", line or (
+                f"the Horde refused the API key (HTTP {exc.status} {exc.rc or 'no rc'}): "
+                "check your API key"
+            ))
         self.stop_event.set()
 
     def stop_for_config(self, line: str) -> None:
@@ -275,11 +261,7 @@ class WorkerState(Declaring):
     # -------------------------------------------------------------- counting
 
     def record_fault(
-        self,
-        now: float,
-        *,
-        counts: bool = True,
-        kind: str | None = None,
+        self, now: float, *, counts: bool = True, kind: str | None = None,
         feature: str | None = None,
     ) -> None:
         """Count a fault sent; ``counts`` False for one the Horde counts apart;
@@ -325,12 +307,9 @@ class WorkerState(Declaring):
     def summary(self, now: float) -> str:
         """The totals line after a job (``status.earnings_line``), at epoch ``now``."""
         with self.lock:
-            stats = self.stats
+            s = self.stats
             return status.earnings_line(
-                kudos=stats.kudos,
-                jobs=stats.jobs,
-                faults=stats.faults,
-                elapsed_s=now - stats.started_at,
+                kudos=s.kudos, jobs=s.jobs, faults=s.faults, elapsed_s=now - s.started_at
             )
 
     #: The totals line at the stop (its ``Time`` is the uptime).
@@ -339,8 +318,7 @@ class WorkerState(Declaring):
     def first_chat_job(self) -> bool:
         """True the first time a chat job is popped (by any loop)."""
         with self.lock:
-            first = not self.chat_job_seen
-            self.chat_job_seen = True
+            first, self.chat_job_seen = not self.chat_job_seen, True
         return first
 
     def periodic_summary(self, now: float, wall: float) -> str | None:
@@ -352,13 +330,10 @@ class WorkerState(Declaring):
                 self._next_summary = now + status.SUMMARY_EVERY_S
             if not due:
                 return None
-            stats = self.stats
+            s = self.stats
             line = status.summary_line(
-                jobs=stats.jobs,
-                kudos=stats.kudos,
-                faults=stats.faults,
-                dropped=stats.dropped,
-                uptime_s=wall - stats.started_at,
+                jobs=s.jobs, kudos=s.kudos, faults=s.faults, dropped=s.dropped,
+                uptime_s=wall - s.started_at,
             )
             aborted = self.maintenance_guard.recent(now)
         return f"{line}, {status.aborted_count(aborted, HORDE_FAULT_LIMIT_PER_HOUR)}"
