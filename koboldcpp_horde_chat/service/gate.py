@@ -25,7 +25,7 @@ from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from ..state.journal import GENKEY_PREFIX
 from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
-from ..state.meter import FiguresReader, record_generated
+from ..state.meter import FiguresReader, prompt_s_per_token, record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL
 from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
@@ -245,9 +245,8 @@ class PopGate:
                     speed = figures.tokens / figures.eval_s
                 elif tokens >= REMEASURE_MIN_TOKENS and seconds > 0:
                     speed = tokens / seconds
-                if figures is not None and figures.prompt_tokens >= 16 and figures.process_s > 0:
-                    process_s = figures.process_s / figures.prompt_tokens
-                elif prompt_tokens >= 16 and seconds > 0:
+                process_s = prompt_s_per_token(figures)
+                if process_s is None and prompt_tokens >= 16 and seconds > 0:
                     # No figures: all its time on the prompt (an upper bound).
                     process_s = seconds / prompt_tokens
             now = self.clock.monotonic()

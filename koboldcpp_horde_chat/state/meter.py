@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..horde.pop import ChatJob, TextJob
+from ..koboldcpp.api import KcppAPI
 from .job import SUBMIT_MARGIN_S, JobContext
 from .lease_figures import (
     LengthChange,
@@ -29,10 +30,6 @@ RAN_OUT_SLACK_S = SUBMIT_MARGIN_S + 1.5
 PERF_TIMEOUT_S = 2.0
 
 
-class _Perf(Protocol):
-    def perf(self, *, timeout_s: float = ...) -> dict[str, Any]: ...
-
-
 class FiguresReader:
     """koboldcpp's figures of the generation that just ended, best effort: None
     when it does not answer, has none or has counted no new generation; after a
@@ -41,7 +38,7 @@ class FiguresReader:
     it ends). Only with one loop: with several, the last generation may be
     another loop's."""
 
-    def __init__(self, backend: _Perf, *, threads: int = 1) -> None:
+    def __init__(self, backend: KcppAPI, *, threads: int = 1) -> None:
         self.backend = backend
         self.threads = threads
         self._seen: int | None = None
@@ -71,7 +68,7 @@ class JobMeter:
     """Feeds each job's outcome to ``state``'s rules; ``clock`` is monotonic
     seconds (the clock of ``ctx.started`` and the leases)."""
 
-    def __init__(self, state: WorkerState, backend: _Perf, clock: Callable[[], float]) -> None:
+    def __init__(self, state: WorkerState, backend: KcppAPI, clock: Callable[[], float]) -> None:
         self.state = state
         self.backend = backend
         self.clock = clock
@@ -85,11 +82,7 @@ class JobMeter:
             log.debug("koboldcpp's perf figures could not be read")
             return
         figures = perf_figures(perf)
-        process_s = (
-            figures.process_s / figures.prompt_tokens
-            if figures is not None and figures.prompt_tokens >= 16 and figures.process_s > 0
-            else None
-        )
+        process_s = prompt_s_per_token(figures)
         with self.state.lock:
             changes = self.state.lease_fit.seed(perf_speed(perf), self.clock(), process_s=process_s)
         for change in changes:
@@ -99,17 +92,11 @@ class JobMeter:
 
     def generated(self, ctx: JobContext, job: TextJob | ChatJob, body: dict[str, Any]) -> None:
         """koboldcpp answered the job with the submit ``body``."""
-        seconds = self.clock() - ctx.started
+        now = self.clock()
         record_generated(
-            self.state,
-            ctx.kind,
-            reply_tokens(body),
-            seconds,
-            max_length=job_max_length(job.payload),
-            ttl_s=job.ttl_s,
-            now=self.clock(),
-            figures=self.figures.read(),
-            probe=False,
+            self.state, ctx.kind, reply_tokens(body), now - ctx.started,
+            max_length=job_max_length(job.payload), ttl_s=job.ttl_s, now=now,
+            figures=self.figures.read(), probe=False,
         )
 
     def failed(self, ctx: JobContext, job: TextJob | ChatJob) -> None:
@@ -172,16 +159,8 @@ class JobMeter:
 
 
 def record_generated(
-    state: WorkerState,
-    kind: str,
-    tokens: int,
-    seconds: float,
-    *,
-    max_length: int,
-    ttl_s: float,
-    now: float | None = None,
-    figures: PerfFigures | None = None,
-    probe: bool = True,
+    state: WorkerState, kind: str, tokens: int, seconds: float, *, max_length: int,
+    ttl_s: float, now: float | None = None, figures: PerfFigures | None = None, probe: bool = True,
 ) -> None:
     """koboldcpp answered a ``kind`` job or ``probe`` with ``tokens`` in
     ``seconds``: refit the declared limits and end a failure streak (a line
@@ -198,6 +177,14 @@ def record_generated(
         log.warning("%s", change.line())
     if restored:
         log.info("%s", kind_restored_line(kind))
+
+
+def prompt_s_per_token(figures: PerfFigures | None) -> float | None:
+    """Seconds koboldcpp took per prompt token in ``figures``, when they measured
+    a prompt of at least 16 tokens."""
+    if figures is None or figures.prompt_tokens < 16 or not figures.process_s > 0:
+        return None
+    return figures.process_s / figures.prompt_tokens
 
 
 def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
