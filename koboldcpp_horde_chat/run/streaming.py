@@ -29,7 +29,7 @@ from ..koboldcpp.answers import BackendReply
 from ..koboldcpp.api import KcppStream
 from ..koboldcpp.sse import SSEDecoder
 from ..state.job import SUBMIT_MARGIN_S, JobContext
-from ..state.ports import Ports
+from ..state.ports import Ports, abort_quietly
 from ..translate.chat_stream import ChatStreamAccumulator
 
 log = logging.getLogger("koboldcpp_horde_chat.streamed")
@@ -253,7 +253,7 @@ class _StreamedGeneration:
         """Close the stream, then abort by ``genkey`` (which also covers a request
         still queued for koboldcpp's model lock)."""
         self.slot.close()
-        self.ports.koboldcpp.abort_quietly(self.ctx.genkey)
+        abort_quietly(self.ports.koboldcpp.backend, self.ctx.genkey)
 
 
 class _StreamSlot:

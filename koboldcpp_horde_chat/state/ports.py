@@ -14,6 +14,7 @@ from ..clock import Clock
 from ..errors import BackendBusy, BackendError, BackendUnauthorized
 from ..horde.api import HordeAPI
 from ..koboldcpp.api import KcppAPI
+from ..koboldcpp.manners import LocalManners
 from ..settings import WorkerSettings
 from .job import SUBMIT_MARGIN_S, JobContext
 from .journal import Journal
@@ -51,27 +52,24 @@ class StopSignal:
 @dataclass(frozen=True)
 class KoboldcppPort:
     """koboldcpp as a job run uses it; ``abort_backend`` is a second client, to
-    stop a generation from another thread."""
+    stop a generation from another thread; ``manners`` hears of the worker's
+    own generation requests."""
 
     backend: KcppAPI
     abort_backend: KcppAPI
     clock: Clock
     stop: StopSignal
-    note_own_request: Callable[[], None] = lambda: None
-    note_own_request_done: Callable[[], None] = lambda: None
+    manners: LocalManners
 
     @contextmanager
     def own_request(self) -> Iterator[None]:
         """Around the worker's own generation request, so that a standalone
         worker does not take it for a local user's."""
-        self.note_own_request()
+        self.manners.note_own_request()
         try:
             yield
         finally:
-            self.note_own_request_done()
-
-    def abort_quietly(self, genkey: str) -> None:
-        abort_quietly(self.backend, genkey)
+            self.manners.note_own_request_done()
 
     def stop_generation(self, genkey: str) -> None:
         """End a given-up job's generation from another thread: hang up its
@@ -109,7 +107,7 @@ class KoboldcppPort:
             except BackendError as exc:
                 ctx.check_abandoned()
                 if exc.status == 0:
-                    self.abort_quietly(ctx.genkey)
+                    abort_quietly(self.backend, ctx.genkey)
                 raise
             ctx.check_abandoned()
             return answer
