@@ -130,14 +130,10 @@ class JobMeter:
         state, kind, max_length = self.state, ctx.kind, job_max_length(job.payload)
         with state.lock:
             state.lease_fit.note_lease(job.ttl_s)
-            changes = (
-                state.lease_fit.ran_out(
-                    kind, max_length=max_length, seconds=now - ctx.started, now=now,
-                    prompt_tokens=ctx.prompt_tokens, produced=produced,
-                )
-                if ran_out
-                else []
-            )
+            changes = state.lease_fit.ran_out(
+                kind, max_length=max_length, seconds=now - ctx.started, now=now,
+                prompt_tokens=ctx.prompt_tokens, produced=produced,
+            ) if ran_out else []
             state.probe_plan.note_failed(kind, ctx.prompt_tokens, max_length)
             others = self._streak_failed(kind)
         self._say(kind, changes, others)

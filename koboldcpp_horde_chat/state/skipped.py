@@ -26,15 +26,15 @@ class SkipContext:
 
     @classmethod
     def of_pop(cls, body: Mapping[str, Any], lowered: Mapping[str, str]) -> SkipContext:
-        lengths: dict[str, int] = {}
-        contexts: dict[str, int] = {}
+        # Each kind's limits: the body's own for text, its ``chat_limits`` for chat.
+        declared: dict[str, Mapping[str, Any]] = {}
         if body.get("prompt_jobs") is not False:
-            lengths["text"] = int(body.get("max_length") or 0)
-            contexts["text"] = int(body.get("max_context_length") or 0)
+            declared["text"] = body
         limits = body.get("chat_limits")
         if body.get("chat_jobs") is True and isinstance(limits, Mapping):
-            lengths["chat"] = int(limits.get("max_length") or 0)
-            contexts["chat"] = int(limits.get("max_context_length") or 0)
+            declared["chat"] = limits
+        lengths = {k: int(d.get("max_length") or 0) for k, d in declared.items()}
+        contexts = {k: int(d.get("max_context_length") or 0) for k, d in declared.items()}
         models = body.get("models")
         return cls(
             max_length=lengths,
@@ -51,11 +51,9 @@ def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, 
 
     kinds = list(values)
     if len(set(values.values())) == 1 and not any(k in lowered for k in kinds):
-        value = next(iter(values.values()))
-        return f"the {value} tokens {name} declared"
+        return f"the {values[kinds[0]]} tokens {name} declared"
     if len(kinds) == 1:
-        kind = kinds[0]
-        return f"the {values[kind]} tokens {name} declared for {kind} jobs{why(kind)}"
+        return f"the {values[kinds[0]]} tokens {name} declared for {kinds[0]} jobs{why(kinds[0])}"
     each = ", ".join(f"{values[k]} tokens for {k} jobs{why(k)}" for k in kinds)
     return f"the {name} declared for their kind ({each})"
 
@@ -124,10 +122,9 @@ class SkippedReporter:
         reasons = frozenset(name for name, _ in _counts(skipped)) | (
             {repr(context)} if context is not None else set()
         )
-        if reasons == self._said:
+        if reasons == self._said or (
+            self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S
+        ):
             return None
-        if self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S:
-            return None
-        self._said_at = now
-        self._said = reasons
+        self._said_at, self._said = now, reasons
         return line

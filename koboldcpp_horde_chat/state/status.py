@@ -115,9 +115,7 @@ class PauseTracker:
         return None
 
     def popping(self, now: float) -> str | None:
-        said = self._said
-        self._reason = None
-        self._said = None
+        said, self._reason, self._said = self._said, None, None
         if said is None:
             return None
         return PAUSE_REASONS[said.partition(":")[0]][1].format(**self._details)
@@ -258,11 +256,8 @@ def describe_pop_refusal(status: int, rc: str, message: str) -> RefusalAdvice:
     """The loop's answer to a refused pop; an unknown ``rc`` is a key refusal
     on 401, else retried. The line: ``"the Horde refused the pop (403
     TooManyWorkers: <its message>): <what to do>"``."""
-    action, advice = POP_REFUSALS.get(rc, ("", ""))
-    if not action:
-        action, advice = (
-            ("stop_key", "check your API key (--hordekey)") if status == 401 else ("retry", "")
-        )
+    unknown = ("stop_key", "check your API key (--hordekey)") if status == 401 else ("retry", "")
+    action, advice = POP_REFUSALS.get(rc, unknown)
     named = f"{status} {rc}" if rc else str(status)
     text = _one_line(message, 200)
     line = f"the Horde refused the pop ({named}" + (f": {text}" if text else "") + ")"
