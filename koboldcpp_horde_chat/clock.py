@@ -36,12 +36,8 @@ class Clock(Protocol):
 
 
 class SystemClock:
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def time(self) -> float:
-        return time.time()
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
 
     def timer(self, seconds: float, action: Callable[[], None], *, name: str) -> Timer:
         timer = threading.Timer(max(0.0, seconds), action)

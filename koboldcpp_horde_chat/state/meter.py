@@ -105,10 +105,8 @@ class JobMeter:
         ran_out = ctx.lease.remaining(now) <= RAN_OUT_SLACK_S
         # The aborted generation's figures: did it produce anything by its deadline?
         figures = self.figures.read(aborted=True) if ran_out else None
-        self._failed(
-            ctx, job, ran_out=ran_out, now=now,
-            produced=figures.tokens if figures is not None else None,
-        )
+        produced = figures.tokens if figures is not None else None
+        self._failed(ctx, job, ran_out=ran_out, now=now, produced=produced)
 
     def failed_again(self, ctx: JobContext) -> None:
         """A job of a request koboldcpp failed twice lately, left to expire

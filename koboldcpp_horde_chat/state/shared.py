@@ -192,8 +192,7 @@ class WorkerState(Declaring):
             self.stop_deadline = deadline = self.clock.monotonic() + grace_s
             self.call_deadlines.set(stop_call_ends(deadline))
             self._grace_why = f"the job did not end within the {grace_s:g} s stop grace period"
-            timer = self.clock.timer(grace_s, self._grace_over, name="stop-grace")
-            self._watchdog = timer
+            self._watchdog = timer = self.clock.timer(grace_s, self._grace_over, name="stop-grace")
         self.stop_event.set()
         timer.start()
 
@@ -243,9 +242,7 @@ class WorkerState(Declaring):
     def jobs_in_hand(self, worker_id: int | None = None) -> list[JobContext]:
         """The jobs in hand (of loop ``worker_id`` only, when given)."""
         with self.lock:
-            return [
-                c for c in self._in_hand.values() if worker_id is None or c.worker_id == worker_id
-            ]
+            return [c for c in self._in_hand.values() if worker_id in (None, c.worker_id)]
 
     def wait_jobs_ended(self, worker_id: int, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` until loop ``worker_id`` holds no job; True when none."""

@@ -129,9 +129,7 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
         return []
     lines = []
     for message in messages:
-        if not isinstance(message, dict):
-            continue
-        text = message.get("message")
+        text = message.get("message") if isinstance(message, dict) else None
         if not isinstance(text, str) or not text.strip():
             continue
         ident = message.get("id")
