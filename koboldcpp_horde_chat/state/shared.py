@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..clock import SYSTEM_CLOCK, Clock, Timer
@@ -54,18 +52,6 @@ class Slot(Protocol):
         """Fault the loop's jobs at once (the process is exiting)."""
 
 
-@dataclass
-class WorkerStats:
-    """Running totals: ``jobs`` accepted submits, ``faults`` sent, ``dropped``
-    jobs ended without either, ``started_at`` epoch seconds."""
-
-    started_at: float = field(default_factory=time.time)
-    kudos: float = 0.0
-    jobs: int = 0
-    faults: int = 0
-    dropped: int = 0
-
-
 class WorkerState(Declaring):
     """The state a worker's pop loops share.
 
@@ -90,7 +76,7 @@ class WorkerState(Declaring):
         self.clock = clock
         self.journal = journal
         self.stop_event = stop_event if stop_event is not None else threading.Event()
-        self.stats = WorkerStats(started_at=clock.time())
+        self.stats = status.WorkerStats(started_at=clock.time())
         self.exit_code = 0
         self.withheld: frozenset[str] = frozenset(settings.chat_withhold)
         self.maintenance_guard = MaintenanceGuard()
@@ -304,10 +290,7 @@ class WorkerState(Declaring):
     def summary(self, now: float) -> str:
         """The totals line after a job (``status.earnings_line``), at epoch ``now``."""
         with self.lock:
-            s = self.stats
-            return status.earnings_line(
-                kudos=s.kudos, jobs=s.jobs, faults=s.faults, elapsed_s=now - s.started_at
-            )
+            return status.earnings_line(self.stats, now - self.stats.started_at)
 
     #: The totals line at the stop (its ``Time`` is the uptime).
     stop_summary = summary
@@ -327,11 +310,7 @@ class WorkerState(Declaring):
                 self._next_summary = now + status.SUMMARY_EVERY_S
             if not due:
                 return None
-            s = self.stats
-            line = status.summary_line(
-                jobs=s.jobs, kudos=s.kudos, faults=s.faults, dropped=s.dropped,
-                uptime_s=wall - s.started_at,
-            )
+            line = status.summary_line(self.stats, wall - self.stats.started_at)
             aborted = self.maintenance_guard.recent(now)
         return f"{line}, {status.aborted_count(aborted, HORDE_FAULT_LIMIT_PER_HOUR)}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..settings import WorkerSettings
 
@@ -148,33 +148,43 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
     return lines
 
 
-def summary_line(
-    *, jobs: int, kudos: float, faults: int, dropped: int, uptime_s: float
-) -> str:
+@dataclass
+class WorkerStats:
+    """Running totals: ``jobs`` accepted submits, ``faults`` sent, ``dropped``
+    jobs ended without either, ``started_at`` epoch seconds."""
+
+    started_at: float = field(default_factory=time.time)
+    kudos: float = 0.0
+    jobs: int = 0
+    faults: int = 0
+    dropped: int = 0
+
+
+def summary_line(stats: WorkerStats, uptime_s: float) -> str:
     """``"12 jobs, 340 kudos (850 kudos/h), 0 faults, 0 dropped, uptime 0:24:00"``;
     the rate once the worker has run ten minutes."""
+    kudos = stats.kudos
     rate = f" ({kudos / (uptime_s / 3600.0):.0f} kudos/h)" if uptime_s >= 600 else ""
     seconds = int(max(0.0, uptime_s))
     uptime = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
     return (
-        f"{jobs} jobs, {kudos:.0f} kudos{rate}, {faults} faults, {dropped} dropped, "
-        f"uptime {uptime}"
+        f"{stats.jobs} jobs, {kudos:.0f} kudos{rate}, {stats.faults} faults, "
+        f"{stats.dropped} dropped, uptime {uptime}"
     )
 
 
-def earnings_line(*, kudos: float, jobs: int, faults: int, elapsed_s: float) -> str:
+def earnings_line(stats: WorkerStats, elapsed_s: float) -> str:
     """``"[Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00 kudos/hr,
     JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"``: koboldcpp's own
     worker's line (same fields and formats), so what reads it reads this one."""
-    elapsed = max(1.0, elapsed_s)
-    hours = elapsed / 3600.0
+    kudos, jobs, hours = stats.kudos, stats.jobs, max(1.0, elapsed_s) / 3600.0
     cost = kudos / jobs if jobs > 0 else 0.0
     seconds = int(max(0.0, elapsed_s))
     time_text = f"{seconds // 3600:03d}h:{seconds // 60 % 60:02d}m:{seconds % 60:02d}s"
     return (
         f"[Total:{kudos:.0f} kudos, Time:{time_text}, Jobs:{jobs}, "
         f"EarnRate:{kudos / hours:.2f} kudos/hr, JobRate:{jobs / hours:.2f} jobs/hr, "
-        f"JobCost:{cost:.2f} kudos/job] Faults:{faults}"
+        f"JobCost:{cost:.2f} kudos/job] Faults:{stats.faults}"
     )
 
 

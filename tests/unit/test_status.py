@@ -11,6 +11,7 @@ from koboldcpp_horde_chat.state.skipped import SKIPPED_EVERY_S, SkippedReporter,
 from koboldcpp_horde_chat.state.status import (
     PAUSE_REPORT_AFTER_S,
     PauseTracker,
+    WorkerStats,
     abort_limit_line,
     aborted_count,
     describe_pop_refusal,
@@ -142,10 +143,10 @@ def test_a_skip_reason_that_repeats_is_said_once_until_it_changes() -> None:
 
 
 def test_the_summary_line_gives_jobs_kudos_faults_and_uptime() -> None:
-    assert summary_line(jobs=3, kudos=40.4, faults=1, dropped=0, uptime_s=125) == (
+    assert summary_line(WorkerStats(jobs=3, kudos=40.4, faults=1, dropped=0), 125) == (
         "3 jobs, 40 kudos, 1 faults, 0 dropped, uptime 0:02:05"
     )
-    assert summary_line(jobs=12, kudos=340, faults=0, dropped=2, uptime_s=3600) == (
+    assert summary_line(WorkerStats(jobs=12, kudos=340, faults=0, dropped=2), 3600) == (
         "12 jobs, 340 kudos (340 kudos/h), 0 faults, 2 dropped, uptime 1:00:00"
     )
 
@@ -202,7 +203,7 @@ KCPP_TOTALS = re.compile(
 
 
 def test_the_earnings_line_is_koboldcpps_own_bracketed_line_then_the_faults() -> None:
-    line = earnings_line(kudos=5570, jobs=85, faults=2, elapsed_s=900)
+    line = earnings_line(WorkerStats(kudos=5570, jobs=85, faults=2), 900)
     assert line == (
         "[Total:5570 kudos, Time:000h:15m:00s, Jobs:85, EarnRate:22280.00 kudos/hr, "
         "JobRate:340.00 jobs/hr, JobCost:65.53 kudos/job] Faults:2"
@@ -216,19 +217,20 @@ def test_the_earnings_line_is_koboldcpps_own_bracketed_line_then_the_faults() ->
 def test_the_earnings_line_keeps_koboldcpps_shape_at_the_edges() -> None:
     """No job yet (the stop line): JobCost 0.00, no division by zero; over a day:
     hours keep counting in koboldcpp's three-digit field."""
-    for kwargs in (
-        {"kudos": 0, "jobs": 0, "faults": 0, "elapsed_s": 0},
-        {"kudos": 6, "jobs": 1, "faults": 1, "elapsed_s": 36},
-        {"kudos": 10, "jobs": 1, "faults": 0, "elapsed_s": 90061},
-        {"kudos": 8.7, "jobs": 1, "faults": 0, "elapsed_s": 3_600_000},
+    for stats, elapsed_s in (
+        (WorkerStats(kudos=0, jobs=0, faults=0), 0),
+        (WorkerStats(kudos=6, jobs=1, faults=1), 36),
+        (WorkerStats(kudos=10, jobs=1, faults=0), 90061),
+        (WorkerStats(kudos=8.7, jobs=1, faults=0), 3_600_000),
     ):
-        assert KCPP_TOTALS.fullmatch(earnings_line(**kwargs).split(" Faults:")[0]), kwargs
-    assert earnings_line(kudos=0, jobs=0, faults=0, elapsed_s=0) == (
+        line = earnings_line(stats, elapsed_s)
+        assert KCPP_TOTALS.fullmatch(line.split(" Faults:")[0]), (stats, elapsed_s)
+    assert earnings_line(WorkerStats(kudos=0, jobs=0, faults=0), 0) == (
         "[Total:0 kudos, Time:000h:00m:00s, Jobs:0, EarnRate:0.00 kudos/hr, "
         "JobRate:0.00 jobs/hr, JobCost:0.00 kudos/job] Faults:0"
     )
-    assert "Time:025h:01m:01s" in earnings_line(kudos=10, jobs=1, faults=0, elapsed_s=90061)
-    assert "Time:1000h:00m:00s" in earnings_line(kudos=1, jobs=1, faults=0, elapsed_s=3_600_000)
+    assert "Time:025h:01m:01s" in earnings_line(WorkerStats(kudos=10, jobs=1, faults=0), 90061)
+    assert "Time:1000h:00m:00s" in earnings_line(WorkerStats(kudos=1, jobs=1, faults=0), 3_600_000)
 
 
 # --- the guard against the Horde's maintenance -----------------------------------------
