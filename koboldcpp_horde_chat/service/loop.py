@@ -21,6 +21,7 @@ from ..horde.api import HordeAPI
 from ..horde.codes import WORKER_MAINTENANCE
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import PopAnswer
+from ..inflight import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S
 from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import LocalManners, NoManners
 from ..run.driver import JobDriver
@@ -30,7 +31,7 @@ from ..state.guard import FAILED_IN_A_ROW
 from ..state.job import JobContext
 from ..state.meter import JobMeter
 from ..state.ports import KoboldcppPort, Ports, StopSignal
-from ..state.shared import STOP_POP_EXTRA_S, STOP_SUBMIT_EXTRA_S, WorkerState
+from ..state.shared import WorkerState
 from ..state.skipped import SkippedReporter
 from ..state.status import PauseTracker, describe_pop_refusal
 from .backoff import Backoff, EmptyPopBackoff

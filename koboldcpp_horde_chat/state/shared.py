@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..clock import SYSTEM_CLOCK, Clock, Timer
 from ..errors import HordeRefusal
-from ..inflight import STOP_POP_EXTRA_S as STOP_POP_EXTRA_S  # the stop's deadlines
-from ..inflight import STOP_SUBMIT_EXTRA_S as STOP_SUBMIT_EXTRA_S
 from ..inflight import CallDeadlines, stop_call_ends
 from ..settings import WorkerSettings
 from . import guard, status

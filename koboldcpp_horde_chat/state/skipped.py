@@ -58,16 +58,15 @@ def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, 
     return f"the {name} declared for their kind ({each})"
 
 
-def _skip_reason(name: str, count: int, context: SkipContext | None, they: str) -> str:
-    if context is not None:
-        if name == "max_length" and context.max_length:
-            words = _declared_words("max_length", context.max_length, context.lowered)
-            return f"{they} for more than {words}"
-        if name == "max_context_length" and context.max_context_length:
-            words = _declared_words("max_context_length", context.max_context_length, {})
-            return f"{they} for a longer context than {words}"
-        if name == "models" and context.models:
-            return f"{they} for other models than {', '.join(context.models)}"
+def _skip_reason(name: str, count: int, context: SkipContext, they: str) -> str:
+    if name == "max_length" and context.max_length:
+        words = _declared_words("max_length", context.max_length, context.lowered)
+        return f"{they} for more than {words}"
+    if name == "max_context_length" and context.max_context_length:
+        words = _declared_words("max_context_length", context.max_context_length, {})
+        return f"{they} for a longer context than {words}"
+    if name == "models" and context.models:
+        return f"{they} for other models than {', '.join(context.models)}"
     return f"{name}={count}"
 
 
