@@ -70,14 +70,13 @@ class JobMeter:
 
     def __init__(self, state: WorkerState, backend: KcppAPI, clock: Callable[[], float]) -> None:
         self.state = state
-        self.backend = backend
         self.clock = clock
         self.figures = FiguresReader(backend, threads=state.settings.threads)
 
     def read_speed(self) -> None:
         """koboldcpp's own figures before any job is measured (best effort)."""
         try:
-            perf = self.backend.perf()
+            perf = self.figures.backend.perf()
         except Exception:  # noqa: BLE001 - only a hint; the jobs measure it anyway
             log.debug("koboldcpp's perf figures could not be read")
             return

@@ -105,11 +105,9 @@ class PauseTracker:
         """``line`` replaces the reason's words; a new ``line`` is said again."""
         key = f"{reason}:{line}" if line else reason
         if reason != self._reason:
-            self._reason = reason
-            self._since = now
-        if self._said == key:
-            return None
-        if reason in IMMEDIATE_PAUSES or now - self._since >= PAUSE_REPORT_AFTER_S:
+            self._reason, self._since = reason, now
+        due = reason in IMMEDIATE_PAUSES or now - self._since >= PAUSE_REPORT_AFTER_S
+        if self._said != key and due:
             self._said = key
             return line or PAUSE_REASONS[reason][0].format(**self._details)
         return None
