@@ -103,7 +103,6 @@ class Worker:
             koboldcpp=KoboldcppPort(
                 backend=backend,
                 abort_backend=abort_backend if abort_backend is not None else backend,
-                clock=clock,
                 stop=stop,
                 manners=self.manners,
             ),

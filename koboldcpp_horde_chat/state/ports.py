@@ -57,7 +57,6 @@ class KoboldcppPort:
 
     backend: KcppAPI
     abort_backend: KcppAPI
-    clock: Clock
     stop: StopSignal
     manners: LocalManners
 
@@ -92,7 +91,7 @@ class KoboldcppPort:
         """
         while True:
             ctx.check_abandoned()
-            remaining = ctx.lease.remaining(self.clock.monotonic()) - SUBMIT_MARGIN_S
+            remaining = ctx.lease.remaining(self.stop.clock.monotonic()) - SUBMIT_MARGIN_S
             if remaining <= 1.0:
                 raise BackendError("the lease ran out before koboldcpp answered")
             try:

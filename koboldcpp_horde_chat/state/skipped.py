@@ -37,8 +37,7 @@ class SkipContext:
         contexts = {k: int(d.get("max_context_length") or 0) for k, d in declared.items()}
         models = body.get("models")
         return cls(
-            max_length=lengths,
-            max_context_length=contexts,
+            max_length=lengths, max_context_length=contexts,
             models=tuple(map(str, models)) if isinstance(models, list) else (),
             lowered={k: v for k, v in lowered.items() if k in lengths},
         )
