@@ -252,8 +252,7 @@ _REFUSALS_BY_ACTION: Mapping[str, Mapping[str, str]] = {
 }
 #: (action, what to do) by the Horde's ``rc``.
 POP_REFUSALS: Mapping[str, tuple[str, str]] = {
-    rc: (action, advice)
-    for action, by_rc in _REFUSALS_BY_ACTION.items()
+    rc: (action, advice) for action, by_rc in _REFUSALS_BY_ACTION.items()
     for rc, advice in by_rc.items()
 }
 
