@@ -171,7 +171,7 @@ class Worker:
             with self.state.lock:
                 self.state.slots.remove(self)
         log.info(
-            "worker %d: stopped (%s)", self.worker_id, self.state.stop_summary(self.clock.time())
+            "worker %d: stopped (%s)", self.worker_id, self.state.summary(self.clock.time())
         )
         return self.state.exit_code
 

@@ -286,12 +286,10 @@ class WorkerState(Declaring):
             self.stats.jobs += 1
 
     def summary(self, now: float) -> str:
-        """The totals line after a job (``status.earnings_line``), at epoch ``now``."""
+        """The totals line after a job and at the stop (``status.earnings_line``;
+        its ``Time`` is the uptime), at epoch ``now``."""
         with self.lock:
             return status.earnings_line(self.stats, now - self.stats.started_at)
-
-    #: The totals line at the stop (its ``Time`` is the uptime).
-    stop_summary = summary
 
     def first_chat_job(self) -> bool:
         """True the first time a chat job is popped (by any loop)."""
