@@ -146,9 +146,7 @@ class JobMeter:
         for change in changes:
             log.warning("%s", change.line())
         if others is not None:
-            log.warning(
-                "%s", kind_withdrawn_line(kind, self.state.failure_streak.limit, others)
-            )
+            log.warning("%s", kind_withdrawn_line(kind, self.state.failure_streak.limit, others))
 
 
 def record_generated(

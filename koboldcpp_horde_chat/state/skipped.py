@@ -109,9 +109,7 @@ class SkippedReporter:
         self._said_at: float | None = None
         self._said: frozenset[str] | None = None
 
-    def line(
-        self, skipped: object, now: float, context: SkipContext | None = None
-    ) -> str | None:
+    def line(self, skipped: object, now: float, context: SkipContext | None = None) -> str | None:
         """The line to log at monotonic ``now``, or None."""
         line = describe_skipped(skipped, context)
         if line is None:
