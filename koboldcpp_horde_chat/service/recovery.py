@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import BackendError, HordeRefusal, HordeUnavailable
+from ..errors import BackendError
 from ..horde.api import HordeAPI
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
 from ..koboldcpp.api import KcppAPI
-from ..state.journal import Journal, JournalEntry, clock_mark
+from ..state.journal import Journal, JournalEntry, clock_mark, send_terminal
 from ..state.journal_rules import FAULT_MARGIN_S, plan
-from ..state.submit_answers import Answer, Answered, Reading, read_answer, refused_reply_fault
+from ..state.submit_answers import Answer, Reading, refused_reply_fault
 from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
@@ -232,16 +232,9 @@ class _Pass:
         entry, fault = item.entry, item.action == "fault"
         if self.clock.time() >= item.ends_at:
             return self._give_up(item, "the lease ended before the Horde answered")
-        if fault:
-            self.journal.mark_fault_sent(entry.job_id)  # before it goes: never a second one
         item.attempts += 1
-        try:
-            answer: Answered = self.horde.submit(item.body, timeout_s=self.timeout_s)
-        except (HordeRefusal, HordeUnavailable) as exc:
-            answer = exc
-        reading = read_answer(answer, fault=fault)
-        if reading.not_taken:
-            self.journal.mark_not_taken(entry.job_id)  # it may be sent again
+        reading = send_terminal(self.horde, self.journal, entry.job_id, item.body, fault=fault,
+                                timeout_s=self.timeout_s)
         if reading.aborted:  # it ended unanswered: an aborted job there
             self.journal.record_fault(self.clock.time())
         kind, why = reading.answer, reading.why

@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
+from ..errors import HordeRefusal, HordeUnavailable
+from ..horde.api import HordeAPI
 from .journal_format import (
     GENKEY_PREFIX,
     MAX_FAULTS,
@@ -39,6 +41,7 @@ from .journal_format import (
     read_document,
 )
 from .journal_rules import ClockMark, fault_ages_shift
+from .submit_answers import Answered, Reading, read_answer
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
@@ -343,6 +346,26 @@ class Journal:
         if self._failing:
             self._failing = False
             log.warning("job journal %s is written again", self.path)
+
+
+def send_terminal(
+    horde: HordeAPI, journal: Journal | None, job_id: str, body: dict[str, Any], *,
+    fault: bool, timeout_s: float,
+) -> Reading:
+    """One submit of a job's reply or fault (``fault``), its answer read by
+    ``read_answer``, for the live submit and the recovery alike: a fault is marked
+    sent before it goes (a restart never sends a second one), and back when it
+    surely did not reach the Horde (it may be sent again)."""
+    if fault and journal is not None:
+        journal.mark_fault_sent(job_id)
+    try:
+        answer: Answered = horde.submit(body, timeout_s=timeout_s)
+    except (HordeRefusal, HordeUnavailable) as exc:
+        answer = exc
+    reading = read_answer(answer, fault=fault)
+    if reading.not_taken and journal is not None:
+        journal.mark_not_taken(job_id)
+    return reading
 
 
 def _lock_file(fd: int) -> None:
