@@ -228,26 +228,21 @@ class Journal:
 
     # -- writing ------------------------------------------------------------------
 
-    def add(self, entry: JournalEntry, *, durable: bool = False) -> None:
+    def add(self, entry: JournalEntry) -> None:
         """Record a job in hand, written before it returns (what a kill must
-        survive); ``durable`` also waits for the disk (``fsync``), which only a
-        machine going down needs."""
+        survive; a plain write: only a machine going down needs ``fsync``)."""
         with self._read_first():
             if entry.horde is None and self.horde is not None:
                 entry = replace(entry, horde=self.horde)
             self._entries[entry.job_id] = entry
-            self._write_locked(durable=durable)
+            self._write_locked()
 
-    def remove(self, job_id: str, *, write: bool = True) -> None:
+    def remove(self, job_id: str) -> None:
         """Clear a job whose terminal action was answered (or that ended without
-        one on purpose), written at once unless ``write`` is False (then with
-        the next write or :meth:`flush`)."""
+        one on purpose), written at once."""
         with self._read_first():
-            removed = self._entries.pop(job_id, None) is not None
-            if write and (removed or self._dirty):
-                self._write_locked(durable=False)
-            elif removed:
-                self._dirty = True
+            if self._entries.pop(job_id, None) is not None or self._dirty:
+                self._write_locked()
 
     def _change(self, job_id: str, **changes: Any) -> bool:
         with self._read_first():
@@ -255,7 +250,7 @@ class Journal:
             if entry is None:
                 return False
             self._entries[job_id] = replace(entry, **changes)
-            self._write_locked(durable=False)
+            self._write_locked()
             return True
 
     def keep_reply(self, job_id: str, body: dict[str, Any], *, sent: bool = True) -> bool:
@@ -309,9 +304,9 @@ class Journal:
         """Write the changes not written yet."""
         with self._lock:
             if self._dirty:
-                self._write_locked(durable=False)
+                self._write_locked()
 
-    def _write_locked(self, *, durable: bool = True) -> None:
+    def _write_locked(self) -> None:
         self._dirty = False
         data = document_text(self._entries.values(), self._faults, clock_mark())
         directory = self.path.parent
@@ -322,9 +317,6 @@ class Journal:
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
             os.replace(tmp, self.path)
             tmp = None
         except OSError as exc:
@@ -341,8 +333,6 @@ class Journal:
                 )
             return
         self._written = True
-        if durable:
-            _fsync_dir(directory)
         if self._failing:
             self._failing = False
             log.warning("job journal %s is written again", self.path)
@@ -377,17 +367,3 @@ def _lock_file(fd: int) -> None:
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name == "nt":
-        return  # directories cannot be opened for fsync on Windows
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some file systems do not support it
-            os.fsync(fd)
-    finally:
-        os.close(fd)
