@@ -171,11 +171,10 @@ class _Pass:
 
     def plan(self) -> list[_Pending]:
         entries = self.journal.load()
-        earlier, _ = self.journal.clocks()
         now = clock_mark(self.clock.time())
         pending: list[_Pending] = []
         for entry in _this_hordes(entries, self.journal.horde):
-            step = plan(entry.to_json(), earlier, now)
+            step = plan(entry.to_json(), self.journal.earlier_clock, now)
             fault_ends_at = now.wall + step.least_left_s - FAULT_MARGIN_S
             if step.action == "reply" and entry.reply is not None:
                 ends_at = now.wall + step.lease_left_s

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
@@ -102,10 +102,8 @@ class Journal:
         self._dirty = False
         self._written = False
         self._lock_fd: int | None = None
-        #: The clocks' mark the earlier process wrote with the file (None: none).
-        self._earlier_clock: ClockMark | None = None
-        #: This process's mark when it read the file.
-        self._loaded_clock: ClockMark | None = None
+        #: The clocks' mark the earlier process wrote with the file (None: none), once read.
+        self.earlier_clock: ClockMark | None = None
 
     def lock(self) -> int | None:
         """Take the journal for this process's life (an exclusive lock on
@@ -167,13 +165,6 @@ class Journal:
 
     load = entries
 
-    def clocks(self) -> tuple[ClockMark | None, ClockMark]:
-        """(the earlier process's clocks' mark, None without one; this
-        process's mark when it read the file)."""
-        with self._read_first():
-            assert self._loaded_clock is not None
-            return self._earlier_clock, self._loaded_clock
-
     @contextlib.contextmanager
     def _read_first(self) -> Iterator[None]:
         """Hold the lock, the file an earlier process left read first."""
@@ -185,7 +176,7 @@ class Journal:
         if self._loaded:
             return
         self._loaded = True
-        self._loaded_clock = clock_mark()
+        loaded_clock = clock_mark()
         try:
             with open(self.path, "rb") as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
@@ -206,10 +197,10 @@ class Journal:
             log.warning("job journal %s: entry %d skipped: %s", self.path, index, why)
         for entry in doc.entries:
             self._entries[entry.job_id] = entry
-        self._earlier_clock = doc.clock
+        self.earlier_clock = doc.clock
         # The earlier run's faults on this run's wall clock, each as recent as it
         # can be (the worst for what the Horde counts: journal_rules).
-        shift = fault_ages_shift(self._earlier_clock, self._loaded_clock)
+        shift = fault_ages_shift(doc.clock, loaded_clock)
         self._faults = [t + shift for t in doc.faults]
 
     def _set_aside(self, problem: str, suffix: str = "unreadable", *, jobs: int = -1) -> None:
@@ -244,21 +235,22 @@ class Journal:
             if self._entries.pop(job_id, None) is not None or self._dirty:
                 self._write_locked()
 
-    def _change(self, job_id: str, **changes: Any) -> bool:
+    def _change(
+        self, job_id: str, when: Callable[[JournalEntry], bool] = lambda _: True, **changes: Any
+    ) -> bool:
+        """Change a job's entry if ``when(entry)``, in one hold; False when the
+        job is not recorded."""
         with self._read_first():
             entry = self._entries.get(job_id)
-            if entry is None:
-                return False
-            self._entries[job_id] = replace(entry, **changes)
-            self._write_locked()
-            return True
+            if entry is not None and when(entry):
+                self._entries[job_id] = replace(entry, **changes)
+                self._write_locked()
+            return entry is not None
 
-    def keep_reply(self, job_id: str, body: dict[str, Any], *, sent: bool = True) -> bool:
-        """Keep a job's submit body before it is sent (``sent`` False: not sent
-        next); a restart sends it again. False when the job is not recorded."""
-        return self._change(
-            job_id, terminal="reply_sent" if sent else "reply_kept", reply=dict(body)
-        )
+    def keep_reply(self, job_id: str, body: dict[str, Any]) -> bool:
+        """Keep a job's submit body before it is sent; a restart sends it again.
+        False when the job is not recorded."""
+        return self._change(job_id, terminal="reply_sent", reply=dict(body))
 
     def mark_fault_sent(self, job_id: str) -> bool:
         """Mark a job's fault as sent, before it is sent: a restart sends it
@@ -266,22 +258,14 @@ class Journal:
         return self._change(job_id, terminal="fault_sent", reply=None)
 
     def mark_not_taken(self, job_id: str) -> bool:
-        """The terminal action just sent is known not to have reached the Horde:
-        a fault back to ``none``, a reply to ``reply_kept``. False when the job
-        is not recorded."""
-        entry = self.entry(job_id)
-        if entry is None:
-            return False
-        back = {"fault_sent": "none", "reply_sent": "reply_kept"}.get(entry.terminal)
-        return True if back is None else self._change(job_id, terminal=back)
+        """The fault just sent is known not to have reached the Horde: back to
+        ``none``. False when the job is not recorded."""
+        return self._change(job_id, lambda e: e.terminal == "fault_sent", terminal="none")
 
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress
         post. False when the job is not recorded."""
-        entry = self.entry(job_id)
-        if entry is None or lease_end <= entry.lease_end:
-            return entry is not None
-        return self._change(job_id, lease_end=lease_end)
+        return self._change(job_id, lambda e: lease_end > e.lease_end, lease_end=lease_end)
 
     def entry(self, job_id: str) -> JournalEntry | None:
         with self._read_first():
