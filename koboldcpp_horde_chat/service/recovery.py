@@ -100,14 +100,8 @@ class _Pending:
 
 
 def recover(
-    journal: Journal,
-    *,
-    horde: HordeAPI,
-    backend: KcppAPI | None,
-    clock: Clock = SYSTEM_CLOCK,
-    model_id_default: str,
-    submit_timeout_s: float = 10.0,
-    abort_timeout_s: float = 2.0,
+    journal: Journal, *, horde: HordeAPI, backend: KcppAPI | None, clock: Clock = SYSTEM_CLOCK,
+    model_id_default: str, submit_timeout_s: float = 10.0, abort_timeout_s: float = 2.0,
     stop: RecoveryStop | None = None,
 ) -> RecoveryResult:
     """End the jobs an earlier process left; call at start, before the first pop.
@@ -157,15 +151,16 @@ class _Pass:
 
     def _end(
         self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
-        aborted: bool = False, remove: bool = True,
+        aborted: bool = False,
     ) -> bool:
         """Count the job in ``count`` (a :class:`RecoveryResult` field), log ``line``
-        (its id and kind first), clear it from the journal; ``aborted``: an aborted job."""
+        (its id and kind first), clear it from the journal unless ``kept`` there;
+        ``aborted``: an aborted job."""
         setattr(self.counts, count, getattr(self.counts, count) + 1)
         if aborted:
             self.journal.record_fault(self.clock.time())
         log.log(level, line, entry.job_id, entry.kind, *args)
-        if remove:
+        if count != "kept":
             self.journal.remove(entry.job_id)
         return True
 
@@ -210,7 +205,7 @@ class _Pass:
                        else "the worker stopped first")
                 for item in pending:
                     self._end(item.entry, "kept", logging.WARNING,
-                              "job=%s kind=%s kept in the journal: %s", why, remove=False)
+                              "job=%s kind=%s kept in the journal: %s", why)
                 return
             now, last = self.clock.time(), self._last_attempt_at()
             if last is not None:  # a stop: no pause runs past its deadline
@@ -244,8 +239,8 @@ class _Pass:
             if fault:
                 self.journal.mark_not_taken(entry.job_id)  # it never reached the Horde
             return self._end(entry, "kept", logging.ERROR, "job=%s kind=%s not ended after a "
-                             "restart: the Horde refused the API key (%s); kept in the journal",
-                             why, remove=False)
+                             "restart: the Horde refused the API key (%s); kept in the "
+                             "journal", why)
         if kind is Answer.REFUSED and not fault:
             # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
             log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, why)
@@ -279,7 +274,6 @@ class _Pass:
                 item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the journal: the "
                 "worker stopped before the Horde answered its %s (%s)%s", item.action, reading.why,
                 "; the fault may have been taken, so none will be sent again" if lost else "",
-                remove=False,
             )
         if lost:  # it may have been counted: a second fault would re-open the request again
             why = f"the fault's answer was lost ({reading.why}); not sent twice"
@@ -289,8 +283,7 @@ class _Pass:
         if last is not None:  # stopping: the last attempt comes before the deadline
             next_at = min(next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         if next_at >= item.ends_at:
-            why = f"the Horde did not answer within the lease ({reading.why})"
-            return self._give_up(item, why)
+            return self._give_up(item, f"the Horde did not answer within the lease ({reading.why})")
         log.debug("job=%s %s not answered (%s); trying again in %.1f s",
                   item.entry.job_id, item.action, reading.why, next_at - self.clock.time())
         item.next_at = next_at
@@ -321,14 +314,9 @@ class Recovery:
     pending jobs at once), on ``clock``."""
 
     def __init__(
-        self,
-        journal: Journal,
-        *,
-        horde_factory: Callable[[], HordeAPI],
-        backend_factory: Callable[[], KcppAPI] | None,
-        model_id_default: str,
-        stop_event: threading.Event,
-        deadlines: CallDeadlines | None = None,
+        self, journal: Journal, *, horde_factory: Callable[[], HordeAPI],
+        backend_factory: Callable[[], KcppAPI] | None, model_id_default: str,
+        stop_event: threading.Event, deadlines: CallDeadlines | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.journal = journal
@@ -336,19 +324,18 @@ class Recovery:
         self.result: RecoveryResult | None = None
         self._done = threading.Event()
         self._stop = RecoveryStop(clock, stop_event, deadlines)
-        self._factories = (horde_factory, backend_factory)
-        self._model_id_default = model_id_default
-        threading.Thread(target=self._run, name="journal-recovery", daemon=True).start()
+        threading.Thread(target=self._run, args=(horde_factory, backend_factory, model_id_default),
+                         name="journal-recovery", daemon=True).start()
 
-    def _run(self) -> None:
-        horde_factory, backend_factory = self._factories
+    def _run(self, horde_factory: Callable[[], HordeAPI],
+             backend_factory: Callable[[], KcppAPI] | None, model_id_default: str) -> None:
         horde = backend = None
         try:
             horde = horde_factory()
             backend = backend_factory() if backend_factory is not None else None
             self.result = recover(
                 self.journal, horde=horde, backend=backend, clock=self._stop.clock,
-                model_id_default=self._model_id_default, stop=self._stop,
+                model_id_default=model_id_default, stop=self._stop,
             )
         except Exception:  # never let the recovery hold the worker's start
             log.exception("the recovery of the jobs in hand at the last stop failed")
