@@ -20,6 +20,7 @@ whole; version 1 with ``clock`` is read as version 2 without ``horde``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -75,10 +76,9 @@ class JournalEntry:
             self.genkey and not self.genkey.startswith(GENKEY_PREFIX)
         ):
             raise ValueError(f"genkey is not '' or a {GENKEY_PREFIX} key")
-        lease_end = self.lease_end
-        if isinstance(lease_end, bool) or not isinstance(lease_end, int | float):
+        if isinstance(self.lease_end, bool) or not isinstance(self.lease_end, int | float):
             raise ValueError("lease_end is not a number")
-        if finite_number(lease_end) is None:  # NaN, infinite, or too large for a float
+        if finite_number(self.lease_end) is None:  # NaN, infinite, or too large for a float
             raise ValueError("lease_end is not a finite number")
         if not isinstance(self.terminal, str) or self.terminal not in TERMINAL_STATES:
             raise ValueError("terminal is not a terminal-action state")
@@ -128,10 +128,8 @@ def clock_mark(wall: float | None = None) -> ClockMark:
     boottime: float | None = None
     clock_id = getattr(time, "CLOCK_BOOTTIME", None)
     if clock_id is not None:
-        try:
+        with contextlib.suppress(OSError):
             boottime = time.clock_gettime(clock_id)
-        except OSError:
-            boottime = None
     return ClockMark(time.time() if wall is None else wall, _boot_id(), boottime)
 
 
@@ -211,27 +209,18 @@ def read_document(raw: bytes) -> JournalDocument:
             skipped.append((index, str(exc)))
     faults = doc.get("faults")
     kept = faults[-MAX_FAULTS:] if isinstance(faults, list) else []
-    return JournalDocument(
-        entries=entries,
-        skipped=skipped,
-        clock=ClockMark.from_json(doc.get("clock")),
-        faults=[t for t in map(finite_number, kept) if t is not None],
-    )
+    faults = [t for t in map(finite_number, kept) if t is not None]
+    return JournalDocument(entries, skipped, ClockMark.from_json(doc.get("clock")), faults)
 
 
-def document_text(
-    entries: Iterable[JournalEntry], faults: Sequence[float], mark: ClockMark
-) -> str:
+def document_text(entries: Iterable[JournalEntry], faults: Sequence[float], mark: ClockMark) -> str:
     """The journal file's text (faults to the millisecond).
 
     Raises:
         ValueError: a kept reply holds a number JSON cannot carry (NaN, infinity).
     """
-    doc: dict[str, Any] = {
-        "version": FILE_VERSION,
-        "jobs": [e.to_json() for e in entries],
-    }
-    if faults:
-        doc["faults"] = [round(t, 3) for t in faults]
-    doc["clock"] = mark.to_json()
+    doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in entries],
+           "faults": [round(t, 3) for t in faults], "clock": mark.to_json()}
+    if not faults:
+        del doc["faults"]
     return json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
