@@ -119,9 +119,8 @@ class Journal:
         """
         if self._lock_fd is not None:
             return None
-        lock_path = self.path.with_name(self.path.name + ".lock")
         check_directory(self.path.parent)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             _lock_file(fd)
         except OSError:
@@ -140,9 +139,6 @@ class Journal:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
-
-    def __repr__(self) -> str:
-        return f"Journal(path={str(self.path)!r})"
 
     def serve(self, horde: str) -> None:
         """The entries added from now on record this Horde (base URL)."""
@@ -179,14 +175,12 @@ class Journal:
         loaded_clock = clock_mark()
         try:
             with open(self.path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+                doc = read_document(f.read(MAX_FILE_BYTES + 1))
         except (FileNotFoundError, NotADirectoryError):
             return  # no journal yet (or no directory for one)
         except OSError as exc:
             self._set_aside(f"cannot be read ({reason(exc)})")
             return
-        try:
-            doc = read_document(raw)
         except OtherVersion as exc:
             self._set_aside(str(exc), f"version-{exc.version}", jobs=exc.jobs)
             return
@@ -195,8 +189,7 @@ class Journal:
             return
         for index, why in doc.skipped:
             log.warning("job journal %s: entry %d skipped: %s", self.path, index, why)
-        for entry in doc.entries:
-            self._entries[entry.job_id] = entry
+        self._entries.update((entry.job_id, entry) for entry in doc.entries)
         self.earlier_clock = doc.clock
         # The earlier run's faults on this run's wall clock, each as recent as it
         # can be (the worst for what the Horde counts: journal_rules).
