@@ -45,11 +45,8 @@ class ClockMark:
     boottime: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "wall": round(self.wall, 3),
-            "boot_id": self.boot_id,
-            "boottime": None if self.boottime is None else round(self.boottime, 3),
-        }
+        boottime = None if self.boottime is None else round(self.boottime, 3)
+        return {"wall": round(self.wall, 3), "boot_id": self.boot_id, "boottime": boottime}
 
     @classmethod
     def from_json(cls, obj: object) -> ClockMark | None:

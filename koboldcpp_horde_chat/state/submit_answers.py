@@ -78,8 +78,8 @@ def read_answer(answer: Answered, *, fault: bool) -> Reading:
         return Reading(Answer.ACCEPTED, kudos=kudos or 0.0)
     if isinstance(answer, HordeUnavailable):
         not_taken = fault and known_not_taken(answer.status, answer.sent)
-        lost = fault and not not_taken
-        return Reading(Answer.LOST if lost else Answer.RETRY, answer, not_taken=not_taken)
+        kind = Answer.LOST if fault and not not_taken else Answer.RETRY
+        return Reading(kind, answer, not_taken=not_taken)
     if is_key_refusal(answer):
         return Reading(Answer.KEY_REFUSED, answer)
     if answer.rc == DUPLICATE_GEN:
