@@ -364,9 +364,8 @@ class Recovery:
         timeout_s = (grace_s + STOP_SUBMIT_EXTRA_S if left is None else max(0.0, left)) + 0.5
         return self._done.wait(timeout_s)
 
-    def wait(
-        self, stop_event: threading.Event | None = None, timeout_s: float | None = None
-    ) -> bool:
+    def wait(self, stop_event: threading.Event | None = None,
+             timeout_s: float | None = None) -> bool:
         """Wait until it ended (True), ``stop_event`` is set or ``timeout_s`` passed."""
         clock = self._stop.clock
         end = None if timeout_s is None else clock.monotonic() + timeout_s
