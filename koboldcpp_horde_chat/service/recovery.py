@@ -71,11 +71,12 @@ class RecoveryStop:
     event: threading.Event = field(default_factory=threading.Event)
     deadlines: CallDeadlines | None = None
 
-    def stopped(self) -> bool:
-        return self.event.is_set()
-
-    def stop_deadline(self) -> float | None:
-        return None if self.deadlines is None else self.deadlines.stop_at_wall()
+    def last_attempt_at(self) -> float | None:
+        """While stopping, the stop's deadline (``-inf`` without one); else None."""
+        if not self.event.is_set():
+            return None
+        at = None if self.deadlines is None else self.deadlines.stop_at_wall()
+        return -math.inf if at is None else at
 
     def pause(self, seconds: float) -> None:
         # Stopping, the pause already ends by the deadline; else the stop ends it.
@@ -187,15 +188,8 @@ class _Pass:
                           "nothing sent", max(0.0, -step.lease_left_s), aborted=True)
         return pending
 
-    def _last_attempt_at(self) -> float | None:
-        """While stopping, the stop's deadline (``-inf`` without one); else None."""
-        if not self.stop.stopped():
-            return None
-        at = self.stop.stop_deadline()
-        return -math.inf if at is None else at
-
     def _over(self) -> bool:
-        last = self._last_attempt_at()
+        last = self.stop.last_attempt_at()
         return self.counts.key_refused or (last is not None and self.clock.time() > last)
 
     def serve(self, pending: list[_Pending]) -> None:
@@ -207,7 +201,7 @@ class _Pass:
                     self._end(item.entry, "kept", logging.WARNING,
                               "job=%s kind=%s kept in the journal: %s", why)
                 return
-            now, last = self.clock.time(), self._last_attempt_at()
+            now, last = self.clock.time(), self.stop.last_attempt_at()
             if last is not None:  # a stop: no pause runs past its deadline
                 for item in pending:
                     item.next_at = min(item.next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
@@ -267,7 +261,7 @@ class _Pass:
     def _unanswered(self, item: _Pending, reading: Reading) -> bool:
         """After a lost answer: kept at the stop's last attempt, given up past the
         lease or when a fault may have been taken, else tried again."""
-        lost, last = reading.answer is Answer.LOST, self._last_attempt_at()
+        lost, last = reading.answer is Answer.LOST, self.stop.last_attempt_at()
         if last is not None and (lost or self.clock.time() >= last - STOP_LAST_ATTEMPT_LEAD_S):
             # The stop's last attempt: the job stays in the journal as it is.
             return self._end(

@@ -541,10 +541,7 @@ class Pauses:
         self.waited.append(seconds)
         self.wall.now += seconds
 
-    def stopped(self) -> bool:
-        return False
-
-    def stop_deadline(self) -> float | None:
+    def last_attempt_at(self) -> float | None:
         return None
 
 
