@@ -45,12 +45,7 @@ from .submit_answers import Answered, Reading, read_answer
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
-__all__ = [
-    "GENKEY_PREFIX",
-    "clock_mark",
-    "Journal",
-    "JournalEntry",
-]
+__all__ = ["GENKEY_PREFIX", "clock_mark", "Journal", "JournalEntry"]
 
 #: How long a fault is kept (seconds): the Horde's window for aborted jobs.
 FAULT_WINDOW_S: Final = 3600.0
@@ -122,7 +117,14 @@ class Journal:
         check_directory(self.path.parent)
         fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            _lock_file(fd)
+            if sys.platform == "win32":
+                import msvcrt
+
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = ""
             with contextlib.suppress(OSError):
@@ -334,13 +336,3 @@ def send_terminal(
         journal.mark_not_taken(job_id)
     return reading
 
-
-def _lock_file(fd: int) -> None:
-    if sys.platform == "win32":
-        import msvcrt
-
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    else:
-        import fcntl
-
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

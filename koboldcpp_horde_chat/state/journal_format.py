@@ -39,7 +39,6 @@ MAX_FILE_BYTES: Final = 64 * 1024 * 1024
 #: The most faults kept (more than the Horde's maintenance threshold ever needs).
 MAX_FAULTS: Final = 100
 
-KINDS: Final = frozenset({"chat", "text"})
 GENKEY_PREFIX: Final = "HORDEREQ_"
 
 
@@ -68,7 +67,7 @@ class JournalEntry:
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
             raise ValueError("job_id is not a non-empty string")
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in ("chat", "text"):
             raise ValueError("kind is not 'chat' or 'text'")
         if self.model_id is not None and not isinstance(self.model_id, str):
             raise ValueError("model_id is not a string or null")
