@@ -335,4 +335,3 @@ def send_terminal(
     if reading.not_taken and journal is not None:
         journal.mark_not_taken(job_id)
     return reading
-
