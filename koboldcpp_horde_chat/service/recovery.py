@@ -150,10 +150,8 @@ class _Pass:
         model_id = entry.model_id or self.model_id_default
         return job_fault_submit(entry.job_id, entry.kind, model_id, fault_reason)
 
-    def _end(
-        self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
-        aborted: bool = False,
-    ) -> bool:
+    def _end(self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
+             aborted: bool = False) -> bool:
         """Count the job in ``count`` (a :class:`RecoveryResult` field), log ``line``
         (its id and kind first), clear it from the journal unless ``kept`` there;
         ``aborted``: an aborted job."""
@@ -167,8 +165,7 @@ class _Pass:
 
     def plan(self) -> list[_Pending]:
         entries = self.journal.load()
-        now = clock_mark(self.clock.time())
-        pending: list[_Pending] = []
+        now, pending = clock_mark(self.clock.time()), []
         for entry in _this_hordes(entries, self.journal.horde):
             step = plan(entry.to_json(), self.journal.earlier_clock, now)
             fault_ends_at = now.wall + step.least_left_s - FAULT_MARGIN_S
