@@ -124,14 +124,11 @@ def recover(
         except BackendError as exc:
             log.debug("job=%s abort of %s failed: %s", job_id, genkey, exc)
     counts = run.counts
+    replies = f"{counts.replied} replies submitted ({counts.kudos:.0f} kudos), "
     if counts.total:
-        log.info(
-            "jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
-            "%d left to expire, %d kept in the journal",
-            f"{counts.replied} replies submitted ({counts.kudos:.0f} kudos), "
-            if counts.replied else "",
-            counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
-        )
+        log.info("jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
+                 "%d left to expire, %d kept in the journal", replies if counts.replied else "",
+                 counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept)
     return counts
 
 
@@ -290,11 +287,9 @@ def _this_hordes(entries: list[JournalEntry], horde: str | None) -> list[Journal
     answer the others 404."""
     mine = [e for e in entries if horde is None or e.horde in (None, horde)]
     for other, count in Counter(e.horde for e in entries if e not in mine).items():
-        log.warning(
-            "job journal: %d job%s popped from %s left alone (this start serves %s); "
-            "kept in the journal for a start against that Horde",
-            count, "" if count == 1 else "s", other, horde,
-        )
+        log.warning("job journal: %d job%s popped from %s left alone (this start serves %s); "
+                    "kept in the journal for a start against that Horde",
+                    count, "" if count == 1 else "s", other, horde)
     return mine
 
 

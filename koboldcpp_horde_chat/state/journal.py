@@ -200,10 +200,8 @@ class Journal:
 
     def _set_aside(self, problem: str, suffix: str = "unreadable", *, jobs: int = -1) -> None:
         target = self.path.with_name(f"{self.path.name}.{suffix}-{int(time.time())}")
-        left = (
-            f"; its {jobs} job{' gets' if jobs == 1 else 's get'} nothing from this start"
-            if jobs >= 0 else ""
-        )
+        gets = " gets" if jobs == 1 else "s get"
+        left = f"; its {jobs} job{gets} nothing from this start" if jobs >= 0 else ""
         try:
             os.replace(self.path, target)
         except OSError as exc:
@@ -305,11 +303,9 @@ class Journal:
                     os.unlink(tmp)
             if not self._failing:
                 self._failing = True
-                log.warning(
-                    "job journal %s cannot be written (%s): a job in hand during a crash "
-                    "would be left to expire on the Horde; trying again with each job",
-                    self.path, reason(exc),
-                )
+                log.warning("job journal %s cannot be written (%s): a job in hand during a crash "
+                            "would be left to expire on the Horde; trying again with each job",
+                            self.path, reason(exc))
             return
         self._written = True
         if self._failing:
