@@ -187,16 +187,12 @@ def read_document(raw: bytes) -> JournalDocument:
     if isinstance(version, bool) or not isinstance(version, int):
         raise NotAJournal("is not a job journal (no version)")
     if version > FILE_VERSION:
-        raise OtherVersion(
-            f"was written by a newer version of the worker (format {version}; this one "
-            f"reads up to {FILE_VERSION})", version, len(doc["jobs"]),
-        )
+        raise OtherVersion(f"was written by a newer version of the worker (format {version}; "
+                           f"this one reads up to {FILE_VERSION})", version, len(doc["jobs"]))
     if version == EARLIER_VERSION and "clock" not in doc:
-        raise OtherVersion(
-            f"was written by version 0.1.0 of the worker (format {version}: its lease ends "
-            "are not the Horde's, and it does not say which replies were sent)",
-            version, len(doc["jobs"]),
-        )
+        raise OtherVersion(f"was written by version 0.1.0 of the worker (format {version}: its "
+                           "lease ends are not the Horde's, and it does not say which replies "
+                           "were sent)", version, len(doc["jobs"]))
     if version not in (EARLIER_VERSION, FILE_VERSION):
         raise NotAJournal(f"is not a version {FILE_VERSION} job journal")
     entries: list[JournalEntry] = []
