@@ -78,9 +78,8 @@ def elapsed_bounds(then: ClockMark | None, now: ClockMark) -> tuple[float, float
         exact = now.boottime - then.boottime
         if exact >= 0:
             return exact, exact
-    floor = 0.0
-    if then.boot_id and now.boot_id and not same_boot and now.boottime is not None:
-        floor = max(0.0, now.boottime)
+    rebooted = bool(then.boot_id and now.boot_id) and not same_boot
+    floor = max(0.0, now.boottime) if rebooted and now.boottime is not None else 0.0
     return floor, wall_elapsed if wall_elapsed >= floor else math.inf
 
 
@@ -118,10 +117,7 @@ def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> Resta
 def fault_ages_shift(then: ClockMark | None, now: ClockMark) -> float:
     """Seconds to add to an earlier run's fault times to read them on this run's
     wall clock, taking the least time passed (each fault as recent as it can be)."""
-    if then is None:
-        return 0.0
-    least, _ = elapsed_bounds(then, now)
-    return (now.wall - then.wall) - least
+    return 0.0 if then is None else (now.wall - then.wall) - elapsed_bounds(then, now)[0]
 
 
 def known_not_taken(status: int, sent: bool | None) -> bool:
