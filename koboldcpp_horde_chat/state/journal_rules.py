@@ -102,10 +102,8 @@ def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> Resta
     it surely runs with :data:`FAULT_MARGIN_S` to spare."""
     terminal = entry.get("terminal", "none")
     least, most = elapsed_bounds(then, now)
-    at_write = then.wall if then is not None else now.wall
-    left_at_write = float(entry["lease_end"]) - at_write
-    most_left = left_at_write - least
-    least_left = left_at_write - most
+    left_at_write = float(entry["lease_end"]) - (then or now).wall
+    most_left, least_left = left_at_write - least, left_at_write - most
     if terminal == "fault_sent":
         return RestartPlan("fault_sent", least_left, least_left)
     if terminal in REPLY_STATES and isinstance(entry.get("reply"), dict):
