@@ -258,11 +258,10 @@ class _Pass:
         lost, last = reading.answer is Answer.LOST, self.stop.last_attempt_at()
         if last is not None and (lost or self.clock.time() >= last - STOP_LAST_ATTEMPT_LEAD_S):
             # The stop's last attempt: the job stays in the journal as it is.
-            return self._end(
-                item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the journal: the "
-                "worker stopped before the Horde answered its %s (%s)%s", item.action, reading.why,
-                "; the fault may have been taken, so none will be sent again" if lost else "",
-            )
+            taken = "; the fault may have been taken, so none will be sent again" if lost else ""
+            return self._end(item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the "
+                             "journal: the worker stopped before the Horde answered its %s (%s)%s",
+                             item.action, reading.why, taken)
         if lost:  # it may have been counted: a second fault would re-open the request again
             why = f"the fault's answer was lost ({reading.why}); not sent twice"
             return self._give_up(item, why)

@@ -94,8 +94,6 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
     (``REFUSAL_RCS``), none for another (such as 400). One after
     ``ChatSubmitNonconformant`` does not count toward maintenance: the Horde
     counts it as a nonconformant reply."""
-    return JobFault(
-        f"reply refused ({exc.rc or exc.status}): {exc.message}",
-        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
-        counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT,
-    )
+    return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}",
+                    fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
+                    counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT)
