@@ -309,11 +309,12 @@ class Recovery:
         self.result: RecoveryResult | None = None
         self._done = threading.Event()
         self._stop = RecoveryStop(clock, stop_event, deadlines)
-        threading.Thread(target=self._run, args=(horde_factory, backend_factory, model_id_default),
-                         name="journal-recovery", daemon=True).start()
+        self._factories = (horde_factory, backend_factory)
+        threading.Thread(target=self._run, args=(model_id_default,), name="journal-recovery",
+                         daemon=True).start()
 
-    def _run(self, horde_factory: Callable[[], HordeAPI],
-             backend_factory: Callable[[], KcppAPI] | None, model_id_default: str) -> None:
+    def _run(self, model_id_default: str) -> None:
+        horde_factory, backend_factory = self._factories
         horde = backend = None
         try:
             horde = horde_factory()

@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
@@ -228,14 +229,12 @@ class Journal:
             if self._entries.pop(job_id, None) is not None or self._dirty:
                 self._write_locked()
 
-    def _change(
-        self, job_id: str, when: Callable[[JournalEntry], bool] = lambda _: True, **changes: Any
-    ) -> bool:
-        """Change a job's entry if ``when(entry)``, in one hold; False when the
-        job is not recorded."""
+    def _change(self, job_id: str, **changes: Any) -> bool:
+        """Change a job's entry in one hold, its lease end only ever later; False
+        when the job is not recorded."""
         with self._read_first():
             entry = self._entries.get(job_id)
-            if entry is not None and when(entry):
+            if entry is not None and changes.get("lease_end", math.inf) > entry.lease_end:
                 self._entries[job_id] = replace(entry, **changes)
                 self._write_locked()
             return entry is not None
@@ -253,12 +252,12 @@ class Journal:
     def mark_not_taken(self, job_id: str) -> bool:
         """The fault just sent is known not to have reached the Horde: back to
         ``none``. False when the job is not recorded."""
-        return self._change(job_id, lambda e: e.terminal == "fault_sent", terminal="none")
+        return self._change(job_id, terminal="none")
 
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress
         post. False when the job is not recorded."""
-        return self._change(job_id, lambda e: lease_end > e.lease_end, lease_end=lease_end)
+        return self._change(job_id, lease_end=lease_end)
 
     def entry(self, job_id: str) -> JournalEntry | None:
         with self._read_first():
