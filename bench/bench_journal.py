@@ -9,6 +9,7 @@ Method: bench/README.md.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -54,11 +55,23 @@ def today(journal: Journal, job_id: str) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def former(journal: Journal, job_id: str) -> tuple[float, float]:
-    """Seconds of the former path for one job: (the durable add, add and remove)."""
+    """Seconds of the former path for one job: (the durable add: the add, then
+    the file and its directory waited for on disk; add and remove)."""
     only = entry(job_id, "HORDEREQ_0123456789ab")
     t0 = time.perf_counter()
-    journal.add(only, durable=True)
+    journal.add(only)
+    fsync(journal.path)
+    if os.name != "nt":  # directories cannot be opened for fsync on Windows
+        fsync(journal.path.parent)
     t1 = time.perf_counter()
     journal.remove(job_id)
     return t1 - t0, time.perf_counter() - t0

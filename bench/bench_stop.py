@@ -233,7 +233,7 @@ def _journal_left(horde: DevHorde, journal_dir: Path, grace: float) -> list[str]
         journal.add(JournalEntry(job_id, "chat", str(POP["model_id"]), "", time.time() + 150))
     reply = {"id": ids[0], "message": {"role": "assistant", "content": "Blue."},
              "finish_reason": "stop", "model_id": POP["model_id"], "state": "ok"}
-    journal.keep_reply(ids[0], reply, sent=True)
+    journal.keep_reply(ids[0], reply)
     down = (503, {"message": "down", "rc": "Unavailable"}, {"Retry-After": f"{grace + 30:g}"})
     horde.inject("submit", *([down] * 4))
     return rids

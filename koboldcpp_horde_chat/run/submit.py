@@ -15,15 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import HordeRefusal, HordeUnavailable, JobFault
+from ..errors import HordeRefusal, JobFault
 from ..horde.api import HordeAPI
 from ..settings import WorkerSettings
 from ..state.job import JobContext, Outcome
+from ..state.journal import send_terminal
 from ..state.journal_rules import next_start_plan
 from ..state.life import Move, Phase
 from ..state.ports import StopSignal
 from ..state.shared import WorkerState
-from ..state.submit_answers import Answer, Answered, Reading, read_answer, refused_reply_fault
+from ..state.submit_answers import Answer, Reading, refused_reply_fault
 from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.submit")
@@ -181,22 +182,13 @@ class SubmitPipeline:
     def _attempt(
         self, ctx: JobContext, body: dict[str, Any], *, fault: bool, timeout: float | None = None
     ) -> Reading:
-        """One submit, its answer read and journaled (a fault marked sent before it
-        goes: a restart never sends a second one)."""
-        journal = self.state.journal
-        if fault and journal is not None:
-            journal.mark_fault_sent(ctx.id)
+        """One submit, its answer read and journaled (``state.journal.send_terminal``)."""
         sent_at = self._now()
         try:
-            timeout_s = self._timeout() if timeout is None else timeout
-            answer: Answered = self.horde.submit(body, timeout_s=timeout_s)
-        except (HordeRefusal, HordeUnavailable) as exc:
-            answer = exc
+            reading = send_terminal(self.horde, self.state.journal, ctx.id, body, fault=fault,
+                                    timeout_s=self._timeout() if timeout is None else timeout)
         finally:
             ctx.note_horde_wait(self._now() - sent_at)
-        reading = read_answer(answer, fault=fault)
-        if reading.not_taken and journal is not None:
-            journal.mark_not_taken(ctx.id)  # the next start may send it
         if reading.aborted:  # the Horde ended the job first (lease or cancel): an aborted job
             self.state.record_expired(self._now(), ctx.kind)
         return reading

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import BackendError, HordeRefusal, HordeUnavailable
+from ..errors import BackendError
 from ..horde.api import HordeAPI
 from ..inflight import STOP_SUBMIT_EXTRA_S, CallDeadlines, stop_call_ends
 from ..koboldcpp.api import KcppAPI
-from ..state.journal import Journal, JournalEntry, clock_mark
+from ..state.journal import Journal, JournalEntry, clock_mark, send_terminal
 from ..state.journal_rules import FAULT_MARGIN_S, plan
-from ..state.submit_answers import Answer, Answered, Reading, read_answer, refused_reply_fault
+from ..state.submit_answers import Answer, Reading, refused_reply_fault
 from ..translate.submits import job_fault_submit
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
@@ -71,11 +71,12 @@ class RecoveryStop:
     event: threading.Event = field(default_factory=threading.Event)
     deadlines: CallDeadlines | None = None
 
-    def stopped(self) -> bool:
-        return self.event.is_set()
-
-    def stop_deadline(self) -> float | None:
-        return None if self.deadlines is None else self.deadlines.stop_at_wall()
+    def last_attempt_at(self) -> float | None:
+        """While stopping, the stop's deadline (``-inf`` without one); else None."""
+        if not self.event.is_set():
+            return None
+        at = None if self.deadlines is None else self.deadlines.stop_at_wall()
+        return -math.inf if at is None else at
 
     def pause(self, seconds: float) -> None:
         # Stopping, the pause already ends by the deadline; else the stop ends it.
@@ -100,14 +101,8 @@ class _Pending:
 
 
 def recover(
-    journal: Journal,
-    *,
-    horde: HordeAPI,
-    backend: KcppAPI | None,
-    clock: Clock = SYSTEM_CLOCK,
-    model_id_default: str,
-    submit_timeout_s: float = 10.0,
-    abort_timeout_s: float = 2.0,
+    journal: Journal, *, horde: HordeAPI, backend: KcppAPI | None, clock: Clock = SYSTEM_CLOCK,
+    model_id_default: str, submit_timeout_s: float = 10.0, abort_timeout_s: float = 2.0,
     stop: RecoveryStop | None = None,
 ) -> RecoveryResult:
     """End the jobs an earlier process left; call at start, before the first pop.
@@ -129,14 +124,11 @@ def recover(
         except BackendError as exc:
             log.debug("job=%s abort of %s failed: %s", job_id, genkey, exc)
     counts = run.counts
+    replies = f"{counts.replied} replies submitted ({counts.kudos:.0f} kudos), "
     if counts.total:
-        log.info(
-            "jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
-            "%d left to expire, %d kept in the journal",
-            f"{counts.replied} replies submitted ({counts.kudos:.0f} kudos), "
-            if counts.replied else "",
-            counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept,
-        )
+        log.info("jobs in hand at the last stop: %s%d faulted, %d already settled, %d expired, "
+                 "%d left to expire, %d kept in the journal", replies if counts.replied else "",
+                 counts.faulted, counts.settled, counts.expired, counts.failed, counts.kept)
     return counts
 
 
@@ -155,27 +147,24 @@ class _Pass:
         model_id = entry.model_id or self.model_id_default
         return job_fault_submit(entry.job_id, entry.kind, model_id, fault_reason)
 
-    def _end(
-        self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
-        aborted: bool = False, remove: bool = True,
-    ) -> bool:
+    def _end(self, entry: JournalEntry, count: str, level: int, line: str, *args: object,
+             aborted: bool = False) -> bool:
         """Count the job in ``count`` (a :class:`RecoveryResult` field), log ``line``
-        (its id and kind first), clear it from the journal; ``aborted``: an aborted job."""
+        (its id and kind first), clear it from the journal unless ``kept`` there;
+        ``aborted``: an aborted job."""
         setattr(self.counts, count, getattr(self.counts, count) + 1)
         if aborted:
             self.journal.record_fault(self.clock.time())
         log.log(level, line, entry.job_id, entry.kind, *args)
-        if remove:
+        if count != "kept":
             self.journal.remove(entry.job_id)
         return True
 
     def plan(self) -> list[_Pending]:
         entries = self.journal.load()
-        earlier, _ = self.journal.clocks()
-        now = clock_mark(self.clock.time())
-        pending: list[_Pending] = []
+        now, pending = clock_mark(self.clock.time()), []
         for entry in _this_hordes(entries, self.journal.horde):
-            step = plan(entry.to_json(), earlier, now)
+            step = plan(entry.to_json(), self.journal.earlier_clock, now)
             fault_ends_at = now.wall + step.least_left_s - FAULT_MARGIN_S
             if step.action == "reply" and entry.reply is not None:
                 ends_at = now.wall + step.lease_left_s
@@ -193,15 +182,8 @@ class _Pass:
                           "nothing sent", max(0.0, -step.lease_left_s), aborted=True)
         return pending
 
-    def _last_attempt_at(self) -> float | None:
-        """While stopping, the stop's deadline (``-inf`` without one); else None."""
-        if not self.stop.stopped():
-            return None
-        at = self.stop.stop_deadline()
-        return -math.inf if at is None else at
-
     def _over(self) -> bool:
-        last = self._last_attempt_at()
+        last = self.stop.last_attempt_at()
         return self.counts.key_refused or (last is not None and self.clock.time() > last)
 
     def serve(self, pending: list[_Pending]) -> None:
@@ -211,9 +193,9 @@ class _Pass:
                        else "the worker stopped first")
                 for item in pending:
                     self._end(item.entry, "kept", logging.WARNING,
-                              "job=%s kind=%s kept in the journal: %s", why, remove=False)
+                              "job=%s kind=%s kept in the journal: %s", why)
                 return
-            now, last = self.clock.time(), self._last_attempt_at()
+            now, last = self.clock.time(), self.stop.last_attempt_at()
             if last is not None:  # a stop: no pause runs past its deadline
                 for item in pending:
                     item.next_at = min(item.next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
@@ -232,16 +214,9 @@ class _Pass:
         entry, fault = item.entry, item.action == "fault"
         if self.clock.time() >= item.ends_at:
             return self._give_up(item, "the lease ended before the Horde answered")
-        if fault:
-            self.journal.mark_fault_sent(entry.job_id)  # before it goes: never a second one
         item.attempts += 1
-        try:
-            answer: Answered = self.horde.submit(item.body, timeout_s=self.timeout_s)
-        except (HordeRefusal, HordeUnavailable) as exc:
-            answer = exc
-        reading = read_answer(answer, fault=fault)
-        if reading.not_taken:
-            self.journal.mark_not_taken(entry.job_id)  # it may be sent again
+        reading = send_terminal(self.horde, self.journal, entry.job_id, item.body, fault=fault,
+                                timeout_s=self.timeout_s)
         if reading.aborted:  # it ended unanswered: an aborted job there
             self.journal.record_fault(self.clock.time())
         kind, why = reading.answer, reading.why
@@ -252,8 +227,8 @@ class _Pass:
             if fault:
                 self.journal.mark_not_taken(entry.job_id)  # it never reached the Horde
             return self._end(entry, "kept", logging.ERROR, "job=%s kind=%s not ended after a "
-                             "restart: the Horde refused the API key (%s); kept in the journal",
-                             why, remove=False)
+                             "restart: the Horde refused the API key (%s); kept in the "
+                             "journal", why)
         if kind is Answer.REFUSED and not fault:
             # The Horde refused the reply itself (seed "Submit refusals"): fault it, once.
             log.warning("job=%s kept reply refused after a restart: %s", entry.job_id, why)
@@ -280,15 +255,13 @@ class _Pass:
     def _unanswered(self, item: _Pending, reading: Reading) -> bool:
         """After a lost answer: kept at the stop's last attempt, given up past the
         lease or when a fault may have been taken, else tried again."""
-        lost, last = reading.answer is Answer.LOST, self._last_attempt_at()
+        lost, last = reading.answer is Answer.LOST, self.stop.last_attempt_at()
         if last is not None and (lost or self.clock.time() >= last - STOP_LAST_ATTEMPT_LEAD_S):
             # The stop's last attempt: the job stays in the journal as it is.
-            return self._end(
-                item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the journal: the "
-                "worker stopped before the Horde answered its %s (%s)%s", item.action, reading.why,
-                "; the fault may have been taken, so none will be sent again" if lost else "",
-                remove=False,
-            )
+            taken = "; the fault may have been taken, so none will be sent again" if lost else ""
+            return self._end(item.entry, "kept", logging.WARNING, "job=%s kind=%s kept in the "
+                             "journal: the worker stopped before the Horde answered its %s (%s)%s",
+                             item.action, reading.why, taken)
         if lost:  # it may have been counted: a second fault would re-open the request again
             why = f"the fault's answer was lost ({reading.why}); not sent twice"
             return self._give_up(item, why)
@@ -297,8 +270,7 @@ class _Pass:
         if last is not None:  # stopping: the last attempt comes before the deadline
             next_at = min(next_at, last - STOP_LAST_ATTEMPT_LEAD_S)
         if next_at >= item.ends_at:
-            why = f"the Horde did not answer within the lease ({reading.why})"
-            return self._give_up(item, why)
+            return self._give_up(item, f"the Horde did not answer within the lease ({reading.why})")
         log.debug("job=%s %s not answered (%s); trying again in %.1f s",
                   item.entry.job_id, item.action, reading.why, next_at - self.clock.time())
         item.next_at = next_at
@@ -314,11 +286,9 @@ def _this_hordes(entries: list[JournalEntry], horde: str | None) -> list[Journal
     answer the others 404."""
     mine = [e for e in entries if horde is None or e.horde in (None, horde)]
     for other, count in Counter(e.horde for e in entries if e not in mine).items():
-        log.warning(
-            "job journal: %d job%s popped from %s left alone (this start serves %s); "
-            "kept in the journal for a start against that Horde",
-            count, "" if count == 1 else "s", other, horde,
-        )
+        log.warning("job journal: %d job%s popped from %s left alone (this start serves %s); "
+                    "kept in the journal for a start against that Horde",
+                    count, "" if count == 1 else "s", other, horde)
     return mine
 
 
@@ -329,14 +299,9 @@ class Recovery:
     pending jobs at once), on ``clock``."""
 
     def __init__(
-        self,
-        journal: Journal,
-        *,
-        horde_factory: Callable[[], HordeAPI],
-        backend_factory: Callable[[], KcppAPI] | None,
-        model_id_default: str,
-        stop_event: threading.Event,
-        deadlines: CallDeadlines | None = None,
+        self, journal: Journal, *, horde_factory: Callable[[], HordeAPI],
+        backend_factory: Callable[[], KcppAPI] | None, model_id_default: str,
+        stop_event: threading.Event, deadlines: CallDeadlines | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.journal = journal
@@ -345,10 +310,10 @@ class Recovery:
         self._done = threading.Event()
         self._stop = RecoveryStop(clock, stop_event, deadlines)
         self._factories = (horde_factory, backend_factory)
-        self._model_id_default = model_id_default
-        threading.Thread(target=self._run, name="journal-recovery", daemon=True).start()
+        threading.Thread(target=self._run, args=(model_id_default,), name="journal-recovery",
+                         daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, model_id_default: str) -> None:
         horde_factory, backend_factory = self._factories
         horde = backend = None
         try:
@@ -356,7 +321,7 @@ class Recovery:
             backend = backend_factory() if backend_factory is not None else None
             self.result = recover(
                 self.journal, horde=horde, backend=backend, clock=self._stop.clock,
-                model_id_default=self._model_id_default, stop=self._stop,
+                model_id_default=model_id_default, stop=self._stop,
             )
         except Exception:  # never let the recovery hold the worker's start
             log.exception("the recovery of the jobs in hand at the last stop failed")
@@ -385,9 +350,8 @@ class Recovery:
         timeout_s = (grace_s + STOP_SUBMIT_EXTRA_S if left is None else max(0.0, left)) + 0.5
         return self._done.wait(timeout_s)
 
-    def wait(
-        self, stop_event: threading.Event | None = None, timeout_s: float | None = None
-    ) -> bool:
+    def wait(self, stop_event: threading.Event | None = None,
+             timeout_s: float | None = None) -> bool:
         """Wait until it ended (True), ``stop_event`` is set or ``timeout_s`` passed."""
         clock = self._stop.clock
         end = None if timeout_s is None else clock.monotonic() + timeout_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -26,6 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
+from ..errors import HordeRefusal, HordeUnavailable
+from ..horde.api import HordeAPI
 from .journal_format import (
     GENKEY_PREFIX,
     MAX_FAULTS,
@@ -39,15 +42,11 @@ from .journal_format import (
     read_document,
 )
 from .journal_rules import ClockMark, fault_ages_shift
+from .submit_answers import Answered, Reading, read_answer
 
 log = logging.getLogger("koboldcpp_horde_chat.journal")
 
-__all__ = [
-    "GENKEY_PREFIX",
-    "clock_mark",
-    "Journal",
-    "JournalEntry",
-]
+__all__ = ["GENKEY_PREFIX", "clock_mark", "Journal", "JournalEntry"]
 
 #: How long a fault is kept (seconds): the Horde's window for aborted jobs.
 FAULT_WINDOW_S: Final = 3600.0
@@ -99,10 +98,8 @@ class Journal:
         self._dirty = False
         self._written = False
         self._lock_fd: int | None = None
-        #: The clocks' mark the earlier process wrote with the file (None: none).
-        self._earlier_clock: ClockMark | None = None
-        #: This process's mark when it read the file.
-        self._loaded_clock: ClockMark | None = None
+        #: The clocks' mark the earlier process wrote with the file (None: none), once read.
+        self.earlier_clock: ClockMark | None = None
 
     def lock(self) -> int | None:
         """Take the journal for this process's life (an exclusive lock on
@@ -118,11 +115,17 @@ class Journal:
         """
         if self._lock_fd is not None:
             return None
-        lock_path = self.path.with_name(self.path.name + ".lock")
         check_directory(self.path.parent)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            _lock_file(fd)
+            if sys.platform == "win32":
+                import msvcrt
+
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = ""
             with contextlib.suppress(OSError):
@@ -139,9 +142,6 @@ class Journal:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
-
-    def __repr__(self) -> str:
-        return f"Journal(path={str(self.path)!r})"
 
     def serve(self, horde: str) -> None:
         """The entries added from now on record this Horde (base URL)."""
@@ -164,13 +164,6 @@ class Journal:
 
     load = entries
 
-    def clocks(self) -> tuple[ClockMark | None, ClockMark]:
-        """(the earlier process's clocks' mark, None without one; this
-        process's mark when it read the file)."""
-        with self._read_first():
-            assert self._loaded_clock is not None
-            return self._earlier_clock, self._loaded_clock
-
     @contextlib.contextmanager
     def _read_first(self) -> Iterator[None]:
         """Hold the lock, the file an earlier process left read first."""
@@ -182,17 +175,15 @@ class Journal:
         if self._loaded:
             return
         self._loaded = True
-        self._loaded_clock = clock_mark()
+        loaded_clock = clock_mark()
         try:
             with open(self.path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+                doc = read_document(f.read(MAX_FILE_BYTES + 1))
         except (FileNotFoundError, NotADirectoryError):
             return  # no journal yet (or no directory for one)
         except OSError as exc:
             self._set_aside(f"cannot be read ({reason(exc)})")
             return
-        try:
-            doc = read_document(raw)
         except OtherVersion as exc:
             self._set_aside(str(exc), f"version-{exc.version}", jobs=exc.jobs)
             return
@@ -201,20 +192,17 @@ class Journal:
             return
         for index, why in doc.skipped:
             log.warning("job journal %s: entry %d skipped: %s", self.path, index, why)
-        for entry in doc.entries:
-            self._entries[entry.job_id] = entry
-        self._earlier_clock = doc.clock
+        self._entries.update((entry.job_id, entry) for entry in doc.entries)
+        self.earlier_clock = doc.clock
         # The earlier run's faults on this run's wall clock, each as recent as it
         # can be (the worst for what the Horde counts: journal_rules).
-        shift = fault_ages_shift(self._earlier_clock, self._loaded_clock)
+        shift = fault_ages_shift(doc.clock, loaded_clock)
         self._faults = [t + shift for t in doc.faults]
 
     def _set_aside(self, problem: str, suffix: str = "unreadable", *, jobs: int = -1) -> None:
         target = self.path.with_name(f"{self.path.name}.{suffix}-{int(time.time())}")
-        left = (
-            f"; its {jobs} job{' gets' if jobs == 1 else 's get'} nothing from this start"
-            if jobs >= 0 else ""
-        )
+        gets = " gets" if jobs == 1 else "s get"
+        left = f"; its {jobs} job{gets} nothing from this start" if jobs >= 0 else ""
         try:
             os.replace(self.path, target)
         except OSError as exc:
@@ -225,42 +213,36 @@ class Journal:
 
     # -- writing ------------------------------------------------------------------
 
-    def add(self, entry: JournalEntry, *, durable: bool = False) -> None:
+    def add(self, entry: JournalEntry) -> None:
         """Record a job in hand, written before it returns (what a kill must
-        survive); ``durable`` also waits for the disk (``fsync``), which only a
-        machine going down needs."""
+        survive; a plain write: only a machine going down needs ``fsync``)."""
         with self._read_first():
             if entry.horde is None and self.horde is not None:
                 entry = replace(entry, horde=self.horde)
             self._entries[entry.job_id] = entry
-            self._write_locked(durable=durable)
+            self._write_locked()
 
-    def remove(self, job_id: str, *, write: bool = True) -> None:
+    def remove(self, job_id: str) -> None:
         """Clear a job whose terminal action was answered (or that ended without
-        one on purpose), written at once unless ``write`` is False (then with
-        the next write or :meth:`flush`)."""
+        one on purpose), written at once."""
         with self._read_first():
-            removed = self._entries.pop(job_id, None) is not None
-            if write and (removed or self._dirty):
-                self._write_locked(durable=False)
-            elif removed:
-                self._dirty = True
+            if self._entries.pop(job_id, None) is not None or self._dirty:
+                self._write_locked()
 
     def _change(self, job_id: str, **changes: Any) -> bool:
+        """Change a job's entry in one hold, its lease end only ever later; False
+        when the job is not recorded."""
         with self._read_first():
             entry = self._entries.get(job_id)
-            if entry is None:
-                return False
-            self._entries[job_id] = replace(entry, **changes)
-            self._write_locked(durable=False)
-            return True
+            if entry is not None and changes.get("lease_end", math.inf) > entry.lease_end:
+                self._entries[job_id] = replace(entry, **changes)
+                self._write_locked()
+            return entry is not None
 
-    def keep_reply(self, job_id: str, body: dict[str, Any], *, sent: bool = True) -> bool:
-        """Keep a job's submit body before it is sent (``sent`` False: not sent
-        next); a restart sends it again. False when the job is not recorded."""
-        return self._change(
-            job_id, terminal="reply_sent" if sent else "reply_kept", reply=dict(body)
-        )
+    def keep_reply(self, job_id: str, body: dict[str, Any]) -> bool:
+        """Keep a job's submit body before it is sent; a restart sends it again.
+        False when the job is not recorded."""
+        return self._change(job_id, terminal="reply_sent", reply=dict(body))
 
     def mark_fault_sent(self, job_id: str) -> bool:
         """Mark a job's fault as sent, before it is sent: a restart sends it
@@ -268,21 +250,13 @@ class Journal:
         return self._change(job_id, terminal="fault_sent", reply=None)
 
     def mark_not_taken(self, job_id: str) -> bool:
-        """The terminal action just sent is known not to have reached the Horde:
-        a fault back to ``none``, a reply to ``reply_kept``. False when the job
-        is not recorded."""
-        entry = self.entry(job_id)
-        if entry is None:
-            return False
-        back = {"fault_sent": "none", "reply_sent": "reply_kept"}.get(entry.terminal)
-        return True if back is None else self._change(job_id, terminal=back)
+        """The fault just sent is known not to have reached the Horde: back to
+        ``none``. False when the job is not recorded."""
+        return self._change(job_id, terminal="none")
 
     def set_lease_end(self, job_id: str, lease_end: float) -> bool:
         """Record a later lease end (epoch seconds) after an accepted progress
         post. False when the job is not recorded."""
-        entry = self.entry(job_id)
-        if entry is None or lease_end <= entry.lease_end:
-            return entry is not None
         return self._change(job_id, lease_end=lease_end)
 
     def entry(self, job_id: str) -> JournalEntry | None:
@@ -306,9 +280,9 @@ class Journal:
         """Write the changes not written yet."""
         with self._lock:
             if self._dirty:
-                self._write_locked(durable=False)
+                self._write_locked()
 
-    def _write_locked(self, *, durable: bool = True) -> None:
+    def _write_locked(self) -> None:
         self._dirty = False
         data = document_text(self._entries.values(), self._faults, clock_mark())
         directory = self.path.parent
@@ -319,9 +293,6 @@ class Journal:
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
             os.replace(tmp, self.path)
             tmp = None
         except OSError as exc:
@@ -331,40 +302,31 @@ class Journal:
                     os.unlink(tmp)
             if not self._failing:
                 self._failing = True
-                log.warning(
-                    "job journal %s cannot be written (%s): a job in hand during a crash "
-                    "would be left to expire on the Horde; trying again with each job",
-                    self.path, reason(exc),
-                )
+                log.warning("job journal %s cannot be written (%s): a job in hand during a crash "
+                            "would be left to expire on the Horde; trying again with each job",
+                            self.path, reason(exc))
             return
         self._written = True
-        if durable:
-            _fsync_dir(directory)
         if self._failing:
             self._failing = False
             log.warning("job journal %s is written again", self.path)
 
 
-def _lock_file(fd: int) -> None:
-    if sys.platform == "win32":
-        import msvcrt
-
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    else:
-        import fcntl
-
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name == "nt":
-        return  # directories cannot be opened for fsync on Windows
+def send_terminal(
+    horde: HordeAPI, journal: Journal | None, job_id: str, body: dict[str, Any], *,
+    fault: bool, timeout_s: float,
+) -> Reading:
+    """One submit of a job's reply or fault (``fault``), its answer read by
+    ``read_answer``, for the live submit and the recovery alike: a fault is marked
+    sent before it goes (a restart never sends a second one), and back when it
+    surely did not reach the Horde (it may be sent again)."""
+    if fault and journal is not None:
+        journal.mark_fault_sent(job_id)
     try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some file systems do not support it
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        answer: Answered = horde.submit(body, timeout_s=timeout_s)
+    except (HordeRefusal, HordeUnavailable) as exc:
+        answer = exc
+    reading = read_answer(answer, fault=fault)
+    if reading.not_taken and journal is not None:
+        journal.mark_not_taken(job_id)
+    return reading

@@ -20,6 +20,7 @@ whole; version 1 with ``clock`` is read as version 2 without ``horde``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -38,7 +39,6 @@ MAX_FILE_BYTES: Final = 64 * 1024 * 1024
 #: The most faults kept (more than the Horde's maintenance threshold ever needs).
 MAX_FAULTS: Final = 100
 
-KINDS: Final = frozenset({"chat", "text"})
 GENKEY_PREFIX: Final = "HORDEREQ_"
 
 
@@ -67,7 +67,7 @@ class JournalEntry:
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
             raise ValueError("job_id is not a non-empty string")
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in ("chat", "text"):
             raise ValueError("kind is not 'chat' or 'text'")
         if self.model_id is not None and not isinstance(self.model_id, str):
             raise ValueError("model_id is not a string or null")
@@ -75,10 +75,9 @@ class JournalEntry:
             self.genkey and not self.genkey.startswith(GENKEY_PREFIX)
         ):
             raise ValueError(f"genkey is not '' or a {GENKEY_PREFIX} key")
-        lease_end = self.lease_end
-        if isinstance(lease_end, bool) or not isinstance(lease_end, int | float):
+        if isinstance(self.lease_end, bool) or not isinstance(self.lease_end, int | float):
             raise ValueError("lease_end is not a number")
-        if finite_number(lease_end) is None:  # NaN, infinite, or too large for a float
+        if finite_number(self.lease_end) is None:  # NaN, infinite, or too large for a float
             raise ValueError("lease_end is not a finite number")
         if not isinstance(self.terminal, str) or self.terminal not in TERMINAL_STATES:
             raise ValueError("terminal is not a terminal-action state")
@@ -128,10 +127,8 @@ def clock_mark(wall: float | None = None) -> ClockMark:
     boottime: float | None = None
     clock_id = getattr(time, "CLOCK_BOOTTIME", None)
     if clock_id is not None:
-        try:
+        with contextlib.suppress(OSError):
             boottime = time.clock_gettime(clock_id)
-        except OSError:
-            boottime = None
     return ClockMark(time.time() if wall is None else wall, _boot_id(), boottime)
 
 
@@ -190,16 +187,12 @@ def read_document(raw: bytes) -> JournalDocument:
     if isinstance(version, bool) or not isinstance(version, int):
         raise NotAJournal("is not a job journal (no version)")
     if version > FILE_VERSION:
-        raise OtherVersion(
-            f"was written by a newer version of the worker (format {version}; this one "
-            f"reads up to {FILE_VERSION})", version, len(doc["jobs"]),
-        )
+        raise OtherVersion(f"was written by a newer version of the worker (format {version}; "
+                           f"this one reads up to {FILE_VERSION})", version, len(doc["jobs"]))
     if version == EARLIER_VERSION and "clock" not in doc:
-        raise OtherVersion(
-            f"was written by version 0.1.0 of the worker (format {version}: its lease ends "
-            "are not the Horde's, and it does not say which replies were sent)",
-            version, len(doc["jobs"]),
-        )
+        raise OtherVersion(f"was written by version 0.1.0 of the worker (format {version}: its "
+                           "lease ends are not the Horde's, and it does not say which replies "
+                           "were sent)", version, len(doc["jobs"]))
     if version not in (EARLIER_VERSION, FILE_VERSION):
         raise NotAJournal(f"is not a version {FILE_VERSION} job journal")
     entries: list[JournalEntry] = []
@@ -211,27 +204,18 @@ def read_document(raw: bytes) -> JournalDocument:
             skipped.append((index, str(exc)))
     faults = doc.get("faults")
     kept = faults[-MAX_FAULTS:] if isinstance(faults, list) else []
-    return JournalDocument(
-        entries=entries,
-        skipped=skipped,
-        clock=ClockMark.from_json(doc.get("clock")),
-        faults=[t for t in map(finite_number, kept) if t is not None],
-    )
+    faults = [t for t in map(finite_number, kept) if t is not None]
+    return JournalDocument(entries, skipped, ClockMark.from_json(doc.get("clock")), faults)
 
 
-def document_text(
-    entries: Iterable[JournalEntry], faults: Sequence[float], mark: ClockMark
-) -> str:
+def document_text(entries: Iterable[JournalEntry], faults: Sequence[float], mark: ClockMark) -> str:
     """The journal file's text (faults to the millisecond).
 
     Raises:
         ValueError: a kept reply holds a number JSON cannot carry (NaN, infinity).
     """
-    doc: dict[str, Any] = {
-        "version": FILE_VERSION,
-        "jobs": [e.to_json() for e in entries],
-    }
-    if faults:
-        doc["faults"] = [round(t, 3) for t in faults]
-    doc["clock"] = mark.to_json()
+    doc = {"version": FILE_VERSION, "jobs": [e.to_json() for e in entries],
+           "faults": [round(t, 3) for t in faults], "clock": mark.to_json()}
+    if not faults:
+        del doc["faults"]
     return json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))

@@ -16,9 +16,7 @@ SLUG_MAX_CHARS: Final = 40
 
 
 def default_state_dir(
-    *,
-    platform: str = sys.platform,
-    environ: Mapping[str, str] = os.environ,
+    *, platform: str = sys.platform, environ: Mapping[str, str] = os.environ,
     home: Path | None = None,
 ) -> Path:
     """This program's directory in the platform's state directory:
@@ -29,13 +27,13 @@ def default_state_dir(
         local = environ.get("LOCALAPPDATA", "")
         if local and PureWindowsPath(local).is_absolute():
             return Path(local) / APP_DIR_NAME
-        return _home(home) / "AppData" / "Local" / APP_DIR_NAME
+        return (home or Path.home()) / "AppData" / "Local" / APP_DIR_NAME
     if platform == "darwin":
-        return _home(home) / "Library" / "Application Support" / APP_DIR_NAME
+        return (home or Path.home()) / "Library" / "Application Support" / APP_DIR_NAME
     state = environ.get("XDG_STATE_HOME", "")
     if state and PurePosixPath(state).is_absolute():
         return Path(state) / APP_DIR_NAME
-    return _home(home) / ".local" / "state" / APP_DIR_NAME
+    return (home or Path.home()) / ".local" / "state" / APP_DIR_NAME
 
 
 JOURNAL_DIR_ENV: Final = "KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR"
@@ -45,10 +43,6 @@ def journal_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """``$KOBOLDCPP_HORDE_CHAT_JOURNAL_DIR`` when set, else :func:`default_state_dir`."""
     value = environ.get(JOURNAL_DIR_ENV, "").strip()
     return Path(value).expanduser() if value else default_state_dir(environ=environ)
-
-
-def _home(home: Path | None) -> Path:
-    return Path.home() if home is None else home
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")

@@ -45,11 +45,8 @@ class ClockMark:
     boottime: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "wall": round(self.wall, 3),
-            "boot_id": self.boot_id,
-            "boottime": None if self.boottime is None else round(self.boottime, 3),
-        }
+        boottime = None if self.boottime is None else round(self.boottime, 3)
+        return {"wall": round(self.wall, 3), "boot_id": self.boot_id, "boottime": boottime}
 
     @classmethod
     def from_json(cls, obj: object) -> ClockMark | None:
@@ -81,9 +78,8 @@ def elapsed_bounds(then: ClockMark | None, now: ClockMark) -> tuple[float, float
         exact = now.boottime - then.boottime
         if exact >= 0:
             return exact, exact
-    floor = 0.0
-    if then.boot_id and now.boot_id and not same_boot and now.boottime is not None:
-        floor = max(0.0, now.boottime)
+    rebooted = bool(then.boot_id and now.boot_id) and not same_boot
+    floor = max(0.0, now.boottime) if rebooted and now.boottime is not None else 0.0
     return floor, wall_elapsed if wall_elapsed >= floor else math.inf
 
 
@@ -106,10 +102,8 @@ def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> Resta
     it surely runs with :data:`FAULT_MARGIN_S` to spare."""
     terminal = entry.get("terminal", "none")
     least, most = elapsed_bounds(then, now)
-    at_write = then.wall if then is not None else now.wall
-    left_at_write = float(entry["lease_end"]) - at_write
-    most_left = left_at_write - least
-    least_left = left_at_write - most
+    left_at_write = float(entry["lease_end"]) - (then or now).wall
+    most_left, least_left = left_at_write - least, left_at_write - most
     if terminal == "fault_sent":
         return RestartPlan("fault_sent", least_left, least_left)
     if terminal in REPLY_STATES and isinstance(entry.get("reply"), dict):
@@ -121,10 +115,7 @@ def plan(entry: dict[str, Any], then: ClockMark | None, now: ClockMark) -> Resta
 def fault_ages_shift(then: ClockMark | None, now: ClockMark) -> float:
     """Seconds to add to an earlier run's fault times to read them on this run's
     wall clock, taking the least time passed (each fault as recent as it can be)."""
-    if then is None:
-        return 0.0
-    least, _ = elapsed_bounds(then, now)
-    return (now.wall - then.wall) - least
+    return 0.0 if then is None else (now.wall - then.wall) - elapsed_bounds(then, now)[0]
 
 
 def known_not_taken(status: int, sent: bool | None) -> bool:

@@ -44,11 +44,8 @@ def _without_queries(value: Any) -> Any:
 
 def request_digest(pop: Mapping[str, Any]) -> str:
     """A hex digest naming the request of a pop's answer; never raises."""
-    named = {
-        "payload": _without_queries(pop.get("payload")),
-        "model": pop.get("model"),
-        "chat": pop.get("chat") is True,
-    }
+    named = {"payload": _without_queries(pop.get("payload")), "model": pop.get("model"),
+             "chat": pop.get("chat") is True}
     text = json.dumps(named, sort_keys=True, ensure_ascii=True, default=repr)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
@@ -57,8 +54,7 @@ class RequestFaults:
     """The times this worker faulted each request (at most ``max_requests``,
     the oldest forgotten first). Not thread-safe: the shared state's lock guards it."""
 
-    def __init__(self, window_s: float = WINDOW_S, *, max_requests: int = MAX_REQUESTS) -> None:
-        self.window_s = float(window_s)
+    def __init__(self, *, max_requests: int = MAX_REQUESTS) -> None:
         self.max_requests = max(1, int(max_requests))
         #: Per request: its last fault times, and whether koboldcpp failed the last one.
         self._faults: OrderedDict[str, tuple[deque[float], bool]] = OrderedDict()
@@ -77,10 +73,7 @@ class RequestFaults:
     def backend_failed(self, digest: str) -> bool:
         return digest in self._faults and self._faults[digest][1]
 
-    def recent(self, digest: str, now: float) -> int:
-        times, _ = self._faults.get(digest, ((), False))
-        return sum(1 for t in times if now - t <= self.window_s)
-
     def hold(self, digest: str, now: float) -> bool:
         """Whether a job of request ``digest`` is left to expire."""
-        return self.recent(digest, now) >= FAULTS_BEFORE_HOLDING
+        times, _ = self._faults.get(digest, ((), False))
+        return sum(1 for t in times if now - t <= WINDOW_S) >= FAULTS_BEFORE_HOLDING

@@ -78,8 +78,8 @@ def read_answer(answer: Answered, *, fault: bool) -> Reading:
         return Reading(Answer.ACCEPTED, kudos=kudos or 0.0)
     if isinstance(answer, HordeUnavailable):
         not_taken = fault and known_not_taken(answer.status, answer.sent)
-        lost = fault and not not_taken
-        return Reading(Answer.LOST if lost else Answer.RETRY, answer, not_taken=not_taken)
+        kind = Answer.LOST if fault and not not_taken else Answer.RETRY
+        return Reading(kind, answer, not_taken=not_taken)
     if is_key_refusal(answer):
         return Reading(Answer.KEY_REFUSED, answer)
     if answer.rc == DUPLICATE_GEN:
@@ -94,8 +94,6 @@ def refused_reply_fault(exc: HordeRefusal) -> JobFault:
     (``REFUSAL_RCS``), none for another (such as 400). One after
     ``ChatSubmitNonconformant`` does not count toward maintenance: the Horde
     counts it as a nonconformant reply."""
-    return JobFault(
-        f"reply refused ({exc.rc or exc.status}): {exc.message}",
-        fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
-        counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT,
-    )
+    return JobFault(f"reply refused ({exc.rc or exc.status}): {exc.message}",
+                    fault_reason=FAULT_REPLY_REFUSED if exc.rc in REFUSAL_RCS else None,
+                    counts=exc.rc != CHAT_SUBMIT_NONCONFORMANT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,10 @@ def test_a_reply_kept_at_a_crash_is_submitted_by_the_next_start(
     path = journal_before_the_crash(tmp_path, answer, GENKEY)
     reply = {"id": job_id, "message": {"role": "assistant", "content": "Blue."},
              "finish_reason": "stop", "model_id": MODEL, "state": "ok"}
-    assert Journal(path).keep_reply(job_id, reply, sent=False)
+    journal = Journal(path)  # kept, not sent yet
+    entry = journal.entry(job_id)
+    assert entry is not None
+    journal.add(replace(entry, terminal="reply_kept", reply=reply))
 
     result = restart(path, horde, kcpp.url)
 

@@ -55,7 +55,7 @@ def left_in_hand(horde: DevHorde, directory: Path) -> tuple[str, str, Path]:
         journal.add(JournalEntry(job_id, "chat", MODEL, "", time.time() + horde.ttl_s))
     reply = {"id": ids[0], "message": {"role": "assistant", "content": "Blue."},
              "finish_reason": "stop", "model_id": MODEL, "state": "ok"}
-    assert journal.keep_reply(ids[0], reply, sent=True)
+    assert journal.keep_reply(ids[0], reply)
     return ids[0], ids[1], path
 
 

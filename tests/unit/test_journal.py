@@ -220,30 +220,6 @@ def test_add_returns_with_the_entry_on_disk(tmp_path: Path) -> None:
     assert journal.entries() == [text_entry()]
 
 
-def test_a_durable_add_flushes_to_disk_before_replacing_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tmp_path / "jobs.json"
-    order: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        order.append("fsync")
-        real_fsync(fd)
-
-    def replace(src: Any, dst: Any) -> None:
-        order.append("replace")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    Journal(path).add(chat_entry(), durable=True)
-    assert order[:2] == ["fsync", "replace"]  # the data, then the rename
-    if os.name != "nt":
-        assert order[2:] == ["fsync"]  # then the directory
-    assert not [p for p in tmp_path.iterdir() if p.name != "jobs.json"]  # no temp file left
-
-
 def test_an_add_on_a_jobs_path_is_a_plain_write_that_a_killed_process_leaves_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -451,7 +427,6 @@ def test_a_read_only_directory_logs_one_line_and_does_not_raise(
     ("where", "error"),
     [
         ("replace", OSError(errno.EROFS, "Read-only file system")),
-        ("fsync", OSError(errno.ENOSPC, "No space left on device")),
         ("mkstemp", PermissionError(errno.EACCES, "Permission denied")),
     ],
 )
@@ -474,9 +449,8 @@ def test_a_failing_write_is_logged_once_retried_and_its_recovery_logged_once(
         raise error
 
     monkeypatch.setattr(target, where, fail)
-    durable = where == "fsync"  # only a durable write waits for the disk
     for i in range(5):
-        journal.add(chat_entry(f"during-{i}"), durable=durable)  # never raises
+        journal.add(chat_entry(f"during-{i}"))  # never raises
     lines = journal_lines(caplog)
     assert len(lines) == 1
     assert "cannot be written" in lines[0] and error.strerror in lines[0]
@@ -567,10 +541,7 @@ class Pauses:
         self.waited.append(seconds)
         self.wall.now += seconds
 
-    def stopped(self) -> bool:
-        return False
-
-    def stop_deadline(self) -> float | None:
+    def last_attempt_at(self) -> float | None:
         return None
 
 
@@ -909,20 +880,15 @@ def test_an_explicit_journal_directory_that_cannot_be_used_is_a_configuration_er
     assert (tmp_path / "new" / "dir").is_dir() and list((tmp_path / "new" / "dir").iterdir()) == []
 
 
-def test_a_removal_not_written_now_goes_out_with_the_next_add_or_flush(tmp_path: Path) -> None:
-    """A job's path writes the journal once, at its pop: the previous job's removal
-    rides along with that write (or with a flush when the loop is idle)."""
+def test_a_fault_not_written_now_goes_out_with_the_next_flush(tmp_path: Path) -> None:
+    """A fault counted rides along with the next write, or with a flush when the loop is idle."""
     path = tmp_path / "jobs.json"
     journal = Journal(path)
     journal.add(chat_entry("a"))
-    journal.remove("a", write=False)
-    assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["a"]  # not written yet
-    assert journal.entries() == []
-    journal.add(chat_entry("b"))
-    assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["b"]
-    journal.remove("b", write=False)
+    journal.record_fault(NOW)
+    assert "faults" not in on_disk(path)  # not written yet
     journal.flush()
-    assert on_disk(path)["jobs"] == []
+    assert on_disk(path)["faults"] == [NOW]
     mtime = path.stat().st_mtime_ns
     journal.flush()  # nothing pending: no write
     assert path.stat().st_mtime_ns == mtime

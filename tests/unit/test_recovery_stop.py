@@ -51,12 +51,6 @@ class StopAfter:
         if count == self.n and self.deadline is None:
             self.deadline = self.wall.now + self.grace_s
 
-    def stopped(self) -> bool:
-        return self.deadline is not None
-
-    def stop_deadline(self) -> float | None:
-        return self.deadline
-
 
 class StoppingHorde(ScriptedHorde):
     def __init__(self, stop: StopAfter, *script: Any) -> None:
@@ -77,11 +71,8 @@ class StopPauses(Pauses):
         super().__init__(stop.wall)
         self.stop = stop
 
-    def stopped(self) -> bool:
-        return self.stop.stopped()
-
-    def stop_deadline(self) -> float | None:
-        return self.stop.stop_deadline()
+    def last_attempt_at(self) -> float | None:
+        return self.stop.deadline  # set when the stop comes
 
 
 def run(path: Path, horde: StoppingHorde) -> tuple[RecoveryResult, Pauses]:

@@ -15,6 +15,7 @@ from bench.harness.fakes import FakeClock
 from koboldcpp_horde_chat.errors import HordeRefusal, HordeUnavailable, JobFault
 from koboldcpp_horde_chat.run import submit as submit_mod
 from koboldcpp_horde_chat.service import recovery as recovery_mod
+from koboldcpp_horde_chat.state import journal as journal_mod
 from koboldcpp_horde_chat.state.journal import Journal
 from koboldcpp_horde_chat.state.submit_answers import (
     Answer,
@@ -192,21 +193,30 @@ def test_the_live_submit_and_the_recovery_leave_the_same_journal_for_the_same_an
 def test_both_paths_read_the_answer_with_the_one_reading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both send through ``journal.send_terminal``, which reads with ``read_answer``."""
     calls: list[tuple[str, bool]] = []
 
     def spy(where: str) -> Any:
-        def reading(answer: Any, *, fault: bool) -> Reading:
+        def sending(*args: Any, fault: bool, **kwargs: Any) -> Reading:
             calls.append((where, fault))
-            return read_answer(answer, fault=fault)
-        return reading
+            return journal_mod.send_terminal(*args, fault=fault, **kwargs)
+        return sending
 
-    monkeypatch.setattr(submit_mod, "read_answer", spy("live"))
-    monkeypatch.setattr(recovery_mod, "read_answer", spy("recovery"))
+    def reading(answer: Any, *, fault: bool) -> Reading:
+        calls.append(("read", fault))
+        return read_answer(answer, fault=fault)
+
+    monkeypatch.setattr(submit_mod, "send_terminal", spy("live"))
+    monkeypatch.setattr(recovery_mod, "send_terminal", spy("recovery"))
+    monkeypatch.setattr(journal_mod, "read_answer", reading)
     (tmp_path / "live").mkdir()
     (tmp_path / "restart").mkdir()
     live(tmp_path / "live", "reply", [refusal(400, "ChatSubmitInvalid"), {}])
     recovered(tmp_path / "restart", "reply", [refusal(400, "ChatSubmitInvalid"), {}])
-    assert calls == [("live", False), ("live", True), ("recovery", False), ("recovery", True)]
+    assert calls == [
+        ("live", False), ("read", False), ("live", True), ("read", True),
+        ("recovery", False), ("read", False), ("recovery", True), ("read", True),
+    ]
 
 
 def test_the_recoverys_line_for_a_fault_sent_before_the_restart_keeps_its_words(
