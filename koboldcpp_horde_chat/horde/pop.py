@@ -11,7 +11,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PayloadError
 
@@ -69,12 +69,14 @@ class ChatJob:
         return ()
 
 
+_T = TypeVar("_T")
 _NOT_A: dict[type, str] = {str: "not a string", list: "not a list", dict: "not an object"}
 
 
-def _expect(value: object, kind: type, path: str, job_id: str) -> None:
+def _expect(value: object, kind: type[_T], path: str, job_id: str) -> _T:
     if not isinstance(value, kind):
         raise PayloadError(path, _NOT_A[kind], job_id=job_id)
+    return value
 
 
 def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
@@ -111,12 +113,9 @@ class Lease:
     def remaining(self, now: float) -> float:
         return self.deadline - now
 
-    def extend_to(self, deadline: float) -> bool:
-        """Move the deadline later (never earlier); True when it moved."""
-        if deadline <= self.deadline:
-            return False
-        self.deadline = deadline
-        return True
+    def extend_to(self, deadline: float) -> None:
+        """Move the deadline later (never earlier)."""
+        self.deadline = max(self.deadline, deadline)
 
 
 @dataclass(frozen=True)
@@ -146,27 +145,16 @@ def read_pop(answer: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S) ->
     except PayloadError as exc:
         error = exc
     return PopAnswer(
-        raw=raw,
-        id=job_id if isinstance(job_id, str) and job_id else None,
-        chat=raw.get("chat") is True,
-        ttl_s=ttl_seconds(raw, default_ttl_s),
-        job=job,
-        error=error,
-        messages=raw.get("messages"),
-        skipped=raw.get("skipped"),
+        raw=raw, id=job_id if isinstance(job_id, str) and job_id else None,
+        chat=raw.get("chat") is True, ttl_s=ttl_seconds(raw, default_ttl_s), job=job,
+        error=error, messages=raw.get("messages"), skipped=raw.get("skipped"),
     )
 
 
 #: The sampler fields of a chat payload (seed step 2: always present): each must be
 #: a number when present, and goes to koboldcpp exactly as sent (``translate.bodies``).
 SAMPLER_KEYS = (
-    "temperature",
-    "top_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "rep_pen",
-    "top_k",
-    "min_p",
+    "temperature", "top_p", "frequency_penalty", "presence_penalty", "rep_pen", "top_k", "min_p",
 )
 
 
@@ -185,18 +173,14 @@ def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
         raise PayloadError("payload.seed", "not an integer", job_id=job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
-        _expect(stop, list, "payload.stop_sequence", job_id)
-        for i, item in enumerate(stop):
+        for i, item in enumerate(_expect(stop, list, "payload.stop_sequence", job_id)):
             _expect(item, str, f"payload.stop_sequence[{i}]", job_id)
-    tools = payload.get("tools")
-    if tools is not None:
-        _expect(tools, list, "payload.tools", job_id)
-        for i, tool in enumerate(tools):
+    if payload.get("tools") is not None:
+        for i, tool in enumerate(_expect(payload["tools"], list, "payload.tools", job_id)):
             _expect(tool, dict, f"payload.tools[{i}]", job_id)
-    response_format = payload.get("response_format")
-    if response_format is not None:
-        _expect(response_format, dict, "payload.response_format", job_id)
-        _expect(response_format.get("type"), str, "payload.response_format.type", job_id)
+    if payload.get("response_format") is not None:
+        fmt = _expect(payload["response_format"], dict, "payload.response_format", job_id)
+        _expect(fmt.get("type"), str, "payload.response_format.type", job_id)
 
 
 def parse_pop(
@@ -222,13 +206,8 @@ def parse_pop(
     payload = pop.get("payload")
     if not isinstance(payload, dict):
         raise PayloadError("payload", "missing or not an object", job_id=job_id)
-    log.debug(
-        "job %s: chat=%r, %d payload keys %s",
-        job_id,
-        pop.get("chat"),
-        len(payload),
-        sorted(str(k) for k in payload)[:40],
-    )
+    log.debug("job %s: chat=%r, %d payload keys %s", job_id, pop.get("chat"), len(payload),
+              sorted(str(k) for k in payload)[:40])
     if pop.get("chat") is not True:
         if not isinstance(payload.get("prompt"), str):
             raise PayloadError("payload.prompt", "missing or not a string", job_id=job_id)
@@ -249,13 +228,8 @@ def parse_pop(
     max_context_length = _positive_int(payload, "max_context_length", job_id)
     _check_optional_fields(payload, job_id)
     return ChatJob(
-        id=job_id,
-        payload=payload,
-        ttl_s=ttl_s,
-        model=model,
-        messages=messages,
-        messages_url=None if messages is not None else url,
-        max_length=max_length,
+        id=job_id, payload=payload, ttl_s=ttl_s, model=model, messages=messages,
+        messages_url=None if messages is not None else url, max_length=max_length,
         max_context_length=max_context_length,
         stream_progress=payload.get("stream_progress") is True,
     )
@@ -273,21 +247,17 @@ def _validate_content(content: object, path: str, job_id: str) -> None:
         if kind == "text":
             _expect(part.get("text"), str, f"{part_path}.text", job_id)
         elif kind == "image_url":
-            image = part.get("image_url")
-            _expect(image, dict, f"{part_path}.image_url", job_id)
+            image = _expect(part.get("image_url"), dict, f"{part_path}.image_url", job_id)
             _expect(image.get("url"), str, f"{part_path}.image_url.url", job_id)
         else:
             raise PayloadError(f"{part_path}.type", f"unknown part type {kind!r}", job_id=job_id)
 
 
 def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
-    if not isinstance(calls, list):
-        raise PayloadError(path, "not a list", job_id=job_id)
-    for k, call in enumerate(calls):
+    for k, call in enumerate(_expect(calls, list, path, job_id)):
         call_path = f"{path}[{k}]"
         _expect(call, dict, call_path, job_id)
-        function = call.get("function")
-        _expect(function, dict, f"{call_path}.function", job_id)
+        function = _expect(call.get("function"), dict, f"{call_path}.function", job_id)
         _expect(function.get("name"), str, f"{call_path}.function.name", job_id)
 
 
@@ -303,8 +273,7 @@ def validate_messages(
     Raises:
         PayloadError: naming the first bad field, e.g. ``payload.messages[2].role``.
     """
-    if not isinstance(messages, list):
-        raise PayloadError(path, "not a list", job_id=job_id)
+    messages = _expect(messages, list, path, job_id)
     if not messages:
         raise PayloadError(path, "empty", job_id=job_id)
     for i, message in enumerate(messages):

@@ -124,8 +124,7 @@ class ProgressPoster:
         self.stopped_generating: str | None = None
         self.stop_reason: str | None = None
 
-        self._buf_content: list[str] = []
-        self._buf_reasoning: list[str] = []
+        self._buf_content = self._buf_reasoning = ""
         self._history: list[_Post] = []  # the accepted posts
         self._in_flight: _Post | None = None
         self._last_sent_at: float | None = None
@@ -137,12 +136,9 @@ class ProgressPoster:
     def add(self, content: str, reasoning: str) -> None:
         """Buffer released text (as the chat stream's accumulator gives it, so the
         posts add up to the submitted reply); ignored once posting stopped."""
-        if not self.posting:
-            return
-        if content:
-            self._buf_content.append(content)
-        if reasoning:
-            self._buf_reasoning.append(reasoning)
+        if self.posting:
+            self._buf_content += content
+            self._buf_reasoning += reasoning
 
     def due(self, now: float) -> dict[str, Any] | None:
         """The next post, now in flight, or None: nothing buffered, a post in flight,
@@ -232,9 +228,8 @@ class ProgressPoster:
         if self.seq > self.max_posts:
             self._stop_posting(f"post cap of {self.max_posts} reached")
             return None
-        post = _Post(self.seq, "".join(self._buf_content), "".join(self._buf_reasoning), now)
-        self._buf_content = []
-        self._buf_reasoning = []
+        post = _Post(self.seq, self._buf_content, self._buf_reasoning, now)
+        self._buf_content = self._buf_reasoning = ""
         remaining = self.cap_bytes - self.bytes_accepted
         post.last = self.seq >= self.max_posts or post.size >= remaining
         if post.size > remaining:
@@ -323,8 +318,7 @@ class ProgressPoster:
         self.posting = False
         self.stop_reason = self.stop_reason or reason
         self._in_flight = None
-        self._buf_content = []
-        self._buf_reasoning = []
+        self._buf_content = self._buf_reasoning = ""
         return ProgressAction.STOP_POSTING
 
     def _stop_generating(self, why: str, reason: str) -> ProgressAction:
