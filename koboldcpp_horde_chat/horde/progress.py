@@ -37,10 +37,8 @@ log = logging.getLogger("koboldcpp_horde_chat.progress")
 
 MAX_POSTS = 1000
 CAP_BYTES_PER_TOKEN = 16
-BASE_LEASE_S = 150.0
 UNTRUSTED_LEASE_CAP_S = 200.0
-#: 409 or lost answers in a row after which posting stops (and, by default,
-#: unavailable ones).
+#: 409, unavailable or lost answers in a row after which posting stops.
 MAX_IN_A_ROW = 3
 
 
@@ -88,11 +86,10 @@ class _Post:
 class ProgressPoster:
     """Progress posting for one streamed job; times are seconds on the caller's clock.
 
-    ``max_length`` (tokens) sets the byte cap; ``lease`` is the job's lease,
-    extended as posts are accepted (None: one of ``base_lease_s`` from
-    ``popped_at``). ``posting`` turns False for good at any stop;
-    ``stopped_generating`` is then None, ``"cancelled"`` or ``"aborted"``;
-    ``stop_reason`` says why, for the log.
+    ``max_length`` (tokens) sets the byte cap; ``lease`` is the job's lease as
+    popped (its length is the base lease), extended as posts are accepted.
+    ``posting`` turns False for good at any stop; ``stopped_generating`` is then
+    None, ``"cancelled"`` or ``"aborted"``; ``stop_reason`` says why, for the log.
     """
 
     def __init__(
@@ -100,20 +97,16 @@ class ProgressPoster:
         job_id: str,
         *,
         max_length: int,
+        lease: Lease,
         interval_s: float = 1.0,
         max_posts: int = MAX_POSTS,
-        max_unavailable: int = MAX_IN_A_ROW,
-        lease: Lease | None = None,
-        popped_at: float = 0.0,
-        base_lease_s: float = BASE_LEASE_S,
         lease_cap_s: float = UNTRUSTED_LEASE_CAP_S,
     ) -> None:
         self.job_id = job_id
         self.interval_s = interval_s
         self.max_posts = max_posts
-        self.max_unavailable = max_unavailable
-        self.lease = lease or Lease(popped_at, popped_at + base_lease_s)
-        self.base_lease_s = base_lease_s
+        self.lease = lease
+        self.base_lease_s = lease.deadline - lease.popped_at
         self.lease_cap_s = lease_cap_s
         self.cap_bytes = CAP_BYTES_PER_TOKEN * max(0, max_length)
 
@@ -206,7 +199,7 @@ class ProgressPoster:
             return self._out_of_sequence(post, data.get("expected_seq"), now)
         if status >= 500 or status == 429:
             self._unavailable_in_row += 1
-            if self._unavailable_in_row >= self.max_unavailable:
+            if self._unavailable_in_row >= MAX_IN_A_ROW:
                 return self._stop_posting(
                     f"{self._unavailable_in_row} unavailable answers in a row ({status} {rc})"
                 )
