@@ -107,17 +107,17 @@ class _BodyDecoder:
         return bytes(self.out)
 
 
+#: The codings a body is read in, by its ``Content-Encoding`` without identity.
+_CODINGS: Final = {"": "identity", "gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+
+
 def _content_encoding(response: requests.Response) -> str:
     raw = response.headers.get("Content-Encoding", "")
-    codings = [c.strip().lower() for c in raw.split(",")]
-    codings = [c for c in codings if c not in ("", "identity")]
-    if not codings:
-        return "identity"
-    if codings in (["gzip"], ["x-gzip"]):
-        return "gzip"
-    if codings == ["deflate"]:
-        return "deflate"
-    raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
+    codings = (c.strip().lower() for c in raw.split(","))
+    found = _CODINGS.get(",".join(c for c in codings if c not in ("", "identity")))
+    if found is None:
+        raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
+    return found
 
 
 def _set_socket_timeout(response: requests.Response, seconds: float) -> None:

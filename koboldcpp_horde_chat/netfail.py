@@ -14,8 +14,6 @@ import ssl
 import requests
 import urllib3.exceptions
 
-__all__ = ["cause", "describe"]
-
 TIMED_OUT = "timed out"
 CERTIFICATE_NOT_TRUSTED = "certificate not trusted"
 TLS_FAILED = "TLS failed"
@@ -93,13 +91,7 @@ def describe(exc: BaseException) -> str:
         return "TLS certificate not trusted"
     if why:
         return f"connection failed ({why})"
-    if isinstance(
-        exc,
-        (
-            requests.exceptions.ConnectionError,
-            urllib3.exceptions.ProtocolError,
-            http.client.HTTPException,
-        ),
-    ) or (isinstance(exc, OSError) and not isinstance(exc, requests.RequestException)):
-        return "connection failed"
-    return "failed"
+    lost = (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError,
+            http.client.HTTPException)
+    oserror = isinstance(exc, OSError) and not isinstance(exc, requests.RequestException)
+    return "connection failed" if oserror or isinstance(exc, lost) else "failed"

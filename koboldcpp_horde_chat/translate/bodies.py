@@ -8,12 +8,7 @@ from typing import Any
 from ..horde.pop import SAMPLER_KEYS, ChatJob, TextJob
 
 PASSTHROUGH_KEYS = (
-    "seed",
-    "reasoning_effort",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
+    "seed", "reasoning_effort", "tools", "tool_choice", "parallel_tool_calls", "response_format",
 )
 
 #: A llama.cpp GBNF grammar whose root is one JSON object, sent in place of
@@ -66,8 +61,7 @@ def chat_request_body(
     if isinstance(response_format, dict) and response_format.get("type") == "json_object":
         del body["response_format"]
         body["grammar"] = OBJECT_JSON_GRAMMAR
-    body["genkey"] = genkey
-    body["stream"] = stream
+    body.update(genkey=genkey, stream=stream)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
