@@ -51,10 +51,6 @@ class ProgressAction(enum.Enum):
     STOP_GENERATING = "stop_generating"
 
 
-def _utf8_len(text: str) -> int:
-    return len(text.encode("utf-8"))
-
-
 def utf8_prefix(text: str, max_bytes: int) -> str:
     """The longest prefix of ``text`` within ``max_bytes`` of UTF-8."""
     return text.encode("utf-8")[: max(max_bytes, 0)].decode("utf-8", "ignore")
@@ -74,7 +70,7 @@ class _Post:
     @property
     def size(self) -> int:
         """Its text's UTF-8 bytes."""
-        return _utf8_len(self.content) + _utf8_len(self.reasoning)
+        return len((self.content + self.reasoning).encode("utf-8"))
 
     def body(self, job_id: str) -> dict[str, Any]:
         delta = {"content": self.content}
@@ -227,11 +223,10 @@ class ProgressPoster:
         post.last = self.seq >= self.max_posts or post.size >= remaining
         if post.size > remaining:
             post.reasoning = utf8_prefix(post.reasoning, remaining)
-            post.content = utf8_prefix(post.content, remaining - _utf8_len(post.reasoning))
-            log.debug(
-                "job=%s progress byte cap of %d bytes reached; last post trimmed",
-                self.job_id, self.cap_bytes,
-            )
+            room = remaining - len(post.reasoning.encode("utf-8"))
+            post.content = utf8_prefix(post.content, room)
+            log.debug("job=%s progress byte cap of %d bytes reached; last post trimmed",
+                      self.job_id, self.cap_bytes)
             if post.size == 0:
                 self._stop_posting(f"byte cap of {self.cap_bytes} bytes reached")
                 return None
