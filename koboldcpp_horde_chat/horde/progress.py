@@ -118,9 +118,7 @@ class ProgressPoster:
         self._in_flight: _Post | None = None
         self._last_sent_at: float | None = None
 
-        self._unavailable_in_row = 0
-        self._lost_in_row = 0
-        self._conflicts_in_row = 0
+        self._unavailable_in_row = self._lost_in_row = self._conflicts_in_row = 0
 
     def add(self, content: str, reasoning: str) -> None:
         """Buffer released text (as the chat stream's accumulator gives it, so the
@@ -177,10 +175,8 @@ class ProgressPoster:
         if 200 <= status < 300:
             accepted = data.get("accepted_seq")
             if isinstance(accepted, int) and accepted != seq:
-                log.warning(
-                    "job=%s progress post seq %d answered with accepted_seq %d",
-                    self.job_id, seq, accepted,
-                )
+                log.warning("job=%s progress post seq %d answered with accepted_seq %d",
+                            self.job_id, seq, accepted)
             last = self._accept(now, extend=not post.resent)
             if cancelled:
                 return self._stop_generating("cancelled", f"cancelled on seq {seq}")
@@ -248,17 +244,14 @@ class ProgressPoster:
             lease.extend_to(min(sent + self.base_lease_s, lease.popped_at + self.lease_cap_s))
         self.seq = post.seq + 1
         self._in_flight = None
-        self._unavailable_in_row = 0
-        self._lost_in_row = 0
-        self._conflicts_in_row = 0
+        self._unavailable_in_row = self._lost_in_row = self._conflicts_in_row = 0
         return post.last
 
     def _out_of_sequence(self, post: _Post, expected: object, now: float) -> ProgressAction:
         seq = post.seq
         if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
-            return self._stop_posting(
-                f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid expected_seq"
-            )
+            return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid "
+                                      "expected_seq")
         if expected == seq:
             return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} expecting our own seq {seq}")
         conflicts = self._conflicts_in_row + 1
@@ -266,11 +259,8 @@ class ProgressPoster:
         drop: list[_Post] = []
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
-            log.debug(
-                "job=%s progress: the Horde expects seq %d after our seq %d; "
-                "counting it as accepted",
-                self.job_id, expected, seq,
-            )
+            log.debug("job=%s progress: the Horde expects seq %d after our seq %d; counting it "
+                      "as accepted", self.job_id, expected, seq)
             last = self._accept(now, extend=False)
         else:
             # The horde lacks our posts from `expected` on: their text goes with the post
@@ -288,11 +278,8 @@ class ProgressPoster:
             return self._stop_posting(f"cap reached at seq {seq}")
         if expected > seq:
             return ProgressAction.CONTINUE
-        log.warning(
-            "job=%s progress: the Horde expects seq %d, below our seq %d; "
-            "resending %d posts' text as seq %d",
-            self.job_id, expected, seq, len(drop), expected,
-        )
+        log.warning("job=%s progress: the Horde expects seq %d, below our seq %d; resending %d "
+                    "posts' text as seq %d", self.job_id, expected, seq, len(drop), expected)
         post.seq = expected
         post.content = "".join(h.content for h in drop) + post.content
         post.reasoning = "".join(h.reasoning for h in drop) + post.reasoning
