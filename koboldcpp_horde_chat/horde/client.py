@@ -223,10 +223,8 @@ class HordeClient:
         status = response.status_code
         ok = 200 <= status < 300
         try:
-            raw = read_body(
-                response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
-                deadline=deadline,
-            )
+            cap = max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES)
+            raw = read_body(response, max_bytes=cap, deadline=deadline)
             unusable = "invalid JSON in the Horde's answer (expected an object)"
         except FetchError as exc:
             raw, unusable = b"", f"the Horde's answer could not be read: {exc}"
@@ -251,11 +249,9 @@ class HordeClient:
         if 300 <= status < 400:
             location = response.headers.get("Location")
             where = redact_url(location) if location else "no Location"
-            message = (
-                f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
-                f"not followed, so the API key stays with {self._host}. "
-                "Set the Horde URL to the final address"
-            )
+            message = (f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
+                       f"not followed, so the API key stays with {self._host}. "
+                       "Set the Horde URL to the final address")
         elif not (isinstance(message, str) and message.strip()):
             message = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
         if 300 <= status < 500 and status != 429:  # a redirect, not followed, or a 4xx
@@ -278,10 +274,9 @@ class HordeClient:
         because = f" ({why})" if why not in ("", netfail.TIMED_OUT, netfail.TLS_FAILED) else ""
         sent: bool | None = None  # it may have reached the Horde
         if isinstance(exc, requests.exceptions.SSLError):
-            what = (
-                f"TLS failure talking to {self._host}{because}; if a proxy or private CA sits "
-                "in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
-            )
+            what = (f"TLS failure talking to {self._host}{because}; if a proxy or private CA "
+                    "sits in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA "
+                    "bundle")
         elif isinstance(exc, requests.exceptions.ConnectTimeout):
             what, sent = f"could not connect to {self._host} in time", False
         elif isinstance(exc, requests.exceptions.Timeout):
@@ -292,6 +287,4 @@ class HordeClient:
             what, sent = f"could not connect to {self._host}{because}", False
         else:
             what = f"connection to {self._host} lost{because}"
-        return HordeUnavailable(
-            self._safe(f"{method} {route}: {what}"), status=0, job_id=job_id, sent=sent
-        )
+        return HordeUnavailable(self._safe(f"{method} {route}: {what}"), job_id=job_id, sent=sent)
