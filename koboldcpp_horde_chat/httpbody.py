@@ -24,13 +24,11 @@ def redact_url(url: str) -> str:
     """``url`` as ``scheme://host[:port]/path``: a signed URL's signature is in its query."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
+        host, port = parts.hostname or "", parts.port
     except ValueError:
         return "<unparsable URL>"
     netloc = f"[{host}]" if ":" in host else host
-    if port is not None:
-        netloc = f"{netloc}:{port}"
+    netloc += "" if port is None else f":{port}"
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
@@ -150,7 +148,7 @@ def read_body(
         raise FetchError(f"body of {int(declared)} bytes exceeds {max_raw_bytes} bytes")
     decoder = _BodyDecoder(encoding, max_bytes)
     raw = response.raw
-    read1 = getattr(raw, "read1", None)  # urllib3 >= 2: returns after one socket read
+    read = getattr(raw, "read1", None) or raw.read  # urllib3 >= 2: after one socket read
     raw_total = 0
     while True:
         remaining = deadline - time.monotonic()
@@ -158,10 +156,7 @@ def read_body(
             raise FetchError(f"body not received in time ({raw_total} bytes read)")
         _set_socket_timeout(response, remaining)
         try:
-            if read1 is not None:
-                chunk = read1(CHUNK_BYTES, decode_content=False)
-            else:  # pragma: no cover - urllib3 1.26
-                chunk = raw.read(CHUNK_BYTES, decode_content=False)
+            chunk = read(CHUNK_BYTES, decode_content=False)
         except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
             if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError):
                 raise FetchError(f"body not received in time ({raw_total} bytes read)") from None
