@@ -45,11 +45,8 @@ class HordeError(HordeChatError):
         return self._describe(with_job=False)
 
     def _describe(self, *, with_job: bool) -> str:
-        parts = [f"status={self.status}"] if self.status else []  # 0: no HTTP answer
-        if self.rc:
-            parts.append(f"rc={self.rc}")
-        if self.job_id and with_job:
-            parts.append(f"job={self.job_id}")
+        named = (("status", self.status), ("rc", self.rc), ("job", with_job and self.job_id))
+        parts = [f"{name}={value}" for name, value in named if value]  # status 0: no answer
         return f"{self.message} ({', '.join(parts)})" if parts else self.message
 
 

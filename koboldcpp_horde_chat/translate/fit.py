@@ -67,12 +67,8 @@ def check_fit(
 ) -> FitResult:
     """Tokens: ``estimate = counted_tokens + 32 + 16 * messages + 512 * images``; a job
     that does not fit is faulted with ``prompt_overflow`` (seed steps 3 and 7)."""
-    estimate = (
-        counted_tokens
-        + BASE_TOKENS
-        + PER_MESSAGE_TOKENS * len(messages)
-        + PER_IMAGE_TOKENS * count_images(messages)
-    )
+    estimate = counted_tokens + BASE_TOKENS + PER_MESSAGE_TOKENS * len(messages)
+    estimate += PER_IMAGE_TOKENS * count_images(messages)
     needed = estimate + max_length
     fits = needed <= max_context_length
     return FitResult(estimate=estimate, needed=needed, limit=max_context_length, fits=fits)

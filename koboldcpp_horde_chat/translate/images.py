@@ -271,16 +271,12 @@ def _check_caps(images: Mapping[tuple[int, int], bytes]) -> None:
     """Seed 004's byte caps on one job's images ``{(i, j): bytes}``."""
     for (i, j), data in images.items():
         if len(data) > MAX_IMAGE_BYTES:
-            raise ImageError(
-                f"{_where(i, j)}: image of {len(data)} bytes is over the cap of "
-                f"{MAX_IMAGE_BYTES} bytes"
-            )
+            raise ImageError(f"{_where(i, j)}: image of {len(data)} bytes is over the cap of "
+                             f"{MAX_IMAGE_BYTES} bytes")
     total = sum(map(len, images.values()))
     if total > MAX_REQUEST_IMAGE_BYTES:
-        raise ImageError(
-            f"{len(images)} images of {total} bytes together are over the cap of "
-            f"{MAX_REQUEST_IMAGE_BYTES} bytes per job"
-        )
+        raise ImageError(f"{len(images)} images of {total} bytes together are over the cap of "
+                         f"{MAX_REQUEST_IMAGE_BYTES} bytes per job")
 
 
 @dataclass(frozen=True)
