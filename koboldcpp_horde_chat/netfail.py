@@ -28,16 +28,13 @@ _ERRNO_CAUSES = {
 
 def _chain(exc: BaseException) -> list[BaseException]:
     found: list[BaseException] = []
-    seen: set[int] = set()
     queue: list[object] = [exc]
     while queue:
         item = queue.pop(0)
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        found.append(item)
-        queue.extend(arg for arg in item.args if isinstance(arg, BaseException))
-        queue.extend([getattr(item, "reason", None), item.__cause__, item.__context__])
+        if isinstance(item, BaseException) and not any(item is seen for seen in found):
+            found.append(item)
+            queue.extend(arg for arg in item.args if isinstance(arg, BaseException))
+            queue.extend([getattr(item, "reason", None), item.__cause__, item.__context__])
     return found
 
 

@@ -27,25 +27,24 @@ _HTTP_URL = re.compile(r"^https?://[^\s/?#]+", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class TextJob:
-    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged
-    (``ttl_s``: the lease, seconds; ``model``: the pop's, or None)."""
+class _Job:
+    """A popped job (``ttl_s``: the lease, seconds; ``model``: the pop's, or None)."""
 
     id: str
     payload: dict[str, Any]
     ttl_s: float
     model: str | None
+
+
+class TextJob(_Job):
+    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged."""
 
 
 @dataclass(frozen=True)
-class ChatJob:
+class ChatJob(_Job):
     """A chat job. ``messages`` is None when offloaded to ``messages_url``;
     ``max_length`` counts reasoning and answer tokens together."""
 
-    id: str
-    payload: dict[str, Any]
-    ttl_s: float
-    model: str | None
     messages: list[dict[str, Any]] | None
     messages_url: str | None
     max_length: int
