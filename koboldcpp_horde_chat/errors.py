@@ -9,9 +9,7 @@ from typing import Any
 
 
 class HordeChatError(Exception):
-    """Base class. ``retryable`` is True when the same call may succeed later."""
-
-    retryable: bool = False
+    """Base class."""
 
 
 class ConfigError(HordeChatError):
@@ -59,8 +57,6 @@ class HordeUnavailable(HordeError):
     or None. ``sent`` False: the request certainly did not reach the Horde
     (connection refused); None: it may have."""
 
-    retryable = True
-
 
 # --- koboldcpp -----------------------------------------------------------------
 
@@ -70,7 +66,6 @@ class BackendError(HordeChatError):
     """koboldcpp failed: connection refused, timeout, 5xx, invalid JSON... (``status``
     0: no answer)."""
 
-    retryable = True
     detail: str
     _: KW_ONLY
     status: int = 0
@@ -78,8 +73,6 @@ class BackendError(HordeChatError):
 
 class BackendUnauthorized(BackendError):
     """koboldcpp answered 401, or masks the model name: the password is missing or wrong."""
-
-    retryable = False
 
 
 class BackendBusy(BackendError):

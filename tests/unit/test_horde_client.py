@@ -148,7 +148,6 @@ def test_2xx_without_a_json_object_is_unavailable_invalid_json(body: bytes) -> N
     with pytest.raises(HordeUnavailable, match="invalid JSON") as info:
         client().submit(SUBMIT_BODY, timeout_s=5)
     err = info.value
-    assert err.retryable
     assert err.status == 200
     assert err.job_id == JOB
 
@@ -175,7 +174,6 @@ def test_4xx_on_submit_is_a_refusal_with_status_rc_message_body_and_job(status: 
     with pytest.raises(HordeRefusal) as info:
         client().submit(SUBMIT_BODY, timeout_s=5)
     err = info.value
-    assert not err.retryable
     assert (err.status, err.rc, err.message, err.job_id) == (status, rc, body["message"], JOB)
     assert err.body == body
 
@@ -217,7 +215,7 @@ def test_503_progress_unavailable_is_retryable_with_rc() -> None:
     with pytest.raises(HordeUnavailable) as info:
         client().progress(PROGRESS_BODY, timeout_s=5)
     err = info.value
-    assert err.retryable and err.status == 503 and err.rc == "ChatProgressUnavailable"
+    assert err.status == 503 and err.rc == "ChatProgressUnavailable"
     assert err.retry_after_s is None
     assert err.sent is True
 
