@@ -115,12 +115,10 @@ def _check_jpeg(data: bytes) -> tuple[int, int]:
             break
         if marker in _JPEG_UNREADABLE:
             raise _unreadable(_JPEG_UNREADABLE[marker])
-        if pos + 2 > n:
-            raise ImageError("truncated JPEG")
         length = int.from_bytes(data[pos : pos + 2], "big")
-        body, pos = data[pos + 2 : pos + length], pos + length
-        if pos > n:
+        if pos + max(length, 2) > n:
             raise ImageError("truncated JPEG")
+        body, pos = data[pos + 2 : pos + length], pos + length
         if marker in (0xC0, 0xC1, 0xC2):  # SOF: precision, height, width
             if len(body) < 6:
                 raise ImageError("corrupt JPEG: frame header")
