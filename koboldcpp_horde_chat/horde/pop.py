@@ -61,11 +61,8 @@ class ChatJob(_Job):
     def stop_sequences(self) -> tuple[str, ...]:
         """The payload's ``stop_sequence`` as a tuple of non-empty strings."""
         stop = self.payload.get("stop_sequence")
-        if isinstance(stop, str):
-            return (stop,) if stop else ()
-        if isinstance(stop, list):
-            return tuple(s for s in stop if isinstance(s, str) and s)
-        return ()
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        return tuple(s for s in stops if isinstance(s, str) and s)
 
 
 _T = TypeVar("_T")
