@@ -73,10 +73,8 @@ class _Post:
         return len((self.content + self.reasoning).encode("utf-8"))
 
     def body(self, job_id: str) -> dict[str, Any]:
-        delta = {"content": self.content}
-        if self.reasoning:
-            delta["reasoning_content"] = self.reasoning
-        return {"id": job_id, "seq": self.seq, "delta": delta}
+        reasoning = {"reasoning_content": self.reasoning} if self.reasoning else {}
+        return {"id": job_id, "seq": self.seq, "delta": {"content": self.content, **reasoning}}
 
 
 class ProgressPoster:
