@@ -257,9 +257,7 @@ def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
         _expect(function.get("name"), str, f"{call_path}.function.name", job_id)
 
 
-def validate_messages(
-    messages: object, *, job_id: str, path: str = "payload.messages"
-) -> list[dict[str, Any]]:
+def validate_messages(messages: object, *, job_id: str) -> list[dict[str, Any]]:
     """Check a conversation's shape and return it unchanged.
 
     Each message has a ``role`` in :data:`ROLES` and ``content`` a string, null or
@@ -269,6 +267,7 @@ def validate_messages(
     Raises:
         PayloadError: naming the first bad field, e.g. ``payload.messages[2].role``.
     """
+    path = "payload.messages"
     messages = _expect(messages, list, path, job_id)
     if not messages:
         raise PayloadError(path, "empty", job_id=job_id)
@@ -277,9 +276,8 @@ def validate_messages(
         _expect(message, dict, msg_path, job_id)
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise PayloadError(
-                f"{msg_path}.role", f"unknown role {str(role)[:40]!r}", job_id=job_id
-            )
+            raise PayloadError(f"{msg_path}.role", f"unknown role {str(role)[:40]!r}",
+                               job_id=job_id)
         _validate_content(message.get("content"), f"{msg_path}.content", job_id)
         if role == "assistant" and message.get("tool_calls") is not None:
             _validate_tool_calls(message["tool_calls"], f"{msg_path}.tool_calls", job_id)
