@@ -125,13 +125,8 @@ def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
             sock.settimeout(max(seconds, 0.001))
 
 
-def read_body(
-    response: requests.Response,
-    *,
-    max_bytes: int,
-    deadline: float,
-    max_raw_bytes: int | None = None,
-) -> bytes:
+def read_body(response: requests.Response, *, max_bytes: int, deadline: float,
+              max_raw_bytes: int | None = None) -> bytes:
     """A ``stream=True`` response's body, decoded by its ``Content-Encoding``, by
     ``deadline`` (monotonic seconds).
 

@@ -79,16 +79,9 @@ class HordeClient:
     an unusable URL or key (never quoting it).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        bridge_agent: str,
-        connect_timeout_s: float = 10.0,
-        deadlines: CallDeadlines | None = None,
-        watch: HordeWatch | None = None,
-    ) -> None:
+    def __init__(self, base_url: str, api_key: str, *, bridge_agent: str,
+                 connect_timeout_s: float = 10.0, deadlines: CallDeadlines | None = None,
+                 watch: HordeWatch | None = None) -> None:
         try:
             parts = urlsplit(base_url.strip())
             host = parts.hostname

@@ -179,9 +179,8 @@ def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
         _expect(fmt.get("type"), str, "payload.response_format.type", job_id)
 
 
-def parse_pop(
-    pop: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S
-) -> TextJob | ChatJob | None:
+def parse_pop(pop: dict[str, Any], *,
+              default_ttl_s: float = DEFAULT_TTL_S) -> TextJob | ChatJob | None:
     """The job in the answer of ``POST /api/v2/generate/text/pop``: None when
     ``id`` is missing, null or empty. Inline ``messages`` are validated; without
     them the chat job's ``messages_url`` is to be fetched and validated.

@@ -86,16 +86,8 @@ class ProgressPoster:
     None, ``"cancelled"`` or ``"aborted"``; ``stop_reason`` says why, for the log.
     """
 
-    def __init__(
-        self,
-        job_id: str,
-        *,
-        max_length: int,
-        lease: Lease,
-        interval_s: float = 1.0,
-        max_posts: int = MAX_POSTS,
-        lease_cap_s: float = UNTRUSTED_LEASE_CAP_S,
-    ) -> None:
+    def __init__(self, job_id: str, *, max_length: int, lease: Lease, interval_s: float = 1.0,
+                 max_posts: int = MAX_POSTS, lease_cap_s: float = UNTRUSTED_LEASE_CAP_S) -> None:
         self.job_id = job_id
         self.interval_s = interval_s
         self.max_posts = max_posts

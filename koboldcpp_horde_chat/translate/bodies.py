@@ -32,14 +32,8 @@ ws ::= ( [ \t\n] [ \t]{0,16} )?
 """
 
 
-def chat_request_body(
-    job: ChatJob,
-    messages: list[dict[str, Any]],
-    *,
-    genkey: str,
-    stream: bool,
-    max_context_length: int | None = None,
-) -> dict[str, Any]:
+def chat_request_body(job: ChatJob, messages: list[dict[str, Any]], *, genkey: str, stream: bool,
+                      max_context_length: int | None = None) -> dict[str, Any]:
     """The body for ``/v1/chat/completions``: the samplers as sent, ``stop``, the
     optional fields present, ``genkey`` (``HORDEREQ_...``: not local use) and
     ``stream`` (with ``include_usage``); json_object becomes :data:`OBJECT_JSON_GRAMMAR`;

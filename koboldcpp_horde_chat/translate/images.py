@@ -310,11 +310,8 @@ def plan_images(messages: Sequence[Any]) -> ImagePlan:
     return plan
 
 
-def finish_images(
-    messages: Sequence[Any],
-    plan: ImagePlan,
-    fetched: Mapping[tuple[int, int], bytes],
-) -> list[dict[str, Any]]:
+def finish_images(messages: Sequence[Any], plan: ImagePlan,
+                  fetched: Mapping[tuple[int, int], bytes]) -> list[dict[str, Any]]:
     """A deep copy of ``messages`` with every image a checked data URL of its sniffed
     type (a canonical one kept); ``fetched`` holds every ``plan.to_fetch``. Raises
     ImageError, or ValueError when the plan or ``fetched`` does not match (a bug)."""
