@@ -20,10 +20,7 @@ TLS_FAILED = "TLS failed"
 
 #: Errors without an OSError subclass of their own (OSError(ECONNRESET, ...) makes a
 #: ConnectionResetError, named below by its type).
-_ERRNO_CAUSES = {
-    errno.ENETUNREACH: "network unreachable",
-    errno.EHOSTUNREACH: "host unreachable",
-}
+_ERRNO_CAUSES = {errno.ENETUNREACH: "network unreachable", errno.EHOSTUNREACH: "host unreachable"}
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

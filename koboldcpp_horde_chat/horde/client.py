@@ -251,10 +251,8 @@ class HordeClient:
             raise HordeRefusal(self._safe(message), status=status, rc=rc, job_id=job_id, body=body)
         # 429, 5xx, or an odd status (1xx) not understood: try again later.
         retry_after = response.headers.get("Retry-After") if status >= 429 else None
-        raise HordeUnavailable(
-            self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
-            retry_after_s=parse_retry_after(retry_after), sent=True,
-        )
+        raise HordeUnavailable(self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
+                               retry_after_s=parse_retry_after(retry_after), sent=True)
 
     def _network_error(self, route: str, exc: requests.exceptions.RequestException,
                        job_id: str | None, method: str) -> HordeUnavailable:

@@ -180,11 +180,9 @@ class ProgressPoster:
         if status == 409 and rc == PROGRESS_OUT_OF_SEQUENCE:
             return self._out_of_sequence(post, data.get("expected_seq"), now)
         if status >= 500 or status == 429:
-            self._unavailable_in_row += 1
-            if self._unavailable_in_row >= MAX_IN_A_ROW:
-                return self._stop_posting(
-                    f"{self._unavailable_in_row} unavailable answers in a row ({status} {rc})"
-                )
+            self._unavailable_in_row = n = self._unavailable_in_row + 1
+            if n >= MAX_IN_A_ROW:
+                return self._stop_posting(f"{n} unavailable answers in a row ({status} {rc})")
             post.resent = True
             return ProgressAction.RETRY
         return self._stop_posting(f"{status} {rc}".strip())

@@ -40,12 +40,9 @@ def chat_request_body(job: ChatJob, messages: list[dict[str, Any]], *, genkey: s
     unknown keys are dropped. ``max_context_length``: tokens (None: the job's).
     """
     payload = job.payload
+    context = job.max_context_length if max_context_length is None else max_context_length
     body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": job.max_length,
-        "max_context_length": (
-            job.max_context_length if max_context_length is None else max_context_length
-        ),
+        "messages": messages, "max_tokens": job.max_length, "max_context_length": context,
     }
     body.update({key: payload[key] for key in SAMPLER_KEYS if key in payload})
     if payload.get("stop_sequence") is not None:
