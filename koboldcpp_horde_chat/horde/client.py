@@ -73,7 +73,7 @@ class HordeClient:
     """A client for the Horde's text worker routes; one per thread.
 
     ``api_key`` goes as ``apikey`` to ``base_url``'s host only; ``bridge_agent`` is the
-    ``User-Agent``. A session the client makes reads the proxy and CA bundle variables
+    ``User-Agent``. Its own session reads the proxy and CA bundle variables
     once, never ``.netrc``. While the worker stops, a call ends by ``deadlines``' time
     for its kind (a route's name; the key check's is ``"pop"``). Raises ConfigError for
     an unusable URL or key (never quoting it).
