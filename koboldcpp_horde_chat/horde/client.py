@@ -38,10 +38,6 @@ _PLAIN_HTTP_WARNED: set[str] = set()
 _PLAIN_HTTP_LOCK = threading.Lock()
 
 
-ROUTE_POP: Final = "/api/v2/generate/text/pop"
-ROUTE_SUBMIT: Final = "/api/v2/generate/text/submit"
-ROUTE_PROGRESS: Final = "/api/v2/generate/text/progress"
-ROUTE_FIND_USER: Final = "/api/v2/find_user"
 POP_MAX_BYTES: Final = 64 * MIB
 #: Cap on submit and progress answers, and on any error body.
 RESPONSE_MAX_BYTES: Final = 1 * MIB
@@ -137,20 +133,21 @@ class HordeClient:
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST the pop; the answer is read by ``horde.pop.parse_pop``."""
-        return self._request("POST", ROUTE_POP, body, "pop", timeout_s, POP_MAX_BYTES)
+        return self._request("POST", "/api/v2/generate/text/pop", body, "pop", timeout_s,
+                             POP_MAX_BYTES)
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a submit; ``{"reward": <kudos>}``."""
-        return self._request("POST", ROUTE_SUBMIT, body, "submit", timeout_s)
+        return self._request("POST", "/api/v2/generate/text/submit", body, "submit", timeout_s)
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a progress post; ``{"accepted_seq": n, "cancelled": false}``."""
-        return self._request("POST", ROUTE_PROGRESS, body, "progress", timeout_s)
+        return self._request("POST", "/api/v2/generate/text/progress", body, "progress", timeout_s)
 
     def find_user(self, *, timeout_s: float) -> dict[str, Any]:
         """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``).
         The key check ends with the pops at a stop."""
-        return self._request("GET", ROUTE_FIND_USER, None, "pop", timeout_s)
+        return self._request("GET", "/api/v2/find_user", None, "pop", timeout_s)
 
     def _safe(self, text: str) -> str:
         """``text`` without the API key, on one line, shortened."""
