@@ -237,8 +237,7 @@ def _validate_content(content: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a string, null or a list of parts", job_id=job_id)
     for j, part in enumerate(content):
         part_path = f"{path}[{j}]"
-        _expect(part, dict, part_path, job_id)
-        kind = part.get("type")
+        kind = _expect(part, dict, part_path, job_id).get("type")
         if kind == "text":
             _expect(part.get("text"), str, f"{part_path}.text", job_id)
         elif kind == "image_url":
@@ -272,8 +271,7 @@ def validate_messages(messages: object, *, job_id: str) -> list[dict[str, Any]]:
         raise PayloadError(path, "empty", job_id=job_id)
     for i, message in enumerate(messages):
         msg_path = f"{path}[{i}]"
-        _expect(message, dict, msg_path, job_id)
-        role = message.get("role")
+        role = _expect(message, dict, msg_path, job_id).get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise PayloadError(f"{msg_path}.role", f"unknown role {str(role)[:40]!r}",
                                job_id=job_id)
