@@ -137,11 +137,10 @@ def read_body(response: requests.Response, *, max_bytes: int, deadline: float,
     """
     if max_raw_bytes is None:
         max_raw_bytes = max_bytes + max_bytes // 100 + 64 * 1024
-    encoding = _content_encoding(response)
+    decoder = _BodyDecoder(_content_encoding(response), max_bytes)
     declared = response.headers.get("Content-Length", "")
     if declared.strip().isdigit() and int(declared) > max_raw_bytes:
         raise FetchError(f"body of {int(declared)} bytes exceeds {max_raw_bytes} bytes")
-    decoder = _BodyDecoder(encoding, max_bytes)
     raw = response.raw
     read = getattr(raw, "read1", None) or raw.read  # urllib3 >= 2: after one socket read
     raw_total = 0
