@@ -24,13 +24,11 @@ def redact_url(url: str) -> str:
     """``url`` as ``scheme://host[:port]/path``: a signed URL's signature is in its query."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
+        host, port = parts.hostname or "", parts.port
     except ValueError:
         return "<unparsable URL>"
     netloc = f"[{host}]" if ":" in host else host
-    if port is not None:
-        netloc = f"{netloc}:{port}"
+    netloc += "" if port is None else f":{port}"
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
@@ -107,17 +105,17 @@ class _BodyDecoder:
         return bytes(self.out)
 
 
+#: The codings a body is read in, by its ``Content-Encoding`` without identity.
+_CODINGS: Final = {"": "identity", "gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+
+
 def _content_encoding(response: requests.Response) -> str:
     raw = response.headers.get("Content-Encoding", "")
-    codings = [c.strip().lower() for c in raw.split(",")]
-    codings = [c for c in codings if c not in ("", "identity")]
-    if not codings:
-        return "identity"
-    if codings in (["gzip"], ["x-gzip"]):
-        return "gzip"
-    if codings == ["deflate"]:
-        return "deflate"
-    raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
+    codings = (c.strip().lower() for c in raw.split(","))
+    found = _CODINGS.get(",".join(c for c in codings if c not in ("", "identity")))
+    if found is None:
+        raise FetchError(f"unsupported Content-Encoding {raw[:40]!r}")
+    return found
 
 
 def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
@@ -127,13 +125,8 @@ def _set_socket_timeout(response: requests.Response, seconds: float) -> None:
             sock.settimeout(max(seconds, 0.001))
 
 
-def read_body(
-    response: requests.Response,
-    *,
-    max_bytes: int,
-    deadline: float,
-    max_raw_bytes: int | None = None,
-) -> bytes:
+def read_body(response: requests.Response, *, max_bytes: int, deadline: float,
+              max_raw_bytes: int | None = None) -> bytes:
     """A ``stream=True`` response's body, decoded by its ``Content-Encoding``, by
     ``deadline`` (monotonic seconds).
 
@@ -144,13 +137,12 @@ def read_body(
     """
     if max_raw_bytes is None:
         max_raw_bytes = max_bytes + max_bytes // 100 + 64 * 1024
-    encoding = _content_encoding(response)
+    decoder = _BodyDecoder(_content_encoding(response), max_bytes)
     declared = response.headers.get("Content-Length", "")
     if declared.strip().isdigit() and int(declared) > max_raw_bytes:
         raise FetchError(f"body of {int(declared)} bytes exceeds {max_raw_bytes} bytes")
-    decoder = _BodyDecoder(encoding, max_bytes)
     raw = response.raw
-    read1 = getattr(raw, "read1", None)  # urllib3 >= 2: returns after one socket read
+    read = getattr(raw, "read1", None) or raw.read  # urllib3 >= 2: after one socket read
     raw_total = 0
     while True:
         remaining = deadline - time.monotonic()
@@ -158,10 +150,7 @@ def read_body(
             raise FetchError(f"body not received in time ({raw_total} bytes read)")
         _set_socket_timeout(response, remaining)
         try:
-            if read1 is not None:
-                chunk = read1(CHUNK_BYTES, decode_content=False)
-            else:  # pragma: no cover - urllib3 1.26
-                chunk = raw.read(CHUNK_BYTES, decode_content=False)
+            chunk = read(CHUNK_BYTES, decode_content=False)
         except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
             if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError):
                 raise FetchError(f"body not received in time ({raw_total} bytes read)") from None

@@ -73,12 +73,8 @@ def _swap_long_strings(value: Any, raws: list[str], marker: str) -> Any:
     appended to ``raws`` in ``json.dumps``'s order; only containers on the path to
     one are copied."""
     if isinstance(value, str):
-        if (
-            len(value) >= RAW_STRING_MIN_CHARS
-            and value.isascii()
-            and '"' not in value
-            and "\\" not in value
-        ):
+        long_ascii = len(value) >= RAW_STRING_MIN_CHARS and value.isascii()
+        if long_ascii and '"' not in value and "\\" not in value:
             raws.append(value)
             return marker
         return value

@@ -14,32 +14,24 @@ import ssl
 import requests
 import urllib3.exceptions
 
-__all__ = ["cause", "describe"]
-
 TIMED_OUT = "timed out"
 CERTIFICATE_NOT_TRUSTED = "certificate not trusted"
 TLS_FAILED = "TLS failed"
 
 #: Errors without an OSError subclass of their own (OSError(ECONNRESET, ...) makes a
 #: ConnectionResetError, named below by its type).
-_ERRNO_CAUSES = {
-    errno.ENETUNREACH: "network unreachable",
-    errno.EHOSTUNREACH: "host unreachable",
-}
+_ERRNO_CAUSES = {errno.ENETUNREACH: "network unreachable", errno.EHOSTUNREACH: "host unreachable"}
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
     found: list[BaseException] = []
-    seen: set[int] = set()
     queue: list[object] = [exc]
     while queue:
         item = queue.pop(0)
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        found.append(item)
-        queue.extend(arg for arg in item.args if isinstance(arg, BaseException))
-        queue.extend([getattr(item, "reason", None), item.__cause__, item.__context__])
+        if isinstance(item, BaseException) and not any(item is seen for seen in found):
+            found.append(item)
+            queue.extend(arg for arg in item.args if isinstance(arg, BaseException))
+            queue.extend([getattr(item, "reason", None), item.__cause__, item.__context__])
     return found
 
 
@@ -93,13 +85,7 @@ def describe(exc: BaseException) -> str:
         return "TLS certificate not trusted"
     if why:
         return f"connection failed ({why})"
-    if isinstance(
-        exc,
-        (
-            requests.exceptions.ConnectionError,
-            urllib3.exceptions.ProtocolError,
-            http.client.HTTPException,
-        ),
-    ) or (isinstance(exc, OSError) and not isinstance(exc, requests.RequestException)):
-        return "connection failed"
-    return "failed"
+    lost = (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError,
+            http.client.HTTPException)
+    oserror = isinstance(exc, OSError) and not isinstance(exc, requests.RequestException)
+    return "connection failed" if oserror or isinstance(exc, lost) else "failed"

@@ -38,10 +38,6 @@ _PLAIN_HTTP_WARNED: set[str] = set()
 _PLAIN_HTTP_LOCK = threading.Lock()
 
 
-ROUTE_POP: Final = "/api/v2/generate/text/pop"
-ROUTE_SUBMIT: Final = "/api/v2/generate/text/submit"
-ROUTE_PROGRESS: Final = "/api/v2/generate/text/progress"
-ROUTE_FIND_USER: Final = "/api/v2/find_user"
 POP_MAX_BYTES: Final = 64 * MIB
 #: Cap on submit and progress answers, and on any error body.
 RESPONSE_MAX_BYTES: Final = 1 * MIB
@@ -73,25 +69,15 @@ class HordeClient:
     """A client for the Horde's text worker routes; one per thread.
 
     ``api_key`` goes as ``apikey`` to ``base_url``'s host only; ``bridge_agent`` is the
-    ``User-Agent``. A session the client makes reads the proxy and CA bundle variables
+    ``User-Agent``. Its own session reads the proxy and CA bundle variables
     once, never ``.netrc``. While the worker stops, a call ends by ``deadlines``' time
     for its kind (a route's name; the key check's is ``"pop"``). Raises ConfigError for
     an unusable URL or key (never quoting it).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        bridge_agent: str,
-        connect_timeout_s: float = 10.0,
-        session: requests.Session | None = None,
-        pop_max_bytes: int = POP_MAX_BYTES,
-        deadlines: CallDeadlines | None = None,
-        watch: HordeWatch | None = None,
-    ) -> None:
-        self._watch = watch
+    def __init__(self, base_url: str, api_key: str, *, bridge_agent: str,
+                 connect_timeout_s: float = 10.0, deadlines: CallDeadlines | None = None,
+                 watch: HordeWatch | None = None) -> None:
         try:
             parts = urlsplit(base_url.strip())
             host = parts.hostname
@@ -107,9 +93,7 @@ class HordeClient:
         if not api_key:
             raise ConfigError("the Horde API key is empty")
         if any(not 0x21 <= ord(c) <= 0x7E for c in api_key):
-            raise ConfigError(
-                "the Horde API key contains spaces, control or non-ASCII characters"
-            )
+            raise ConfigError("the Horde API key contains spaces, control or non-ASCII characters")
         self._base_url = redact_url(base_url.strip()).rstrip("/")
         self._host = self._base_url.split("://", 1)[1].split("/", 1)[0]
         if parts.scheme.lower() == "http" and host not in ("127.0.0.1", "localhost", "::1"):
@@ -118,44 +102,28 @@ class HordeClient:
                     _PLAIN_HTTP_WARNED.add(self._base_url)
                     log.warning("the Horde URL %s is plain http: the API key travels "
                                 "unencrypted", self._base_url)
-        self._api_key = api_key
-        self._connect_timeout_s = connect_timeout_s
-        self._own_session = session is None
-        if session is None:
-            session = requests.Session()
-            # What requests would read from the environment on every call, read once.
-            session.proxies.update(requests.utils.get_environ_proxies(self._base_url))
-            session.verify = (
-                os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-            )
-            session.trust_env = False  # also: no .netrc credentials, ever
-            adapter = TrackingAdapter()  # a call in flight can be hung up at a stop
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        self._session = session
-        self._deadlines = deadlines
-        self._call = Call()
-        self._pop_max_bytes = pop_max_bytes
+        self._api_key, self._connect_timeout_s = api_key, connect_timeout_s
+        self._deadlines, self._watch, self._call = deadlines, watch, Call()
+        self._session = session = requests.Session()
+        # What requests would read from the environment on every call, read once.
+        session.proxies.update(requests.utils.get_environ_proxies(self._base_url))
+        env = os.environ
+        session.verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or True
+        session.trust_env = False  # also: no .netrc credentials, ever
+        adapter = TrackingAdapter()  # a call in flight can be hung up at a stop
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
         self._headers = {
-            "apikey": api_key,
-            "Client-Agent": CLIENT_AGENT,
-            "User-Agent": bridge_agent,
-            "Content-Type": "application/json",
-            "Accept": "application/json",
+            "apikey": api_key, "Client-Agent": CLIENT_AGENT, "User-Agent": bridge_agent,
+            "Content-Type": "application/json", "Accept": "application/json",
             "Accept-Encoding": "gzip, deflate",
         }
 
     def __repr__(self) -> str:
         return f"HordeClient(host={self._host!r})"
 
-    @property
-    def host(self) -> str:
-        """``host[:port]``, the only host the API key is sent to."""
-        return self._host
-
     def close(self) -> None:
-        if self._own_session:
-            self._session.close()
+        self._session.close()
 
     def __enter__(self) -> HordeClient:
         return self
@@ -165,37 +133,29 @@ class HordeClient:
 
     def pop(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST the pop; the answer is read by ``horde.pop.parse_pop``."""
-        return self._request("POST", ROUTE_POP, body, "pop", timeout_s, self._pop_max_bytes)
+        return self._request("POST", "/api/v2/generate/text/pop", body, "pop", timeout_s,
+                             POP_MAX_BYTES)
 
     def submit(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a submit; ``{"reward": <kudos>}``."""
-        return self._request("POST", ROUTE_SUBMIT, body, "submit", timeout_s)
+        return self._request("POST", "/api/v2/generate/text/submit", body, "submit", timeout_s)
 
     def progress(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """POST a progress post; ``{"accepted_seq": n, "cancelled": false}``."""
-        return self._request("POST", ROUTE_PROGRESS, body, "progress", timeout_s)
+        return self._request("POST", "/api/v2/generate/text/progress", body, "progress", timeout_s)
 
     def find_user(self, *, timeout_s: float) -> dict[str, Any]:
         """GET the key's owner (``id`` 0 is anonymous; an unknown key: 404 ``UserNotFound``).
         The key check ends with the pops at a stop."""
-        return self._request("GET", ROUTE_FIND_USER, None, "pop", timeout_s)
+        return self._request("GET", "/api/v2/find_user", None, "pop", timeout_s)
 
     def _safe(self, text: str) -> str:
         """``text`` without the API key, on one line, shortened."""
         text = " ".join(text.replace(self._api_key, "***").split())
-        if len(text) <= MESSAGE_MAX_CHARS:
-            return text
-        return text[: MESSAGE_MAX_CHARS - 1] + "\u2026"
+        return text if len(text) <= MESSAGE_MAX_CHARS else text[: MESSAGE_MAX_CHARS - 1] + "\u2026"
 
-    def _request(
-        self,
-        method: str,
-        route: str,
-        body: dict[str, Any] | None,
-        kind: str,
-        timeout_s: float,
-        max_bytes: int = RESPONSE_MAX_BYTES,
-    ) -> dict[str, Any]:
+    def _request(self, method: str, route: str, body: dict[str, Any] | None, kind: str,
+                 timeout_s: float, max_bytes: int = RESPONSE_MAX_BYTES) -> dict[str, Any]:
         raw_id = body.get("id") if body is not None else None
         job_id = raw_id if isinstance(raw_id, str) and raw_id else None
         data = None if body is None else json.dumps(
@@ -248,29 +208,18 @@ class HordeClient:
                         ) from None
                     raise
 
-    def _answer(
-        self,
-        route: str,
-        response: requests.Response,
-        job_id: str | None,
-        max_bytes: int,
-        deadline: float,
-        start: float,
-        method: str,
-    ) -> dict[str, Any]:
+    def _answer(self, route: str, response: requests.Response, job_id: str | None,
+                max_bytes: int, deadline: float, start: float, method: str) -> dict[str, Any]:
         status = response.status_code
         ok = 200 <= status < 300
         try:
-            raw = read_body(
-                response, max_bytes=max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES),
-                deadline=deadline,
-            )
+            cap = max_bytes if ok else min(max_bytes, RESPONSE_MAX_BYTES)
+            raw = read_body(response, max_bytes=cap, deadline=deadline)
             unusable = "invalid JSON in the Horde's answer (expected an object)"
         except FetchError as exc:
             raw, unusable = b"", f"the Horde's answer could not be read: {exc}"
         log.debug("%s %s -> %d in %.2f s%s", method, route, status, time.monotonic() - start,
                   f" (job {job_id})" if job_id else "")
-
         try:
             text = raw.decode("utf-8")
             parsed = json.loads(text if ok else text.replace(self._api_key, "***"))
@@ -290,29 +239,20 @@ class HordeClient:
         if 300 <= status < 400:
             location = response.headers.get("Location")
             where = redact_url(location) if location else "no Location"
-            message = (
-                f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
-                f"not followed, so the API key stays with {self._host}. "
-                "Set the Horde URL to the final address"
-            )
+            message = (f"{route}: the Horde answered HTTP {status} redirecting to {where}; "
+                       f"not followed, so the API key stays with {self._host}. "
+                       "Set the Horde URL to the final address")
         elif not (isinstance(message, str) and message.strip()):
             message = f"{route}: HTTP {status} {response.reason or ''}".rstrip()
         if 300 <= status < 500 and status != 429:  # a redirect, not followed, or a 4xx
             raise HordeRefusal(self._safe(message), status=status, rc=rc, job_id=job_id, body=body)
         # 429, 5xx, or an odd status (1xx) not understood: try again later.
         retry_after = response.headers.get("Retry-After") if status >= 429 else None
-        raise HordeUnavailable(
-            self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
-            retry_after_s=parse_retry_after(retry_after), sent=True,
-        )
+        raise HordeUnavailable(self._safe(message), status=status, rc=rc, job_id=job_id, body=body,
+                               retry_after_s=parse_retry_after(retry_after), sent=True)
 
-    def _network_error(
-        self,
-        route: str,
-        exc: requests.exceptions.RequestException,
-        job_id: str | None,
-        method: str,
-    ) -> HordeUnavailable:
+    def _network_error(self, route: str, exc: requests.exceptions.RequestException,
+                       job_id: str | None, method: str) -> HordeUnavailable:
         """A ``requests`` failure before any answer, said in a few words
         (``"POST /api/v2/generate/text/pop: could not connect to aihorde.net (refused)"``)."""
         inner = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else exc
@@ -322,10 +262,9 @@ class HordeClient:
         because = f" ({why})" if why not in ("", netfail.TIMED_OUT, netfail.TLS_FAILED) else ""
         sent: bool | None = None  # it may have reached the Horde
         if isinstance(exc, requests.exceptions.SSLError):
-            what = (
-                f"TLS failure talking to {self._host}{because}; if a proxy or private CA sits "
-                "in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA bundle"
-            )
+            what = (f"TLS failure talking to {self._host}{because}; if a proxy or private CA "
+                    "sits in between, point REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at its CA "
+                    "bundle")
         elif isinstance(exc, requests.exceptions.ConnectTimeout):
             what, sent = f"could not connect to {self._host} in time", False
         elif isinstance(exc, requests.exceptions.Timeout):
@@ -336,6 +275,4 @@ class HordeClient:
             what, sent = f"could not connect to {self._host}{because}", False
         else:
             what = f"connection to {self._host} lost{because}"
-        return HordeUnavailable(
-            self._safe(f"{method} {route}: {what}"), status=0, job_id=job_id, sent=sent
-        )
+        return HordeUnavailable(self._safe(f"{method} {route}: {what}"), job_id=job_id, sent=sent)

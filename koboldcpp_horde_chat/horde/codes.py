@@ -21,9 +21,8 @@ JOB_ABORTED: Final = "ChatJobAborted"
 #: 403 codes that mean the API key (or the worker name's owner) is wrong.
 CREDENTIAL_RCS: Final = frozenset({"InvalidAPIKey", "WrongCredentials", "NotTrusted"})
 #: Refusals of a chat reply; the fault after them names ``reply_refused``.
-REFUSAL_RCS: Final = frozenset(
-    {CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT, "ChatModelMismatch"}
-)
+REFUSAL_RCS: Final = frozenset({CHAT_SUBMIT_INVALID, CHAT_SUBMIT_NONCONFORMANT,
+                                "ChatModelMismatch"})
 
 
 def is_key_refusal(exc: HordeRefusal) -> bool:

@@ -11,7 +11,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PayloadError
 
@@ -27,25 +27,24 @@ _HTTP_URL = re.compile(r"^https?://[^\s/?#]+", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class TextJob:
-    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged
-    (``ttl_s``: the lease, seconds; ``model``: the pop's, or None)."""
+class _Job:
+    """A popped job (``ttl_s``: the lease, seconds; ``model``: the pop's, or None)."""
 
     id: str
     payload: dict[str, Any]
     ttl_s: float
     model: str | None
+
+
+class TextJob(_Job):
+    """A text job: its payload goes to koboldcpp's ``/api/v1/generate`` unchanged."""
 
 
 @dataclass(frozen=True)
-class ChatJob:
+class ChatJob(_Job):
     """A chat job. ``messages`` is None when offloaded to ``messages_url``;
     ``max_length`` counts reasoning and answer tokens together."""
 
-    id: str
-    payload: dict[str, Any]
-    ttl_s: float
-    model: str | None
     messages: list[dict[str, Any]] | None
     messages_url: str | None
     max_length: int
@@ -62,19 +61,18 @@ class ChatJob:
     def stop_sequences(self) -> tuple[str, ...]:
         """The payload's ``stop_sequence`` as a tuple of non-empty strings."""
         stop = self.payload.get("stop_sequence")
-        if isinstance(stop, str):
-            return (stop,) if stop else ()
-        if isinstance(stop, list):
-            return tuple(s for s in stop if isinstance(s, str) and s)
-        return ()
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        return tuple(s for s in stops if isinstance(s, str) and s)
 
 
+_T = TypeVar("_T")
 _NOT_A: dict[type, str] = {str: "not a string", list: "not a list", dict: "not an object"}
 
 
-def _expect(value: object, kind: type, path: str, job_id: str) -> None:
+def _expect(value: object, kind: type[_T], path: str, job_id: str) -> _T:
     if not isinstance(value, kind):
         raise PayloadError(path, _NOT_A[kind], job_id=job_id)
+    return value
 
 
 def _positive_int(payload: dict[str, Any], key: str, job_id: str) -> int:
@@ -111,12 +109,9 @@ class Lease:
     def remaining(self, now: float) -> float:
         return self.deadline - now
 
-    def extend_to(self, deadline: float) -> bool:
-        """Move the deadline later (never earlier); True when it moved."""
-        if deadline <= self.deadline:
-            return False
-        self.deadline = deadline
-        return True
+    def extend_to(self, deadline: float) -> None:
+        """Move the deadline later (never earlier)."""
+        self.deadline = max(self.deadline, deadline)
 
 
 @dataclass(frozen=True)
@@ -146,27 +141,16 @@ def read_pop(answer: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S) ->
     except PayloadError as exc:
         error = exc
     return PopAnswer(
-        raw=raw,
-        id=job_id if isinstance(job_id, str) and job_id else None,
-        chat=raw.get("chat") is True,
-        ttl_s=ttl_seconds(raw, default_ttl_s),
-        job=job,
-        error=error,
-        messages=raw.get("messages"),
-        skipped=raw.get("skipped"),
+        raw=raw, id=job_id if isinstance(job_id, str) and job_id else None,
+        chat=raw.get("chat") is True, ttl_s=ttl_seconds(raw, default_ttl_s), job=job,
+        error=error, messages=raw.get("messages"), skipped=raw.get("skipped"),
     )
 
 
 #: The sampler fields of a chat payload (seed step 2: always present): each must be
 #: a number when present, and goes to koboldcpp exactly as sent (``translate.bodies``).
 SAMPLER_KEYS = (
-    "temperature",
-    "top_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "rep_pen",
-    "top_k",
-    "min_p",
+    "temperature", "top_p", "frequency_penalty", "presence_penalty", "rep_pen", "top_k", "min_p",
 )
 
 
@@ -185,23 +169,18 @@ def _check_optional_fields(payload: dict[str, Any], job_id: str) -> None:
         raise PayloadError("payload.seed", "not an integer", job_id=job_id)
     stop = payload.get("stop_sequence")
     if stop is not None and not isinstance(stop, str):
-        _expect(stop, list, "payload.stop_sequence", job_id)
-        for i, item in enumerate(stop):
+        for i, item in enumerate(_expect(stop, list, "payload.stop_sequence", job_id)):
             _expect(item, str, f"payload.stop_sequence[{i}]", job_id)
-    tools = payload.get("tools")
-    if tools is not None:
-        _expect(tools, list, "payload.tools", job_id)
-        for i, tool in enumerate(tools):
+    if payload.get("tools") is not None:
+        for i, tool in enumerate(_expect(payload["tools"], list, "payload.tools", job_id)):
             _expect(tool, dict, f"payload.tools[{i}]", job_id)
-    response_format = payload.get("response_format")
-    if response_format is not None:
-        _expect(response_format, dict, "payload.response_format", job_id)
-        _expect(response_format.get("type"), str, "payload.response_format.type", job_id)
+    if payload.get("response_format") is not None:
+        fmt = _expect(payload["response_format"], dict, "payload.response_format", job_id)
+        _expect(fmt.get("type"), str, "payload.response_format.type", job_id)
 
 
-def parse_pop(
-    pop: dict[str, Any], *, default_ttl_s: float = DEFAULT_TTL_S
-) -> TextJob | ChatJob | None:
+def parse_pop(pop: dict[str, Any], *,
+              default_ttl_s: float = DEFAULT_TTL_S) -> TextJob | ChatJob | None:
     """The job in the answer of ``POST /api/v2/generate/text/pop``: None when
     ``id`` is missing, null or empty. Inline ``messages`` are validated; without
     them the chat job's ``messages_url`` is to be fetched and validated.
@@ -222,13 +201,8 @@ def parse_pop(
     payload = pop.get("payload")
     if not isinstance(payload, dict):
         raise PayloadError("payload", "missing or not an object", job_id=job_id)
-    log.debug(
-        "job %s: chat=%r, %d payload keys %s",
-        job_id,
-        pop.get("chat"),
-        len(payload),
-        sorted(str(k) for k in payload)[:40],
-    )
+    log.debug("job %s: chat=%r, %d payload keys %s", job_id, pop.get("chat"), len(payload),
+              sorted(str(k) for k in payload)[:40])
     if pop.get("chat") is not True:
         if not isinstance(payload.get("prompt"), str):
             raise PayloadError("payload.prompt", "missing or not a string", job_id=job_id)
@@ -249,13 +223,8 @@ def parse_pop(
     max_context_length = _positive_int(payload, "max_context_length", job_id)
     _check_optional_fields(payload, job_id)
     return ChatJob(
-        id=job_id,
-        payload=payload,
-        ttl_s=ttl_s,
-        model=model,
-        messages=messages,
-        messages_url=None if messages is not None else url,
-        max_length=max_length,
+        id=job_id, payload=payload, ttl_s=ttl_s, model=model, messages=messages,
+        messages_url=None if messages is not None else url, max_length=max_length,
         max_context_length=max_context_length,
         stream_progress=payload.get("stream_progress") is True,
     )
@@ -268,32 +237,25 @@ def _validate_content(content: object, path: str, job_id: str) -> None:
         raise PayloadError(path, "not a string, null or a list of parts", job_id=job_id)
     for j, part in enumerate(content):
         part_path = f"{path}[{j}]"
-        _expect(part, dict, part_path, job_id)
-        kind = part.get("type")
+        kind = _expect(part, dict, part_path, job_id).get("type")
         if kind == "text":
             _expect(part.get("text"), str, f"{part_path}.text", job_id)
         elif kind == "image_url":
-            image = part.get("image_url")
-            _expect(image, dict, f"{part_path}.image_url", job_id)
+            image = _expect(part.get("image_url"), dict, f"{part_path}.image_url", job_id)
             _expect(image.get("url"), str, f"{part_path}.image_url.url", job_id)
         else:
             raise PayloadError(f"{part_path}.type", f"unknown part type {kind!r}", job_id=job_id)
 
 
 def _validate_tool_calls(calls: object, path: str, job_id: str) -> None:
-    if not isinstance(calls, list):
-        raise PayloadError(path, "not a list", job_id=job_id)
-    for k, call in enumerate(calls):
+    for k, call in enumerate(_expect(calls, list, path, job_id)):
         call_path = f"{path}[{k}]"
         _expect(call, dict, call_path, job_id)
-        function = call.get("function")
-        _expect(function, dict, f"{call_path}.function", job_id)
+        function = _expect(call.get("function"), dict, f"{call_path}.function", job_id)
         _expect(function.get("name"), str, f"{call_path}.function.name", job_id)
 
 
-def validate_messages(
-    messages: object, *, job_id: str, path: str = "payload.messages"
-) -> list[dict[str, Any]]:
+def validate_messages(messages: object, *, job_id: str) -> list[dict[str, Any]]:
     """Check a conversation's shape and return it unchanged.
 
     Each message has a ``role`` in :data:`ROLES` and ``content`` a string, null or
@@ -303,18 +265,16 @@ def validate_messages(
     Raises:
         PayloadError: naming the first bad field, e.g. ``payload.messages[2].role``.
     """
-    if not isinstance(messages, list):
-        raise PayloadError(path, "not a list", job_id=job_id)
+    path = "payload.messages"
+    messages = _expect(messages, list, path, job_id)
     if not messages:
         raise PayloadError(path, "empty", job_id=job_id)
     for i, message in enumerate(messages):
         msg_path = f"{path}[{i}]"
-        _expect(message, dict, msg_path, job_id)
-        role = message.get("role")
+        role = _expect(message, dict, msg_path, job_id).get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise PayloadError(
-                f"{msg_path}.role", f"unknown role {str(role)[:40]!r}", job_id=job_id
-            )
+            raise PayloadError(f"{msg_path}.role", f"unknown role {str(role)[:40]!r}",
+                               job_id=job_id)
         _validate_content(message.get("content"), f"{msg_path}.content", job_id)
         if role == "assistant" and message.get("tool_calls") is not None:
             _validate_tool_calls(message["tool_calls"], f"{msg_path}.tool_calls", job_id)

@@ -37,10 +37,8 @@ log = logging.getLogger("koboldcpp_horde_chat.progress")
 
 MAX_POSTS = 1000
 CAP_BYTES_PER_TOKEN = 16
-BASE_LEASE_S = 150.0
 UNTRUSTED_LEASE_CAP_S = 200.0
-#: 409 or lost answers in a row after which posting stops (and, by default,
-#: unavailable ones).
+#: 409, unavailable or lost answers in a row after which posting stops.
 MAX_IN_A_ROW = 3
 
 
@@ -51,10 +49,6 @@ class ProgressAction(enum.Enum):
     RETRY = "retry"
     STOP_POSTING = "stop_posting"
     STOP_GENERATING = "stop_generating"
-
-
-def _utf8_len(text: str) -> int:
-    return len(text.encode("utf-8"))
 
 
 def utf8_prefix(text: str, max_bytes: int) -> str:
@@ -76,44 +70,29 @@ class _Post:
     @property
     def size(self) -> int:
         """Its text's UTF-8 bytes."""
-        return _utf8_len(self.content) + _utf8_len(self.reasoning)
+        return len((self.content + self.reasoning).encode("utf-8"))
 
     def body(self, job_id: str) -> dict[str, Any]:
-        delta = {"content": self.content}
-        if self.reasoning:
-            delta["reasoning_content"] = self.reasoning
-        return {"id": job_id, "seq": self.seq, "delta": delta}
+        reasoning = {"reasoning_content": self.reasoning} if self.reasoning else {}
+        return {"id": job_id, "seq": self.seq, "delta": {"content": self.content, **reasoning}}
 
 
 class ProgressPoster:
     """Progress posting for one streamed job; times are seconds on the caller's clock.
 
-    ``max_length`` (tokens) sets the byte cap; ``lease`` is the job's lease,
-    extended as posts are accepted (None: one of ``base_lease_s`` from
-    ``popped_at``). ``posting`` turns False for good at any stop;
-    ``stopped_generating`` is then None, ``"cancelled"`` or ``"aborted"``;
-    ``stop_reason`` says why, for the log.
+    ``max_length`` (tokens) sets the byte cap; ``lease`` is the job's lease as
+    popped (its length is the base lease), extended as posts are accepted.
+    ``posting`` turns False for good at any stop; ``stopped_generating`` is then
+    None, ``"cancelled"`` or ``"aborted"``; ``stop_reason`` says why, for the log.
     """
 
-    def __init__(
-        self,
-        job_id: str,
-        *,
-        max_length: int,
-        interval_s: float = 1.0,
-        max_posts: int = MAX_POSTS,
-        max_unavailable: int = MAX_IN_A_ROW,
-        lease: Lease | None = None,
-        popped_at: float = 0.0,
-        base_lease_s: float = BASE_LEASE_S,
-        lease_cap_s: float = UNTRUSTED_LEASE_CAP_S,
-    ) -> None:
+    def __init__(self, job_id: str, *, max_length: int, lease: Lease, interval_s: float = 1.0,
+                 max_posts: int = MAX_POSTS, lease_cap_s: float = UNTRUSTED_LEASE_CAP_S) -> None:
         self.job_id = job_id
         self.interval_s = interval_s
         self.max_posts = max_posts
-        self.max_unavailable = max_unavailable
-        self.lease = lease or Lease(popped_at, popped_at + base_lease_s)
-        self.base_lease_s = base_lease_s
+        self.lease = lease
+        self.base_lease_s = lease.deadline - lease.popped_at
         self.lease_cap_s = lease_cap_s
         self.cap_bytes = CAP_BYTES_PER_TOKEN * max(0, max_length)
 
@@ -124,25 +103,19 @@ class ProgressPoster:
         self.stopped_generating: str | None = None
         self.stop_reason: str | None = None
 
-        self._buf_content: list[str] = []
-        self._buf_reasoning: list[str] = []
+        self._buf_content = self._buf_reasoning = ""
         self._history: list[_Post] = []  # the accepted posts
         self._in_flight: _Post | None = None
         self._last_sent_at: float | None = None
 
-        self._unavailable_in_row = 0
-        self._lost_in_row = 0
-        self._conflicts_in_row = 0
+        self._unavailable_in_row = self._lost_in_row = self._conflicts_in_row = 0
 
     def add(self, content: str, reasoning: str) -> None:
         """Buffer released text (as the chat stream's accumulator gives it, so the
         posts add up to the submitted reply); ignored once posting stopped."""
-        if not self.posting:
-            return
-        if content:
-            self._buf_content.append(content)
-        if reasoning:
-            self._buf_reasoning.append(reasoning)
+        if self.posting:
+            self._buf_content += content
+            self._buf_reasoning += reasoning
 
     def due(self, now: float) -> dict[str, Any] | None:
         """The next post, now in flight, or None: nothing buffered, a post in flight,
@@ -192,10 +165,8 @@ class ProgressPoster:
         if 200 <= status < 300:
             accepted = data.get("accepted_seq")
             if isinstance(accepted, int) and accepted != seq:
-                log.warning(
-                    "job=%s progress post seq %d answered with accepted_seq %d",
-                    self.job_id, seq, accepted,
-                )
+                log.warning("job=%s progress post seq %d answered with accepted_seq %d",
+                            self.job_id, seq, accepted)
             last = self._accept(now, extend=not post.resent)
             if cancelled:
                 return self._stop_generating("cancelled", f"cancelled on seq {seq}")
@@ -209,11 +180,9 @@ class ProgressPoster:
         if status == 409 and rc == PROGRESS_OUT_OF_SEQUENCE:
             return self._out_of_sequence(post, data.get("expected_seq"), now)
         if status >= 500 or status == 429:
-            self._unavailable_in_row += 1
-            if self._unavailable_in_row >= self.max_unavailable:
-                return self._stop_posting(
-                    f"{self._unavailable_in_row} unavailable answers in a row ({status} {rc})"
-                )
+            self._unavailable_in_row = n = self._unavailable_in_row + 1
+            if n >= MAX_IN_A_ROW:
+                return self._stop_posting(f"{n} unavailable answers in a row ({status} {rc})")
             post.resent = True
             return ProgressAction.RETRY
         return self._stop_posting(f"{status} {rc}".strip())
@@ -232,18 +201,16 @@ class ProgressPoster:
         if self.seq > self.max_posts:
             self._stop_posting(f"post cap of {self.max_posts} reached")
             return None
-        post = _Post(self.seq, "".join(self._buf_content), "".join(self._buf_reasoning), now)
-        self._buf_content = []
-        self._buf_reasoning = []
+        post = _Post(self.seq, self._buf_content, self._buf_reasoning, now)
+        self._buf_content = self._buf_reasoning = ""
         remaining = self.cap_bytes - self.bytes_accepted
         post.last = self.seq >= self.max_posts or post.size >= remaining
         if post.size > remaining:
             post.reasoning = utf8_prefix(post.reasoning, remaining)
-            post.content = utf8_prefix(post.content, remaining - _utf8_len(post.reasoning))
-            log.debug(
-                "job=%s progress byte cap of %d bytes reached; last post trimmed",
-                self.job_id, self.cap_bytes,
-            )
+            room = remaining - len(post.reasoning.encode("utf-8"))
+            post.content = utf8_prefix(post.content, room)
+            log.debug("job=%s progress byte cap of %d bytes reached; last post trimmed",
+                      self.job_id, self.cap_bytes)
             if post.size == 0:
                 self._stop_posting(f"byte cap of {self.cap_bytes} bytes reached")
                 return None
@@ -265,17 +232,14 @@ class ProgressPoster:
             lease.extend_to(min(sent + self.base_lease_s, lease.popped_at + self.lease_cap_s))
         self.seq = post.seq + 1
         self._in_flight = None
-        self._unavailable_in_row = 0
-        self._lost_in_row = 0
-        self._conflicts_in_row = 0
+        self._unavailable_in_row = self._lost_in_row = self._conflicts_in_row = 0
         return post.last
 
     def _out_of_sequence(self, post: _Post, expected: object, now: float) -> ProgressAction:
         seq = post.seq
         if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
-            return self._stop_posting(
-                f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid expected_seq"
-            )
+            return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} without a valid "
+                                      "expected_seq")
         if expected == seq:
             return self._stop_posting(f"409 {PROGRESS_OUT_OF_SEQUENCE} expecting our own seq {seq}")
         conflicts = self._conflicts_in_row + 1
@@ -283,11 +247,8 @@ class ProgressPoster:
         drop: list[_Post] = []
         if expected > seq:
             # The horde already holds this post (an earlier copy was accepted).
-            log.debug(
-                "job=%s progress: the Horde expects seq %d after our seq %d; "
-                "counting it as accepted",
-                self.job_id, expected, seq,
-            )
+            log.debug("job=%s progress: the Horde expects seq %d after our seq %d; counting it "
+                      "as accepted", self.job_id, expected, seq)
             last = self._accept(now, extend=False)
         else:
             # The horde lacks our posts from `expected` on: their text goes with the post
@@ -305,11 +266,8 @@ class ProgressPoster:
             return self._stop_posting(f"cap reached at seq {seq}")
         if expected > seq:
             return ProgressAction.CONTINUE
-        log.warning(
-            "job=%s progress: the Horde expects seq %d, below our seq %d; "
-            "resending %d posts' text as seq %d",
-            self.job_id, expected, seq, len(drop), expected,
-        )
+        log.warning("job=%s progress: the Horde expects seq %d, below our seq %d; resending %d "
+                    "posts' text as seq %d", self.job_id, expected, seq, len(drop), expected)
         post.seq = expected
         post.content = "".join(h.content for h in drop) + post.content
         post.reasoning = "".join(h.reasoning for h in drop) + post.reasoning
@@ -323,8 +281,7 @@ class ProgressPoster:
         self.posting = False
         self.stop_reason = self.stop_reason or reason
         self._in_flight = None
-        self._buf_content = []
-        self._buf_reasoning = []
+        self._buf_content = self._buf_reasoning = ""
         return ProgressAction.STOP_POSTING
 
     def _stop_generating(self, why: str, reason: str) -> ProgressAction:

@@ -73,7 +73,6 @@ class _StreamedGeneration:
             job.id,
             max_length=job.max_length,
             lease=lease,
-            base_lease_s=lease.deadline - lease.popped_at,
             lease_cap_s=ports.settings.lease_cap_s,
         )
         #: The lease end last journaled (monotonic seconds).

@@ -8,12 +8,7 @@ from typing import Any
 from ..horde.pop import SAMPLER_KEYS, ChatJob, TextJob
 
 PASSTHROUGH_KEYS = (
-    "seed",
-    "reasoning_effort",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
+    "seed", "reasoning_effort", "tools", "tool_choice", "parallel_tool_calls", "response_format",
 )
 
 #: A llama.cpp GBNF grammar whose root is one JSON object, sent in place of
@@ -37,26 +32,17 @@ ws ::= ( [ \t\n] [ \t]{0,16} )?
 """
 
 
-def chat_request_body(
-    job: ChatJob,
-    messages: list[dict[str, Any]],
-    *,
-    genkey: str,
-    stream: bool,
-    max_context_length: int | None = None,
-) -> dict[str, Any]:
+def chat_request_body(job: ChatJob, messages: list[dict[str, Any]], *, genkey: str, stream: bool,
+                      max_context_length: int | None = None) -> dict[str, Any]:
     """The body for ``/v1/chat/completions``: the samplers as sent, ``stop``, the
     optional fields present, ``genkey`` (``HORDEREQ_...``: not local use) and
     ``stream`` (with ``include_usage``); json_object becomes :data:`OBJECT_JSON_GRAMMAR`;
     unknown keys are dropped. ``max_context_length``: tokens (None: the job's).
     """
     payload = job.payload
+    context = job.max_context_length if max_context_length is None else max_context_length
     body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": job.max_length,
-        "max_context_length": (
-            job.max_context_length if max_context_length is None else max_context_length
-        ),
+        "messages": messages, "max_tokens": job.max_length, "max_context_length": context,
     }
     body.update({key: payload[key] for key in SAMPLER_KEYS if key in payload})
     if payload.get("stop_sequence") is not None:
@@ -66,8 +52,7 @@ def chat_request_body(
     if isinstance(response_format, dict) and response_format.get("type") == "json_object":
         del body["response_format"]
         body["grammar"] = OBJECT_JSON_GRAMMAR
-    body["genkey"] = genkey
-    body["stream"] = stream
+    body.update(genkey=genkey, stream=stream)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body

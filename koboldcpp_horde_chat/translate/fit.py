@@ -62,17 +62,12 @@ def count_images(messages: list[Any]) -> int:
     return sum(1 for message in messages for part in _parts(message) if _is_image_part(part))
 
 
-def check_fit(
-    counted_tokens: int, messages: list[Any], *, max_length: int, max_context_length: int
-) -> FitResult:
+def check_fit(counted_tokens: int, messages: list[Any], *, max_length: int,
+              max_context_length: int) -> FitResult:
     """Tokens: ``estimate = counted_tokens + 32 + 16 * messages + 512 * images``; a job
     that does not fit is faulted with ``prompt_overflow`` (seed steps 3 and 7)."""
-    estimate = (
-        counted_tokens
-        + BASE_TOKENS
-        + PER_MESSAGE_TOKENS * len(messages)
-        + PER_IMAGE_TOKENS * count_images(messages)
-    )
+    estimate = counted_tokens + BASE_TOKENS + PER_MESSAGE_TOKENS * len(messages)
+    estimate += PER_IMAGE_TOKENS * count_images(messages)
     needed = estimate + max_length
     fits = needed <= max_context_length
     return FitResult(estimate=estimate, needed=needed, limit=max_context_length, fits=fits)

@@ -115,12 +115,10 @@ def _check_jpeg(data: bytes) -> tuple[int, int]:
             break
         if marker in _JPEG_UNREADABLE:
             raise _unreadable(_JPEG_UNREADABLE[marker])
-        if pos + 2 > n:
-            raise ImageError("truncated JPEG")
         length = int.from_bytes(data[pos : pos + 2], "big")
-        body, pos = data[pos + 2 : pos + length], pos + length
-        if pos > n:
+        if pos + max(length, 2) > n:
             raise ImageError("truncated JPEG")
+        body, pos = data[pos + 2 : pos + length], pos + length
         if marker in (0xC0, 0xC1, 0xC2):  # SOF: precision, height, width
             if len(body) < 6:
                 raise ImageError("corrupt JPEG: frame header")
@@ -271,16 +269,12 @@ def _check_caps(images: Mapping[tuple[int, int], bytes]) -> None:
     """Seed 004's byte caps on one job's images ``{(i, j): bytes}``."""
     for (i, j), data in images.items():
         if len(data) > MAX_IMAGE_BYTES:
-            raise ImageError(
-                f"{_where(i, j)}: image of {len(data)} bytes is over the cap of "
-                f"{MAX_IMAGE_BYTES} bytes"
-            )
+            raise ImageError(f"{_where(i, j)}: image of {len(data)} bytes is over the cap of "
+                             f"{MAX_IMAGE_BYTES} bytes")
     total = sum(map(len, images.values()))
     if total > MAX_REQUEST_IMAGE_BYTES:
-        raise ImageError(
-            f"{len(images)} images of {total} bytes together are over the cap of "
-            f"{MAX_REQUEST_IMAGE_BYTES} bytes per job"
-        )
+        raise ImageError(f"{len(images)} images of {total} bytes together are over the cap of "
+                         f"{MAX_REQUEST_IMAGE_BYTES} bytes per job")
 
 
 @dataclass(frozen=True)
@@ -316,11 +310,8 @@ def plan_images(messages: Sequence[Any]) -> ImagePlan:
     return plan
 
 
-def finish_images(
-    messages: Sequence[Any],
-    plan: ImagePlan,
-    fetched: Mapping[tuple[int, int], bytes],
-) -> list[dict[str, Any]]:
+def finish_images(messages: Sequence[Any], plan: ImagePlan,
+                  fetched: Mapping[tuple[int, int], bytes]) -> list[dict[str, Any]]:
     """A deep copy of ``messages`` with every image a checked data URL of its sniffed
     type (a canonical one kept); ``fetched`` holds every ``plan.to_fetch``. Raises
     ImageError, or ValueError when the plan or ``fetched`` does not match (a bug)."""

@@ -147,14 +147,6 @@ def test_a_private_ca_bundle_still_verifies_the_horde(
         }
 
 
-def test_a_session_passed_in_keeps_its_own_settings(env: pytest.MonkeyPatch, server: LocalServer) -> None:
-    session = requests.Session()
-    session.headers["X-Mine"] = "1"
-    HordeClient(server.url, KEY, bridge_agent=AGENT, session=session).pop(POP_BODY, timeout_s=5)
-    assert session.trust_env is True and session.proxies == {}
-    assert server.seen[0][1]["x-mine"] == "1"
-
-
 # --- koboldcpp --------------------------------------------------------------------------------
 
 

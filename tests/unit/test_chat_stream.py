@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koboldcpp_horde_chat.errors import ReplyError
+from koboldcpp_horde_chat.horde.pop import Lease
 from koboldcpp_horde_chat.horde.progress import ProgressAction, ProgressPoster
 from koboldcpp_horde_chat.koboldcpp.answers import BackendReply
 from koboldcpp_horde_chat.koboldcpp.reasoning import START_TAGS
@@ -262,7 +263,7 @@ def test_any_chunking_of_the_content_gives_the_same_split(pieces: list[str], cut
 
 def post_all(deltas: list[StreamDelta]) -> ProgressPoster:
     """Post every delta as the worker does, each post accepted at once."""
-    poster = ProgressPoster("job-1", max_length=100_000, interval_s=0.0, popped_at=0.0)
+    poster = ProgressPoster("job-1", max_length=100_000, lease=Lease(0.0, 150.0), interval_s=0.0)
     for delta in deltas:
         poster.add(delta.content, delta.reasoning)
         body = poster.due(1.0)
