@@ -151,10 +151,12 @@ class InFlight(Call):
 def describe_failure(exc: BaseException, what: str, password: str) -> str:
     """``"<what> <what went wrong>"`` (``"GET /api/v1/model connection failed
     (refused)"``), never the exception's text; the password masked all the same."""
-    message = f"{what} {netfail.describe(exc)}"
-    if password:
-        message = message.replace(password, "***")
-    return message
+    return mask(f"{what} {netfail.describe(exc)}", password)
+
+
+def mask(text: str, password: str) -> str:
+    """``text`` with the password, when there is one, written ``***``."""
+    return text.replace(password, "***") if password else text
 
 
 def error_detail(raw: bytes) -> str:
