@@ -16,7 +16,6 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import TracebackType
 
 import requests
 
@@ -48,10 +47,6 @@ class BackendStream:
         connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
         sock = getattr(connection, "sock", None)
         self._sock = sock if isinstance(sock, socket.socket) else None
-
-    @property
-    def status(self) -> int:
-        return int(self._response.status_code)
 
     def read_chunk(self) -> bytes:
         """The bytes arrived (up to 64 KiB), as soon as there is one; ``b""`` at the end
@@ -99,17 +94,6 @@ class BackendStream:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
-
-    def __enter__(self) -> BackendStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class InFlight(Call):

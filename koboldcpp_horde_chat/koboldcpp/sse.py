@@ -114,9 +114,7 @@ class SSEDecoder:
         self._pending += piece
         if len(self._pending) > self._max_line_bytes:
             self._pending = bytearray()
-            raise BackendError(
-                f"event stream line longer than {self._max_line_bytes} bytes"
-            )
+            raise BackendError(f"event stream line longer than {self._max_line_bytes} bytes")
 
     def _lines(self, lines: list[str]) -> list[SSEEvent]:
         events: list[SSEEvent] = []
@@ -124,14 +122,8 @@ class SSEDecoder:
         for line in lines:
             if not line:
                 if data:
-                    events.append(
-                        SSEEvent(
-                            "\n".join(data),
-                            self._event_type or "message",
-                            self.last_event_id,
-                            self._event_retry,
-                        )
-                    )
+                    kind, retry = self._event_type or "message", self._event_retry
+                    events.append(SSEEvent("\n".join(data), kind, self.last_event_id, retry))
                     data = self._data = []
                 self._event_type = ""
                 self._event_retry = None
@@ -142,13 +134,8 @@ class SSEDecoder:
                 continue
             if line[0] == ":":
                 continue
-            colon = line.find(":")
-            if colon < 0:
-                field, value = line, ""
-            else:
-                field, value = line[:colon], line[colon + 1 :]
-                if value.startswith(" "):
-                    value = value[1:]
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
             if field == "data":
                 data.append(value)
             elif field == "event":
