@@ -14,7 +14,6 @@ close and :meth:`KoboldClient.hang_up` may come from any thread.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
@@ -31,8 +30,6 @@ from ..jsonbody import encode_json
 from .api import BackendInfo, Body
 from .connection import BackendStream, InFlight, describe_failure, error_detail, mask
 from .versions import has_props_route
-
-log = logging.getLogger("koboldcpp_horde_chat.backend")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: ``/api/v1/model`` on a protected koboldcpp without the right bearer (1.116.1 L6077-6082).

@@ -94,11 +94,7 @@ class BackendIdentity:
     @classmethod
     def of(cls, info: BackendInfo) -> BackendIdentity:
         return cls(
-            info.model_name,
-            info.max_context_length,
-            info.vision,
-            version=info.version,
-            chat_template=info.chat_template,
+            info.model_name, info.max_context_length, info.vision, info.version, info.chat_template
         )
 
     def describe(self) -> str:
