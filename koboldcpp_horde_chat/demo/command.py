@@ -48,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kcpp-url",
-        default=None,
         help=f"a running koboldcpp to use (default: KCPP_URL, else {DEFAULT_KCPP_URL}; "
         "when none answers at the default the scripted koboldcpp is used)",
     )
@@ -56,21 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--scripted", action="store_true", help="use the scripted koboldcpp even if one runs"
     )
     parser.add_argument(
-        "--kcpp-password",
-        default=os.environ.get("KCPP_PASSWORD", ""),
+        "--kcpp-password", default=os.environ.get("KCPP_PASSWORD", ""),
         help="your koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
     )
     parser.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
+        "--timeout", type=float, default=300.0,
         help="seconds to wait for every request to end, in all (default 300)",
     )
     parser.add_argument(
-        "--log-level",
-        default="WARNING",
+        "--log-level", default="WARNING", type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
         help="log level of the worker's and the dev Horde's lines (default WARNING)",
     )
     return parser
@@ -249,7 +243,12 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)
-        _say_rules(real, sum(not case.skip for case in cases))
+        rule = " and the scripted reply is as expected"
+        if real:
+            rule = '; what your model did not do ("model:") does not fail it'
+        _say(f"Each case passes when the worker did right{rule}.")
+        sent = sum(not case.skip for case in cases)
+        _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         started.callback(logging.getLogger(WORKER_LOGGER).removeHandler, fault_causes)
         thread.start()
@@ -265,16 +264,6 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
         with sigint_handled(ignore=True):
             started.close()
             time.sleep(0)
-
-
-def _say_rules(real: bool, sent: int) -> None:
-    rule = (
-        '; what your model did not do ("model:") does not fail it'
-        if real
-        else " and the scripted reply is as expected"
-    )
-    _say(f"Each case passes when the worker did right{rule}.")
-    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
 
 
 def _run_cases(
@@ -333,9 +322,8 @@ def _summary(
     """Print the dev Horde's ledger and the end line; the exit code."""
     _say("\nLedger (what the dev Horde recorded for each job):")
     for entry in horde.ledger:
-        reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
-        rc = f" ({entry.get('rc')})" if entry.get("rc") else ""
-        _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}{rc}")
+        tail = "".join(f" ({entry[key]})" for key in ("fault_reason", "rc") if entry.get(key))
+        _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{tail}")
     skipped = [c.name for c in cases if c.skip]
     extra = []
     if notes and not scripted:
