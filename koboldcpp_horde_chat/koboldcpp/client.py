@@ -29,7 +29,7 @@ from ..inflight import Call, CallDeadlines, TrackingAdapter, in_generation
 from ..jsonbody import encode_json
 from .api import BackendInfo, Body
 from .connection import BackendStream, InFlight, describe_failure, error_detail, mask
-from .versions import has_props_route
+from .versions import PROPS_SINCE, at_least
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: ``/api/v1/model`` on a protected koboldcpp without the right bearer (1.116.1 L6077-6082).
@@ -133,8 +133,9 @@ class KoboldClient:
             version=release,
             protected=protected,
             jinja=version.get("jinja") is True,
+            # An unreadable version is asked too (it costs one GET).
             chat_template=self.chat_template(timeout_s=timeout_s)
-            if has_props_route(release) else None,
+            if at_least(release, PROPS_SINCE) else None,
         )
 
     def chat_template(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
