@@ -59,23 +59,19 @@ class SSEDecoder:
         """The events these bytes complete, in order. ValueError after ``close()``."""
         if self._closed:
             raise ValueError("SSEDecoder.feed() after close()")
-        if not data:
-            return []
         if self._head is not None:
             head = self._head + data
             if len(head) < len(_BOM) and _BOM.startswith(head):
                 self._head = head
                 return []
             self._head = None
-            data = head[len(_BOM) :] if head.startswith(_BOM) else head
-            if not data:
-                return []
-        if self._skip_lf:
+            data = head.removeprefix(_BOM)
+        if self._skip_lf and data:
             self._skip_lf = False
             if data[0] == _LF:
                 data = data[1:]
-                if not data:
-                    return []
+        if not data:
+            return []
         end = max(data.rfind(b"\n"), data.rfind(b"\r"))
         if end < 0:
             self._keep(data)
