@@ -196,6 +196,8 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     think = _asks("Think first: what is 2 + 2?", 128)
     story = _asks("Tell me a short story about a fox.", 96, stream=True)
     text = {"prompt": "The capital of France is", "max_length": 24}
+    overflow = _asks(overflow_text, 64)
+    seen = _hope_image_seen if scripted else _hope_reply
     warned = "" if scripted else MODEL_REFUSAL_WARNINGS
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
@@ -205,20 +207,10 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase("json_object", "chat", as_json, _hope_json_object),
         DemoCase("reasoning reply", "chat", think, _hope_reasoning),
         DemoCase(
-            "does not fit",
-            "chat",
-            _asks(overflow_text, 64),
-            expect_fault="prompt_overflow",
-            max_attempts=1,
+            "does not fit", "chat", overflow, expect_fault="prompt_overflow", max_attempts=1,
             before=OVERFLOW_WARNING,
         ),
         DemoCase("streamed reply", "chat", story, _hope_reply),
         DemoCase("text job", "text", text, _hope_text),
-        DemoCase(
-            "image",
-            "chat",
-            _asks(PICTURE, 64),
-            _hope_image_seen if scripted else _hope_reply,
-            skip="" if vision else NO_VISION,
-        ),
+        DemoCase("image", "chat", _asks(PICTURE, 64), seen, skip="" if vision else NO_VISION),
     ]

@@ -91,9 +91,8 @@ def _submit_problems(
 def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[str]:
     """Seed 000, steps 7 and 8."""
     if kind == "text":
-        return (
-            [] if isinstance(body.get("generation"), str) else ["the text fault has no generation"]
-        )
+        ok = isinstance(body.get("generation"), str)
+        return [] if ok else ["the text fault has no generation"]
     problems = []
     if body.get("model_id") != model:
         problems.append(

@@ -274,10 +274,8 @@ class KoboldClient:
         if self._password:
             headers["Authorization"] = f"Bearer {self._password}"
         headers.update(extra_headers or {})
-        data: bytes | bytearray | None = None
-        if isinstance(body, bytes | bytearray):
-            data = body
-        elif body is not None:
+        data = body
+        if isinstance(body, dict):
             try:
                 data = encode_json(body)
             except (TypeError, ValueError, RecursionError) as exc:

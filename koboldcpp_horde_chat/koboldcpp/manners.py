@@ -160,10 +160,7 @@ class StandaloneManners(NoManners):
         self._own_in_flight = 0
         # Epoch seconds someone else was last seen using koboldcpp (see _read_local).
         self._other_seen_at: float | None = None
-        self._maybe_restarted = False
-        self._queued = False
-        self._busy = False
-        self._own_worker = False
+        self._maybe_restarted = self._queued = self._busy = self._own_worker = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
         self._idle_read_at: float | None = None
