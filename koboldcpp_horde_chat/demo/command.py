@@ -238,8 +238,7 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
         worker_args = _worker_args(args, horde.url, kcpp_url, journal)
         thread = threading.Thread(
             target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
-            name="demo-worker",
-            daemon=True,
+            name="demo-worker", daemon=True,
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)

@@ -323,8 +323,6 @@ class KoboldClient:
         except (UnicodeDecodeError, ValueError):
             raise BackendError(f"{path}: the answer is not JSON", status=status) from None
         if not isinstance(decoded, dict):
-            raise BackendError(
-                f"{path}: the answer is a JSON {type(decoded).__name__}, not an object",
-                status=status,
-            )
+            kind = type(decoded).__name__
+            raise BackendError(f"{path}: the answer is a JSON {kind}, not an object", status=status)
         return decoded

@@ -136,10 +136,8 @@ class SSEDecoder:
                 data.append(value)
             elif field == "event":
                 self._event_type = value
-            elif field == "id":
-                if "\x00" not in value:
-                    self.last_event_id = value
-            elif field == "retry":
-                if value and value.isascii() and value.isdigit():
-                    self._event_retry = self.retry_ms = int(value)
+            elif field == "id" and "\x00" not in value:
+                self.last_event_id = value
+            elif field == "retry" and value and value.isascii() and value.isdigit():
+                self._event_retry = self.retry_ms = int(value)
         return events
