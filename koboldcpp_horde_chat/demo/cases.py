@@ -99,9 +99,8 @@ def _cut(status: dict[str, Any], max_tokens: int) -> str:
 
 
 def _hope_reply(status: dict[str, Any]) -> str | None:
-    if _content(status).strip() or _calls(status):
-        return None
-    return "the model replied with empty text"
+    ok = _content(status).strip() or _calls(status)
+    return None if ok else "the model replied with empty text"
 
 
 def _hope_tool_call(status: dict[str, Any]) -> str | None:
@@ -120,22 +119,19 @@ def _hope_json_object(status: dict[str, Any]) -> str | None:
 
 
 def _hope_reasoning(status: dict[str, Any]) -> str | None:
-    if _message(status).get("reasoning_content"):
-        return None
-    return "the model wrote no reasoning block (only reasoning models think aloud)"
+    ok = _message(status).get("reasoning_content")
+    return None if ok else "the model wrote no reasoning block (only reasoning models think aloud)"
 
 
 def _hope_text(status: dict[str, Any]) -> str | None:
     generation = status.get("generation")
-    if isinstance(generation, str) and generation.strip():
-        return None
-    return "the model generated empty text"
+    ok = isinstance(generation, str) and generation.strip()
+    return None if ok else "the model generated empty text"
 
 
 def _hope_image_seen(status: dict[str, Any]) -> str | None:
-    if "1 image" in _content(status):
-        return None
-    return "the scripted koboldcpp did not report the image it was sent"
+    ok = "1 image" in _content(status)
+    return None if ok else "the scripted koboldcpp did not report the image it was sent"
 
 
 #: Said before a case whose reply a real model may get wrong in a way the Horde refuses.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from ..errors import BackendError, ConfigError
+from ..errors import ConfigError
 from ..hosts.standalone import configure_logging, run_standalone
 from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
@@ -173,10 +173,7 @@ def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
         return None
     if args.scripted:
         return kcpp_url, False
-    try:
-        real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
-    except BackendError:
-        real = False
+    real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
     if not real and args.kcpp_url is not None:
         print(
             f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
@@ -266,12 +263,8 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
 
 
 def _run_cases(
-    cases: list[DemoCase],
-    horde: Any,
-    worker: threading.Thread,
-    fault_causes: FaultCauses,
-    deadline: float,
-    scripted: bool,
+    cases: list[DemoCase], horde: Any, worker: threading.Thread, fault_causes: FaultCauses,
+    deadline: float, scripted: bool,
 ) -> tuple[list[str], int]:
     """Send the cases one at a time and print their lines; the failed cases' names
     and the count of model notes."""

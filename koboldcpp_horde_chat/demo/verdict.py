@@ -188,13 +188,8 @@ class _Findings:
 
 
 def judge(
-    case: DemoCase,
-    status: dict[str, Any],
-    ledger: Sequence[dict[str, Any]],
-    models: dict[str, str | None],
-    *,
-    finished: bool,
-    causes: dict[str, str] | None = None,
+    case: DemoCase, status: dict[str, Any], ledger: Sequence[dict[str, Any]],
+    models: dict[str, str | None], *, finished: bool, causes: dict[str, str] | None = None,
 ) -> Verdict:
     """Judge what the worker did with one case's request.
 

@@ -24,9 +24,7 @@ class BackendReply:
 
 def _optional_count(usage: dict[str, Any], key: str) -> int | None:
     value = usage.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _optional_str(holder: dict[str, Any], key: str, where: str) -> str | None:
