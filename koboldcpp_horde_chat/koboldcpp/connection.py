@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import requests
 
@@ -82,10 +82,8 @@ class BackendStream:
             self._response.raw.shutdown()
         except Exception:  # urllib3 < 2.3 has no shutdown(); older ones raise
             if self._sock is not None:
-                try:
+                with suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         try:
             self._response.close()
         except Exception:  # closing under a concurrent read may trip http.client

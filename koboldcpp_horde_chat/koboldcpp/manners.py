@@ -139,11 +139,7 @@ class StandaloneManners(NoManners):
     PERF_IDLE_CACHE_S = 1.0
 
     def __init__(
-        self,
-        backend: KcppProbes,
-        clock: Clock = SYSTEM_CLOCK,
-        *,
-        check_busy: bool = True,
+        self, backend: KcppProbes, clock: Clock = SYSTEM_CLOCK, *, check_busy: bool = True,
         identity: BackendIdentity | None = None,
     ) -> None:
         self._lock = threading.Lock()
