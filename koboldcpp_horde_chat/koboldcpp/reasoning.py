@@ -102,10 +102,8 @@ class StreamSplitter:
                 self.stopped = True
                 self._buffer = ""
                 break
-            if kind == _START:
-                self.in_reasoning = True
-            elif kind == _END:
-                self.in_reasoning = False
+            if kind in (_START, _END):
+                self.in_reasoning = kind == _START
         return pieces
 
 
@@ -128,9 +126,8 @@ def _earliest(buf: str, needles: list[tuple[str, str]]) -> tuple[int, str, str] 
 
 
 def _partial_start(buf: str, needles: list[str]) -> int | None:
-    """The smallest index whose suffix of ``buf`` is a proper prefix of a needle."""
-    if not needles:
-        return None
+    """The smallest index whose suffix of ``buf`` is a proper prefix of a needle
+    (``needles`` not empty)."""
     longest = max(len(n) for n in needles)
     for start in range(max(0, len(buf) - longest + 1), len(buf)):
         tail = buf[start:]
