@@ -24,10 +24,5 @@ def at_least(version: str, release: tuple[int, ...]) -> bool:
     return match is None or tuple(int(part) for part in match.group(1).split(".")) >= release
 
 
-def has_chat_route(version: str) -> bool:
-    """True from 1.46, and for an unreadable version (the first chat job tells)."""
-    return at_least(version, CHAT_ROUTE_SINCE)
-
-
 def since(release: tuple[int, ...]) -> str:
     return ".".join(str(part) for part in release)
