@@ -14,12 +14,4 @@ from .cases import DemoCase, demo_cases
 from .command import OPENING, build_parser, main
 from .verdict import Verdict, judge
 
-__all__ = [
-    "OPENING",
-    "DemoCase",
-    "Verdict",
-    "build_parser",
-    "demo_cases",
-    "judge",
-    "main",
-]
+__all__ = ["OPENING", "DemoCase", "Verdict", "build_parser", "demo_cases", "judge", "main"]

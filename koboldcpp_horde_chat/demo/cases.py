@@ -99,9 +99,8 @@ def _cut(status: dict[str, Any], max_tokens: int) -> str:
 
 
 def _hope_reply(status: dict[str, Any]) -> str | None:
-    if _content(status).strip() or _calls(status):
-        return None
-    return "the model replied with empty text"
+    ok = _content(status).strip() or _calls(status)
+    return None if ok else "the model replied with empty text"
 
 
 def _hope_tool_call(status: dict[str, Any]) -> str | None:
@@ -120,22 +119,19 @@ def _hope_json_object(status: dict[str, Any]) -> str | None:
 
 
 def _hope_reasoning(status: dict[str, Any]) -> str | None:
-    if _message(status).get("reasoning_content"):
-        return None
-    return "the model wrote no reasoning block (only reasoning models think aloud)"
+    ok = _message(status).get("reasoning_content")
+    return None if ok else "the model wrote no reasoning block (only reasoning models think aloud)"
 
 
 def _hope_text(status: dict[str, Any]) -> str | None:
     generation = status.get("generation")
-    if isinstance(generation, str) and generation.strip():
-        return None
-    return "the model generated empty text"
+    ok = isinstance(generation, str) and generation.strip()
+    return None if ok else "the model generated empty text"
 
 
 def _hope_image_seen(status: dict[str, Any]) -> str | None:
-    if "1 image" in _content(status):
-        return None
-    return "the scripted koboldcpp did not report the image it was sent"
+    ok = "1 image" in _content(status)
+    return None if ok else "the scripted koboldcpp did not report the image it was sent"
 
 
 #: Said before a case whose reply a real model may get wrong in a way the Horde refuses.
@@ -196,6 +192,8 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
     think = _asks("Think first: what is 2 + 2?", 128)
     story = _asks("Tell me a short story about a fox.", 96, stream=True)
     text = {"prompt": "The capital of France is", "max_length": 24}
+    overflow = _asks(overflow_text, 64)
+    seen = _hope_image_seen if scripted else _hope_reply
     warned = "" if scripted else MODEL_REFUSAL_WARNINGS
     return [
         DemoCase("plain chat", "chat", _asks("Name one colour.", 32), _hope_reply),
@@ -205,20 +203,10 @@ def demo_cases(context: int, *, scripted: bool, vision: bool = False) -> list[De
         DemoCase("json_object", "chat", as_json, _hope_json_object),
         DemoCase("reasoning reply", "chat", think, _hope_reasoning),
         DemoCase(
-            "does not fit",
-            "chat",
-            _asks(overflow_text, 64),
-            expect_fault="prompt_overflow",
-            max_attempts=1,
+            "does not fit", "chat", overflow, expect_fault="prompt_overflow", max_attempts=1,
             before=OVERFLOW_WARNING,
         ),
         DemoCase("streamed reply", "chat", story, _hope_reply),
         DemoCase("text job", "text", text, _hope_text),
-        DemoCase(
-            "image",
-            "chat",
-            _asks(PICTURE, 64),
-            _hope_image_seen if scripted else _hope_reply,
-            skip="" if vision else NO_VISION,
-        ),
+        DemoCase("image", "chat", _asks(PICTURE, 64), seen, skip="" if vision else NO_VISION),
     ]

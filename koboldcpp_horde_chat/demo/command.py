@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from ..errors import BackendError, ConfigError
+from ..errors import ConfigError
 from ..hosts.standalone import configure_logging, run_standalone
 from ..hosts.standalone_flags import KCPP_URL_ENV, KCPP_URL_FLAG, FlagParser, resolve_url
 from ..koboldcpp.client import KoboldClient
@@ -48,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kcpp-url",
-        default=None,
         help=f"a running koboldcpp to use (default: KCPP_URL, else {DEFAULT_KCPP_URL}; "
         "when none answers at the default the scripted koboldcpp is used)",
     )
@@ -56,21 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--scripted", action="store_true", help="use the scripted koboldcpp even if one runs"
     )
     parser.add_argument(
-        "--kcpp-password",
-        default=os.environ.get("KCPP_PASSWORD", ""),
+        "--kcpp-password", default=os.environ.get("KCPP_PASSWORD", ""),
         help="your koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
     )
     parser.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
+        "--timeout", type=float, default=300.0,
         help="seconds to wait for every request to end, in all (default 300)",
     )
     parser.add_argument(
-        "--log-level",
-        default="WARNING",
+        "--log-level", default="WARNING", type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
         help="log level of the worker's and the dev Horde's lines (default WARNING)",
     )
     return parser
@@ -179,10 +173,7 @@ def _find_koboldcpp(args: argparse.Namespace) -> tuple[str, bool] | None:
         return None
     if args.scripted:
         return kcpp_url, False
-    try:
-        real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
-    except BackendError:
-        real = False
+    real = KoboldClient(kcpp_url, args.kcpp_password, connect_timeout_s=2.0).ready()
     if not real and args.kcpp_url is not None:
         print(
             f"No koboldcpp answers at {kcpp_url}. Start it, or run the demo with "
@@ -244,12 +235,16 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
         worker_args = _worker_args(args, horde.url, kcpp_url, journal)
         thread = threading.Thread(
             target=lambda: result.setdefault("code", run_standalone(worker_args, stop_event=stop)),
-            name="demo-worker",
-            daemon=True,
+            name="demo-worker", daemon=True,
         )
         info = KoboldClient(kcpp_url, args.kcpp_password).info()
         cases = demo_cases(info.max_context_length, scripted=not real, vision=info.vision)
-        _say_rules(real, sum(not case.skip for case in cases))
+        rule = " and the scripted reply is as expected"
+        if real:
+            rule = '; what your model did not do ("model:") does not fail it'
+        _say(f"Each case passes when the worker did right{rule}.")
+        sent = sum(not case.skip for case in cases)
+        _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
         logging.getLogger(WORKER_LOGGER).addHandler(fault_causes)
         started.callback(logging.getLogger(WORKER_LOGGER).removeHandler, fault_causes)
         thread.start()
@@ -267,23 +262,9 @@ def _run(args: argparse.Namespace, kcpp_url: str, real: bool) -> int:
             time.sleep(0)
 
 
-def _say_rules(real: bool, sent: int) -> None:
-    rule = (
-        '; what your model did not do ("model:") does not fail it'
-        if real
-        else " and the scripted reply is as expected"
-    )
-    _say(f"Each case passes when the worker did right{rule}.")
-    _say(f"Starting the worker; {sent} requests follow, one at a time.\n")
-
-
 def _run_cases(
-    cases: list[DemoCase],
-    horde: Any,
-    worker: threading.Thread,
-    fault_causes: FaultCauses,
-    deadline: float,
-    scripted: bool,
+    cases: list[DemoCase], horde: Any, worker: threading.Thread, fault_causes: FaultCauses,
+    deadline: float, scripted: bool,
 ) -> tuple[list[str], int]:
     """Send the cases one at a time and print their lines; the failed cases' names
     and the count of model notes."""
@@ -333,9 +314,8 @@ def _summary(
     """Print the dev Horde's ledger and the end line; the exit code."""
     _say("\nLedger (what the dev Horde recorded for each job):")
     for entry in horde.ledger:
-        reason = f" ({entry.get('fault_reason')})" if entry.get("fault_reason") else ""
-        rc = f" ({entry.get('rc')})" if entry.get("rc") else ""
-        _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{reason}{rc}")
+        tail = "".join(f" ({entry[key]})" for key in ("fault_reason", "rc") if entry.get(key))
+        _say(f"  job {entry['job_id']}: {entry['kind']} {entry['action']}{tail}")
     skipped = [c.name for c in cases if c.skip]
     extra = []
     if notes and not scripted:

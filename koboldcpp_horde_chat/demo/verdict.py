@@ -83,9 +83,7 @@ def _submit_problems(
             ids.add(call_id)
     for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
         value = body.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
+        if value is not None and (type(value) is not int or value < 0):
             problems.append(f"{key} {value!r} is not a count of tokens")
     return problems
 
@@ -93,9 +91,8 @@ def _submit_problems(
 def _fault_problems(kind: str, body: dict[str, Any], model: str | None) -> list[str]:
     """Seed 000, steps 7 and 8."""
     if kind == "text":
-        return (
-            [] if isinstance(body.get("generation"), str) else ["the text fault has no generation"]
-        )
+        ok = isinstance(body.get("generation"), str)
+        return [] if ok else ["the text fault has no generation"]
     problems = []
     if body.get("model_id") != model:
         problems.append(
@@ -191,13 +188,8 @@ class _Findings:
 
 
 def judge(
-    case: DemoCase,
-    status: dict[str, Any],
-    ledger: Sequence[dict[str, Any]],
-    models: dict[str, str | None],
-    *,
-    finished: bool,
-    causes: dict[str, str] | None = None,
+    case: DemoCase, status: dict[str, Any], ledger: Sequence[dict[str, Any]],
+    models: dict[str, str | None], *, finished: bool, causes: dict[str, str] | None = None,
 ) -> Verdict:
     """Judge what the worker did with one case's request.
 
@@ -217,7 +209,6 @@ def judge(
     for job_id in job_ids:
         found.job(job_id, [e for e in ledger if e["job_id"] == job_id])
     problems, faults, submitted = found.problems, found.faults, found.submitted
-    notes: list[str] = []
     if not finished:
         problems.append("the request did not end in time")
     if case.expect_fault is not None:
@@ -226,14 +217,14 @@ def judge(
         did = (
             _did(faults, submitted) if problems else f"faulted with {case.expect_fault}, as it must"
         )
-        return Verdict(not problems, did, problems, notes)
+        return Verdict(not problems, did, problems, [])
     for why in found.wrong_faults:
         problems.append(
             "a job was faulted instead of served"
             + (f" ({why})" if why else " (no reason given: see the WARNING line above)")
         )
-    for text, times in Counter(found.excused).items():
-        notes.append(text + (f" ({times} times)" if times > 1 else ""))
+    counted = Counter(found.excused).items()
+    notes = [text + (f" ({times} times)" if times > 1 else "") for text, times in counted]
     if _done(status):
         note = case.hope(status) if case.hope else None
         if note:

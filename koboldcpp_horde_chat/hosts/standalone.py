@@ -20,7 +20,7 @@ from ..inflight import CallDeadlines, stop_call_ends
 from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.client import KoboldClient
 from ..koboldcpp.manners import BackendIdentity, StandaloneManners
-from ..koboldcpp.versions import CHAT_ROUTE_SINCE, has_chat_route, since
+from ..koboldcpp.versions import CHAT_ROUTE_SINCE, at_least, since
 from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
@@ -110,7 +110,7 @@ def settings_from_info(
     withhold = parse_withhold(args.chat_withhold)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
-    chat = has_chat_route(info.version)
+    chat = at_least(info.version, CHAT_ROUTE_SINCE)  # an unreadable version: the first job tells
     if not chat and args.chat_only:
         raise ConfigError(
             f"koboldcpp {info.version} at {args.kcpp_url} has no chat route (koboldcpp "

@@ -24,8 +24,13 @@ class BackendReply:
 
 def _optional_count(usage: dict[str, Any], key: str) -> int | None:
     value = usage.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _optional_str(holder: dict[str, Any], key: str, where: str) -> str | None:
+    value = holder.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ReplyError(f"{where}{key} is not a string or null")
     return value
 
 
@@ -45,20 +50,14 @@ def parse_chat_completion(body: object) -> BackendReply:
     message = choice.get("message")
     if not isinstance(message, dict):
         raise ReplyError("choices[0].message is not an object")
-    content = message.get("content")
-    if content is not None and not isinstance(content, str):
-        raise ReplyError("choices[0].message.content is not a string or null")
-    reasoning = message.get("reasoning_content")
-    if reasoning is not None and not isinstance(reasoning, str):
-        raise ReplyError("choices[0].message.reasoning_content is not a string or null")
+    content = _optional_str(message, "content", "choices[0].message.")
+    reasoning = _optional_str(message, "reasoning_content", "choices[0].message.")
     tool_calls = message.get("tool_calls")
     if tool_calls is None:
         tool_calls = []
     if not isinstance(tool_calls, list):
         raise ReplyError("choices[0].message.tool_calls is not a list")
-    finish = choice.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise ReplyError("choices[0].finish_reason is not a string or null")
+    finish = _optional_str(choice, "finish_reason", "choices[0].")
     usage = body.get("usage")
     if not isinstance(usage, dict):
         usage = {}

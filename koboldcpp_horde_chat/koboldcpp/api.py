@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
+
+#: A JSON request body, or one already encoded.
+Body: TypeAlias = dict[str, Any] | bytes | bytearray
 
 
 @dataclass(frozen=True)
@@ -27,21 +30,17 @@ class KcppStream(Protocol):
     """An open chat event stream: ``read_chunk`` gives ``b""`` at the end or once
     closed, raises ``errors.BackendError``; ``close`` may come from any thread."""
 
-    def read_chunk(self) -> bytes:
-        ...
+    def read_chunk(self) -> bytes: ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 class KcppProbes(Protocol):
     """koboldcpp's read-only probes."""
 
-    def info(self, *, timeout_s: float = ...) -> BackendInfo:
-        ...
+    def info(self, *, timeout_s: float = ...) -> BackendInfo: ...
 
-    def perf(self, *, timeout_s: float = ...) -> dict[str, Any]:
-        ...
+    def perf(self, *, timeout_s: float = ...) -> dict[str, Any]: ...
 
 
 class KcppAPI(KcppProbes, Protocol):
@@ -49,44 +48,24 @@ class KcppAPI(KcppProbes, Protocol):
     once ``cancel`` is set and ends at once at :meth:`hang_up` (any thread). Calls
     raise ``errors.BackendUnauthorized`` (401), ``BackendBusy`` (503), ``BackendError``."""
 
-    def ready(self, *, timeout_s: float = ...) -> bool:
-        ...
+    def ready(self, *, timeout_s: float = ...) -> bool: ...
 
-    def tokencount(self, prompt: str, *, timeout_s: float) -> int:
-        ...
+    def tokencount(self, prompt: str, *, timeout_s: float) -> int: ...
 
     def chat_completion(
-        self,
-        body: dict[str, Any] | bytes | bytearray,
-        *,
-        timeout_s: float,
-        cancel: threading.Event | None = None,
-    ) -> dict[str, Any]:
-        ...
+        self, body: Body, *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> dict[str, Any]: ...
 
     def open_chat_stream(
-        self,
-        body: dict[str, Any] | bytes | bytearray,
-        *,
-        read_timeout_s: float,
-        cancel: threading.Event | None = None,
-    ) -> KcppStream:
-        ...
+        self, body: Body, *, read_timeout_s: float, cancel: threading.Event | None = None
+    ) -> KcppStream: ...
 
     def generate(
-        self,
-        payload: dict[str, Any],
-        *,
-        timeout_s: float,
-        cancel: threading.Event | None = None,
-    ) -> dict[str, Any]:
-        ...
+        self, payload: dict[str, Any], *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> dict[str, Any]: ...
 
-    def abort(self, genkey: str, *, timeout_s: float = ...) -> bool:
-        ...
+    def abort(self, genkey: str, *, timeout_s: float = ...) -> bool: ...
 
-    def hang_up(self) -> bool:
-        ...
+    def hang_up(self) -> bool: ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...

@@ -14,7 +14,6 @@ close and :meth:`KoboldClient.hang_up` may come from any thread.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
@@ -28,17 +27,16 @@ from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
 from ..httpbody import read_body
 from ..inflight import Call, CallDeadlines, TrackingAdapter, in_generation
 from ..jsonbody import encode_json
-from .api import BackendInfo
-from .connection import BackendStream, InFlight, describe_failure, error_detail
-from .versions import has_props_route
-
-log = logging.getLogger("koboldcpp_horde_chat.backend")
+from .api import BackendInfo, Body
+from .connection import BackendStream, InFlight, describe_failure, error_detail, mask
+from .versions import PROPS_SINCE, at_least
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: ``/api/v1/model`` on a protected koboldcpp without the right bearer (1.116.1 L6077-6082).
 PROTECTED_MODEL_NAME = "koboldcpp/protected-model"
 
 _PROBE_TIMEOUT_S = 10.0
+CHAT_PATH = "/v1/chat/completions"
 
 _READ_ERRORS: tuple[type[BaseException], ...] = (
     requests.RequestException,
@@ -58,13 +56,8 @@ class KoboldClient:
     """
 
     def __init__(
-        self,
-        base_url: str,
-        password: str = "",
-        *,
-        connect_timeout_s: float = 10.0,
-        session: requests.Session | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        self, base_url: str, password: str = "", *, connect_timeout_s: float = 10.0,
+        session: requests.Session | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._password = password
@@ -92,6 +85,11 @@ class KoboldClient:
 
     def close(self) -> None:
         self._session.close()
+
+    @property
+    def _password_state(self) -> str:
+        """How the password koboldcpp refused is: ``"wrong"`` or ``"missing"``."""
+        return "wrong" if self._password else "missing"
 
     def ready(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
         """koboldcpp's own worker's readiness probe (1.116.1 L10104-10109); never raises."""
@@ -122,9 +120,8 @@ class KoboldClient:
         if protected:
             if model_name == PROTECTED_MODEL_NAME:
                 raise BackendUnauthorized(
-                    "koboldcpp is password protected and the password is "
-                    + ("wrong" if self._password else "missing")
-                    + " (/api/v1/model is masked)",
+                    f"koboldcpp is password protected and the password is {self._password_state} "
+                    "(/api/v1/model is masked)",
                     status=200,
                 )
             self.tokencount("", timeout_s=timeout_s)
@@ -136,8 +133,9 @@ class KoboldClient:
             version=release,
             protected=protected,
             jinja=version.get("jinja") is True,
+            # An unreadable version is asked too (it costs one GET).
             chat_template=self.chat_template(timeout_s=timeout_s)
-            if has_props_route(release) else None,
+            if at_least(release, PROPS_SINCE) else None,
         )
 
     def chat_template(self, *, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
@@ -164,27 +162,18 @@ class KoboldClient:
         return value
 
     def chat_completion(
-        self,
-        body: dict[str, Any] | bytes | bytearray,
-        *,
-        timeout_s: float,
-        cancel: threading.Event | None = None,
+        self, body: Body, *, timeout_s: float, cancel: threading.Event | None = None
     ) -> dict[str, Any]:
         """The whole chat completion; ``body`` a JSON object or already encoded.
 
         :meth:`hang_up` ends it from another thread; with ``cancel`` set first,
         nothing is sent (set ``cancel``, then hang up: whichever came first wins).
         """
-        path = "/v1/chat/completions"
-        with self._in_flight.generation(f"POST {path}", cancel):
-            return self._call("POST", path, body, timeout_s)
+        with self._in_flight.generation(f"POST {CHAT_PATH}", cancel):
+            return self._call("POST", CHAT_PATH, body, timeout_s)
 
     def open_chat_stream(
-        self,
-        body: dict[str, Any] | bytes | bytearray,
-        *,
-        read_timeout_s: float,
-        cancel: threading.Event | None = None,
+        self, body: Body, *, read_timeout_s: float, cancel: threading.Event | None = None
     ) -> BackendStream:
         """The chat completion as an open event stream (``"stream": true`` is added to
         a dict body; an encoded one must hold it). ``read_timeout_s`` bounds each wait
@@ -192,16 +181,11 @@ class KoboldClient:
         ``cancel`` and :meth:`hang_up` as for :meth:`chat_completion`.
         """
         payload = {**body, "stream": True} if isinstance(body, dict) else body
-        path = "/v1/chat/completions"
+        path = CHAT_PATH
         with self._in_flight.generation(f"POST {path}", cancel):
             deadline = self._deadline(read_timeout_s)
-            response = self._request(
-                "POST",
-                path,
-                payload,
-                read_timeout_s,
-                extra_headers={"Accept": "text/event-stream", "Accept-Encoding": "identity"},
-            )
+            accept = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+            response = self._request("POST", path, payload, read_timeout_s, extra_headers=accept)
             status = response.status_code
             content_type = response.headers.get("content-type", "")
             if 200 <= status < 300 and "text/event-stream" in content_type.lower():
@@ -226,11 +210,7 @@ class KoboldClient:
         return success is True or success == "true"
 
     def generate(
-        self,
-        payload: dict[str, Any],
-        *,
-        timeout_s: float,
-        cancel: threading.Event | None = None,
+        self, payload: dict[str, Any], *, timeout_s: float, cancel: threading.Event | None = None
     ) -> dict[str, Any]:
         """The Kobold text generate, ``{"results": [{"text", ...}]}``; ``cancel`` and
         :meth:`hang_up` as for :meth:`chat_completion`."""
@@ -287,22 +267,15 @@ class KoboldClient:
             response.close()
 
     def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | bytes | bytearray | None,
-        timeout_s: float,
-        *,
+        self, method: str, path: str, body: Body | None, timeout_s: float, *,
         extra_headers: dict[str, str] | None = None,
     ) -> requests.Response:
         headers: dict[str, str] = {} if method == "GET" else {"Content-Type": "application/json"}
         if self._password:
             headers["Authorization"] = f"Bearer {self._password}"
         headers.update(extra_headers or {})
-        data: bytes | bytearray | None = None
-        if isinstance(body, bytes | bytearray):
-            data = body
-        elif body is not None:
+        data = body
+        if isinstance(body, dict):
             try:
                 data = encode_json(body)
             except (TypeError, ValueError, RecursionError) as exc:
@@ -334,14 +307,11 @@ class KoboldClient:
                 problem = f"the answer is larger than {cap} bytes"
             elif "in time" in problem:
                 problem = f"the answer was not received in time ({problem})"
-            if self._password:
-                problem = problem.replace(self._password, "***")
+            problem = mask(problem, self._password)
             raise BackendError(f"{path}: {problem}"[:500], status=status) from None
         if status == 401:
             raise BackendUnauthorized(
-                f"{path}: 401{error_detail(raw)} (koboldcpp's password is "
-                + ("wrong" if self._password else "missing")
-                + ")",
+                f"{path}: 401{error_detail(raw)} (koboldcpp's password is {self._password_state})",
                 status=401,
             )
         if status == 503:
@@ -353,8 +323,6 @@ class KoboldClient:
         except (UnicodeDecodeError, ValueError):
             raise BackendError(f"{path}: the answer is not JSON", status=status) from None
         if not isinstance(decoded, dict):
-            raise BackendError(
-                f"{path}: the answer is a JSON {type(decoded).__name__}, not an object",
-                status=status,
-            )
+            kind = type(decoded).__name__
+            raise BackendError(f"{path}: the answer is a JSON {kind}, not an object", status=status)
         return decoded

@@ -15,8 +15,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from types import TracebackType
+from contextlib import contextmanager, suppress
 
 import requests
 
@@ -48,10 +47,6 @@ class BackendStream:
         connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
         sock = getattr(connection, "sock", None)
         self._sock = sock if isinstance(sock, socket.socket) else None
-
-    @property
-    def status(self) -> int:
-        return int(self._response.status_code)
 
     def read_chunk(self) -> bytes:
         """The bytes arrived (up to 64 KiB), as soon as there is one; ``b""`` at the end
@@ -87,10 +82,8 @@ class BackendStream:
             self._response.raw.shutdown()
         except Exception:  # urllib3 < 2.3 has no shutdown(); older ones raise
             if self._sock is not None:
-                try:
+                with suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         try:
             self._response.close()
         except Exception:  # closing under a concurrent read may trip http.client
@@ -99,17 +92,6 @@ class BackendStream:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
-
-    def __enter__(self) -> BackendStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class InFlight(Call):
@@ -151,10 +133,12 @@ class InFlight(Call):
 def describe_failure(exc: BaseException, what: str, password: str) -> str:
     """``"<what> <what went wrong>"`` (``"GET /api/v1/model connection failed
     (refused)"``), never the exception's text; the password masked all the same."""
-    message = f"{what} {netfail.describe(exc)}"
-    if password:
-        message = message.replace(password, "***")
-    return message
+    return mask(f"{what} {netfail.describe(exc)}", password)
+
+
+def mask(text: str, password: str) -> str:
+    """``text`` with the password, when there is one, written ``***``."""
+    return text.replace(password, "***") if password else text
 
 
 def error_detail(raw: bytes) -> str:

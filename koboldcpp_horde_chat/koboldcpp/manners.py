@@ -94,11 +94,7 @@ class BackendIdentity:
     @classmethod
     def of(cls, info: BackendInfo) -> BackendIdentity:
         return cls(
-            info.model_name,
-            info.max_context_length,
-            info.vision,
-            version=info.version,
-            chat_template=info.chat_template,
+            info.model_name, info.max_context_length, info.vision, info.version, info.chat_template
         )
 
     def describe(self) -> str:
@@ -143,11 +139,7 @@ class StandaloneManners(NoManners):
     PERF_IDLE_CACHE_S = 1.0
 
     def __init__(
-        self,
-        backend: KcppProbes,
-        clock: Clock = SYSTEM_CLOCK,
-        *,
-        check_busy: bool = True,
+        self, backend: KcppProbes, clock: Clock = SYSTEM_CLOCK, *, check_busy: bool = True,
         identity: BackendIdentity | None = None,
     ) -> None:
         self._lock = threading.Lock()
@@ -164,10 +156,7 @@ class StandaloneManners(NoManners):
         self._own_in_flight = 0
         # Epoch seconds someone else was last seen using koboldcpp (see _read_local).
         self._other_seen_at: float | None = None
-        self._maybe_restarted = False
-        self._queued = False
-        self._busy = False
-        self._own_worker = False
+        self._maybe_restarted = self._queued = self._busy = self._own_worker = False
         # The last idle answer: when it was read (monotonic) and the epoch time
         # of the last request it reported (None: no usable idletime).
         self._idle_read_at: float | None = None

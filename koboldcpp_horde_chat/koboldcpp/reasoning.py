@@ -12,11 +12,8 @@ back), so the posted reasoning equals the submitted one.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-log = logging.getLogger("koboldcpp_horde_chat.reasoning")
 
 THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"),
@@ -58,28 +55,20 @@ class StreamSplitter:
         self, stop_sequences: Iterable[str] = (), start_in_reasoning: bool = False
     ) -> None:
         self._content_needles = _IN_CONTENT + [(stop, _STOP) for stop in stop_sequences if stop]
-        self._in_reasoning = start_in_reasoning
+        self.in_reasoning = start_in_reasoning
         self._buffer = ""
-        self._stopped = False
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self._in_reasoning
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
+        self.stopped = False
 
     def feed(self, text: str) -> tuple[str, str]:
         """Add a chunk; returns ``(reasoning, content)`` ready to release."""
-        if self._stopped:
+        if self.stopped:
             return "", ""
         self._buffer += text
         return _join(self._process(final=False))
 
     def flush(self) -> tuple[str, str]:
         """Release the held tail at the end (a partial tag there is text)."""
-        if self._stopped:
+        if self.stopped:
             return "", ""
         return _join(self._process(final=True))
 
@@ -89,11 +78,11 @@ class StreamSplitter:
 
         def emit(text: str) -> None:
             if text:
-                pieces.append((self._in_reasoning, text))
+                pieces.append((self.in_reasoning, text))
 
         while True:
             buf = self._buffer
-            needles = _IN_REASONING if self._in_reasoning else self._content_needles
+            needles = _IN_REASONING if self.in_reasoning else self._content_needles
             event = _earliest(buf, needles)
             hold = None if final else _partial_start(buf, [n for n, _ in needles])
             if event is None:
@@ -110,13 +99,11 @@ class StreamSplitter:
             emit(buf[:pos])
             self._buffer = buf[pos + len(needle) :]
             if kind == _STOP:
-                self._stopped = True
+                self.stopped = True
                 self._buffer = ""
                 break
-            if kind == _START:
-                self._in_reasoning = True
-            elif kind == _END:
-                self._in_reasoning = False
+            if kind in (_START, _END):
+                self.in_reasoning = kind == _START
         return pieces
 
 
@@ -139,9 +126,8 @@ def _earliest(buf: str, needles: list[tuple[str, str]]) -> tuple[int, str, str] 
 
 
 def _partial_start(buf: str, needles: list[str]) -> int | None:
-    """The smallest index whose suffix of ``buf`` is a proper prefix of a needle."""
-    if not needles:
-        return None
+    """The smallest index whose suffix of ``buf`` is a proper prefix of a needle
+    (``needles`` not empty)."""
     longest = max(len(n) for n in needles)
     for start in range(max(0, len(buf) - longest + 1), len(buf)):
         tail = buf[start:]

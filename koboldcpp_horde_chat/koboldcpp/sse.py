@@ -59,23 +59,19 @@ class SSEDecoder:
         """The events these bytes complete, in order. ValueError after ``close()``."""
         if self._closed:
             raise ValueError("SSEDecoder.feed() after close()")
-        if not data:
-            return []
         if self._head is not None:
             head = self._head + data
             if len(head) < len(_BOM) and _BOM.startswith(head):
                 self._head = head
                 return []
             self._head = None
-            data = head[len(_BOM) :] if head.startswith(_BOM) else head
-            if not data:
-                return []
-        if self._skip_lf:
+            data = head.removeprefix(_BOM)
+        if self._skip_lf and data:
             self._skip_lf = False
             if data[0] == _LF:
                 data = data[1:]
-                if not data:
-                    return []
+        if not data:
+            return []
         end = max(data.rfind(b"\n"), data.rfind(b"\r"))
         if end < 0:
             self._keep(data)
@@ -114,9 +110,7 @@ class SSEDecoder:
         self._pending += piece
         if len(self._pending) > self._max_line_bytes:
             self._pending = bytearray()
-            raise BackendError(
-                f"event stream line longer than {self._max_line_bytes} bytes"
-            )
+            raise BackendError(f"event stream line longer than {self._max_line_bytes} bytes")
 
     def _lines(self, lines: list[str]) -> list[SSEEvent]:
         events: list[SSEEvent] = []
@@ -124,14 +118,8 @@ class SSEDecoder:
         for line in lines:
             if not line:
                 if data:
-                    events.append(
-                        SSEEvent(
-                            "\n".join(data),
-                            self._event_type or "message",
-                            self.last_event_id,
-                            self._event_retry,
-                        )
-                    )
+                    kind, retry = self._event_type or "message", self._event_retry
+                    events.append(SSEEvent("\n".join(data), kind, self.last_event_id, retry))
                     data = self._data = []
                 self._event_type = ""
                 self._event_retry = None
@@ -142,21 +130,14 @@ class SSEDecoder:
                 continue
             if line[0] == ":":
                 continue
-            colon = line.find(":")
-            if colon < 0:
-                field, value = line, ""
-            else:
-                field, value = line[:colon], line[colon + 1 :]
-                if value.startswith(" "):
-                    value = value[1:]
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
             if field == "data":
                 data.append(value)
             elif field == "event":
                 self._event_type = value
-            elif field == "id":
-                if "\x00" not in value:
-                    self.last_event_id = value
-            elif field == "retry":
-                if value and value.isascii() and value.isdigit():
-                    self._event_retry = self.retry_ms = int(value)
+            elif field == "id" and "\x00" not in value:
+                self.last_event_id = value
+            elif field == "retry" and value and value.isascii() and value.isdigit():
+                self._event_retry = self.retry_ms = int(value)
         return events
