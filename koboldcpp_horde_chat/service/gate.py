@@ -14,22 +14,22 @@ import math
 import re
 import secrets
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..clock import Clock
 from ..errors import BackendError, ReplyError
 from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
-from ..koboldcpp.api import KcppAPI
-from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
-from ..settings import WorkerSettings
+from ..koboldcpp.manners import OWN_TAIL_S
 from ..state.journal import GENKEY_PREFIX
 from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
-from ..state.meter import FiguresReader, record_generated
+from ..state.meter import record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL
-from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
+from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR
 from ..state.status import abort_limit_line
+
+if TYPE_CHECKING:
+    from .loop import Worker
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -82,24 +82,13 @@ def probe_prompt(tokens: int) -> str:
 class PopGate:
     """Whether the pop loop may pop now, and how long to wait when not."""
 
-    def __init__(
-        self,
-        manners: LocalManners,
-        backend: KcppAPI,
-        state: WorkerState,
-        settings: WorkerSettings,
-        clock: Clock,
-        figures: FiguresReader,
-    ) -> None:
-        self.manners = manners
-        self.backend = backend
-        self.state = state
-        self.settings = settings
-        self.clock = clock
+    def __init__(self, worker: Worker) -> None:
+        self.manners, self.backend, self.state = worker.manners, worker.backend, worker.state
+        self.settings, self.clock = worker.settings, worker.clock
         self.backend_suspect = False
         self._own_done_at: float | None = None
         #: koboldcpp's figures of each probe: the job meter's reader, so each is read once.
-        self.figures = figures
+        self.figures = worker.meter.figures
         #: The worker's own generation runs: a busy koboldcpp with nothing queued is busy with it.
         self.own_running = False
         #: The words of the last pause when not its reason's own, else None.
@@ -139,27 +128,24 @@ class PopGate:
             if self._abort_line is None or self._abort_line[0] != (count, in_hand):
                 # Worded once per count: said again only when it changes.
                 line = abort_limit_line(
-                    count=count,
-                    in_hand=in_hand,
-                    limit=HORDE_FAULT_LIMIT_PER_HOUR,
-                    resume_wall=math.ceil(self.clock.time() + wait_s),
-                    wait_s=wait_s,
+                    count=count, in_hand=in_hand, limit=HORDE_FAULT_LIMIT_PER_HOUR,
+                    resume_wall=math.ceil(self.clock.time() + wait_s), wait_s=wait_s,
                 )
                 self._abort_line = ((count, in_hand), line)
             self.line = self._abort_line[1]
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock.monotonic()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
-        streak = self.state.failure_streak
-        for kind in ("text", "chat"):  # a kind failing alone is withdrawn until its probe generates
-            if streak.kind_failing(kind):
-                self._probe_until_generates(kind, kind)
+        for kind in self.failing_kinds():  # withdrawn until its probe generates
+            self._probe_until_generates(kind, kind)
         if not self.state.kinds_to_pop():
-            return "kind_failing", self._next_probe_in(
-                [kind for kind in ("text", "chat") if streak.kind_failing(kind)]
-            )
+            return "kind_failing", self._next_probe_in(self.failing_kinds())
         self.remeasure()
         return None
+
+    def failing_kinds(self) -> list[str]:
+        """The kinds koboldcpp fails alone, each withdrawn until its probe generates."""
+        return [kind for kind in ("text", "chat") if self.state.failure_streak.kind_failing(kind)]
 
     def _who_else(self, reason: str, *, genkey: str | None = None) -> str:
         """``reason`` named by who keeps koboldcpp busy, when the worker can tell:

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..clock import Clock
 from ..errors import HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.codes import WORKER_MAINTENANCE
@@ -80,57 +79,36 @@ class Worker:
         abort_backend: KcppAPI | None = None,
         retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
-        self.settings = settings
-        self.horde = horde
-        self.backend = backend
         if state is None:
             state = WorkerState(settings, stop_event=stop_event)
-        self.state = state
-        self.stop_event = state.stop_event
+        self.settings, self.horde, self.backend, self.state = settings, horde, backend, state
+        self.stop_event, self.clock, self.worker_id = state.stop_event, state.clock, worker_id
+        self.pop_horde = pop_horde
         self.manners: LocalManners = manners if manners is not None else NoManners()
         self.caps = caps if caps is not None else BackendCapabilities(vision=settings.vision)
-        clock = state.clock
-        self.clock: Clock = clock
-        self.worker_id = worker_id
-        self.pop_horde = pop_horde
-        self.meter = JobMeter(state, backend, clock.monotonic)
-        self.gate = PopGate(self.manners, backend, state, settings, clock, self.meter.figures)
-        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
-        self.ports = Ports(
-            settings=settings,
-            horde=horde,
-            koboldcpp=KoboldcppPort(
-                backend=backend,
-                abort_backend=abort_backend if abort_backend is not None else backend,
-                clock=clock,
-                stop=stop,
-                note_own_request=self.manners.note_own_request,
-                note_own_request_done=self.manners.note_own_request_done,
-            ),
-            clock=clock,
-            stop=stop,
-            journal=state.journal,
+        self.meter = JobMeter(state, backend, self.clock.monotonic)
+        self.gate = PopGate(self)
+        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, self.clock)
+        kcpp = KoboldcppPort(
+            backend, abort_backend if abort_backend is not None else backend, self.clock, stop,
+            self.manners.note_own_request, self.manners.note_own_request_done,
         )
+        ports = Ports(settings, horde, kcpp, self.clock, stop, state.journal)
         self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
         self.next_pop = NextPop(self)
-        self._error_backoff = Backoff(1.0, 60.0)
-        self._empty_backoff = EmptyPopBackoff()
+        self._error_backoff, self._empty_backoff = Backoff(1.0, 60.0), EmptyPopBackoff()
         self._pauses = PauseTracker(
-            local_idle_s=settings.local_idle_s,
-            kcpp_url=settings.kcpp_url,
-            horde_url=settings.horde_url,
-            failed_in_a_row=FAILED_IN_A_ROW,
+            local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url,
+            horde_url=settings.horde_url, failed_in_a_row=FAILED_IN_A_ROW,
         )
         self._skipped = SkippedReporter()
-        self.driver = JobDriver(self.ports, self.caps, state, self.pipeline, self.meter, worker_id)
+        self.driver = JobDriver(ports, self.caps, state, self.pipeline, self.meter, worker_id)
 
     def run(self) -> int:
         """Run the pop loop until it is to stop. Returns the exit code: 0 after a
         requested stop, 2 when the Horde refused the declaration, 3 the API key."""
         waited = 0
-        while not self.stopping():
-            if self.backend.ready():
-                break
+        while not self.stopping() and not self.backend.ready():
             if waited % 10 == 0:  # the first time, then every 30 s
                 log.info(
                     "worker %d: waiting for koboldcpp at %s", self.worker_id, self.settings.kcpp_url
@@ -139,14 +117,10 @@ class Worker:
             self.stop_event.wait(3.0)
         if self.stopping():
             return self.state.exit_code
-        log.info(
-            "worker %d: started as %r for model %s (chat context %d, length %d)",
-            self.worker_id,
-            self.settings.worker_name,
-            self.settings.model_id,
-            self.settings.max_context_length,
-            self.settings.declared_max_length,
-        )
+        s = self.settings
+        log.info("worker %d: started as %r for model %s (chat context %d, length %d)",
+                 self.worker_id, s.worker_name, s.model_id, s.max_context_length,
+                 s.declared_max_length)
         warning = self.settings.max_length_warning()
         if warning is not None and self.worker_id == 1:
             log.warning("worker %d: %s", self.worker_id, warning)
@@ -161,10 +135,8 @@ class Worker:
                 self._pass()
             self.drain()
             deadline = self.state.stop_deadline
-            bound = (
+            bound = self.settings.lease_cap_s if deadline is None else (
                 deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
-                if deadline is not None
-                else self.settings.lease_cap_s
             )
             self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
             self.state.flush_journal()
@@ -204,8 +176,7 @@ class Worker:
         expires there, an aborted job. Say so and count it toward maintenance."""
         log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
                     POP_LEFT_LINE)
-        chat = body is None or "chat_jobs" in body
-        self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
+        self.state.record_lost_pop(self.clock.monotonic(), chat=body is None or "chat_jobs" in body)
 
     def stopping(self) -> bool:
         return self.stop_event.is_set() or self.manners.should_stop()
@@ -256,9 +227,9 @@ class Worker:
         self._say(self._pauses.popping(popped.popped_at))
         for message in self.state.new_moderator_lines(answer.messages):
             log.warning("worker %d: %s", self.worker_id, message)
-        ctx = popped.ctx
-        if ctx is None:  # not taken in hand on the pop's thread
-            ctx = self.driver.take_in_hand(body, answer, popped.popped_at, pop_wait_s=popped.wait_s)
+        ctx = popped.ctx or self.driver.take_in_hand(  # not taken in hand on the pop's thread
+            body, answer, popped.popped_at, pop_wait_s=popped.wait_s
+        )
         if ctx is None:
             return self._no_job(answer, body)
         try:
@@ -323,14 +294,10 @@ class Worker:
     def _backend_changed(self, ctx: JobContext) -> str | None:
         """How koboldcpp now differs from the job's pop's declaration, or None; read
         only for a job that waited, after koboldcpp failed, or once the host says stop."""
-        waited = self.clock.monotonic() - ctx.lease.popped_at
-        if (
-            waited < RECHECK_AFTER_WAIT_S
-            and not self.gate.backend_suspect
-            and not self.manners.should_stop()
-        ):
-            return None
-        return self.manners.recheck()
+        if (self.clock.monotonic() - ctx.lease.popped_at >= RECHECK_AFTER_WAIT_S
+                or self.gate.backend_suspect or self.manners.should_stop()):
+            return self.manners.recheck()
+        return None
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Say the refusal and what the owner can do; stop, wait a minute, or back off."""

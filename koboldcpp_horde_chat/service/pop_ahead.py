@@ -237,10 +237,9 @@ class NextPop:
         if early is not None:
             early[0].wait(early[1])
             with loop.state.lock:
-                due = bool(loop.state.lease_fit.recheck_due(loop.clock.monotonic()))
-                failing = any(loop.state.failure_streak.kind_failing(k) for k in ("text", "chat"))
-            if due or failing or loop.state.failure_streak.failing:
-                return None
+                due = loop.state.lease_fit.recheck_due(loop.clock.monotonic())
+                if due or loop.gate.failing_kinds() or loop.state.failure_streak.failing:
+                    return None
         deadline = loop.clock.monotonic() + OWN_TAIL_S
         while True:
             pause = loop.gate.pause()
