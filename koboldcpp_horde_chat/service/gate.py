@@ -263,11 +263,8 @@ class PopGate:
             with self.state.call_deadlines.until(STOP_KIND, hang_up):
                 if kind == "chat":
                     content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
-                    body: dict[str, Any] = {
-                        "messages": [{"role": "user", "content": content}],
-                        "max_tokens": max_length,
-                        "genkey": genkey,
-                    }
+                    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}],
+                                            "max_tokens": max_length, "genkey": genkey}
                     answer = parse_chat_completion(
                         self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel)
                     )
@@ -275,12 +272,9 @@ class PopGate:
                     counted = answer.completion_tokens
                     tokens = counted if counted is not None else tokens_of_text(text)
                 else:
-                    body = {
-                        "prompt": probe_prompt(prompt_tokens),
-                        "max_length": max_length,
-                        "max_context_length": max(512, prompt_tokens + max_length + 16),
-                        "genkey": genkey,
-                    }
+                    body = {"prompt": probe_prompt(prompt_tokens), "max_length": max_length,
+                            "max_context_length": max(512, prompt_tokens + max_length + 16),
+                            "genkey": genkey}
                     text = text_generation(
                         self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
                     )

@@ -110,19 +110,15 @@ class Worker:
         waited = 0
         while not self.stopping() and not self.backend.ready():
             if waited % 10 == 0:  # the first time, then every 30 s
-                log.info(
-                    "worker %d: waiting for koboldcpp at %s", self.worker_id, self.settings.kcpp_url
-                )
+                self._say(f"waiting for koboldcpp at {self.settings.kcpp_url}")
             waited += 1
             self.stop_event.wait(3.0)
         if self.stopping():
             return self.state.exit_code
         s = self.settings
-        log.info("worker %d: started as %r for model %s (chat context %d, length %d)",
-                 self.worker_id, s.worker_name, s.model_id, s.max_context_length,
-                 s.declared_max_length)
-        warning = self.settings.max_length_warning()
-        if warning is not None and self.worker_id == 1:
+        self._say(f"started as {s.worker_name!r} for model {s.model_id} (chat context "
+                  f"{s.max_context_length}, length {s.declared_max_length})")
+        if self.worker_id == 1 and (warning := s.max_length_warning()) is not None:
             log.warning("worker %d: %s", self.worker_id, warning)
         if not self.state.wait_recovered():  # the earlier run's jobs first
             return self.state.exit_code
@@ -143,9 +139,7 @@ class Worker:
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
-        log.info(
-            "worker %d: stopped (%s)", self.worker_id, self.state.stop_summary(self.clock.time())
-        )
+        self._say(f"stopped ({self.state.stop_summary(self.clock.time())})")
         return self.state.exit_code
 
     def _pass(self) -> None:

@@ -109,13 +109,9 @@ class PopAhead:
     """The next pop, on a thread of its own (``horde-pop``): after :meth:`join`
     ``popped`` holds its answer, None when :meth:`NextPop.prepare` said not now."""
 
-    def __init__(
-        self, next_pop: NextPop, horde: HordeAPI,
-        early: tuple[threading.Event, float] | None = None,
-    ) -> None:
-        self.next_pop = next_pop
-        self.early = early
-        self._horde = horde
+    def __init__(self, next_pop: NextPop, horde: HordeAPI,
+                 early: tuple[threading.Event, float] | None = None) -> None:
+        self.next_pop, self.early, self._horde = next_pop, early, horde
         self.popped: Popped | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
@@ -145,10 +141,8 @@ class PopAhead:
             return
         if popped.answer is not None:
             try:
-                ctx = loop.driver.take_in_hand(
-                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s
-                )
-                popped = replace(popped, ctx=ctx)
+                popped = replace(popped, ctx=loop.driver.take_in_hand(
+                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s))
             except Exception:  # the loop takes the job in hand itself
                 log.debug("the job popped beside the submit was not received", exc_info=True)
         self.popped = popped
