@@ -56,8 +56,7 @@ class HordeWatch:
                 self._quiet_since = now
             if self._monitor is None:
                 self._monitor = threading.Thread(
-                    target=self._watch, name="horde-watch", daemon=True
-                )
+                    target=self._watch, name="horde-watch", daemon=True)
                 self._monitor.start()
             self._cond.notify_all()
         failed = False

@@ -74,8 +74,7 @@ REMEASURE_MIN_TOKENS = 8
 
 def probe_prompt(tokens: int) -> str:
     """A prompt of about ``tokens`` tokens (:data:`PROBE_PROMPT`, then :data:`PROBE_WORDS`)."""
-    extra = max(0, tokens - 4)
-    words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(extra)]
+    words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(tokens - 4)]
     return " ".join([PROBE_PROMPT, *words])
 
 

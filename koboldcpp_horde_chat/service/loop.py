@@ -310,9 +310,8 @@ class Worker:
                         again=f"worker {self.worker_id}: pop refused again "
                         f"({exc.rc or exc.status}); retrying in {delay:.1f} s")
 
-    def _pause(
-        self, reason: str, wait_s: float, line: str | None, suffix: str = "", *, again: str
-    ) -> None:
+    def _pause(self, reason: str, wait_s: float, line: str | None, suffix: str = "", *,
+               again: str) -> None:
         """Say a pause in one line when it starts or changes (``again``, at debug
         level, while it lasts; "popping again" once a pop is answered), then wait."""
         said = self._pauses.pausing(reason, self.clock.monotonic(), line=line)

@@ -33,11 +33,10 @@ class ProbePlan:
     def note_failed(self, kind: str, prompt_tokens: int | None, max_length: int) -> None:
         """A real job failed (``prompt_tokens`` None: not known, kept as it was)."""
         self._successes[kind] = 0
-        old = self._sizes.get(kind)
-        prompt = prompt_tokens if prompt_tokens is not None else (old[0] if old else 0)
-        length = max_length if max_length > 0 else (old[1] if old else 0)
-        self._sizes[kind] = (max(0, prompt), max(0, length))
-        self._sizes[ALL] = self._sizes[kind]
+        old_prompt, old_length = self._sizes.get(kind, (0, 0))
+        prompt = prompt_tokens if prompt_tokens is not None else old_prompt
+        length = max_length if max_length > 0 else old_length
+        self._sizes[kind] = self._sizes[ALL] = (max(0, prompt), max(0, length))
 
     def size(self, subject: str) -> tuple[int, int] | None:
         """``(prompt tokens, max_length)`` of the last failed job, or None."""
