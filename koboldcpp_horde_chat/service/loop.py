@@ -11,7 +11,6 @@ koboldcpp's own worker, the loop overlaps a job's submit with the next pop
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +53,8 @@ class Worker:
     """One pop loop for chat and text jobs.
 
     Args:
-        state: shared with the worker's other loops (a new one when None); its
-            clock is the loop's only clock (a test gives it a fake one).
+        state: shared with the worker's other loops; its clock is the loop's
+            only clock (a test gives it a fake one).
         pop_horde: a second Horde client, for the pop sent ahead (a
             ``requests.Session`` is not shared between threads); None: none.
         abort_backend: a second koboldcpp client for aborts sent from another
@@ -70,17 +69,14 @@ class Worker:
         *,
         horde: HordeAPI,
         backend: KcppAPI,
-        stop_event: threading.Event | None = None,
         manners: LocalManners | None = None,
         caps: BackendCapabilities | None = None,
         worker_id: int = 1,
-        state: WorkerState | None = None,
+        state: WorkerState,
         pop_horde: HordeAPI | None = None,
         abort_backend: KcppAPI | None = None,
         retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
-        if state is None:
-            state = WorkerState(settings, stop_event=stop_event)
         self.settings, self.horde, self.backend, self.state = settings, horde, backend, state
         self.stop_event, self.clock, self.worker_id = state.stop_event, state.clock, worker_id
         self.pop_horde = pop_horde
