@@ -112,8 +112,13 @@ class PopGate:
         if self.manners.model_busy() and (not self.own_tail() or self.manners.requests_queued()):
             wait_s = OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
             return self._who_else("busy", genkey=self.manners.running_genkey()), wait_s
-        if not self._backend_answers():
-            return "backend_down", self.settings.backend_probe_s
+        if self.backend_suspect:
+            # koboldcpp failed a job without answering: wait while it does not answer
+            # its readiness GET (a crashed koboldcpp would fault every job popped
+            # meanwhile), or came back serving another model or context.
+            self.backend_suspect = not self.backend.ready()
+            if self.backend_suspect or self.manners.recheck() is not None:
+                return "backend_down", self.settings.backend_probe_s
         if self.state.retrying_submits:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
@@ -168,17 +173,6 @@ class PopGate:
     def own_generation_ended(self) -> None:
         self.own_running = False
         self._own_done_at = self.clock.monotonic()
-
-    def _backend_answers(self) -> bool:
-        """False while koboldcpp, which failed a job without answering, still does
-        not answer its readiness GET (a crashed koboldcpp would fault every job
-        popped meanwhile), or came back serving another model or context."""
-        if not self.backend_suspect:
-            return True
-        if self.backend.ready():
-            self.backend_suspect = False
-            return self.manners.recheck() is None  # not serving another model or context
-        return False
 
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
         """Probe a failing subject (:data:`ALL` or one kind) when its wait is

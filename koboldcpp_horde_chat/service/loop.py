@@ -257,7 +257,11 @@ class Worker:
         served = driver.open(ctx, answer)
         self._empty_backoff.reset()  # a job came, valid or malformed
         if not served.ended:
-            served = driver.prepare(ctx, served, self._backend_changed(ctx))
+            # How koboldcpp now differs from the job's pop's declaration, read only for
+            # a job that waited, after koboldcpp failed, or once the host says stop.
+            waited = self.clock.monotonic() - ctx.lease.popped_at >= RECHECK_AFTER_WAIT_S
+            recheck = waited or self.gate.backend_suspect or self.manners.should_stop()
+            served = driver.prepare(ctx, served, self.manners.recheck() if recheck else None)
         if served.text_max_length is not None:
             next_pop.text_generation_starts(ctx, served.text_max_length)
         if not served.ended:
@@ -280,14 +284,6 @@ class Worker:
             if not next_pop.reply_beside(ctx, outcome):
                 driver.reply(ctx, outcome)
             driver.check_speed(outcome, seconds)
-
-    def _backend_changed(self, ctx: JobContext) -> str | None:
-        """How koboldcpp now differs from the job's pop's declaration, or None; read
-        only for a job that waited, after koboldcpp failed, or once the host says stop."""
-        if (self.clock.monotonic() - ctx.lease.popped_at >= RECHECK_AFTER_WAIT_S
-                or self.gate.backend_suspect or self.manners.should_stop()):
-            return self.manners.recheck()
-        return None
 
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Say the refusal and what the owner can do; stop, wait a minute, or back off."""
