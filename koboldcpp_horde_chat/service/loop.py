@@ -41,10 +41,8 @@ log = logging.getLogger("koboldcpp_horde_chat.worker")
 #: (a backstop: the Horde client hangs it up then).
 DRAIN_POP_EXTRA_S = 0.25
 #: Said when the worker exits with a pop unanswered (and counted as an aborted job).
-POP_LEFT_LINE = (
-    "a job may be assigned to this stopped worker and expire on the Horde "
-    "(counted as a possible aborted job)"
-)
+POP_LEFT_LINE = ("a job may be assigned to this stopped worker and expire on the Horde "
+                 "(counted as a possible aborted job)")
 #: A job served this many seconds after its pop or later is served only after
 #: koboldcpp is read again (it may have restarted meanwhile).
 RECHECK_AFTER_WAIT_S = 1.0
@@ -64,18 +62,10 @@ class Worker:
     """
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        horde: HordeAPI,
-        backend: KcppAPI,
-        manners: LocalManners | None = None,
-        caps: BackendCapabilities | None = None,
-        worker_id: int = 1,
-        state: WorkerState,
-        pop_horde: HordeAPI | None = None,
-        abort_backend: KcppAPI | None = None,
-        retry_horde: Callable[[], HordeAPI] | None = None,
+        self, settings: WorkerSettings, *, horde: HordeAPI, backend: KcppAPI, state: WorkerState,
+        manners: LocalManners | None = None, caps: BackendCapabilities | None = None,
+        worker_id: int = 1, pop_horde: HordeAPI | None = None,
+        abort_backend: KcppAPI | None = None, retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
         self.settings, self.horde, self.backend, self.state = settings, horde, backend, state
         self.stop_event, self.clock, self.worker_id = state.stop_event, state.clock, worker_id
@@ -85,18 +75,15 @@ class Worker:
         self.meter = JobMeter(state, backend, self.clock.monotonic)
         self.gate = PopGate(self)
         stop = StopSignal(self.stop_event, lambda: state.stop_deadline, self.clock)
-        kcpp = KoboldcppPort(
-            backend, abort_backend if abort_backend is not None else backend, self.clock, stop,
-            self.manners.note_own_request, self.manners.note_own_request_done,
-        )
+        kcpp = KoboldcppPort(backend, abort_backend if abort_backend is not None else backend,
+                             self.clock, stop, self.manners.note_own_request,
+                             self.manners.note_own_request_done)
         ports = Ports(settings, horde, kcpp, self.clock, stop, state.journal)
         self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
         self.next_pop = NextPop(self)
         self._error_backoff, self._empty_backoff = Backoff(1.0, 60.0), EmptyPopBackoff()
-        self._pauses = PauseTracker(
-            local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url,
-            horde_url=settings.horde_url, failed_in_a_row=FAILED_IN_A_ROW,
-        )
+        self._pauses = PauseTracker(local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url,
+                                    horde_url=settings.horde_url, failed_in_a_row=FAILED_IN_A_ROW)
         self._skipped = SkippedReporter()
         self.driver = JobDriver(ports, self.caps, state, self.pipeline, self.meter, worker_id)
 
@@ -128,8 +115,7 @@ class Worker:
             self.drain()
             deadline = self.state.stop_deadline
             bound = self.settings.lease_cap_s if deadline is None else (
-                deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
-            )
+                deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic())
             self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
             self.state.flush_journal()
         finally:
@@ -153,9 +139,8 @@ class Worker:
         while self.next_pop.ahead is not None:
             deadline = self.state.stop_deadline
             if deadline is not None:
-                until = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S
-                wait_s = max(0.0, until - self.clock.monotonic())
-                if not self.next_pop.ahead.join(wait_s):
+                wait_s = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S - self.clock.monotonic()
+                if not self.next_pop.ahead.join(max(0.0, wait_s)):
                     self.next_pop.ahead = None
                     self._pop_left("the pop sent beside the last submit did not answer")
                     return
