@@ -101,9 +101,8 @@ class PopGate:
         until when the aborted-job limit waits."""
         self.line = None
         last_local = self.manners.last_local_request_time()
-        if self.manners.unreachable:
-            # Not answering even an idle read: do not pop a job it cannot serve.
-            self.backend_suspect = True
+        # Not answering even an idle read: do not pop a job it cannot serve.
+        self.backend_suspect = self.backend_suspect or self.manners.unreachable
         if last_local is not None and self.clock.time() - last_local < self.settings.local_idle_s:
             return self._who_else("local_user"), LOCAL_USER_POLL_S
         # koboldcpp holds its lock 50 ms after answering the worker's own request:

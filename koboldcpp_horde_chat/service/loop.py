@@ -178,9 +178,8 @@ class Worker:
     def _after_pop(self, popped: Popped) -> bool:
         body, error, answer = popped.body, popped.error, popped.answer
         if answer is None:
-            unanswered = isinstance(error, HordeUnavailable) and error.status == 0 and (
-                error.sent is not False
-            )
+            unanswered = (isinstance(error, HordeUnavailable) and error.status == 0
+                          and error.sent is not False)
             if unanswered and self.state.stop_deadline is not None:
                 # No answer while stopping: the Horde may have assigned a job.
                 self._pop_left("the pop in flight at the stop got no answer", body)
@@ -192,9 +191,8 @@ class Worker:
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
             else:
-                delay = self._error_backoff.next_delay(
-                    error.retry_after_s if isinstance(error, HordeUnavailable) else None
-                )
+                retry_after = error.retry_after_s if isinstance(error, HordeUnavailable) else None
+                delay = self._error_backoff.next_delay(retry_after)
                 self._pause("horde_down", delay, None, f" ({error})",
                             again=f"pop failed: {error}; retrying in {delay:.1f} s")
             return False
@@ -226,9 +224,8 @@ class Worker:
             log.warning("pop returned a job without a usable id (%s); skipped", answer.error.path)
             return True
         self.state.flush_journal()  # idle: write what the last jobs' ends left
-        line = self._skipped.line(
-            answer.skipped, self.clock.monotonic(), self.state.skip_context(body)
-        )
+        line = self._skipped.line(answer.skipped, self.clock.monotonic(),
+                                  self.state.skip_context(body))
         if line is not None:
             log.info("worker %d: no job for this worker: %s", self.worker_id, line)
         if not self.stopping():

@@ -199,13 +199,9 @@ class NextPop:
 
     def _horde(self, ctx: JobContext, *, is_fault: bool, now: float) -> HordeAPI | None:
         loop = self.loop
-        if (
-            self.ahead is not None
-            or loop.gate.backend_suspect
-            or loop.state.failure_streak.failing
-            or loop.stopping()
-            or loop.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=now)
-        ):
+        if (self.ahead is not None or loop.gate.backend_suspect or loop.state.failure_streak.failing
+                or loop.stopping()
+                or loop.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=now)):
             return None
         return loop.pop_horde
 
@@ -248,12 +244,9 @@ class NextPop:
         generation brought the next job or has yet to answer, so koboldcpp starts
         that job at once. False: not sent."""
         ahead, loop = self.ahead, self.loop
-        if (
-            loop.pipeline.retry_horde is None
-            or ahead is None
-            or self.early_go is None  # not the pop sent during the generation
-            or (ahead.join(0) and ahead.ctx is None)  # it brought no job
-        ):
+        if (loop.pipeline.retry_horde is None or ahead is None
+                or self.early_go is None  # not the pop sent during the generation
+                or (ahead.join(0) and ahead.ctx is None)):  # it brought no job
             return False
         loop.pipeline.reply_beside(ctx, outcome)
         return True
