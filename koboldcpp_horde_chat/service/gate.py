@@ -183,13 +183,12 @@ class PopGate:
         with self.state.lock:
             if not plan.due(subject, self.clock.monotonic()):
                 return False
-            size = plan.size(subject)
-        prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
+            prompt_tokens, max_length = plan.size(subject) or (0, PROBE_MAX_LENGTH)
         max_length = max_length or PROBE_MAX_LENGTH
         measured = self._generate(kind, prompt_tokens, max_length)
         if measured is None:
             with self.state.lock:
-                plan.probe_failed(subject, self.clock.monotonic())
+                plan.wait_next(subject, self.clock.monotonic())
             return False
         tokens, seconds, figures = measured
         record_generated(

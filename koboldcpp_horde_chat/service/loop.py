@@ -160,16 +160,13 @@ class Worker:
         """One pass of the pop loop: the answer of the pop sent ahead, or a pop now
         when the gate lets it. True when a job was served."""
         self._say(self.state.periodic_summary(self.clock.monotonic(), self.clock.time()))
-        popped = self.next_pop.take()
-        if popped is not None:
+        if (popped := self.next_pop.take()) is not None:
             return self._after_pop(popped)
         if self.stopping():
             return False
-        pause = self.gate.pause()
-        if pause is not None:
-            reason, wait_s = pause
-            self._say(self._pauses.pausing(reason, self.clock.monotonic(), line=self.gate.line))
-            self.stop_event.wait(wait_s)
+        if (pause := self.gate.pause()) is not None:
+            self._say(self._pauses.pausing(pause[0], self.clock.monotonic(), line=self.gate.line))
+            self.stop_event.wait(pause[1])
             return False
         if self.stopping():  # the checks may have found koboldcpp serving something else
             return False
