@@ -22,10 +22,13 @@ class Backoff:
     a ``Retry-After`` may ask for up to :data:`RETRY_AFTER_CAP_S`."""
 
     def __init__(self, base_s: float, cap_s: float, *, rng: random.Random | None = None) -> None:
-        self.base_s = base_s
-        self.cap_s = cap_s
+        self.base_s, self.cap_s = base_s, cap_s
         self._rng = rng if rng is not None else random.Random()
-        self._bound = base_s
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the schedule again (after a success)."""
+        self._bound = self.base_s
         self.attempts = 0
 
     def next_delay(self, retry_after_s: float | None = None) -> float:
@@ -38,11 +41,6 @@ class Backoff:
         if retry_after_s is not None and 0 < retry_after_s < math.inf:
             delay = max(delay, min(retry_after_s, RETRY_AFTER_CAP_S))
         return delay
-
-    def reset(self) -> None:
-        """Start the schedule again (after a success)."""
-        self._bound = self.base_s
-        self.attempts = 0
 
 
 class EmptyPopBackoff:
