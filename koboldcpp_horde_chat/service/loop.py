@@ -198,8 +198,7 @@ class Worker:
         for message in self.state.new_moderator_lines(answer.messages):
             log.warning("worker %d: %s", self.worker_id, message)
         ctx = popped.ctx or self.driver.take_in_hand(  # not taken in hand on the pop's thread
-            body, answer, popped.popped_at, pop_wait_s=popped.wait_s
-        )
+            body, answer, popped.popped_at, pop_wait_s=popped.wait_s)
         if ctx is None:
             return self._no_job(answer, body)
         try:
@@ -223,8 +222,7 @@ class Worker:
         self.state.flush_journal()  # idle: write what the last jobs' ends left
         line = self._skipped.line(answer.skipped, self.clock.monotonic(),
                                   self.state.skip_context(body))
-        if line is not None:
-            log.info("worker %d: no job for this worker: %s", self.worker_id, line)
+        self._say(None if line is None else f"no job for this worker: {line}")
         if not self.stopping():
             self.stop_event.wait(self._empty_backoff.next_delay())
         return False

@@ -61,9 +61,8 @@ class EarlyPopTiming:
         if round_trip_s is None or round_trip_s < 0:
             return
         old = self.round_trip_s
-        self.round_trip_s = (
-            round_trip_s if old is None else old + ROUND_TRIP_WEIGHT * (round_trip_s - old)
-        )
+        self.round_trip_s = round_trip_s if old is None else (
+            old + ROUND_TRIP_WEIGHT * (round_trip_s - old))
 
     def delay_s(self, max_length: int) -> float | None:
         """Seconds after the generation's start at which the next pop goes out;
