@@ -124,17 +124,14 @@ class PopGate:
         if self.state.failure_streak.failing and not self._probe_until_generates(ALL, "text"):
             # koboldcpp fails generations of every kind together: probed back first.
             return "backend_failing", self._next_probe_in([ALL])
-        limit = self.state.abort_limit(self.clock.monotonic())
-        if limit is not None:
+        if (limit := self.state.abort_limit(self.clock.monotonic())) is not None:
             count, in_hand, resume_at = limit
             wait_s = max(0.0, resume_at - self.clock.monotonic())
             if self._abort_line is None or self._abort_line[0] != (count, in_hand):
                 # Worded once per count: said again only when it changes.
-                line = abort_limit_line(
+                self._abort_line = ((count, in_hand), abort_limit_line(
                     count=count, in_hand=in_hand, limit=HORDE_FAULT_LIMIT_PER_HOUR,
-                    resume_wall=math.ceil(self.clock.time() + wait_s), wait_s=wait_s,
-                )
-                self._abort_line = ((count, in_hand), line)
+                    resume_wall=math.ceil(self.clock.time() + wait_s), wait_s=wait_s))
             self.line = self._abort_line[1]
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock.monotonic()):
