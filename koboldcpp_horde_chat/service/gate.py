@@ -254,8 +254,7 @@ class PopGate:
                     body: dict[str, Any] = {"messages": [{"role": "user", "content": content}],
                                             "max_tokens": max_length, "genkey": genkey}
                     answer = parse_chat_completion(
-                        self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel)
-                    )
+                        self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel))
                     text = (answer.content or "") + (answer.reasoning_content or "")
                     counted = answer.completion_tokens
                     tokens = counted if counted is not None else tokens_of_text(text)
@@ -263,10 +262,8 @@ class PopGate:
                     body = {"prompt": probe_prompt(prompt_tokens), "max_length": max_length,
                             "max_context_length": max(512, prompt_tokens + max_length + 16),
                             "genkey": genkey}
-                    text = text_generation(
-                        self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
-                    )
-                    tokens = tokens_of_text(text)
+                    tokens = tokens_of_text(text_generation(
+                        self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)))
         except (BackendError, ReplyError) as exc:
             if not cancel.is_set():  # else aborted below, as hung up at the stop
                 if isinstance(exc, BackendError) and exc.status == 0:
