@@ -90,8 +90,7 @@ class HordeWatch:
 
     def _say(self, now: float, what: str) -> str:
         """Start the episode said now (under the lock); returns its line."""
-        since = self._quiet_since if self._quiet_since is not None else now
-        self._said_since = since
+        self._said_since = since = now if self._quiet_since is None else self._quiet_since
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
     def _watch(self) -> None:
@@ -109,8 +108,7 @@ class HordeWatch:
                 if self._said_since is None and self._in_flight and self._quiet_since is not None:
                     due = self._quiet_since + self.quiet_after_s
                 if due is not None and now >= due:
-                    oldest = min(self._in_flight.values(), key=lambda call: call[1])
-                    line = self._say(now, oldest[0])
+                    line = self._say(now, min(self._in_flight.values(), key=lambda c: c[1])[0])
                 else:
                     wait = LINGER_S if due is None else due - now
                     self._cond.wait(max(0.01, min(wait, LINGER_S)))
