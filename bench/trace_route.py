@@ -102,7 +102,7 @@ def trace_over_http() -> list[Entry]:
         request_id = horde.send_chat({"messages": MESSAGES, "max_tokens": 64})
         worker = Worker(
             settings, horde=horde_client(settings), backend=kcpp_client(settings),
-            abort_backend=kcpp_client(settings),
+            abort_backend=kcpp_client(settings), state=WorkerState(settings),
         )
         entries = traced(worker.run_once)
         state = horde.status(request_id)["state"]

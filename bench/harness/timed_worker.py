@@ -223,11 +223,8 @@ def build_worker(
     )
     horde = TimedHorde(settings.horde_url, settings.api_key, bridge_agent=settings.bridge_agent)
     backend = TimedKobold(settings.kcpp_url)
-    state = None
-    if journal_dir is not None:
-        state = WorkerState(
-            settings, journal=Journal(journal_path(settings.worker_name, journal_dir))
-        )
+    journal = None if journal_dir is None else Journal(journal_path(settings.worker_name, journal_dir))
+    state = WorkerState(settings, journal=journal)
     worker = Worker(
         settings,
         horde=horde,

@@ -3,7 +3,7 @@
 Every Horde call tells :class:`HordeWatch` when it starts and whether it was
 answered (2xx or a refusal) or failed (``errors.HordeUnavailable``). The Horde is
 not answering once no call was answered for ``quiet_after_s`` (10 s) while one
-waits, or after ``failures`` (3) failed calls in a row; it answers again at the
+waits, or after ``FAILURES_IN_A_ROW`` (3) failed calls in a row; it answers again at the
 next answered call::
 
     Horde not answering for 12 s (pop): waiting
@@ -33,9 +33,8 @@ LINGER_S = 30.0
 class HordeWatch:
     """Watches a worker's calls to the Horde; thread-safe."""
 
-    def __init__(self, *, quiet_after_s: float | None = None, failures: int | None = None) -> None:
+    def __init__(self, *, quiet_after_s: float | None = None) -> None:
         self.quiet_after_s = QUIET_AFTER_S if quiet_after_s is None else quiet_after_s
-        self.failures = FAILURES_IN_A_ROW if failures is None else failures
         self._cond = threading.Condition()
         self._in_flight: dict[object, tuple[str, float]] = {}  # by call token
         # The start of the first call made since the last answer (None: none).
@@ -57,8 +56,7 @@ class HordeWatch:
                 self._quiet_since = now
             if self._monitor is None:
                 self._monitor = threading.Thread(
-                    target=self._watch, name="horde-watch", daemon=True
-                )
+                    target=self._watch, name="horde-watch", daemon=True)
                 self._monitor.start()
             self._cond.notify_all()
         failed = False
@@ -77,7 +75,7 @@ class HordeWatch:
             kind, _ = self._in_flight.pop(token, ("call", now))
             if failed:
                 self._failed_in_a_row += 1
-                if self._said_since is None and self._failed_in_a_row >= self.failures:
+                if self._said_since is None and self._failed_in_a_row >= FAILURES_IN_A_ROW:
                     line = self._say(now, f"{kind}; {self._failed_in_a_row} calls failed in a row")
             else:
                 self._failed_in_a_row = 0
@@ -92,8 +90,7 @@ class HordeWatch:
 
     def _say(self, now: float, what: str) -> str:
         """Start the episode said now (under the lock); returns its line."""
-        since = self._quiet_since if self._quiet_since is not None else now
-        self._said_since = since
+        self._said_since = since = now if self._quiet_since is None else self._quiet_since
         return f"Horde not answering for {now - since:.0f} s ({what}): waiting"
 
     def _watch(self) -> None:
@@ -111,8 +108,7 @@ class HordeWatch:
                 if self._said_since is None and self._in_flight and self._quiet_since is not None:
                     due = self._quiet_since + self.quiet_after_s
                 if due is not None and now >= due:
-                    oldest = min(self._in_flight.values(), key=lambda call: call[1])
-                    line = self._say(now, oldest[0])
+                    line = self._say(now, min(self._in_flight.values(), key=lambda c: c[1])[0])
                 else:
                     wait = LINGER_S if due is None else due - now
                     self._cond.wait(max(0.01, min(wait, LINGER_S)))

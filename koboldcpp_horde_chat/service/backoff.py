@@ -2,7 +2,7 @@
 
 :class:`Backoff` retries a failed call with exponential backoff and *equal
 jitter*: the n-th delay is drawn from ``[d/2, d]``, ``d = min(cap_s, base_s *
-factor**n)``, so it spreads workers apart yet never retries at once against a
+2**n)``, so it spreads workers apart yet never retries at once against a
 server that said it is overloaded; a ``Retry-After`` is a floor.
 :class:`EmptyPopBackoff` waits after a pop without a job as koboldcpp's own
 worker does (1.116.1 ``koboldcpp.py`` L10158-10160).
@@ -14,34 +14,21 @@ import math
 import random
 
 RETRY_AFTER_CAP_S = 600.0
-"""The longest ``Retry-After`` honoured (seconds), unless ``cap_s`` is larger."""
+"""The longest ``Retry-After`` honoured (seconds)."""
 
 
 class Backoff:
-    """Exponential backoff with equal jitter, seconds; a ``Retry-After`` may ask
-    for up to ``max(cap_s, RETRY_AFTER_CAP_S)``. ValueError for a non-positive
-    base, a cap below it or a factor below 1."""
+    """Exponential backoff with equal jitter, seconds, each bound twice the last;
+    a ``Retry-After`` may ask for up to :data:`RETRY_AFTER_CAP_S`."""
 
-    def __init__(
-        self,
-        base_s: float,
-        cap_s: float,
-        *,
-        factor: float = 2.0,
-        rng: random.Random | None = None,
-    ) -> None:
-        if not base_s > 0 or not math.isfinite(base_s):
-            raise ValueError(f"base_s must be a positive number of seconds, not {base_s!r}")
-        if not cap_s >= base_s or not math.isfinite(cap_s):
-            raise ValueError(f"cap_s must be at least base_s ({base_s}), not {cap_s!r}")
-        if not factor >= 1 or not math.isfinite(factor):
-            raise ValueError(f"factor must be at least 1, not {factor!r}")
-        self.base_s = base_s
-        self.cap_s = cap_s
-        self.factor = factor
-        self.retry_after_cap_s = max(cap_s, RETRY_AFTER_CAP_S)
+    def __init__(self, base_s: float, cap_s: float, *, rng: random.Random | None = None) -> None:
+        self.base_s, self.cap_s = base_s, cap_s
         self._rng = rng if rng is not None else random.Random()
-        self._bound = base_s
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the schedule again (after a success)."""
+        self._bound = self.base_s
         self.attempts = 0
 
     def next_delay(self, retry_after_s: float | None = None) -> float:
@@ -50,15 +37,10 @@ class Backoff:
         bound = self._bound
         delay = bound / 2 + self._rng.uniform(0.0, bound / 2)
         self.attempts += 1
-        self._bound = min(self.cap_s, bound * self.factor)
-        if retry_after_s is not None and math.isfinite(retry_after_s) and retry_after_s > 0:
-            delay = max(delay, min(retry_after_s, self.retry_after_cap_s))
+        self._bound = min(self.cap_s, bound * 2)
+        if retry_after_s is not None and 0 < retry_after_s < math.inf:
+            delay = max(delay, min(retry_after_s, RETRY_AFTER_CAP_S))
         return delay
-
-    def reset(self) -> None:
-        """Start the schedule again (after a success)."""
-        self._bound = self.base_s
-        self.attempts = 0
 
 
 class EmptyPopBackoff:

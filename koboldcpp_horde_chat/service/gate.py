@@ -14,22 +14,22 @@ import math
 import re
 import secrets
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..clock import Clock
 from ..errors import BackendError, ReplyError
 from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
-from ..koboldcpp.api import KcppAPI
-from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
-from ..settings import WorkerSettings
+from ..koboldcpp.manners import OWN_TAIL_S
 from ..state.journal import GENKEY_PREFIX
 from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
-from ..state.meter import FiguresReader, prompt_s_per_token, record_generated
+from ..state.meter import prompt_s_per_token, record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL
-from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR, WorkerState
+from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR
 from ..state.status import abort_limit_line
+
+if TYPE_CHECKING:
+    from .loop import Worker
 
 log = logging.getLogger("koboldcpp_horde_chat.worker")
 
@@ -74,32 +74,20 @@ REMEASURE_MIN_TOKENS = 8
 
 def probe_prompt(tokens: int) -> str:
     """A prompt of about ``tokens`` tokens (:data:`PROBE_PROMPT`, then :data:`PROBE_WORDS`)."""
-    extra = max(0, tokens - 4)
-    words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(extra)]
+    words = [PROBE_WORDS[i % len(PROBE_WORDS)] for i in range(tokens - 4)]
     return " ".join([PROBE_PROMPT, *words])
 
 
 class PopGate:
     """Whether the pop loop may pop now, and how long to wait when not."""
 
-    def __init__(
-        self,
-        manners: LocalManners,
-        backend: KcppAPI,
-        state: WorkerState,
-        settings: WorkerSettings,
-        clock: Clock,
-        figures: FiguresReader,
-    ) -> None:
-        self.manners = manners
-        self.backend = backend
-        self.state = state
-        self.settings = settings
-        self.clock = clock
+    def __init__(self, worker: Worker) -> None:
+        self.manners, self.backend, self.state = worker.manners, worker.backend, worker.state
+        self.settings, self.clock = worker.settings, worker.clock
         self.backend_suspect = False
         self._own_done_at: float | None = None
         #: koboldcpp's figures of each probe: the job meter's reader, so each is read once.
-        self.figures = figures
+        self.figures = worker.meter.figures
         #: The worker's own generation runs: a busy koboldcpp with nothing queued is busy with it.
         self.own_running = False
         #: The words of the last pause when not its reason's own, else None.
@@ -113,9 +101,8 @@ class PopGate:
         until when the aborted-job limit waits."""
         self.line = None
         last_local = self.manners.last_local_request_time()
-        if self.manners.unreachable:
-            # Not answering even an idle read: do not pop a job it cannot serve.
-            self.backend_suspect = True
+        # Not answering even an idle read: do not pop a job it cannot serve.
+        self.backend_suspect = self.backend_suspect or self.manners.unreachable
         if last_local is not None and self.clock.time() - last_local < self.settings.local_idle_s:
             return self._who_else("local_user"), LOCAL_USER_POLL_S
         # koboldcpp holds its lock 50 ms after answering the worker's own request:
@@ -124,42 +111,41 @@ class PopGate:
         if self.manners.model_busy() and (not self.own_tail() or self.manners.requests_queued()):
             wait_s = OWN_TAIL_POLL_S if self.own_tail() else BUSY_POLL_S
             return self._who_else("busy", genkey=self.manners.running_genkey()), wait_s
-        if not self._backend_answers():
-            return "backend_down", self.settings.backend_probe_s
+        if self.backend_suspect:
+            # koboldcpp failed a job without answering: wait while it does not answer
+            # its readiness GET (a crashed koboldcpp would fault every job popped
+            # meanwhile), or came back serving another model or context.
+            self.backend_suspect = not self.backend.ready()
+            if self.backend_suspect or self.manners.recheck() is not None:
+                return "backend_down", self.settings.backend_probe_s
         if self.state.retrying_submits:
             # A job popped now could not be delivered either: it would expire.
             return "submit_retry", SUBMIT_RETRY_POLL_S
         if self.state.failure_streak.failing and not self._probe_until_generates(ALL, "text"):
             # koboldcpp fails generations of every kind together: probed back first.
             return "backend_failing", self._next_probe_in([ALL])
-        limit = self.state.abort_limit(self.clock.monotonic())
-        if limit is not None:
+        if (limit := self.state.abort_limit(self.clock.monotonic())) is not None:
             count, in_hand, resume_at = limit
             wait_s = max(0.0, resume_at - self.clock.monotonic())
             if self._abort_line is None or self._abort_line[0] != (count, in_hand):
                 # Worded once per count: said again only when it changes.
-                line = abort_limit_line(
-                    count=count,
-                    in_hand=in_hand,
-                    limit=HORDE_FAULT_LIMIT_PER_HOUR,
-                    resume_wall=math.ceil(self.clock.time() + wait_s),
-                    wait_s=wait_s,
-                )
-                self._abort_line = ((count, in_hand), line)
+                self._abort_line = ((count, in_hand), abort_limit_line(
+                    count=count, in_hand=in_hand, limit=HORDE_FAULT_LIMIT_PER_HOUR,
+                    resume_wall=math.ceil(self.clock.time() + wait_s), wait_s=wait_s))
             self.line = self._abort_line[1]
             return "abort_limit", min(max(wait_s, 0.1), MAINTENANCE_POLL_S)
         if not self.state.update_chat_withdrawal(self.clock.monotonic()):
             return "chat_withdrawn", MAINTENANCE_POLL_S
-        streak = self.state.failure_streak
-        for kind in ("text", "chat"):  # a kind failing alone is withdrawn until its probe generates
-            if streak.kind_failing(kind):
-                self._probe_until_generates(kind, kind)
+        for kind in self.failing_kinds():  # withdrawn until its probe generates
+            self._probe_until_generates(kind, kind)
         if not self.state.kinds_to_pop():
-            return "kind_failing", self._next_probe_in(
-                [kind for kind in ("text", "chat") if streak.kind_failing(kind)]
-            )
+            return "kind_failing", self._next_probe_in(self.failing_kinds())
         self.remeasure()
         return None
+
+    def failing_kinds(self) -> list[str]:
+        """The kinds koboldcpp fails alone, each withdrawn until its probe generates."""
+        return [kind for kind in ("text", "chat") if self.state.failure_streak.kind_failing(kind)]
 
     def _who_else(self, reason: str, *, genkey: str | None = None) -> str:
         """``reason`` named by who keeps koboldcpp busy, when the worker can tell:
@@ -184,17 +170,6 @@ class PopGate:
         self.own_running = False
         self._own_done_at = self.clock.monotonic()
 
-    def _backend_answers(self) -> bool:
-        """False while koboldcpp, which failed a job without answering, still does
-        not answer its readiness GET (a crashed koboldcpp would fault every job
-        popped meanwhile), or came back serving another model or context."""
-        if not self.backend_suspect:
-            return True
-        if self.backend.ready():
-            self.backend_suspect = False
-            return self.manners.recheck() is None  # not serving another model or context
-        return False
-
     def _probe_until_generates(self, subject: str, kind: str) -> bool:
         """Probe a failing subject (:data:`ALL` or one kind) when its wait is
         over (60 s, then twice the last) with a generation of its failed job's
@@ -205,13 +180,12 @@ class PopGate:
         with self.state.lock:
             if not plan.due(subject, self.clock.monotonic()):
                 return False
-            size = plan.size(subject)
-        prompt_tokens, max_length = size if size is not None else (0, PROBE_MAX_LENGTH)
+            prompt_tokens, max_length = plan.size(subject) or (0, PROBE_MAX_LENGTH)
         max_length = max_length or PROBE_MAX_LENGTH
         measured = self._generate(kind, prompt_tokens, max_length)
         if measured is None:
             with self.state.lock:
-                plan.probe_failed(subject, self.clock.monotonic())
+                plan.wait_next(subject, self.clock.monotonic())
             return False
         tokens, seconds, figures = measured
         record_generated(
@@ -276,28 +250,19 @@ class PopGate:
             with self.state.call_deadlines.until(STOP_KIND, hang_up):
                 if kind == "chat":
                     content = probe_prompt(max(1, prompt_tokens - CHAT_PROBE_OVERHEAD))
-                    body: dict[str, Any] = {
-                        "messages": [{"role": "user", "content": content}],
-                        "max_tokens": max_length,
-                        "genkey": genkey,
-                    }
+                    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}],
+                                            "max_tokens": max_length, "genkey": genkey}
                     answer = parse_chat_completion(
-                        self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel)
-                    )
+                        self.backend.chat_completion(body, timeout_s=timeout_s, cancel=cancel))
                     text = (answer.content or "") + (answer.reasoning_content or "")
                     counted = answer.completion_tokens
                     tokens = counted if counted is not None else tokens_of_text(text)
                 else:
-                    body = {
-                        "prompt": probe_prompt(prompt_tokens),
-                        "max_length": max_length,
-                        "max_context_length": max(512, prompt_tokens + max_length + 16),
-                        "genkey": genkey,
-                    }
-                    text = text_generation(
-                        self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)
-                    )
-                    tokens = tokens_of_text(text)
+                    body = {"prompt": probe_prompt(prompt_tokens), "max_length": max_length,
+                            "max_context_length": max(512, prompt_tokens + max_length + 16),
+                            "genkey": genkey}
+                    tokens = tokens_of_text(text_generation(
+                        self.backend.generate(body, timeout_s=timeout_s, cancel=cancel)))
         except (BackendError, ReplyError) as exc:
             if not cancel.is_set():  # else aborted below, as hung up at the stop
                 if isinstance(exc, BackendError) and exc.status == 0:

@@ -11,11 +11,9 @@ koboldcpp's own worker, the loop overlaps a job's submit with the next pop
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..clock import Clock
 from ..errors import HordeRefusal, HordeUnavailable
 from ..horde.api import HordeAPI
 from ..horde.codes import WORKER_MAINTENANCE
@@ -44,10 +42,8 @@ log = logging.getLogger("koboldcpp_horde_chat.worker")
 #: (a backstop: the Horde client hangs it up then).
 DRAIN_POP_EXTRA_S = 0.25
 #: Said when the worker exits with a pop unanswered (and counted as an aborted job).
-POP_LEFT_LINE = (
-    "a job may be assigned to this stopped worker and expire on the Horde "
-    "(counted as a possible aborted job)"
-)
+POP_LEFT_LINE = ("a job may be assigned to this stopped worker and expire on the Horde "
+                 "(counted as a possible aborted job)")
 #: A job served this many seconds after its pop or later is served only after
 #: koboldcpp is read again (it may have restarted meanwhile).
 RECHECK_AFTER_WAIT_S = 1.0
@@ -56,8 +52,8 @@ class Worker:
     """One pop loop for chat and text jobs.
 
     Args:
-        state: shared with the worker's other loops (a new one when None); its
-            clock is the loop's only clock (a test gives it a fake one).
+        state: shared with the worker's other loops; its clock is the loop's
+            only clock (a test gives it a fake one).
         pop_horde: a second Horde client, for the pop sent ahead (a
             ``requests.Session`` is not shared between threads); None: none.
         abort_backend: a second koboldcpp client for aborts sent from another
@@ -67,87 +63,45 @@ class Worker:
     """
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        horde: HordeAPI,
-        backend: KcppAPI,
-        stop_event: threading.Event | None = None,
-        manners: LocalManners | None = None,
-        caps: BackendCapabilities | None = None,
-        worker_id: int = 1,
-        state: WorkerState | None = None,
-        pop_horde: HordeAPI | None = None,
-        abort_backend: KcppAPI | None = None,
-        retry_horde: Callable[[], HordeAPI] | None = None,
+        self, settings: WorkerSettings, *, horde: HordeAPI, backend: KcppAPI, state: WorkerState,
+        manners: LocalManners | None = None, caps: BackendCapabilities | None = None,
+        worker_id: int = 1, pop_horde: HordeAPI | None = None,
+        abort_backend: KcppAPI | None = None, retry_horde: Callable[[], HordeAPI] | None = None,
     ) -> None:
-        self.settings = settings
-        self.horde = horde
-        self.backend = backend
-        if state is None:
-            state = WorkerState(settings, stop_event=stop_event)
-        self.state = state
-        self.stop_event = state.stop_event
+        self.settings, self.horde, self.backend, self.state = settings, horde, backend, state
+        self.stop_event, self.clock, self.worker_id = state.stop_event, state.clock, worker_id
+        self.pop_horde = pop_horde
         self.manners: LocalManners = manners if manners is not None else NoManners()
         self.caps = caps if caps is not None else BackendCapabilities(vision=settings.vision)
-        clock = state.clock
-        self.clock: Clock = clock
-        self.worker_id = worker_id
-        self.pop_horde = pop_horde
-        self.meter = JobMeter(state, backend, clock.monotonic)
-        self.gate = PopGate(self.manners, backend, state, settings, clock, self.meter.figures)
-        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, clock)
-        self.ports = Ports(
-            settings=settings,
-            horde=horde,
-            koboldcpp=KoboldcppPort(
-                backend=backend,
-                abort_backend=abort_backend if abort_backend is not None else backend,
-                stop=stop,
-                manners=self.manners,
-            ),
-            clock=clock,
-            stop=stop,
-            journal=state.journal,
-        )
+        self.meter = JobMeter(state, backend, self.clock.monotonic)
+        self.gate = PopGate(self)
+        stop = StopSignal(self.stop_event, lambda: state.stop_deadline, self.clock)
+        kcpp = KoboldcppPort(backend, abort_backend if abort_backend is not None else backend,
+                             stop, self.manners)
+        ports = Ports(settings, horde, kcpp, self.clock, stop, state.journal)
         self.pipeline = SubmitPipeline(settings, horde, state, stop=stop, retry_horde=retry_horde)
         self.next_pop = NextPop(self)
-        self._error_backoff = Backoff(1.0, 60.0)
-        self._empty_backoff = EmptyPopBackoff()
-        self._pauses = PauseTracker(
-            local_idle_s=settings.local_idle_s,
-            kcpp_url=settings.kcpp_url,
-            horde_url=settings.horde_url,
-            failed_in_a_row=FAILED_IN_A_ROW,
-        )
+        self._error_backoff, self._empty_backoff = Backoff(1.0, 60.0), EmptyPopBackoff()
+        self._pauses = PauseTracker(local_idle_s=settings.local_idle_s, kcpp_url=settings.kcpp_url,
+                                    horde_url=settings.horde_url, failed_in_a_row=FAILED_IN_A_ROW)
         self._skipped = SkippedReporter()
-        self.driver = JobDriver(self.ports, self.caps, state, self.pipeline, self.meter, worker_id)
+        self.driver = JobDriver(ports, self.caps, state, self.pipeline, self.meter, worker_id)
 
     def run(self) -> int:
         """Run the pop loop until it is to stop. Returns the exit code: 0 after a
         requested stop, 2 when the Horde refused the declaration, 3 the API key."""
         waited = 0
-        while not self.stopping():
-            if self.backend.ready():
-                break
+        while not self.stopping() and not self.backend.ready():
             if waited % 10 == 0:  # the first time, then every 30 s
-                log.info(
-                    "worker %d: waiting for koboldcpp at %s", self.worker_id, self.settings.kcpp_url
-                )
+                self._say(f"waiting for koboldcpp at {self.settings.kcpp_url}")
             waited += 1
             self.stop_event.wait(3.0)
         if self.stopping():
             return self.state.exit_code
-        log.info(
-            "worker %d: started as %r for model %s (chat context %d, length %d)",
-            self.worker_id,
-            self.settings.worker_name,
-            self.settings.model_id,
-            self.settings.max_context_length,
-            self.settings.declared_max_length,
-        )
-        warning = self.settings.max_length_warning()
-        if warning is not None and self.worker_id == 1:
+        s = self.settings
+        self._say(f"started as {s.worker_name!r} for model {s.model_id} (chat context "
+                  f"{s.max_context_length}, length {s.declared_max_length})")
+        if self.worker_id == 1 and (warning := s.max_length_warning()) is not None:
             log.warning("worker %d: %s", self.worker_id, warning)
         if not self.state.wait_recovered():  # the earlier run's jobs first
             return self.state.exit_code
@@ -160,19 +114,14 @@ class Worker:
                 self._pass()
             self.drain()
             deadline = self.state.stop_deadline
-            bound = (
-                deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic()
-                if deadline is not None
-                else self.settings.lease_cap_s
-            )
+            bound = self.settings.lease_cap_s if deadline is None else (
+                deadline + STOP_SUBMIT_EXTRA_S + 0.25 - self.clock.monotonic())
             self.state.wait_jobs_ended(self.worker_id, max(0.0, bound))
             self.state.flush_journal()
         finally:
             with self.state.lock:
                 self.state.slots.remove(self)
-        log.info(
-            "worker %d: stopped (%s)", self.worker_id, self.state.summary(self.clock.time())
-        )
+        self._say(f"stopped ({self.state.summary(self.clock.time())})")
         return self.state.exit_code
 
     def _pass(self) -> None:
@@ -190,9 +139,8 @@ class Worker:
         while self.next_pop.ahead is not None:
             deadline = self.state.stop_deadline
             if deadline is not None:
-                until = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S
-                wait_s = max(0.0, until - self.clock.monotonic())
-                if not self.next_pop.ahead.join(wait_s):
+                wait_s = deadline + STOP_POP_EXTRA_S + DRAIN_POP_EXTRA_S - self.clock.monotonic()
+                if not self.next_pop.ahead.join(max(0.0, wait_s)):
                     self.next_pop.ahead = None
                     self._pop_left("the pop sent beside the last submit did not answer")
                     return
@@ -203,8 +151,7 @@ class Worker:
         expires there, an aborted job. Say so and count it toward maintenance."""
         log.warning("worker %d: %s by the stop's deadline: %s", self.worker_id, what,
                     POP_LEFT_LINE)
-        chat = body is None or "chat_jobs" in body
-        self.state.record_lost_pop(self.clock.monotonic(), chat=chat)
+        self.state.record_lost_pop(self.clock.monotonic(), chat=body is None or "chat_jobs" in body)
 
     def stopping(self) -> bool:
         return self.stop_event.is_set() or self.manners.should_stop()
@@ -213,16 +160,13 @@ class Worker:
         """One pass of the pop loop: the answer of the pop sent ahead, or a pop now
         when the gate lets it. True when a job was served."""
         self._say(self.state.periodic_summary(self.clock.monotonic(), self.clock.time()))
-        popped = self.next_pop.take()
-        if popped is not None:
+        if (popped := self.next_pop.take()) is not None:
             return self._after_pop(popped)
         if self.stopping():
             return False
-        pause = self.gate.pause()
-        if pause is not None:
-            reason, wait_s = pause
-            self._say(self._pauses.pausing(reason, self.clock.monotonic(), line=self.gate.line))
-            self.stop_event.wait(wait_s)
+        if (pause := self.gate.pause()) is not None:
+            self._say(self._pauses.pausing(pause[0], self.clock.monotonic(), line=self.gate.line))
+            self.stop_event.wait(pause[1])
             return False
         if self.stopping():  # the checks may have found koboldcpp serving something else
             return False
@@ -231,9 +175,8 @@ class Worker:
     def _after_pop(self, popped: Popped) -> bool:
         body, error, answer = popped.body, popped.error, popped.answer
         if answer is None:
-            unanswered = isinstance(error, HordeUnavailable) and error.status == 0 and (
-                error.sent is not False
-            )
+            unanswered = (isinstance(error, HordeUnavailable) and error.status == 0
+                          and error.sent is not False)
             if unanswered and self.state.stop_deadline is not None:
                 # No answer while stopping: the Horde may have assigned a job.
                 self._pop_left("the pop in flight at the stop got no answer", body)
@@ -245,9 +188,8 @@ class Worker:
             if isinstance(error, HordeRefusal):
                 self._on_pop_refused(error)
             else:
-                delay = self._error_backoff.next_delay(
-                    error.retry_after_s if isinstance(error, HordeUnavailable) else None
-                )
+                retry_after = error.retry_after_s if isinstance(error, HordeUnavailable) else None
+                delay = self._error_backoff.next_delay(retry_after)
                 self._pause("horde_down", delay, None, f" ({error})",
                             again=f"pop failed: {error}; retrying in {delay:.1f} s")
             return False
@@ -255,9 +197,8 @@ class Worker:
         self._say(self._pauses.popping(popped.popped_at))
         for message in self.state.new_moderator_lines(answer.messages):
             log.warning("worker %d: %s", self.worker_id, message)
-        ctx = popped.ctx
-        if ctx is None:  # not taken in hand on the pop's thread
-            ctx = self.driver.take_in_hand(body, answer, popped.popped_at, pop_wait_s=popped.wait_s)
+        ctx = popped.ctx or self.driver.take_in_hand(  # not taken in hand on the pop's thread
+            body, answer, popped.popped_at, pop_wait_s=popped.wait_s)
         if ctx is None:
             return self._no_job(answer, body)
         try:
@@ -279,11 +220,9 @@ class Worker:
             log.warning("pop returned a job without a usable id (%s); skipped", answer.error.path)
             return True
         self.state.flush_journal()  # idle: write what the last jobs' ends left
-        line = self._skipped.line(
-            answer.skipped, self.clock.monotonic(), self.state.skip_context(body)
-        )
-        if line is not None:
-            log.info("worker %d: no job for this worker: %s", self.worker_id, line)
+        line = self._skipped.line(answer.skipped, self.clock.monotonic(),
+                                  self.state.skip_context(body))
+        self._say(None if line is None else f"no job for this worker: {line}")
         if not self.stopping():
             self.stop_event.wait(self._empty_backoff.next_delay())
         return False
@@ -295,7 +234,11 @@ class Worker:
         served = driver.open(ctx, answer)
         self._empty_backoff.reset()  # a job came, valid or malformed
         if not served.ended:
-            served = driver.prepare(ctx, served, self._backend_changed(ctx))
+            # How koboldcpp now differs from the job's pop's declaration, read only for
+            # a job that waited, after koboldcpp failed, or once the host says stop.
+            waited = self.clock.monotonic() - ctx.lease.popped_at >= RECHECK_AFTER_WAIT_S
+            recheck = waited or self.gate.backend_suspect or self.manners.should_stop()
+            served = driver.prepare(ctx, served, self.manners.recheck() if recheck else None)
         if served.text_max_length is not None:
             next_pop.text_generation_starts(ctx, served.text_max_length)
         if not served.ended:
@@ -319,18 +262,6 @@ class Worker:
                 driver.reply(ctx, outcome)
             driver.check_speed(outcome, seconds)
 
-    def _backend_changed(self, ctx: JobContext) -> str | None:
-        """How koboldcpp now differs from the job's pop's declaration, or None; read
-        only for a job that waited, after koboldcpp failed, or once the host says stop."""
-        waited = self.clock.monotonic() - ctx.lease.popped_at
-        if (
-            waited < RECHECK_AFTER_WAIT_S
-            and not self.gate.backend_suspect
-            and not self.manners.should_stop()
-        ):
-            return None
-        return self.manners.recheck()
-
     def _on_pop_refused(self, exc: HordeRefusal) -> None:
         """Say the refusal and what the owner can do; stop, wait a minute, or back off."""
         advice = describe_pop_refusal(exc.status, exc.rc, exc.message)
@@ -348,9 +279,8 @@ class Worker:
                         again=f"worker {self.worker_id}: pop refused again "
                         f"({exc.rc or exc.status}); retrying in {delay:.1f} s")
 
-    def _pause(
-        self, reason: str, wait_s: float, line: str | None, suffix: str = "", *, again: str
-    ) -> None:
+    def _pause(self, reason: str, wait_s: float, line: str | None, suffix: str = "", *,
+               again: str) -> None:
         """Say a pause in one line when it starts or changes (``again``, at debug
         level, while it lasts; "popping again" once a pop is answered), then wait."""
         said = self._pauses.pausing(reason, self.clock.monotonic(), line=line)

@@ -61,9 +61,8 @@ class EarlyPopTiming:
         if round_trip_s is None or round_trip_s < 0:
             return
         old = self.round_trip_s
-        self.round_trip_s = (
-            round_trip_s if old is None else old + ROUND_TRIP_WEIGHT * (round_trip_s - old)
-        )
+        self.round_trip_s = round_trip_s if old is None else (
+            old + ROUND_TRIP_WEIGHT * (round_trip_s - old))
 
     def delay_s(self, max_length: int) -> float | None:
         """Seconds after the generation's start at which the next pop goes out;
@@ -109,13 +108,9 @@ class PopAhead:
     """The next pop, on a thread of its own (``horde-pop``): after :meth:`join`
     ``popped`` holds its answer, None when :meth:`NextPop.prepare` said not now."""
 
-    def __init__(
-        self, next_pop: NextPop, horde: HordeAPI,
-        early: tuple[threading.Event, float] | None = None,
-    ) -> None:
-        self.next_pop = next_pop
-        self.early = early
-        self._horde = horde
+    def __init__(self, next_pop: NextPop, horde: HordeAPI,
+                 early: tuple[threading.Event, float] | None = None) -> None:
+        self.next_pop, self.early, self._horde = next_pop, early, horde
         self.popped: Popped | None = None
         self._thread = threading.Thread(target=self._run, name="horde-pop", daemon=True)
         self._thread.start()
@@ -145,10 +140,8 @@ class PopAhead:
             return
         if popped.answer is not None:
             try:
-                ctx = loop.driver.take_in_hand(
-                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s
-                )
-                popped = replace(popped, ctx=ctx)
+                popped = replace(popped, ctx=loop.driver.take_in_hand(
+                    body, popped.answer, popped.popped_at, pop_wait_s=popped.wait_s))
             except Exception:  # the loop takes the job in hand itself
                 log.debug("the job popped beside the submit was not received", exc_info=True)
         self.popped = popped
@@ -205,13 +198,9 @@ class NextPop:
 
     def _horde(self, ctx: JobContext, *, is_fault: bool, now: float) -> HordeAPI | None:
         loop = self.loop
-        if (
-            self.ahead is not None
-            or loop.gate.backend_suspect
-            or loop.state.failure_streak.failing
-            or loop.stopping()
-            or loop.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=now)
-        ):
+        if (self.ahead is not None or loop.gate.backend_suspect or loop.state.failure_streak.failing
+                or loop.stopping()
+                or loop.state.outcome_may_withdraw(ctx, is_fault=is_fault, now=now)):
             return None
         return loop.pop_horde
 
@@ -237,10 +226,9 @@ class NextPop:
         if early is not None:
             early[0].wait(early[1])
             with loop.state.lock:
-                due = bool(loop.state.lease_fit.recheck_due(loop.clock.monotonic()))
-                failing = any(loop.state.failure_streak.kind_failing(k) for k in ("text", "chat"))
-            if due or failing or loop.state.failure_streak.failing:
-                return None
+                due = loop.state.lease_fit.recheck_due(loop.clock.monotonic())
+                if due or loop.gate.failing_kinds() or loop.state.failure_streak.failing:
+                    return None
         deadline = loop.clock.monotonic() + OWN_TAIL_S
         while True:
             pause = loop.gate.pause()
@@ -255,12 +243,9 @@ class NextPop:
         generation brought the next job or has yet to answer, so koboldcpp starts
         that job at once. False: not sent."""
         ahead, loop = self.ahead, self.loop
-        if (
-            loop.pipeline.retry_horde is None
-            or ahead is None
-            or self.early_go is None  # not the pop sent during the generation
-            or (ahead.join(0) and ahead.ctx is None)  # it brought no job
-        ):
+        if (loop.pipeline.retry_horde is None or ahead is None
+                or self.early_go is None  # not the pop sent during the generation
+                or (ahead.join(0) and ahead.ctx is None)):  # it brought no job
             return False
         loop.pipeline.reply_beside(ctx, outcome)
         return True

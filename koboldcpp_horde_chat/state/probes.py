@@ -33,11 +33,10 @@ class ProbePlan:
     def note_failed(self, kind: str, prompt_tokens: int | None, max_length: int) -> None:
         """A real job failed (``prompt_tokens`` None: not known, kept as it was)."""
         self._successes[kind] = 0
-        old = self._sizes.get(kind)
-        prompt = prompt_tokens if prompt_tokens is not None else (old[0] if old else 0)
-        length = max_length if max_length > 0 else (old[1] if old else 0)
-        self._sizes[kind] = (max(0, prompt), max(0, length))
-        self._sizes[ALL] = self._sizes[kind]
+        old_prompt, old_length = self._sizes.get(kind, (0, 0))
+        prompt = prompt_tokens if prompt_tokens is not None else old_prompt
+        length = max_length if max_length > 0 else old_length
+        self._sizes[kind] = self._sizes[ALL] = (max(0, prompt), max(0, length))
 
     def size(self, subject: str) -> tuple[int, int] | None:
         """``(prompt tokens, max_length)`` of the last failed job, or None."""
@@ -46,9 +45,8 @@ class ProbePlan:
     def due(self, subject: str, now: float) -> bool:
         """Whether the withdrawn ``subject`` may be probed; the first call of a
         withdrawal starts its wait (and is False)."""
-        at = self._next.get(subject)
-        if at is None:
-            self._next[subject] = now + self._take_wait(subject)
+        if (at := self._next.get(subject)) is None:
+            self.wait_next(subject, now)
             return False
         return now >= at
 
@@ -56,8 +54,11 @@ class ProbePlan:
         """When the withdrawn ``subject`` may be probed (None: not withdrawn)."""
         return self._next.get(subject)
 
-    def probe_failed(self, subject: str, now: float) -> None:
-        self._next[subject] = now + self._take_wait(subject)
+    def wait_next(self, subject: str, now: float) -> None:
+        """The next probe of ``subject`` after its wait (at a withdrawal, after a failed probe)."""
+        wait = self.wait_s(subject)
+        self._wait[subject] = min(MAX_WAIT_S, wait * 2)
+        self._next[subject] = now + wait
 
     def probe_succeeded(self, subject: str) -> None:
         self._next.pop(subject, None)
@@ -71,8 +72,3 @@ class ProbePlan:
 
     def wait_s(self, subject: str) -> float:
         return self._wait.get(subject, FIRST_WAIT_S)
-
-    def _take_wait(self, subject: str) -> float:
-        wait = self.wait_s(subject)
-        self._wait[subject] = min(MAX_WAIT_S, wait * 2)
-        return wait

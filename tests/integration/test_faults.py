@@ -32,6 +32,7 @@ from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 
 from .conftest import API_KEY
 
@@ -91,7 +92,7 @@ def run_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Callable[..
                 settings.horde_url, settings.api_key, bridge_agent=BRIDGE_AGENT, connect_timeout_s=1.0
             ),
             backend=KoboldClient(settings.kcpp_url, connect_timeout_s=1.0),
-            stop_event=threading.Event(),
+            state=WorkerState(settings, stop_event=threading.Event()),
         )
         running = Running(worker)
         started.append(running)

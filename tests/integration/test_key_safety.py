@@ -23,6 +23,7 @@ from koboldcpp_horde_chat.errors import HordeError
 from koboldcpp_horde_chat.horde.client import HordeClient
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 from tests.unit.test_images import jpeg
 
 from .conftest import API_KEY
@@ -173,6 +174,6 @@ def test_exceptions_and_reprs_of_the_worker_objects_hide_the_key(horde: DevHorde
         api_key=API_KEY, worker_name="w", model_id="m", backend_max_context_length=1, kcpp_password="pw-secret"
     )
     texts += [repr(settings), str(settings)]
-    worker = Worker(settings, horde=client, backend=None, stop_event=threading.Event())  # type: ignore[arg-type]
+    worker = Worker(settings, horde=client, backend=None, state=WorkerState(settings, stop_event=threading.Event()))  # type: ignore[arg-type]
     texts += [repr(worker), repr(vars(worker.state.stats))]
     assert not [t for t in texts if API_KEY in t or "pw-secret" in t]

@@ -30,6 +30,7 @@ from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from koboldcpp_horde_chat.hosts import standalone, standalone_flags
 from koboldcpp_horde_chat.service import loop as worker_mod
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 from tests.startup_cases import REFUSED_AT_START
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -408,7 +409,7 @@ def real_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
             settings,
             horde=seen["horde"],
             backend=FakeBackend(),  # type: ignore[arg-type]
-            stop_event=kw.get("stop_event"),
+            state=WorkerState(settings, stop_event=kw.get("stop_event")),
             manners=kw["manners"],
             caps=kw["caps"],
             worker_id=kw["worker_id"],
