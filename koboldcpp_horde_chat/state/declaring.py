@@ -18,7 +18,7 @@ from ..horde.declaration import BackendCapabilities, pop_body
 from ..settings import WorkerSettings
 from . import guard, status
 from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
-from .lease_fit import LeaseFit
+from .lease_fit import KINDS, LeaseFit
 from .skipped import SkipContext
 
 if TYPE_CHECKING:
@@ -143,16 +143,14 @@ class Declaring:
         withdrawn, the features withheld, the limits that fit the lease, and
         without a kind whose generations failed in a row."""
         with self.lock:
+            fit = self.lease_fit
             return pop_body(
                 self.settings,
                 caps,
                 withhold=self.withheld | self.refusal_guard.withdrawn,
                 chat_jobs=self._pops("chat"),
-                max_length=self.lease_fit.declared("text"),
-                chat_max_length=self.lease_fit.declared("chat"),
-                max_context_length=self.lease_fit.declared_context("text"),
-                chat_max_context_length=self.lease_fit.declared_context("chat"),
                 prompt_jobs=self._pops("text"),
+                limits={k: (fit.declared(k), fit.declared_context(k)) for k in KINDS},
             )
 
     def skip_context(self, body: dict[str, Any]) -> SkipContext:
@@ -161,7 +159,7 @@ class Declaring:
         with self.lock:
             lowered = {
                 kind: why
-                for kind in ("text", "chat")
+                for kind in KINDS
                 if (why := self.lease_fit.lowered_because(kind)) is not None
             }
         return SkipContext.of_pop(body, lowered)
@@ -169,7 +167,7 @@ class Declaring:
     def kinds_to_pop(self) -> tuple[str, ...]:
         """The kinds the next pop may ask for (empty: do not pop)."""
         with self.lock:
-            return tuple(kind for kind in ("text", "chat") if self._pops(kind))
+            return tuple(kind for kind in KINDS if self._pops(kind))
 
     def _pops(self, kind: str) -> bool:
         """Whether the next pop may ask for ``kind`` (under the lock)."""
