@@ -24,7 +24,7 @@ from ..koboldcpp.api import KcppAPI
 from ..koboldcpp.manners import OWN_TAIL_S, LocalManners
 from ..settings import WorkerSettings
 from ..state.journal import GENKEY_PREFIX
-from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
+from ..state.lease_figures import PerfFigures, budget_s, tokens_of_text
 from ..state.meter import FiguresReader, record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL

@@ -68,7 +68,7 @@ class Declaring:
                 count,
                 " (text jobs continue)" if self.settings.prompt_jobs else
                 " and pausing pops (chat-only worker)",
-                mguard.restore_below,
+                guard.RESTORE_CHAT_BELOW,
             )
         elif change == "restore":
             log.info("%s: declaring chat again", count)
@@ -81,14 +81,14 @@ class Declaring:
         with self.lock:
             mguard = self.maintenance_guard
             if (is_fault or ctx.chat) and mguard.chat_enabled and (
-                mguard.recent(now) + 1 >= mguard.withdraw_at
+                mguard.recent(now) + 1 >= guard.WITHDRAW_CHAT_AT
             ):
                 return True
             if is_fault or not ctx.chat:
                 return False
             rguard = self.refusal_guard
             return any(
-                rguard.count(name, now) + 1 >= rguard.threshold
+                rguard.count(name, now) + 1 >= guard.REFUSALS_TO_WITHDRAW
                 for name in ctx.declared_features
                 if name not in self.withheld
             )
@@ -110,7 +110,7 @@ class Declaring:
                 name,
                 at,
                 max(1, round((until - now) / 60.0)),
-                rguard.threshold,
+                guard.REFUSALS_TO_WITHDRAW,
             )
 
     def chat_route_missing(self) -> None:

@@ -23,16 +23,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Final
 
-from .lease_figures import MIN_MAX_LENGTH as MIN_MAX_LENGTH
-from .lease_figures import MIN_PROMPT_TOKENS as MIN_PROMPT_TOKENS
-from .lease_figures import LengthChange as LengthChange
-from .lease_figures import PerfFigures as PerfFigures
-from .lease_figures import budget_s as budget_s
-from .lease_figures import fitted_length as fitted_length
-from .lease_figures import fitted_limits as fitted_limits
-from .lease_figures import job_max_length as job_max_length
-from .lease_figures import reply_tokens as reply_tokens
-from .lease_figures import tokens_of_text as tokens_of_text
+from .lease_figures import (
+    MIN_MAX_LENGTH,
+    MIN_PROMPT_TOKENS,
+    LengthChange,
+    PerfFigures,
+    budget_s,
+    fitted_length,
+    fitted_limits,
+)
 
 KINDS: Final = ("text", "chat")
 MIN_PROCESS_SAMPLE: Final = 16
