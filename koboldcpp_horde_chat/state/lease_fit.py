@@ -98,17 +98,14 @@ class LeaseFit:
         return self._context[kind] if self.context_cap else None
 
     def _below_caps(self, kind: str) -> bool:
-        return self._declared[kind] < self.cap or (
-            bool(self.context_cap) and self._context[kind] < self.context_cap
-        )
+        return self._declared[kind] < self.cap or self._context[kind] < self.context_cap
 
     def lowered_because(self, kind: str) -> str | None:
         """Why ``kind`` is below its caps, in an operator's words; None at the caps."""
         if not self._below_caps(kind):
             return None
-        if self._why[kind] == "ran_out":
-            return "koboldcpp ran out of a lease"
-        return "koboldcpp's measured speed"
+        ran_out = self._why[kind] == "ran_out"
+        return "koboldcpp ran out of a lease" if ran_out else "koboldcpp's measured speed"
 
     def cooloff_s(self, kind: str) -> float:
         return self._cooloff[kind]
@@ -127,9 +124,7 @@ class LeaseFit:
         """``(prompt tokens, max_length)`` of a re-measure: the last job that ran
         out, else the last that lowered the context, else a small default."""
         size = self._failed_size[kind] or self._lowering_size[kind]
-        if size is not None:
-            return size
-        return PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap)
+        return size or (PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap))
 
     def recheck_due(self, now: float) -> list[str]:
         """The kinds below their caps due a re-measure at ``now``; each is named
