@@ -39,10 +39,6 @@ REFUSALS_TO_WITHDRAW: Final = 3
 FEATURE_COOL_OFF_S: Final = HOUR_S
 FEATURE_COOL_OFF_MAX_S: Final = 24 * HOUR_S
 
-TOOL_NAMES: Final = ("tool_choice_enforced", "tools")
-FORMAT_GUARANTEE: Final = "structured_output_enforced"
-FORMAT_TYPES: Final = ("json_object", "json_schema")
-
 Transition = Literal["withdraw", "restore"]
 
 
@@ -187,11 +183,11 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
     names = set(declared)
     preferred: list[tuple[str, ...]] = []  # per point: the names it may mean, best first
     if "tool_choice" in payload or "tools" in payload:
-        preferred.append(TOOL_NAMES)
+        preferred.append(("tool_choice_enforced", "tools"))
     response_format = payload.get("response_format")
     rf_type = response_format.get("type") if isinstance(response_format, Mapping) else None
-    if rf_type in FORMAT_TYPES:
-        preferred.append((FORMAT_GUARANTEE, str(rf_type)))
+    if rf_type in ("json_object", "json_schema"):
+        preferred.append(("structured_output_enforced", str(rf_type)))
     picks = (next((n for n in options if n in names), None) for options in preferred)
     return [pick for pick in picks if pick is not None]
 

@@ -49,6 +49,7 @@ HOUR_S: Final = 3600.0
 PROBE_PROMPT_TOKENS: Final = 256
 """A re-measure's prompt, tokens, when no job of the kind ran out."""
 PROBE_MAX_LENGTH: Final = 64
+_Samples = deque[tuple[int, float]]  # (tokens, seconds) per job
 
 
 class LeaseFit:
@@ -71,12 +72,8 @@ class LeaseFit:
         self._declared = {kind: cap for kind in KINDS}
         self._context = {kind: context_cap for kind in KINDS}
         # Per kind: generations (tokens, seconds) and prompts processed (tokens, seconds).
-        self._samples: dict[str, deque[tuple[int, float]]] = {
-            kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS
-        }
-        self._process: dict[str, deque[tuple[int, float]]] = {
-            kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS
-        }
+        self._samples: dict[str, _Samples] = {kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS}
+        self._process: dict[str, _Samples] = {kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS}
         self._seed_speed: float | None = None
         self._seed_process: float | None = None
         self._recheck_at: dict[str, float | None] = {kind: None for kind in KINDS}
@@ -366,6 +363,6 @@ class LeaseFit:
         return fit > old and not held and (fit >= cap or fit >= old * RAISE_FACTOR)
 
 
-def _sums(samples: deque[tuple[int, float]]) -> tuple[int, float]:
+def _sums(samples: _Samples) -> tuple[int, float]:
     """``(tokens, seconds)`` of all ``samples``."""
     return sum(t for t, _ in samples), sum(s for _, s in samples)
