@@ -145,9 +145,9 @@ def perf_figures(perf: Mapping[str, Any]) -> PerfFigures | None:
         _number(perf.get(key))
         for key in ("last_input_count", "last_process_time", "last_token_count", "last_eval_time")
     )
-    if not gens or prompt is None or process is None or tokens is None or evaluated is None:
-        return None
-    if process <= 0 and evaluated <= 0:
+    if not gens or prompt is None or process is None or tokens is None or evaluated is None or (
+        process <= 0 and evaluated <= 0
+    ):
         return None
     return PerfFigures(int(prompt), process, int(tokens), evaluated, gens)
 
@@ -183,13 +183,8 @@ def fitted_limits(
     """``(max_length, max_context_length)`` by steps 1 to 3 of the module
     docstring; an unmeasured ``tokens_per_s`` (``g``) or ``process_s`` (``p``)
     keeps its cap. E.g. 27 tokens/s, 46 s per 2,400 prompt tokens, 150 s lease,
-    5 s margin, caps 512 and 4096: ``(512, 4096)``; in a 60 s lease ``(512, 1984)``.
-
-    Raises:
-        ValueError: a non-positive lease or cap.
-    """
-    if not (lease_s > 0 and cap >= 1 and context_cap >= 1):
-        raise ValueError("lease_s, cap and context_cap must be positive")
+    5 s margin, caps 512 and 4096: ``(512, 4096)``; in a 60 s lease ``(512, 1984)``
+    (a positive lease and caps)."""
     length = cap if tokens_per_s is None else fitted_length(tokens_per_s, lease_s, cap, margin_s)
     if process_s is None or not process_s > 0:
         return length, context_cap
