@@ -102,9 +102,7 @@ class MaintenanceGuard:
         """``"withdraw"``, ``"restore"`` or None for the next pop; updates
         :attr:`chat_enabled`. Withdrawal needs chat jobs among the counted."""
         recent = self.chat_recent(now)
-        chat_failed = any(
-            kind != "text" for _, kind, feature in self._faults if feature is None
-        )
+        chat_failed = any(kind != "text" for _, kind, feature in self._faults if feature is None)
         if self.chat_enabled and recent >= WITHDRAW_CHAT_AT and chat_failed:
             self.chat_enabled = False
             return "withdraw"

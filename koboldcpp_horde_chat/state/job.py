@@ -137,17 +137,11 @@ class JobContext:
     def record(self) -> None:
         """Journal the job, so that a restart after a crash ends it (a plain write:
         the kernel keeps a killed process's writes)."""
-        if self.journal is None:
-            return
-        self.journal.add(
-            JournalEntry(
-                job_id=self.id,
-                kind=self.kind,
-                model_id=self.model_id if self.chat else None,
-                genkey=self.genkey,
-                lease_end=self._lease_end(),
-            )
-        )
+        if self.journal is not None:
+            self.journal.add(JournalEntry(
+                job_id=self.id, kind=self.kind, model_id=self.model_id if self.chat else None,
+                genkey=self.genkey, lease_end=self._lease_end(),
+            ))
 
     def record_lease(self) -> None:
         """Journal the lease end again after a progress post moved it later."""

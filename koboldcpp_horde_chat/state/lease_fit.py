@@ -191,9 +191,8 @@ class LeaseFit:
         if not measured:
             return []
         changes = self._refit(kind, now=now)
-        if figures is not None and any(
-            c.what == "max_context_length" and c.new < c.old for c in changes
-        ):
+        lowered = any(c.what == "max_context_length" and c.new < c.old for c in changes)
+        if figures is not None and lowered:
             self._lowering_size[kind] = (figures.prompt_tokens, max_length)
         self._schedule(kind, now)
         return changes
@@ -237,9 +236,7 @@ class LeaseFit:
         generated ``produced`` tokens (None: not known): the module docstring's
         lesson. Holds the kind's raises for its cool-off (doubled first after a
         raise within the hour). Returns no change for a hang."""
-        lesson = (
-            "length" if produced else self._lesson(kind, max_length, seconds, prompt_tokens)
-        )
+        lesson = "length" if produced else self._lesson(kind, max_length, seconds, prompt_tokens)
         if lesson == "hang":
             return []
         raised = self._raised_at[kind]
@@ -301,11 +298,9 @@ class LeaseFit:
 
     def _length_ran_out(self, kind: str, *, max_length: int, seconds: float) -> list[LengthChange]:
         old = self._declared[kind]
-        bound = (
-            fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
-            if seconds > 0
-            else old
-        )
+        bound = old
+        if seconds > 0:
+            bound = fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
         new = max(min(MIN_MAX_LENGTH, self.cap), min(old, max_length // 2, bound))
         self._samples[kind].clear()
         if new >= old:
