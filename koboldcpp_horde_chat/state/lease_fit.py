@@ -163,16 +163,8 @@ class LeaseFit:
             self._schedule(kind, now)
         return changes
 
-    def record(
-        self,
-        kind: str,
-        tokens: int,
-        seconds: float,
-        *,
-        max_length: int,
-        now: float | None = None,
-        figures: PerfFigures | None = None,
-    ) -> list[LengthChange]:
+    def record(self, kind: str, tokens: int, seconds: float, *, max_length: int,
+               now: float | None = None, figures: PerfFigures | None = None) -> list[LengthChange]:
         """A ``kind`` job generated ``tokens`` in ``seconds`` (koboldcpp's
         ``figures`` measure processing and generation apart). A reply shorter
         than ``MIN_SAMPLE_TOKENS`` that stopped before ``max_length`` is not
@@ -197,13 +189,8 @@ class LeaseFit:
         self._schedule(kind, now)
         return changes
 
-    def remeasured(
-        self,
-        kind: str,
-        tokens_per_s: float | None,
-        now: float,
-        process_s: float | None = None,
-    ) -> list[LengthChange]:
+    def remeasured(self, kind: str, tokens_per_s: float | None, now: float,
+                   process_s: float | None = None) -> list[LengthChange]:
         """A re-measure of ``kind`` found these figures (None, None: it failed):
         refit from them alone; no raise doubles the cool-off."""
         changes: list[LengthChange] = []
@@ -222,16 +209,9 @@ class LeaseFit:
         self._schedule(kind, now)
         return changes
 
-    def ran_out(
-        self,
-        kind: str,
-        *,
-        max_length: int,
-        seconds: float,
-        now: float | None = None,
-        prompt_tokens: int | None = None,
-        produced: int | None = None,
-    ) -> list[LengthChange]:
+    def ran_out(self, kind: str, *, max_length: int, seconds: float, now: float | None = None,
+                prompt_tokens: int | None = None,
+                produced: int | None = None) -> list[LengthChange]:
         """A ``kind`` job did not finish in ``seconds`` (its lease), having
         generated ``produced`` tokens (None: not known): the module docstring's
         lesson. Holds the kind's raises for its cool-off (doubled first after a
@@ -255,9 +235,7 @@ class LeaseFit:
         self._schedule(kind, now)
         return changes
 
-    def _lesson(
-        self, kind: str, max_length: int, seconds: float, prompt_tokens: int | None
-    ) -> str:
+    def _lesson(self, kind: str, max_length: int, seconds: float, prompt_tokens: int | None) -> str:
         """``"hang"``, ``"prompt"`` or ``"length"``."""
         if prompt_tokens is None or seconds <= 0:
             return "length"
@@ -278,9 +256,8 @@ class LeaseFit:
         long = prompt_tokens >= LONG_PROMPT_TOKENS and prompt_tokens > max_length
         return "prompt" if long else "hang"
 
-    def _prompt_ran_out(
-        self, kind: str, max_length: int, seconds: float, prompt_tokens: int
-    ) -> list[LengthChange]:
+    def _prompt_ran_out(self, kind: str, max_length: int, seconds: float,
+                        prompt_tokens: int) -> list[LengthChange]:
         g = self.speed(kind)
         generating = min(max_length / g, seconds / 2) if g else 0.0
         # The prompt took at least the rest: p is at least that over its tokens.
@@ -308,18 +285,14 @@ class LeaseFit:
         self._declared[kind] = new
         return [LengthChange(kind, old, new, None, budget_s(self.lease_s, self.margin_s))]
 
-    def _refit(
-        self, kind: str, *, now: float | None = None, remeasured: bool = False
-    ) -> list[LengthChange]:
+    def _refit(self, kind: str, *, now: float | None = None,
+               remeasured: bool = False) -> list[LengthChange]:
         g, p = self.speed(kind), self.process_s(kind)
         if g is None and (p is None or not self.context_cap):
             return []
         length, context = fitted_limits(
-            tokens_per_s=g,
-            process_s=p if self.context_cap else None,
-            lease_s=self.lease_s,
-            cap=self.cap,
-            context_cap=self.context_cap or self.cap + MIN_PROMPT_TOKENS,
+            tokens_per_s=g, process_s=p if self.context_cap else None, lease_s=self.lease_s,
+            cap=self.cap, context_cap=self.context_cap or self.cap + MIN_PROMPT_TOKENS,
             margin_s=self.margin_s,
         )
         budget = budget_s(self.lease_s, self.margin_s)
@@ -335,13 +308,10 @@ class LeaseFit:
             old_context = self._context[kind]
             if self._moves(old_context, context, self.context_cap, held):
                 self._context[kind] = context
-                changes.append(
-                    LengthChange(
-                        kind, old_context, context, g, budget, remeasured,
-                        what="max_context_length",
-                        process_tokens_per_s=1.0 / p if p else None,
-                    )
-                )
+                changes.append(LengthChange(
+                    kind, old_context, context, g, budget, remeasured, what="max_context_length",
+                    process_tokens_per_s=1.0 / p if p else None,
+                ))
         for change in changes:
             if change.new < change.old:
                 self._why[kind] = "slow"
