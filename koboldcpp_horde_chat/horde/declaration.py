@@ -83,9 +83,7 @@ FEATURE_TABLE: tuple[FeatureRow, ...] = tuple(FeatureRow(*row) for row in (
 ))
 
 
-def chat_features(
-    caps: BackendCapabilities, withhold: Iterable[str] = frozenset()
-) -> list[str]:
+def chat_features(caps: BackendCapabilities, withhold: Iterable[str] = frozenset()) -> list[str]:
     """The declared names in table order, less ``withhold`` (configuration can withhold,
     never establish). Seed: "Features and guarantees"."""
     withheld = frozenset(withhold)
@@ -116,10 +114,7 @@ def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def chat_declaration(
-    settings: WorkerSettings,
-    caps: BackendCapabilities,
-    *,
-    withhold: Iterable[str] = frozenset(),
+    settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset()
 ) -> dict[str, Any]:
     """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
     withholding ``vision`` drops the image transports too."""
@@ -137,12 +132,8 @@ def chat_declaration(
 
 
 def pop_body(
-    settings: WorkerSettings,
-    caps: BackendCapabilities,
-    *,
-    withhold: Iterable[str] = frozenset(),
-    chat_jobs: bool = True,
-    prompt_jobs: bool = True,
+    settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset(),
+    chat_jobs: bool = True, prompt_jobs: bool = True,
     limits: Mapping[str, tuple[int | None, int | None]] | None = None,
 ) -> dict[str, Any]:
     """The whole pop body (seed "1. Declare chat on pop", "Declaration checks and

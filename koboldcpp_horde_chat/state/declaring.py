@@ -107,10 +107,7 @@ class Declaring:
                 "withdrawing %r from the chat declaration until %s (for %d min): %d of its "
                 "replies within an hour were refused by the Horde or unusable; chat without "
                 "it goes on",
-                name,
-                at,
-                max(1, round((until - now) / 60.0)),
-                guard.REFUSALS_TO_WITHDRAW,
+                name, at, max(1, round((until - now) / 60.0)), guard.REFUSALS_TO_WITHDRAW,
             )
 
     def chat_route_missing(self) -> None:
@@ -145,11 +142,8 @@ class Declaring:
         with self.lock:
             fit = self.lease_fit
             return pop_body(
-                self.settings,
-                caps,
-                withhold=self.withheld | self.refusal_guard.withdrawn,
-                chat_jobs=self._pops("chat"),
-                prompt_jobs=self._pops("text"),
+                self.settings, caps, withhold=self.withheld | self.refusal_guard.withdrawn,
+                chat_jobs=self._pops("chat"), prompt_jobs=self._pops("text"),
                 limits={k: (fit.declared(k), fit.declared_context(k)) for k in KINDS},
             )
 

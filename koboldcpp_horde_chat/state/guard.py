@@ -191,10 +191,7 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
 
 
 def refused_reply_features(
-    rc: str,
-    payload: Mapping[str, Any],
-    reply: Mapping[str, Any],
-    declared: Iterable[str],
+    rc: str, payload: Mapping[str, Any], reply: Mapping[str, Any], declared: Iterable[str]
 ) -> list[str]:
     """The declared names the Horde's refusal ``rc`` of a chat ``reply`` points
     at: :func:`refusal_features` for ``ChatSubmitNonconformant``; ``"tools"``
