@@ -230,9 +230,7 @@ class Outcome:
         if exc.rc == CHAT_SUBMIT_NONCONFORMANT and not names:
             log.warning(
                 "job=%s nonconformant reply not attributable to a declared guarantee "
-                "or feature (payload keys %s)",
-                ctx.id,
-                payload_keys(payload),
+                "or feature (payload keys %s)", ctx.id, payload_keys(payload),
             )
         if names:
             state.record_feature_failure(names, ctx.clock.monotonic())

@@ -172,13 +172,8 @@ def fitted_length(tokens_per_s: float, lease_s: float, cap: int, margin_s: float
 
 
 def fitted_limits(
-    *,
-    tokens_per_s: float | None,
-    process_s: float | None,
-    lease_s: float,
-    cap: int,
-    context_cap: int,
-    margin_s: float = 0.0,
+    *, tokens_per_s: float | None, process_s: float | None, lease_s: float, cap: int,
+    context_cap: int, margin_s: float = 0.0,
 ) -> tuple[int, int]:
     """``(max_length, max_context_length)`` by steps 1 to 3 of the module
     docstring; an unmeasured ``tokens_per_s`` (``g``) or ``process_s`` (``p``)
