@@ -96,11 +96,8 @@ def chat_features(caps: BackendCapabilities, withhold: Iterable[str] = frozenset
 
 def image_transports(caps: BackendCapabilities) -> list[str]:
     """``image_transports``: ``base64`` and ``url`` only with vision (seed 004)."""
-    offered = (
-        ("messages_url", caps.messages_url),
-        ("base64", caps.vision),
-        ("url", caps.vision and caps.image_url),
-    )
+    offered = (("messages_url", caps.messages_url), ("base64", caps.vision),
+               ("url", caps.vision and caps.image_url))
     return [name for name, on in offered if on]
 
 
