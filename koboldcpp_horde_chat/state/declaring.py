@@ -151,11 +151,7 @@ class Declaring:
         """What the pop ``body`` declared and why a kind is lowered, for the line
         about an empty pop's ``skipped`` requests."""
         with self.lock:
-            lowered = {
-                kind: why
-                for kind in KINDS
-                if (why := self.lease_fit.lowered_because(kind)) is not None
-            }
+            lowered = {k: why for k in KINDS if (why := self.lease_fit.lowered_because(k))}
         return SkipContext.of_pop(body, lowered)
 
     def kinds_to_pop(self) -> tuple[str, ...]:

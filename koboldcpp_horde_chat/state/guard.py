@@ -84,18 +84,15 @@ class MaintenanceGuard:
         if len(self._faults) > 1 and self._faults[-2][0] > now:  # kept in time order
             self._faults = deque(sorted(self._faults, key=lambda f: f[0]), self._faults.maxlen)
 
-    def _forget(self, now: float) -> None:
+    def recent(self, now: float) -> int:
+        """Counted aborts in the last window (at most 80); forgets the older ones."""
         while self._faults and now - self._faults[0][0] >= COUNT_WINDOW_S:
             self._faults.popleft()
-
-    def recent(self, now: float) -> int:
-        """Counted aborts in the last window (at most 80)."""
-        self._forget(now)
         return len(self._faults)
 
     def chat_recent(self, now: float) -> int:
         """Counted aborts not attributed to one feature."""
-        self._forget(now)
+        self.recent(now)
         return sum(1 for _, _, feature in self._faults if feature is None)
 
     def update(self, now: float) -> Transition | None:
@@ -117,8 +114,7 @@ class MaintenanceGuard:
 
     def resume_at(self, now: float, in_hand: int = 0) -> float:
         """When :meth:`pop_allowed` becomes true if nothing more is counted."""
-        self._forget(now)
-        excess = len(self._faults) + in_hand - STOP_POPPING_AT + 1
+        excess = self.recent(now) + in_hand - STOP_POPPING_AT + 1
         if excess <= 0:
             return now
         if excess > len(self._faults):  # only jobs in hand ending can allow it
