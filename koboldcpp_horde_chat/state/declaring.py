@@ -86,12 +86,8 @@ class Declaring:
                 return True
             if is_fault or not ctx.chat:
                 return False
-            rguard = self.refusal_guard
-            return any(
-                rguard.count(name, now) + 1 >= guard.REFUSALS_TO_WITHDRAW
-                for name in ctx.declared_features
-                if name not in self.withheld
-            )
+            return any(self.refusal_guard.count(name, now) + 1 >= guard.REFUSALS_TO_WITHDRAW
+                       for name in ctx.declared_features if name not in self.withheld)
 
     def record_feature_failure(self, names: Iterable[str], now: float) -> None:
         """Count a reply refused or unusable against the declared names it points
