@@ -58,28 +58,23 @@ class LengthChange:
         within 120 s of its lease"``."""
         verb = "lowered" if self.new < self.old else "raised"
         again = " again (measured with a generation of the worker's own)" if self.remeasured else ""
-        if self.what == "max_context_length":
-            if self.prompt_tokens is not None:
-                why = f"a job's prompt of {self.prompt_tokens} tokens ran out of its lease"
-            else:
-                speeds = (
-                    f"koboldcpp processes {self.process_tokens_per_s:.1f} prompt tokens/s"
-                    if self.process_tokens_per_s
-                    else "koboldcpp's prompt processing"
-                )
-                if self.tokens_per_s:
-                    speeds += f" and generates {self.tokens_per_s:.1f} tokens/s"
-                why = (
-                    f"{speeds} here{again}, and a job must "
-                    f"end within {self.budget_s:.0f} s of its lease"
-                )
+        ends = f"must end within {self.budget_s:.0f} s of its lease"
+        if self.what == "max_context_length" and self.prompt_tokens is not None:
+            why = f"a job's prompt of {self.prompt_tokens} tokens ran out of its lease"
+        elif self.what == "max_context_length":
+            speeds = (
+                f"koboldcpp processes {self.process_tokens_per_s:.1f} prompt tokens/s"
+                if self.process_tokens_per_s
+                else "koboldcpp's prompt processing"
+            )
+            if self.tokens_per_s:
+                speeds += f" and generates {self.tokens_per_s:.1f} tokens/s"
+            why = f"{speeds} here{again}, and a job {ends}"
         elif self.tokens_per_s is None:
             why = "a job's generation ran out of its lease"
         else:
-            why = (
-                f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s here{again}, and a "
-                f"job's generation must end within {self.budget_s:.0f} s of its lease"
-            )
+            speeds = f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s"
+            why = f"{speeds} here{again}, and a job's generation {ends}"
         return f"{self.what} for {self.kind} jobs {verb} from {self.old} to {self.new}: {why}"
 
 
