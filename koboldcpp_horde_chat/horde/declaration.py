@@ -8,9 +8,7 @@ including the names deliberately not declared.
 from __future__ import annotations
 
 import logging
-import os
-import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -85,9 +83,7 @@ FEATURE_TABLE: tuple[FeatureRow, ...] = tuple(FeatureRow(*row) for row in (
 ))
 
 
-def chat_features(
-    caps: BackendCapabilities, withhold: Iterable[str] = frozenset()
-) -> list[str]:
+def chat_features(caps: BackendCapabilities, withhold: Iterable[str] = frozenset()) -> list[str]:
     """The declared names in table order, less ``withhold`` (configuration can withhold,
     never establish). Seed: "Features and guarantees"."""
     withheld = frozenset(withhold)
@@ -100,11 +96,8 @@ def chat_features(
 
 def image_transports(caps: BackendCapabilities) -> list[str]:
     """``image_transports``: ``base64`` and ``url`` only with vision (seed 004)."""
-    offered = (
-        ("messages_url", caps.messages_url),
-        ("base64", caps.vision),
-        ("url", caps.vision and caps.image_url),
-    )
+    offered = (("messages_url", caps.messages_url), ("base64", caps.vision),
+               ("url", caps.vision and caps.image_url))
     return [name for name, on in offered if on]
 
 
@@ -118,10 +111,7 @@ def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def chat_declaration(
-    settings: WorkerSettings,
-    caps: BackendCapabilities,
-    *,
-    withhold: Iterable[str] = frozenset(),
+    settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset()
 ) -> dict[str, Any]:
     """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
     withholding ``vision`` drops the image transports too."""
@@ -139,31 +129,24 @@ def chat_declaration(
 
 
 def pop_body(
-    settings: WorkerSettings,
-    caps: BackendCapabilities,
-    *,
-    withhold: Iterable[str] = frozenset(),
-    chat_jobs: bool = True,
-    max_length: int | None = None,
-    chat_max_length: int | None = None,
-    prompt_jobs: bool = True,
-    max_context_length: int | None = None,
-    chat_max_context_length: int | None = None,
+    settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset(),
+    chat_jobs: bool = True, prompt_jobs: bool = True,
+    limits: Mapping[str, tuple[int | None, int | None]] | None = None,
 ) -> dict[str, Any]:
     """The whole pop body (seed "1. Declare chat on pop", "Declaration checks and
     withdrawal"); lengths in tokens.
 
-    The chat fields only with ``chat_jobs`` and ``caps.chat``, else withdrawn. The
-    given ``max_length``, ``chat_max_length``, ``max_context_length`` and
-    ``chat_max_context_length`` (lowered to fit a job in its lease) replace the
-    declared ones, never above ``settings``'. ``prompt_jobs`` False with chat sends
-    ``"prompt_jobs": false``: chat jobs only.
+    The chat fields only with ``chat_jobs`` and ``caps.chat``, else withdrawn.
+    ``limits`` per kind (``"text"``, ``"chat"``): ``(max_length,
+    max_context_length)`` lowered to fit a job in its lease (None: not lowered),
+    declared instead of ``settings``' but never above them. ``prompt_jobs`` False
+    with chat sends ``"prompt_jobs": false``: chat jobs only.
     """
+    fit = limits or {}
     body: dict[str, Any] = {
         "name": settings.worker_name,
         "models": [settings.model_id],
-        "max_length": _at_most(max_length, settings.declared_max_length),
-        "max_context_length": _at_most(max_context_length, settings.max_context_length),
+        **_lowered(settings, fit.get("text")),
         "priority_usernames": [],
         "softprompts": [],
         "bridge_agent": settings.bridge_agent,
@@ -172,51 +155,32 @@ def pop_body(
         body["threads"] = settings.threads
     if chat_jobs and caps.chat:
         body.update(chat_declaration(settings, caps, withhold=withhold))
-        body["chat_limits"] = {
-            **body["chat_limits"],
-            "max_length": _at_most(chat_max_length, settings.declared_max_length),
-            "max_context_length": _at_most(chat_max_context_length, settings.max_context_length),
-        }
+        body["chat_limits"].update(_lowered(settings, fit.get("chat")))
         if not prompt_jobs:
             body["prompt_jobs"] = False
     return body
+
+
+def _lowered(
+    settings: WorkerSettings, limit: tuple[int | None, int | None] | None
+) -> dict[str, int]:
+    length, context = limit or (None, None)
+    return {
+        "max_length": _at_most(length, settings.declared_max_length),
+        "max_context_length": _at_most(context, settings.max_context_length),
+    }
 
 
 def _at_most(value: int | None, cap: int) -> int:
     return cap if value is None else max(1, min(value, cap))
 
 
-#: What koboldcpp's ``sanitize_string`` removes from a model file's name.
-_UNSAFE_NAME_CHARS = re.compile(r"[^\w.\-]")
-
-
-def _prefixed(name: str) -> str:
-    return name if name.startswith(KOBOLDCPP_PREFIX) else KOBOLDCPP_PREFIX + name
-
-
-def koboldcpp_model_name(
-    *, hordemodelname: str, model_path: str, debugmode: int, gendefaults: str
-) -> str:
-    """The model name koboldcpp registers (1.116.1 ``koboldcpp.py`` L11453-11465).
-
-    ``/m/Qwen3-8B-Q4_K_M.gguf`` gives ``koboldcpp/Qwen3-8B-Q4_K_M`` (file name
-    sanitised); ``--hordemodelname`` replaces it unsanitised, ``debug-`` first in
-    debug mode or with ``gendefaults`` (``Foo`` gives ``koboldcpp/debug-Foo``);
-    neither: ``"inactive"``.
-    """
-    if hordemodelname:
-        debug = "debug-" if debugmode == 1 or gendefaults else ""
-        return _prefixed(debug + hordemodelname)
-    if model_path:
-        stem = os.path.splitext(os.path.basename(model_path))[0]
-        return KOBOLDCPP_PREFIX + _UNSAFE_NAME_CHARS.sub("", stem)
-    return INACTIVE_MODEL_NAME
-
-
 def standalone_model_id(backend_model_name: str, hordemodelname: str) -> str:
     """The standalone worker's model id: ``/api/v1/model``'s name, or
     ``hordemodelname`` with ``koboldcpp/`` in front."""
-    return _prefixed(hordemodelname) if hordemodelname else backend_model_name
+    if not hordemodelname or hordemodelname.startswith(KOBOLDCPP_PREFIX):
+        return hordemodelname or backend_model_name
+    return KOBOLDCPP_PREFIX + hordemodelname
 
 
 def model_id_warnings(model_id: str) -> list[str]:

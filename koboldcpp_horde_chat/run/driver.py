@@ -26,7 +26,7 @@ from ..horde.api import FindsUser
 from ..horde.declaration import BackendCapabilities
 from ..horde.pop import ChatJob, Lease, PopAnswer, TextJob
 from ..state.job import JobContext, Outcome, Steps
-from ..state.lease_fit import job_max_length, reply_tokens
+from ..state.lease_figures import job_max_length, reply_tokens
 from ..state.life import Move, Phase
 from ..state.meter import JobMeter
 from ..state.ports import Ports

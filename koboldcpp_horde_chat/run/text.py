@@ -17,7 +17,7 @@ from ..errors import BackendError, JobFault, ReplyError
 from ..horde.pop import TextJob
 from ..koboldcpp.answers import text_completion_tokens, text_generation
 from ..state.job import JobContext, Outcome
-from ..state.lease_fit import tokens_of_text
+from ..state.lease_figures import tokens_of_text
 from ..state.ports import Ports
 from ..translate.bodies import text_request_body
 from ..translate.submits import text_submit

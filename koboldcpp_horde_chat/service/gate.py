@@ -21,7 +21,7 @@ from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
 from ..koboldcpp.manners import OWN_TAIL_S
 from ..state.journal import GENKEY_PREFIX
-from ..state.lease_fit import PerfFigures, budget_s, tokens_of_text
+from ..state.lease_figures import PerfFigures, budget_s, tokens_of_text
 from ..state.meter import prompt_s_per_token, record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL

@@ -18,7 +18,7 @@ from ..horde.declaration import BackendCapabilities, pop_body
 from ..settings import WorkerSettings
 from . import guard, status
 from .guard import FailureStreak, MaintenanceGuard, RefusalGuard
-from .lease_fit import LeaseFit
+from .lease_fit import KINDS, LeaseFit
 from .skipped import SkipContext
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Declaring:
                 count,
                 " (text jobs continue)" if self.settings.prompt_jobs else
                 " and pausing pops (chat-only worker)",
-                mguard.restore_below,
+                guard.RESTORE_CHAT_BELOW,
             )
         elif change == "restore":
             log.info("%s: declaring chat again", count)
@@ -81,17 +81,13 @@ class Declaring:
         with self.lock:
             mguard = self.maintenance_guard
             if (is_fault or ctx.chat) and mguard.chat_enabled and (
-                mguard.recent(now) + 1 >= mguard.withdraw_at
+                mguard.recent(now) + 1 >= guard.WITHDRAW_CHAT_AT
             ):
                 return True
             if is_fault or not ctx.chat:
                 return False
-            rguard = self.refusal_guard
-            return any(
-                rguard.count(name, now) + 1 >= rguard.threshold
-                for name in ctx.declared_features
-                if name not in self.withheld
-            )
+            return any(self.refusal_guard.count(name, now) + 1 >= guard.REFUSALS_TO_WITHDRAW
+                       for name in ctx.declared_features if name not in self.withheld)
 
     def record_feature_failure(self, names: Iterable[str], now: float) -> None:
         """Count a reply refused or unusable against the declared names it points
@@ -107,10 +103,7 @@ class Declaring:
                 "withdrawing %r from the chat declaration until %s (for %d min): %d of its "
                 "replies within an hour were refused by the Horde or unusable; chat without "
                 "it goes on",
-                name,
-                at,
-                max(1, round((until - now) / 60.0)),
-                rguard.threshold,
+                name, at, max(1, round((until - now) / 60.0)), guard.REFUSALS_TO_WITHDRAW,
             )
 
     def chat_route_missing(self) -> None:
@@ -143,33 +136,24 @@ class Declaring:
         withdrawn, the features withheld, the limits that fit the lease, and
         without a kind whose generations failed in a row."""
         with self.lock:
+            fit = self.lease_fit
             return pop_body(
-                self.settings,
-                caps,
-                withhold=self.withheld | self.refusal_guard.withdrawn,
-                chat_jobs=self._pops("chat"),
-                max_length=self.lease_fit.declared("text"),
-                chat_max_length=self.lease_fit.declared("chat"),
-                max_context_length=self.lease_fit.declared_context("text"),
-                chat_max_context_length=self.lease_fit.declared_context("chat"),
-                prompt_jobs=self._pops("text"),
+                self.settings, caps, withhold=self.withheld | self.refusal_guard.withdrawn,
+                chat_jobs=self._pops("chat"), prompt_jobs=self._pops("text"),
+                limits={k: (fit.declared(k), fit.declared_context(k)) for k in KINDS},
             )
 
     def skip_context(self, body: dict[str, Any]) -> SkipContext:
         """What the pop ``body`` declared and why a kind is lowered, for the line
         about an empty pop's ``skipped`` requests."""
         with self.lock:
-            lowered = {
-                kind: why
-                for kind in ("text", "chat")
-                if (why := self.lease_fit.lowered_because(kind)) is not None
-            }
+            lowered = {k: why for k in KINDS if (why := self.lease_fit.lowered_because(k))}
         return SkipContext.of_pop(body, lowered)
 
     def kinds_to_pop(self) -> tuple[str, ...]:
         """The kinds the next pop may ask for (empty: do not pop)."""
         with self.lock:
-            return tuple(kind for kind in ("text", "chat") if self._pops(kind))
+            return tuple(kind for kind in KINDS if self._pops(kind))
 
     def _pops(self, kind: str) -> bool:
         """Whether the next pop may ask for ``kind`` (under the lock)."""

@@ -39,26 +39,14 @@ REFUSALS_TO_WITHDRAW: Final = 3
 FEATURE_COOL_OFF_S: Final = HOUR_S
 FEATURE_COOL_OFF_MAX_S: Final = 24 * HOUR_S
 
-TOOL_NAMES: Final = ("tool_choice_enforced", "tools")
-FORMAT_GUARANTEE: Final = "structured_output_enforced"
-FORMAT_TYPES: Final = ("json_object", "json_schema")
-
 Transition = Literal["withdraw", "restore"]
 
 
 class SlidingWindow:
     """Times of events within the last ``window_s`` seconds, at most ``maxlen``
-    kept (the oldest forgotten first).
-
-    Raises:
-        ValueError: a non-positive window or ``maxlen``.
-    """
+    kept (the oldest forgotten first)."""
 
     def __init__(self, window_s: float = HOUR_S, *, maxlen: int = 256) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s must be positive, not {window_s!r}")
-        if maxlen < 1:
-            raise ValueError(f"maxlen must be at least 1, not {maxlen!r}")
         self.window_s = float(window_s)
         self._times: deque[float] = deque(maxlen=maxlen)
 
@@ -76,27 +64,12 @@ class SlidingWindow:
 
 
 class MaintenanceGuard:
-    """Counts the jobs the Horde counts as aborted: withdraw chat at
-    ``withdraw_at``, declare it again below ``restore_below``, stop popping at
-    ``stop_at`` with the jobs in hand. Call :meth:`update` and
-    :meth:`pop_allowed` before each pop."""
+    """Counts the jobs the Horde counts as aborted over ``COUNT_WINDOW_S``:
+    withdraw chat at ``WITHDRAW_CHAT_AT``, declare it again below
+    ``RESTORE_CHAT_BELOW``, stop popping at ``STOP_POPPING_AT`` with the jobs in
+    hand. Call :meth:`update` and :meth:`pop_allowed` before each pop."""
 
-    def __init__(
-        self,
-        *,
-        withdraw_at: int = WITHDRAW_CHAT_AT,
-        restore_below: int = RESTORE_CHAT_BELOW,
-        window_s: float = COUNT_WINDOW_S,
-        stop_at: int = STOP_POPPING_AT,
-    ) -> None:
-        if not 0 < restore_below <= withdraw_at:
-            raise ValueError("need 0 < restore_below <= withdraw_at")
-        if stop_at < 1 or not window_s > 0:
-            raise ValueError("need stop_at >= 1 and a positive window_s")
-        self.withdraw_at = withdraw_at
-        self.restore_below = restore_below
-        self.stop_at = stop_at
-        self.window_s = float(window_s)
+    def __init__(self) -> None:
         self._faults: deque[tuple[float, str | None, str | None]] = deque(
             maxlen=HORDE_FAULT_LIMIT_PER_HOUR * 4
         )
@@ -111,48 +84,42 @@ class MaintenanceGuard:
         if len(self._faults) > 1 and self._faults[-2][0] > now:  # kept in time order
             self._faults = deque(sorted(self._faults, key=lambda f: f[0]), self._faults.maxlen)
 
-    def _forget(self, now: float) -> None:
-        while self._faults and now - self._faults[0][0] >= self.window_s:
-            self._faults.popleft()
-
     def recent(self, now: float) -> int:
-        """Counted aborts in the last window (at most 80)."""
-        self._forget(now)
+        """Counted aborts in the last window (at most 80); forgets the older ones."""
+        while self._faults and now - self._faults[0][0] >= COUNT_WINDOW_S:
+            self._faults.popleft()
         return len(self._faults)
 
     def chat_recent(self, now: float) -> int:
         """Counted aborts not attributed to one feature."""
-        self._forget(now)
+        self.recent(now)
         return sum(1 for _, _, feature in self._faults if feature is None)
 
     def update(self, now: float) -> Transition | None:
         """``"withdraw"``, ``"restore"`` or None for the next pop; updates
         :attr:`chat_enabled`. Withdrawal needs chat jobs among the counted."""
         recent = self.chat_recent(now)
-        chat_failed = any(
-            kind != "text" for _, kind, feature in self._faults if feature is None
-        )
-        if self.chat_enabled and recent >= self.withdraw_at and chat_failed:
+        chat_failed = any(kind != "text" for _, kind, feature in self._faults if feature is None)
+        if self.chat_enabled and recent >= WITHDRAW_CHAT_AT and chat_failed:
             self.chat_enabled = False
             return "withdraw"
-        if not self.chat_enabled and recent < self.restore_below:
+        if not self.chat_enabled and recent < RESTORE_CHAT_BELOW:
             self.chat_enabled = True
             return "restore"
         return None
 
     def pop_allowed(self, now: float, in_hand: int = 0) -> bool:
-        """The counted aborts plus the jobs in hand stay below ``stop_at``."""
-        return self.recent(now) + in_hand < self.stop_at
+        """The counted aborts plus the jobs in hand stay below ``STOP_POPPING_AT``."""
+        return self.recent(now) + in_hand < STOP_POPPING_AT
 
     def resume_at(self, now: float, in_hand: int = 0) -> float:
         """When :meth:`pop_allowed` becomes true if nothing more is counted."""
-        self._forget(now)
-        excess = len(self._faults) + in_hand - self.stop_at + 1
+        excess = self.recent(now) + in_hand - STOP_POPPING_AT + 1
         if excess <= 0:
             return now
         if excess > len(self._faults):  # only jobs in hand ending can allow it
-            return now + self.window_s
-        return self._faults[excess - 1][0] + self.window_s
+            return now + COUNT_WINDOW_S
+        return self._faults[excess - 1][0] + COUNT_WINDOW_S
 
 
 class FailureStreak:
@@ -210,20 +177,17 @@ def refusal_features(payload: Mapping[str, Any], declared: Iterable[str]) -> lis
     names = set(declared)
     preferred: list[tuple[str, ...]] = []  # per point: the names it may mean, best first
     if "tool_choice" in payload or "tools" in payload:
-        preferred.append(TOOL_NAMES)
+        preferred.append(("tool_choice_enforced", "tools"))
     response_format = payload.get("response_format")
     rf_type = response_format.get("type") if isinstance(response_format, Mapping) else None
-    if rf_type in FORMAT_TYPES:
-        preferred.append((FORMAT_GUARANTEE, str(rf_type)))
+    if rf_type in ("json_object", "json_schema"):
+        preferred.append(("structured_output_enforced", str(rf_type)))
     picks = (next((n for n in options if n in names), None) for options in preferred)
     return [pick for pick in picks if pick is not None]
 
 
 def refused_reply_features(
-    rc: str,
-    payload: Mapping[str, Any],
-    reply: Mapping[str, Any],
-    declared: Iterable[str],
+    rc: str, payload: Mapping[str, Any], reply: Mapping[str, Any], declared: Iterable[str]
 ) -> list[str]:
     """The declared names the Horde's refusal ``rc`` of a chat ``reply`` points
     at: :func:`refusal_features` for ``ChatSubmitNonconformant``; ``"tools"``
@@ -240,26 +204,11 @@ def refused_reply_features(
 
 
 class RefusalGuard:
-    """Refused replies per declared name: ``threshold`` within ``window_s``
-    withdraw the name for ``cool_off_s``, doubled at each later withdrawal up
-    to ``max_cool_off_s``."""
+    """Refused replies per declared name: ``REFUSALS_TO_WITHDRAW`` within an hour
+    withdraw the name for ``FEATURE_COOL_OFF_S``, doubled at each later
+    withdrawal up to ``FEATURE_COOL_OFF_MAX_S``."""
 
-    def __init__(
-        self,
-        *,
-        threshold: int = REFUSALS_TO_WITHDRAW,
-        window_s: float = HOUR_S,
-        cool_off_s: float = FEATURE_COOL_OFF_S,
-        max_cool_off_s: float = FEATURE_COOL_OFF_MAX_S,
-    ) -> None:
-        if threshold < 1:
-            raise ValueError("threshold must be at least 1")
-        if not 0 < cool_off_s <= max_cool_off_s:
-            raise ValueError("need 0 < cool_off_s <= max_cool_off_s")
-        self.threshold = threshold
-        self.window_s = window_s
-        self.cool_off_s = cool_off_s
-        self.max_cool_off_s = max_cool_off_s
+    def __init__(self) -> None:
         self._windows: dict[str, SlidingWindow] = {}
         self._until: dict[str, float] = {}
         self._times: dict[str, int] = {}
@@ -272,15 +221,15 @@ class RefusalGuard:
             if name in self.withdrawn:
                 continue
             window = self._windows.setdefault(
-                name, SlidingWindow(self.window_s, maxlen=self.threshold + 1)
+                name, SlidingWindow(HOUR_S, maxlen=REFUSALS_TO_WITHDRAW + 1)
             )
             window.add(now)
-            if window.count(now) >= self.threshold:
+            if window.count(now) >= REFUSALS_TO_WITHDRAW:
                 newly.append(name)
                 window.clear()
                 times = self._times.get(name, 0)
                 self._times[name] = times + 1
-                cool_off = min(self.cool_off_s * 2**min(times, 32), self.max_cool_off_s)
+                cool_off = min(FEATURE_COOL_OFF_S * 2**min(times, 32), FEATURE_COOL_OFF_MAX_S)
                 self._until[name] = now + cool_off
         if newly:
             self.withdrawn = self.withdrawn | frozenset(newly)

@@ -137,17 +137,11 @@ class JobContext:
     def record(self) -> None:
         """Journal the job, so that a restart after a crash ends it (a plain write:
         the kernel keeps a killed process's writes)."""
-        if self.journal is None:
-            return
-        self.journal.add(
-            JournalEntry(
-                job_id=self.id,
-                kind=self.kind,
-                model_id=self.model_id if self.chat else None,
-                genkey=self.genkey,
-                lease_end=self._lease_end(),
-            )
-        )
+        if self.journal is not None:
+            self.journal.add(JournalEntry(
+                job_id=self.id, kind=self.kind, model_id=self.model_id if self.chat else None,
+                genkey=self.genkey, lease_end=self._lease_end(),
+            ))
 
     def record_lease(self) -> None:
         """Journal the lease end again after a progress post moved it later."""
@@ -167,7 +161,27 @@ class JobContext:
         """``call()``'s result on the step thread, or JobFault as soon as the job
         is given up (a blocking step before the generation: a fetch, the token
         count; its own timeout keeps it within the lease)."""
-        return self.steps.run(self, call)
+        self.check_abandoned()
+        runner = self.steps.idle_runner()
+        done = threading.Event()
+        with self._lock:
+            self._wakers.append(done)
+            if self.abandoned.is_set():
+                done.set()
+        box: list[Any] = []
+        try:
+            runner.busy = True
+            runner.calls.put((call, box, done))
+            done.wait()
+        finally:
+            with self._lock:
+                self._wakers.remove(done)
+        if not box:  # woken by the give-up, the call still under way
+            raise JobFault(self.abandon_why or "the job was given up")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return cast(T, value)
 
     def give_up(self, why: str) -> None:
         """Give the job up (the stop's deadline came), from any thread: its blocking
@@ -193,17 +207,6 @@ class JobContext:
         if self.abandoned.is_set():
             raise JobFault(self.abandon_why or "the job was given up")
 
-    def add_waker(self, waker: threading.Event) -> None:
-        with self._lock:
-            self._wakers.append(waker)
-            if not self.abandoned.is_set():
-                return
-        waker.set()
-
-    def remove_waker(self, waker: threading.Event) -> None:
-        with self._lock:
-            if waker in self._wakers:
-                self._wakers.remove(waker)
 
 
 @dataclass(frozen=True)
@@ -227,9 +230,7 @@ class Outcome:
         if exc.rc == CHAT_SUBMIT_NONCONFORMANT and not names:
             log.warning(
                 "job=%s nonconformant reply not attributable to a declared guarantee "
-                "or feature (payload keys %s)",
-                ctx.id,
-                payload_keys(payload),
+                "or feature (payload keys %s)", ctx.id, payload_keys(payload),
             )
         if names:
             state.record_feature_failure(names, ctx.clock.monotonic())
@@ -246,27 +247,11 @@ class Steps:
     def __init__(self) -> None:
         self._runner: _StepRunner | None = None
 
-    def run(self, ctx: JobContext, call: Callable[[], T]) -> T:
-        """``call()``'s result, or JobFault as soon as ``ctx`` is given up."""
-        ctx.check_abandoned()
-        runner = self._runner
-        if runner is None or runner.busy:  # busy: a step given up still runs there
-            runner = self._runner = _StepRunner()
-        done = threading.Event()
-        ctx.add_waker(done)
-        box: list[Any] = []
-        try:
-            runner.busy = True
-            runner.calls.put((call, box, done))
-            done.wait()
-        finally:
-            ctx.remove_waker(done)
-        if not box:  # woken by the give-up, the call still under way
-            raise JobFault(ctx.abandon_why or "the job was given up")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return cast(T, value)
+    def idle_runner(self) -> _StepRunner:
+        """The step thread, a new one when a step given up still runs there."""
+        if self._runner is None or self._runner.busy:
+            self._runner = _StepRunner()
+        return self._runner
 
 
 class _StepRunner:
@@ -291,7 +276,6 @@ class _StepRunner:
             finally:
                 self.busy = False
                 done.set()
-
 
 
 def new_genkey() -> str:

@@ -58,28 +58,23 @@ class LengthChange:
         within 120 s of its lease"``."""
         verb = "lowered" if self.new < self.old else "raised"
         again = " again (measured with a generation of the worker's own)" if self.remeasured else ""
-        if self.what == "max_context_length":
-            if self.prompt_tokens is not None:
-                why = f"a job's prompt of {self.prompt_tokens} tokens ran out of its lease"
-            else:
-                speeds = (
-                    f"koboldcpp processes {self.process_tokens_per_s:.1f} prompt tokens/s"
-                    if self.process_tokens_per_s
-                    else "koboldcpp's prompt processing"
-                )
-                if self.tokens_per_s:
-                    speeds += f" and generates {self.tokens_per_s:.1f} tokens/s"
-                why = (
-                    f"{speeds} here{again}, and a job must "
-                    f"end within {self.budget_s:.0f} s of its lease"
-                )
+        ends = f"must end within {self.budget_s:.0f} s of its lease"
+        if self.what == "max_context_length" and self.prompt_tokens is not None:
+            why = f"a job's prompt of {self.prompt_tokens} tokens ran out of its lease"
+        elif self.what == "max_context_length":
+            speeds = (
+                f"koboldcpp processes {self.process_tokens_per_s:.1f} prompt tokens/s"
+                if self.process_tokens_per_s
+                else "koboldcpp's prompt processing"
+            )
+            if self.tokens_per_s:
+                speeds += f" and generates {self.tokens_per_s:.1f} tokens/s"
+            why = f"{speeds} here{again}, and a job {ends}"
         elif self.tokens_per_s is None:
             why = "a job's generation ran out of its lease"
         else:
-            why = (
-                f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s here{again}, and a "
-                f"job's generation must end within {self.budget_s:.0f} s of its lease"
-            )
+            speeds = f"koboldcpp generates {self.tokens_per_s:.1f} tokens/s"
+            why = f"{speeds} here{again}, and a job's generation {ends}"
         return f"{self.what} for {self.kind} jobs {verb} from {self.old} to {self.new}: {why}"
 
 
@@ -145,9 +140,9 @@ def perf_figures(perf: Mapping[str, Any]) -> PerfFigures | None:
         _number(perf.get(key))
         for key in ("last_input_count", "last_process_time", "last_token_count", "last_eval_time")
     )
-    if not gens or prompt is None or process is None or tokens is None or evaluated is None:
-        return None
-    if process <= 0 and evaluated <= 0:
+    if not gens or prompt is None or process is None or tokens is None or evaluated is None or (
+        process <= 0 and evaluated <= 0
+    ):
         return None
     return PerfFigures(int(prompt), process, int(tokens), evaluated, gens)
 
@@ -172,24 +167,14 @@ def fitted_length(tokens_per_s: float, lease_s: float, cap: int, margin_s: float
 
 
 def fitted_limits(
-    *,
-    tokens_per_s: float | None,
-    process_s: float | None,
-    lease_s: float,
-    cap: int,
-    context_cap: int,
-    margin_s: float = 0.0,
+    *, tokens_per_s: float | None, process_s: float | None, lease_s: float, cap: int,
+    context_cap: int, margin_s: float = 0.0,
 ) -> tuple[int, int]:
     """``(max_length, max_context_length)`` by steps 1 to 3 of the module
     docstring; an unmeasured ``tokens_per_s`` (``g``) or ``process_s`` (``p``)
     keeps its cap. E.g. 27 tokens/s, 46 s per 2,400 prompt tokens, 150 s lease,
-    5 s margin, caps 512 and 4096: ``(512, 4096)``; in a 60 s lease ``(512, 1984)``.
-
-    Raises:
-        ValueError: a non-positive lease or cap.
-    """
-    if not (lease_s > 0 and cap >= 1 and context_cap >= 1):
-        raise ValueError("lease_s, cap and context_cap must be positive")
+    5 s margin, caps 512 and 4096: ``(512, 4096)``; in a 60 s lease ``(512, 1984)``
+    (a positive lease and caps)."""
     length = cap if tokens_per_s is None else fitted_length(tokens_per_s, lease_s, cap, margin_s)
     if process_s is None or not process_s > 0:
         return length, context_cap

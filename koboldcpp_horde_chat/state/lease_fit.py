@@ -23,16 +23,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Final
 
-from .lease_figures import MIN_MAX_LENGTH as MIN_MAX_LENGTH
-from .lease_figures import MIN_PROMPT_TOKENS as MIN_PROMPT_TOKENS
-from .lease_figures import LengthChange as LengthChange
-from .lease_figures import PerfFigures as PerfFigures
-from .lease_figures import budget_s as budget_s
-from .lease_figures import fitted_length as fitted_length
-from .lease_figures import fitted_limits as fitted_limits
-from .lease_figures import job_max_length as job_max_length
-from .lease_figures import reply_tokens as reply_tokens
-from .lease_figures import tokens_of_text as tokens_of_text
+from .lease_figures import (
+    MIN_MAX_LENGTH,
+    MIN_PROMPT_TOKENS,
+    LengthChange,
+    PerfFigures,
+    budget_s,
+    fitted_length,
+    fitted_limits,
+)
 
 KINDS: Final = ("text", "chat")
 MIN_PROCESS_SAMPLE: Final = 16
@@ -50,6 +49,7 @@ HOUR_S: Final = 3600.0
 PROBE_PROMPT_TOKENS: Final = 256
 """A re-measure's prompt, tokens, when no job of the kind ran out."""
 PROBE_MAX_LENGTH: Final = 64
+_Samples = deque[tuple[int, float]]  # (tokens, seconds) per job
 
 
 class LeaseFit:
@@ -72,12 +72,8 @@ class LeaseFit:
         self._declared = {kind: cap for kind in KINDS}
         self._context = {kind: context_cap for kind in KINDS}
         # Per kind: generations (tokens, seconds) and prompts processed (tokens, seconds).
-        self._samples: dict[str, deque[tuple[int, float]]] = {
-            kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS
-        }
-        self._process: dict[str, deque[tuple[int, float]]] = {
-            kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS
-        }
+        self._samples: dict[str, _Samples] = {kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS}
+        self._process: dict[str, _Samples] = {kind: deque(maxlen=SAMPLES_KEPT) for kind in KINDS}
         self._seed_speed: float | None = None
         self._seed_process: float | None = None
         self._recheck_at: dict[str, float | None] = {kind: None for kind in KINDS}
@@ -99,17 +95,14 @@ class LeaseFit:
         return self._context[kind] if self.context_cap else None
 
     def _below_caps(self, kind: str) -> bool:
-        return self._declared[kind] < self.cap or (
-            bool(self.context_cap) and self._context[kind] < self.context_cap
-        )
+        return self._declared[kind] < self.cap or self._context[kind] < self.context_cap
 
     def lowered_because(self, kind: str) -> str | None:
         """Why ``kind`` is below its caps, in an operator's words; None at the caps."""
         if not self._below_caps(kind):
             return None
-        if self._why[kind] == "ran_out":
-            return "koboldcpp ran out of a lease"
-        return "koboldcpp's measured speed"
+        ran_out = self._why[kind] == "ran_out"
+        return "koboldcpp ran out of a lease" if ran_out else "koboldcpp's measured speed"
 
     def cooloff_s(self, kind: str) -> float:
         return self._cooloff[kind]
@@ -128,9 +121,7 @@ class LeaseFit:
         """``(prompt tokens, max_length)`` of a re-measure: the last job that ran
         out, else the last that lowered the context, else a small default."""
         size = self._failed_size[kind] or self._lowering_size[kind]
-        if size is not None:
-            return size
-        return PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap)
+        return size or (PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap))
 
     def recheck_due(self, now: float) -> list[str]:
         """The kinds below their caps due a re-measure at ``now``; each is named
@@ -172,16 +163,8 @@ class LeaseFit:
             self._schedule(kind, now)
         return changes
 
-    def record(
-        self,
-        kind: str,
-        tokens: int,
-        seconds: float,
-        *,
-        max_length: int,
-        now: float | None = None,
-        figures: PerfFigures | None = None,
-    ) -> list[LengthChange]:
+    def record(self, kind: str, tokens: int, seconds: float, *, max_length: int,
+               now: float | None = None, figures: PerfFigures | None = None) -> list[LengthChange]:
         """A ``kind`` job generated ``tokens`` in ``seconds`` (koboldcpp's
         ``figures`` measure processing and generation apart). A reply shorter
         than ``MIN_SAMPLE_TOKENS`` that stopped before ``max_length`` is not
@@ -200,20 +183,14 @@ class LeaseFit:
         if not measured:
             return []
         changes = self._refit(kind, now=now)
-        if figures is not None and any(
-            c.what == "max_context_length" and c.new < c.old for c in changes
-        ):
+        lowered = any(c.what == "max_context_length" and c.new < c.old for c in changes)
+        if figures is not None and lowered:
             self._lowering_size[kind] = (figures.prompt_tokens, max_length)
         self._schedule(kind, now)
         return changes
 
-    def remeasured(
-        self,
-        kind: str,
-        tokens_per_s: float | None,
-        now: float,
-        process_s: float | None = None,
-    ) -> list[LengthChange]:
+    def remeasured(self, kind: str, tokens_per_s: float | None, now: float,
+                   process_s: float | None = None) -> list[LengthChange]:
         """A re-measure of ``kind`` found these figures (None, None: it failed):
         refit from them alone; no raise doubles the cool-off."""
         changes: list[LengthChange] = []
@@ -232,23 +209,14 @@ class LeaseFit:
         self._schedule(kind, now)
         return changes
 
-    def ran_out(
-        self,
-        kind: str,
-        *,
-        max_length: int,
-        seconds: float,
-        now: float | None = None,
-        prompt_tokens: int | None = None,
-        produced: int | None = None,
-    ) -> list[LengthChange]:
+    def ran_out(self, kind: str, *, max_length: int, seconds: float, now: float | None = None,
+                prompt_tokens: int | None = None,
+                produced: int | None = None) -> list[LengthChange]:
         """A ``kind`` job did not finish in ``seconds`` (its lease), having
         generated ``produced`` tokens (None: not known): the module docstring's
         lesson. Holds the kind's raises for its cool-off (doubled first after a
         raise within the hour). Returns no change for a hang."""
-        lesson = (
-            "length" if produced else self._lesson(kind, max_length, seconds, prompt_tokens)
-        )
+        lesson = "length" if produced else self._lesson(kind, max_length, seconds, prompt_tokens)
         if lesson == "hang":
             return []
         raised = self._raised_at[kind]
@@ -267,9 +235,7 @@ class LeaseFit:
         self._schedule(kind, now)
         return changes
 
-    def _lesson(
-        self, kind: str, max_length: int, seconds: float, prompt_tokens: int | None
-    ) -> str:
+    def _lesson(self, kind: str, max_length: int, seconds: float, prompt_tokens: int | None) -> str:
         """``"hang"``, ``"prompt"`` or ``"length"``."""
         if prompt_tokens is None or seconds <= 0:
             return "length"
@@ -290,9 +256,8 @@ class LeaseFit:
         long = prompt_tokens >= LONG_PROMPT_TOKENS and prompt_tokens > max_length
         return "prompt" if long else "hang"
 
-    def _prompt_ran_out(
-        self, kind: str, max_length: int, seconds: float, prompt_tokens: int
-    ) -> list[LengthChange]:
+    def _prompt_ran_out(self, kind: str, max_length: int, seconds: float,
+                        prompt_tokens: int) -> list[LengthChange]:
         g = self.speed(kind)
         generating = min(max_length / g, seconds / 2) if g else 0.0
         # The prompt took at least the rest: p is at least that over its tokens.
@@ -310,11 +275,9 @@ class LeaseFit:
 
     def _length_ran_out(self, kind: str, *, max_length: int, seconds: float) -> list[LengthChange]:
         old = self._declared[kind]
-        bound = (
-            fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
-            if seconds > 0
-            else old
-        )
+        bound = old
+        if seconds > 0:
+            bound = fitted_length(max_length / seconds, self.lease_s, self.cap, self.margin_s)
         new = max(min(MIN_MAX_LENGTH, self.cap), min(old, max_length // 2, bound))
         self._samples[kind].clear()
         if new >= old:
@@ -322,18 +285,14 @@ class LeaseFit:
         self._declared[kind] = new
         return [LengthChange(kind, old, new, None, budget_s(self.lease_s, self.margin_s))]
 
-    def _refit(
-        self, kind: str, *, now: float | None = None, remeasured: bool = False
-    ) -> list[LengthChange]:
+    def _refit(self, kind: str, *, now: float | None = None,
+               remeasured: bool = False) -> list[LengthChange]:
         g, p = self.speed(kind), self.process_s(kind)
         if g is None and (p is None or not self.context_cap):
             return []
         length, context = fitted_limits(
-            tokens_per_s=g,
-            process_s=p if self.context_cap else None,
-            lease_s=self.lease_s,
-            cap=self.cap,
-            context_cap=self.context_cap or self.cap + MIN_PROMPT_TOKENS,
+            tokens_per_s=g, process_s=p if self.context_cap else None, lease_s=self.lease_s,
+            cap=self.cap, context_cap=self.context_cap or self.cap + MIN_PROMPT_TOKENS,
             margin_s=self.margin_s,
         )
         budget = budget_s(self.lease_s, self.margin_s)
@@ -349,13 +308,10 @@ class LeaseFit:
             old_context = self._context[kind]
             if self._moves(old_context, context, self.context_cap, held):
                 self._context[kind] = context
-                changes.append(
-                    LengthChange(
-                        kind, old_context, context, g, budget, remeasured,
-                        what="max_context_length",
-                        process_tokens_per_s=1.0 / p if p else None,
-                    )
-                )
+                changes.append(LengthChange(
+                    kind, old_context, context, g, budget, remeasured, what="max_context_length",
+                    process_tokens_per_s=1.0 / p if p else None,
+                ))
         for change in changes:
             if change.new < change.old:
                 self._why[kind] = "slow"
@@ -372,6 +328,6 @@ class LeaseFit:
         return fit > old and not held and (fit >= cap or fit >= old * RAISE_FACTOR)
 
 
-def _sums(samples: deque[tuple[int, float]]) -> tuple[int, float]:
+def _sums(samples: _Samples) -> tuple[int, float]:
     """``(tokens, seconds)`` of all ``samples``."""
     return sum(t for t, _ in samples), sum(s for _, s in samples)

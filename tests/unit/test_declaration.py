@@ -16,7 +16,6 @@ from koboldcpp_horde_chat.horde.declaration import (
     chat_features,
     chat_limits,
     image_transports,
-    koboldcpp_model_name,
     model_id_warnings,
     pop_body,
     standalone_model_id,
@@ -252,34 +251,6 @@ def test_a_withdrawn_declaration_leaves_out_every_chat_field() -> None:
 # --- model names ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("hordemodelname", "model_path", "debugmode", "gendefaults", "expected"),
-    [
-        ("", "/m/Qwen3-8B-Q4_K_M.gguf", 0, "", "koboldcpp/Qwen3-8B-Q4_K_M"),
-        ("", "/m/My Model (v2)+.Q4.gguf", 0, "", "koboldcpp/MyModelv2.Q4"),
-        ("", "/m/Qwen3-8B-Q4_K_M.gguf", 1, "x", "koboldcpp/Qwen3-8B-Q4_K_M"),
-        ("Foo", "/m/Qwen3-8B-Q4_K_M.gguf", 0, "", "koboldcpp/Foo"),
-        ("Foo", "", 1, "", "koboldcpp/debug-Foo"),
-        ("Foo", "", 0, '{"temperature": 0.2}', "koboldcpp/debug-Foo"),
-        ("Foo", "", -1, "", "koboldcpp/Foo"),
-        ("koboldcpp/Foo", "", 0, "", "koboldcpp/Foo"),
-        ("koboldcpp/Foo", "", 1, "", "koboldcpp/debug-koboldcpp/Foo"),
-        ("My Model!", "", 0, "", "koboldcpp/My Model!"),
-        ("", "", 0, "", "inactive"),
-    ],
-)
-def test_koboldcpp_model_name(
-    hordemodelname: str, model_path: str, debugmode: int, gendefaults: str, expected: str
-) -> None:
-    name = koboldcpp_model_name(
-        hordemodelname=hordemodelname,
-        model_path=model_path,
-        debugmode=debugmode,
-        gendefaults=gendefaults,
-    )
-    assert name == expected
-
-
 def test_standalone_model_id() -> None:
     assert standalone_model_id("koboldcpp/SmolLM2-135M-Instruct.Q4_1", "") == (
         "koboldcpp/SmolLM2-135M-Instruct.Q4_1"
@@ -300,7 +271,7 @@ def test_a_colon_in_the_model_id_is_warned_about() -> None:
 
 
 def test_the_lengths_fitted_to_the_lease_replace_the_text_and_chat_max_length() -> None:
-    body = pop_body(settings(), BackendCapabilities(), max_length=240, chat_max_length=112)
+    body = pop_body(settings(), BackendCapabilities(), limits={"text": (240, None), "chat": (112, None)})
     assert body["max_length"] == 240
     assert body["chat_limits"]["max_length"] == 112
     assert body["chat_limits"]["max_context_length"] == 4096  # the context is not narrowed
@@ -308,9 +279,9 @@ def test_the_lengths_fitted_to_the_lease_replace_the_text_and_chat_max_length() 
 
 
 def test_a_fitted_length_is_never_declared_above_hordegenlen_nor_below_one() -> None:
-    body = pop_body(settings(), BackendCapabilities(), max_length=4096, chat_max_length=513)
+    body = pop_body(settings(), BackendCapabilities(), limits={"text": (4096, None), "chat": (513, None)})
     assert (body["max_length"], body["chat_limits"]["max_length"]) == (512, 512)
-    body = pop_body(settings(), BackendCapabilities(), max_length=0, chat_max_length=-5)
+    body = pop_body(settings(), BackendCapabilities(), limits={"text": (0, None), "chat": (-5, None)})
     assert (body["max_length"], body["chat_limits"]["max_length"]) == (1, 1)
     # Without a fitted length the operator's length is declared, as before.
     body = pop_body(settings(), BackendCapabilities())

@@ -67,12 +67,6 @@ def test_a_window_never_holds_more_than_maxlen() -> None:
     assert len(w._times) == 5
 
 
-@pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"window_s": -1}, {"maxlen": 0}])
-def test_a_window_refuses_nonsense(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
-        SlidingWindow(**kwargs)  # type: ignore[arg-type]
-
-
 # --- MaintenanceGuard ----------------------------------------------------------------
 
 
@@ -106,15 +100,6 @@ def test_the_maintenance_guard_stays_bounded_over_a_long_run() -> None:
         g.record_fault(float(i))
     assert g.recent(100_000.0) <= 80
     assert g.update(100_000.0) == "withdraw"
-
-
-def test_the_maintenance_guard_refuses_inverted_thresholds() -> None:
-    with pytest.raises(ValueError):
-        MaintenanceGuard(withdraw_at=5, restore_below=10)
-    with pytest.raises(ValueError):
-        MaintenanceGuard(stop_at=0)
-    with pytest.raises(ValueError):
-        MaintenanceGuard(window_s=0.0)
 
 
 def test_the_thresholds_are_the_hordes_twenty_less_a_margin() -> None:
@@ -339,17 +324,11 @@ def test_a_name_given_twice_in_one_refusal_counts_once() -> None:
     assert g.count("tools", 0.0) == 1
 
 
-def test_the_threshold_is_configurable_and_checked() -> None:
-    assert RefusalGuard(threshold=1).record(["tools"], 0.0) == ["tools"]
-    with pytest.raises(ValueError):
-        RefusalGuard(threshold=0)
-
-
 def test_a_lost_pop_counts_at_once_and_until_an_hour_after_the_horde_would_expire_it() -> None:
     """A pop whose answer was lost may hold a job the Horde expires 150-210 s
     later and counts for its hour after that: the guard counts it from now until
     a window after that expiry, and in order with the faults around it."""
-    g = MaintenanceGuard(window_s=3660.0)
+    g = MaintenanceGuard()
     for t in range(17):
         g.record_fault(float(t))
     g.record_fault(100.0 + 210.0)  # the lost pop, at its job's expiry

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 
 import koboldcpp_horde_chat
-from koboldcpp_horde_chat.horde import declaration
 from koboldcpp_horde_chat.horde.declaration import pop_body
 from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from koboldcpp_horde_chat.hosts import standalone, standalone_flags
@@ -200,12 +199,6 @@ def test_model_id_is_koboldcpps_friendlymodelname(
     kcpp = make_kcpp(friendlymodelname=friendlymodelname, args_=args)
     s = hook_settings(kcpp)
     assert s.model_id == friendlymodelname
-    assert s.model_id == declaration.koboldcpp_model_name(
-        hordemodelname=kcpp.args.hordemodelname,
-        model_path=kcpp.args.model_param,
-        debugmode=kcpp.args.debugmode,
-        gendefaults=kcpp.args.gendefaults,
-    )
 
 
 @pytest.mark.parametrize(

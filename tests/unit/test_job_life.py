@@ -20,6 +20,7 @@ from koboldcpp_horde_chat.errors import JobFault
 from koboldcpp_horde_chat.horde.pop import Lease, read_pop
 from koboldcpp_horde_chat.service.loop import Worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.guard import WITHDRAW_CHAT_AT
 from koboldcpp_horde_chat.state.job import JobContext
 from koboldcpp_horde_chat.state.journal import Journal
 from koboldcpp_horde_chat.state.life import ENDED, LIVE, MOVES, IllegalMove, Move, Phase, next_phase
@@ -192,7 +193,7 @@ def test_a_submit_that_could_withdraw_chat_or_a_feature_is_answered_before_the_n
     chat = ctx(declared_features=("tools", "seed"))
     text = ctx("t", kind="text")
     assert not state.outcome_may_withdraw(chat, is_fault=False, now=10.0)
-    for _ in range(state.maintenance_guard.withdraw_at - 1):
+    for _ in range(WITHDRAW_CHAT_AT - 1):
         state.record_fault(10.0)
     # One more counted fault withdraws chat: a fault, or a chat reply the Horde may refuse.
     assert state.outcome_may_withdraw(chat, is_fault=False, now=10.0)

@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 
 from koboldcpp_horde_chat.state import lease_figures, lease_fit
-from koboldcpp_horde_chat.state.lease_figures import perf_speed
-from koboldcpp_horde_chat.state.lease_fit import (
+from koboldcpp_horde_chat.state.lease_figures import (
     MIN_MAX_LENGTH,
-    LeaseFit,
     LengthChange,
     budget_s,
     fitted_length,
     job_max_length,
+    perf_speed,
     reply_tokens,
     tokens_of_text,
 )
+from koboldcpp_horde_chat.state.lease_fit import LeaseFit
 
 #: The submit's margin the worker passes (``state.job.SUBMIT_MARGIN_S``).
 MARGIN_S = 5.0
@@ -343,19 +343,19 @@ def test_the_fitted_limits_process_and_generate_within_the_budget(
     tokens_per_s: float | None, process_s: float | None, lease_s: float,
     limits: tuple[int, int],
 ) -> None:
-    fitted = lease_fit.fitted_limits(
+    fitted = lease_figures.fitted_limits(
         tokens_per_s=tokens_per_s, process_s=process_s, lease_s=lease_s,
         cap=512, context_cap=4096, margin_s=MARGIN_S,
     )
     assert fitted == limits
     length, context = fitted
-    if tokens_per_s and process_s and context > length + lease_fit.MIN_PROMPT_TOKENS:
+    if tokens_per_s and process_s and context > length + lease_figures.MIN_PROMPT_TOKENS:
         worst = (context - length) * process_s + length / tokens_per_s
         assert worst <= budget_s(lease_s, MARGIN_S)
 
 
 def _figures(prompt: int, process_s: float, tokens: int, eval_s: float, gens: int = 1) -> Any:
-    return lease_fit.PerfFigures(prompt, process_s, tokens, eval_s, gens)
+    return lease_figures.PerfFigures(prompt, process_s, tokens, eval_s, gens)
 
 
 def test_koboldcpps_figures_measure_prompts_and_generation_apart() -> None:
@@ -445,7 +445,7 @@ def test_no_measurement_raises_a_limit_before_the_run_outs_cooloff_ends() -> Non
         (
             {"total_gens": 2, "last_input_count": 2400, "last_process_time": 46.0,
              "last_token_count": 100, "last_eval_time": 3.7},
-            lease_fit.PerfFigures(2400, 46.0, 100, 3.7, 2),
+            lease_figures.PerfFigures(2400, 46.0, 100, 3.7, 2),
         ),
         ({"total_gens": 0, "last_input_count": 0, "last_process_time": 0.0,
           "last_token_count": 0, "last_eval_time": 0.0}, None),  # a fresh koboldcpp
