@@ -221,14 +221,14 @@ def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
                 key[:2] == (worker_name, horde_url) for key in _SHARED
             ):
                 return False
-            recovery = hosting.start_recovery(
-                worker_name,
-                journal_dir(),
-                horde_url=horde_url,
+            early = WorkerSettings(  # what the recovery needs, before the model loads
                 api_key=api_key,
-                model_id_default=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
-                stop_event=threading.Event(),
+                worker_name=worker_name,
+                model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+                backend_max_context_length=0,
+                horde_url=horde_url,
             )
+            recovery = hosting.start_recovery(early, journal_dir(), threading.Event())
             if recovery is None:
                 return False
             _EARLY[(worker_name, horde_url)] = recovery

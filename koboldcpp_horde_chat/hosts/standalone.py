@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -28,6 +29,7 @@ from ..state.shared import WorkerState
 from .hosting import (
     capabilities,
     check_journal_dir,
+    new_state,
     run_worker,
     say_koboldcpp_found,
     serving_line,
@@ -101,13 +103,35 @@ def read_koboldcpp(
                 raise ConfigError("stopped while waiting for koboldcpp") from None
 
 
+def settings_from_flags(args: argparse.Namespace) -> WorkerSettings:
+    """The checked flags as settings, before koboldcpp is read (what the recovery needs):
+    no context, and the model ``--hordemodelname`` names."""
+    return WorkerSettings(
+        api_key=args.hordekey,
+        worker_name=args.hordeworkername,
+        model_id=standalone_model_id("", args.hordemodelname),
+        backend_max_context_length=0,
+        horde_max_context_length=args.hordemaxctx,
+        max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
+        horde_url=args.horde_url,
+        kcpp_url=args.kcpp_url,
+        kcpp_password=args.kcpp_password,
+        prompt_jobs=not args.chat_only,
+        chat_withhold=parse_withhold(args.chat_withhold),
+        trusted=args.trusted,
+        threads=args.parallelrequests,
+        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
+        kcpp_genlimit=args.kcpp_genlimit,
+    )
+
+
 def settings_from_info(
     args: argparse.Namespace, info: BackendInfo
 ) -> tuple[WorkerSettings, BackendCapabilities]:
     """The flags and koboldcpp's report as settings and capabilities (chat only when
     its version has the chat route). ConfigError for no model loaded, or
     ``--chat-only`` with a koboldcpp too old for chat."""
-    withhold = parse_withhold(args.chat_withhold)
+    flags = settings_from_flags(args)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
     chat = has_chat_route(info.version)
@@ -120,24 +144,12 @@ def settings_from_info(
     model_id = standalone_model_id(info.model_name, args.hordemodelname)
     for warning in model_id_warnings(model_id):
         log.warning("%s", warning)
-    settings = WorkerSettings(
-        api_key=args.hordekey,
-        worker_name=args.hordeworkername,
+    settings = replace(
+        flags,
         model_id=model_id,
         backend_max_context_length=info.max_context_length,
         backend_model_name=info.model_name,
-        horde_max_context_length=args.hordemaxctx,
-        max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
-        horde_url=args.horde_url,
-        kcpp_url=args.kcpp_url,
-        kcpp_password=args.kcpp_password,
         vision=info.vision,
-        prompt_jobs=not args.chat_only,
-        chat_withhold=withhold,
-        trusted=args.trusted,
-        threads=args.parallelrequests,
-        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
-        kcpp_genlimit=args.kcpp_genlimit,
     )
     return settings, capabilities(settings, chat=chat)
 
@@ -169,15 +181,8 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         # their leases run while koboldcpp loads or restarts, so the recovery does
         # not wait for it (the pop loops wait for the recovery).
         run.recovery = start_recovery(
-            args.hordeworkername,
-            directory,
-            journal_setting="--journal-dir",
-            horde_url=args.horde_url,
-            api_key=args.hordekey,
-            model_id_default=standalone_model_id("", args.hordemodelname),
-            stop_event=run.stop_event,
-            kcpp=(args.kcpp_url, args.kcpp_password),
-            deadlines=run.deadlines,
+            settings_from_flags(args), directory, run.stop_event, run.deadlines,
+            journal_setting="--journal-dir", abort_kcpp=True,
         )
     except ConfigError as exc:
         log.error("%s", exc)
@@ -197,7 +202,7 @@ def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
     """Check the flags; the journal's directory. A directory the operator named
     (``--journal-dir`` or the variable) must keep the journal (else ConfigError,
     exit 2); the default one only turns crash recovery off, saying so
-    (``hosting.open_journal``)."""
+    (``hosting.start_recovery``)."""
     check_flags(args)
     if args.journal_dir:
         directory = Path(args.journal_dir).expanduser()
@@ -265,13 +270,7 @@ class _Run:
                     return 0
                 log.error("%s", exc)
                 return 2
-            state = WorkerState(
-                settings,
-                stop_event=stop_event,
-                journal=self.recovery.journal if self.recovery is not None else None,
-                call_deadlines=self.deadlines,
-            )
-            state.recovery = self.recovery
+            state = new_state(settings, self.recovery, stop_event, self.deadlines)
             if self.states:
                 state.carry_over(self.states[0])
             self.states[:] = [state]
