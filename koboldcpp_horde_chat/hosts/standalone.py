@@ -172,7 +172,15 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     # The key after the flags, before the journal, the recovery and the wait for
     # koboldcpp: a wrong one is said now, not at the first pop.
     try:
-        directory = _check_flags_and_journal_dir(args)
+        check_flags(args)
+        # A journal directory the operator named (--journal-dir or the variable) must
+        # keep the journal (else exit 2); the default one only turns crash recovery off,
+        # saying so (hosting.start_recovery).
+        directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
+        if args.journal_dir:
+            check_journal_dir(directory, "--journal-dir")
+        elif os.environ.get(JOURNAL_DIR_ENV, "").strip():
+            check_journal_dir(directory, JOURNAL_DIR_ENV)
         refused = check_api_key(args.horde_url, args.hordekey, deadlines=run.deadlines)
         if refused is not None:
             log.error("%s", refused)
@@ -196,21 +204,6 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             if not run.forced:
                 run.recovery.finish(args.stop_grace)
             run.recovery.journal.unlock()
-
-
-def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
-    """Check the flags; the journal's directory. A directory the operator named
-    (``--journal-dir`` or the variable) must keep the journal (else ConfigError,
-    exit 2); the default one only turns crash recovery off, saying so
-    (``hosting.start_recovery``)."""
-    check_flags(args)
-    if args.journal_dir:
-        directory = Path(args.journal_dir).expanduser()
-        check_journal_dir(directory, "--journal-dir")
-        return directory
-    if os.environ.get(JOURNAL_DIR_ENV, "").strip():
-        check_journal_dir(journal_dir(), JOURNAL_DIR_ENV)
-    return journal_dir()
 
 
 class _Run:
