@@ -228,43 +228,20 @@ def start_recovery(
 def new_state(
     settings: WorkerSettings,
     recovery: Recovery | None,
-    stop_event: threading.Event,
     deadlines: CallDeadlines,
+    stop_event: threading.Event | None = None,
 ) -> WorkerState:
     """A worker's shared state with the recovery under way (the loops wait for it
-    before their first pop) and its journal (None without one)."""
+    before their first pop): its journal and its stop event. Without a recovery
+    the state has no journal, and ``stop_event`` (None: a new one)."""
     state = WorkerState(
         settings,
-        stop_event=stop_event,
+        stop_event=recovery.stop_event if recovery is not None else stop_event,
         journal=recovery.journal if recovery is not None else None,
         call_deadlines=deadlines,
     )
     state.recovery = recovery
     return state
-
-
-def open_state(
-    settings: WorkerSettings,
-    journal_directory: Path,
-    *,
-    journal_setting: str = JOURNAL_DIR_ENV,
-    recovery: Recovery | None = None,
-) -> WorkerState:
-    """A worker's shared state inside koboldcpp (:func:`new_state`).
-
-    ``recovery``: started before the model loaded, the state takes its journal
-    and stop event; None: started here, aborting nothing on koboldcpp (its
-    restart ended every earlier generation). Without a journal (one WARNING)
-    the state has none. ConfigError when another process serves the same
-    worker name.
-    """
-    stop_event = recovery.stop_event if recovery is not None else threading.Event()
-    deadlines = CallDeadlines()
-    if recovery is None:
-        recovery = start_recovery(
-            settings, journal_directory, stop_event, deadlines, journal_setting=journal_setting
-        )
-    return new_state(settings, recovery, stop_event, deadlines)
 
 
 def horde_client(

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError
 from ..horde.declaration import INACTIVE_MODEL_NAME, model_id_warnings
+from ..inflight import CallDeadlines
 from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.manners import NoManners
 from ..service.recovery import Recovery
@@ -28,7 +29,7 @@ from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from ..state.journal_paths import journal_dir
 from ..state.shared import WorkerState
 from . import hosting
-from .hosting import capabilities, check_limits, check_worker_name, open_state, serving_line
+from .hosting import capabilities, check_limits, check_worker_name, serving_line
 from .standalone_flags import HORDE_URL_ENV, HORDE_URL_FLAG, resolve_url
 
 log = logging.getLogger("koboldcpp_horde_chat.kcpp_hook")
@@ -187,15 +188,20 @@ def shared_state(settings: WorkerSettings) -> WorkerState:
 
     The first thread opens the journal and starts the recovery, unless
     :func:`start_recovery` did already; nothing is aborted on koboldcpp, whose
-    restart ended every earlier generation.
+    restart ended every earlier generation. Without a journal (one WARNING) the
+    state has none; ConfigError when another process serves the same worker name.
     """
     key = (settings.worker_name, settings.horde_url, settings.model_id)
     with _SHARED_LOCK:
         state = _SHARED.get(key)
         if state is None:
-            recovery = _EARLY.pop((settings.worker_name, settings.horde_url), None)
-            state = open_state(settings, journal_dir(), recovery=recovery)
-            _SHARED[key] = state
+            deadlines = CallDeadlines()
+            recovery = _EARLY.pop(key[:2], None)  # started before the model loaded
+            if recovery is None:
+                recovery = hosting.start_recovery(
+                    settings, journal_dir(), threading.Event(), deadlines
+                )
+            state = _SHARED[key] = hosting.new_state(settings, recovery, deadlines)
         return state
 
 

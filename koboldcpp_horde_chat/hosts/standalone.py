@@ -263,7 +263,7 @@ class _Run:
                     return 0
                 log.error("%s", exc)
                 return 2
-            state = new_state(settings, self.recovery, stop_event, self.deadlines)
+            state = new_state(settings, self.recovery, self.deadlines, stop_event)
             if self.states:
                 state.carry_over(self.states[0])
             self.states[:] = [state]

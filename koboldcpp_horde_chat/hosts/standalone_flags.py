@@ -33,14 +33,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "KCPP_HORDE_LOG_LEVEL"
 #: Features and guarantees an operator may withhold with --chat-withhold.
 WITHHOLDABLE = (
-    "seed",
-    "presence_penalty",
-    "tools",
-    "json_object",
-    "json_schema",
-    "reasoning_effort",
-    "vision",
-    "prompt_overflow_refused",
+    "seed", "presence_penalty", "tools", "json_object", "json_schema", "reasoning_effort",
+    "vision", "prompt_overflow_refused",
 )
 
 
