@@ -108,20 +108,18 @@ def settings_from_kcpp(
         _as_int(getattr(args, "hordegenlen", 0) or 0, "--hordegenlen"),
         _as_int(getattr(args, "hordemaxctx", 0) or 0, "--hordemaxctx"),
     )
-    horde_max_ctx = _as_int(getattr(kcpp, "maxhordectx", 0), "maxhordectx")
-    vision = bool(getattr(args, "mmproj", "")) and bool(getattr(kcpp, "has_vision_support", False))
     request_mb = getattr(args, "maxrequestsize", None)  # koboldcpp.py L6424-6425
     return WorkerSettings(
         api_key=api_key,
         worker_name=worker_name,
         model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+        horde_max_context_length=max(0, _as_int(getattr(kcpp, "maxhordectx", 0), "maxhordectx")),
         backend_max_context_length=_as_int(getattr(kcpp, "maxctx", 0), "maxctx"),
-        horde_max_context_length=max(0, horde_max_ctx),
         max_length=_as_int(getattr(kcpp, "maxhordelen", 1024), "maxhordelen"),
         horde_url=_horde_url(environ),
         kcpp_url=kcpp_url(kcpp, args),
         kcpp_password=str(getattr(kcpp, "password", "") or ""),
-        vision=vision,
+        vision=bool(getattr(args, "mmproj", "") and getattr(kcpp, "has_vision_support", False)),
         threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
         kcpp_max_request_bytes=(
             _as_int(request_mb, "maxrequestsize") if request_mb else KCPP_DEFAULT_MAX_REQUEST_MB
@@ -216,28 +214,24 @@ def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
     """
     try:
         configure_logging(debug=getattr(args, "debugmode", 0) == 1, kcpp=kcpp)
-        api_key = str(getattr(args, "hordekey", "") or "")
         name = str(getattr(args, "hordeworkername", "") or "")
-        worker_name = check_worker_name(name, "--hordeworkername")
-        horde_url = _horde_url(None)
-        if not api_key:
+        early = WorkerSettings(  # what the recovery needs, before the model loads
+            api_key=str(getattr(args, "hordekey", "") or ""),
+            worker_name=check_worker_name(name, "--hordeworkername"),
+            model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+            backend_max_context_length=0,
+            horde_url=_horde_url(None),
+        )
+        key = (early.worker_name, early.horde_url)
+        if not early.api_key:
             return False
         with _SHARED_LOCK:
-            if (worker_name, horde_url) in _EARLY or any(
-                key[:2] == (worker_name, horde_url) for key in _SHARED
-            ):
+            if key in _EARLY or any(shared[:2] == key for shared in _SHARED):
                 return False
-            early = WorkerSettings(  # what the recovery needs, before the model loads
-                api_key=api_key,
-                worker_name=worker_name,
-                model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
-                backend_max_context_length=0,
-                horde_url=horde_url,
-            )
             recovery = hosting.start_recovery(early, journal_dir(), threading.Event())
             if recovery is None:
                 return False
-            _EARLY[(worker_name, horde_url)] = recovery
+            _EARLY[key] = recovery
         return True
     except ConfigError as exc:
         log.error("the jobs in hand at the last stop are not recovered yet: %s", exc)

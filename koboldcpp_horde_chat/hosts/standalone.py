@@ -26,15 +26,7 @@ from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
-from .hosting import (
-    capabilities,
-    check_journal_dir,
-    new_state,
-    run_worker,
-    say_koboldcpp_found,
-    serving_line,
-    start_recovery,
-)
+from . import hosting
 from .key_check import check_api_key
 from .standalone_flags import LOG_LEVELS, build_parser, check_flags, parse_withhold
 
@@ -151,7 +143,7 @@ def settings_from_info(
         backend_model_name=info.model_name,
         vision=info.vision,
     )
-    return settings, capabilities(settings, chat=chat)
+    return settings, hosting.capabilities(settings, chat=chat)
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
@@ -178,9 +170,9 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         # saying so (hosting.start_recovery).
         directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
         if args.journal_dir:
-            check_journal_dir(directory, "--journal-dir")
+            hosting.check_journal_dir(directory, "--journal-dir")
         elif os.environ.get(JOURNAL_DIR_ENV, "").strip():
-            check_journal_dir(directory, JOURNAL_DIR_ENV)
+            hosting.check_journal_dir(directory, JOURNAL_DIR_ENV)
         refused = check_api_key(args.horde_url, args.hordekey, deadlines=run.deadlines)
         if refused is not None:
             log.error("%s", refused)
@@ -188,7 +180,7 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         # The jobs an earlier run left in hand go first, as soon as the Horde answers:
         # their leases run while koboldcpp loads or restarts, so the recovery does
         # not wait for it (the pop loops wait for the recovery).
-        run.recovery = start_recovery(
+        run.recovery = hosting.start_recovery(
             settings_from_flags(args), directory, run.stop_event, run.deadlines,
             journal_setting="--journal-dir", abort_kcpp=True,
         )
@@ -263,12 +255,12 @@ class _Run:
                     return 0
                 log.error("%s", exc)
                 return 2
-            state = new_state(settings, self.recovery, self.deadlines, stop_event)
+            state = hosting.new_state(settings, self.recovery, self.deadlines, stop_event)
             if self.states:
                 state.carry_over(self.states[0])
             self.states[:] = [state]
-            log.info("%s", serving_line(settings, chat=caps.chat))
-            say_koboldcpp_found(info, settings, caps)
+            log.info("%s", hosting.serving_line(settings, chat=caps.chat))
+            hosting.say_koboldcpp_found(info, settings, caps)
             manners = StandaloneManners(
                 backend,
                 check_busy=args.parallelrequests <= 1,
@@ -289,9 +281,9 @@ class _Run:
         codes: list[int] = []
 
         def serve(worker_id: int) -> None:
-            codes.append(
-                run_worker(settings, manners=manners, caps=caps, worker_id=worker_id, state=state)
-            )
+            codes.append(hosting.run_worker(
+                settings, manners=manners, caps=caps, worker_id=worker_id, state=state
+            ))
 
         threads = [
             threading.Thread(target=serve, args=(n,), name=f"horde-worker-{n}", daemon=True)
