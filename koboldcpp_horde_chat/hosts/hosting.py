@@ -279,16 +279,14 @@ def kcpp_client(
 def run_worker(
     settings: WorkerSettings,
     *,
-    stop_event: threading.Event | None = None,
+    state: WorkerState,
     manners: LocalManners | None = None,
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
-    state: WorkerState | None = None,
 ) -> int:
-    """Build one thread's clients and run one pop loop until stopped; the exit code
-    (3, after one ERROR line, when the Horde refuses the key before any pop)."""
-    if state is None:
-        state = WorkerState(settings, stop_event=stop_event)
+    """Build one thread's clients and run one pop loop of ``state``'s worker until
+    stopped; the exit code (3, after one ERROR line, when the Horde refuses the
+    key before any pop)."""
     deadlines = state.call_deadlines
     refused = check_api_key(
         settings.horde_url, settings.api_key, deadlines=deadlines,
