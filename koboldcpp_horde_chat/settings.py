@@ -104,10 +104,8 @@ class WorkerSettings:
         """``--hordegenlen``, lowered to what koboldcpp generates whole in the declared
         context (a larger budget leaves no room for a prompt) and to its
         ``--genlimit``; at least 1."""
-        declared = min(self.max_length, kcpp_max_uncut_length(self.max_context_length))
-        if self.kcpp_genlimit > 0:
-            declared = min(declared, self.kcpp_genlimit)
-        return max(1, declared)
+        ctx = self.max_context_length
+        return max(1, kcpp_effective_max_length(self.max_length, ctx, ctx, self.kcpp_genlimit))
 
     def max_length_warning(self) -> str | None:
         """One start-up warning line when ``--hordegenlen`` was lowered, else None."""

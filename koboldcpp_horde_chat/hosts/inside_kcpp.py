@@ -338,11 +338,7 @@ def run_horde_worker(
         return
     try:
         code = hosting.run_worker(
-            settings,
-            manners=manners,
-            caps=caps,
-            worker_id=worker_id,
-            state=state,
+            settings, manners=manners, caps=caps, worker_id=worker_id, state=state
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

@@ -262,9 +262,7 @@ class _Run:
             log.info("%s", hosting.serving_line(settings, chat=caps.chat))
             hosting.say_koboldcpp_found(info, settings, caps)
             manners = StandaloneManners(
-                backend,
-                check_busy=args.parallelrequests <= 1,
-                identity=BackendIdentity.of(info),
+                backend, check_busy=args.parallelrequests <= 1, identity=BackendIdentity.of(info)
             )
             code = self._serve(settings, caps, state, manners)
             if manners.changed is None or stop_event.is_set():
