@@ -108,7 +108,8 @@ def settings_from_kcpp(
         _as_int(getattr(args, "hordegenlen", 0) or 0, "--hordegenlen"),
         _as_int(getattr(args, "hordemaxctx", 0) or 0, "--hordemaxctx"),
     )
-    request_mb = getattr(args, "maxrequestsize", None)  # koboldcpp.py L6424-6425
+    # koboldcpp.py L6424-6425
+    request_mb = getattr(args, "maxrequestsize", None) or KCPP_DEFAULT_MAX_REQUEST_MB
     return WorkerSettings(
         api_key=api_key,
         worker_name=worker_name,
@@ -121,9 +122,7 @@ def settings_from_kcpp(
         kcpp_password=str(getattr(kcpp, "password", "") or ""),
         vision=bool(getattr(args, "mmproj", "") and getattr(kcpp, "has_vision_support", False)),
         threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
-        kcpp_max_request_bytes=(
-            _as_int(request_mb, "maxrequestsize") if request_mb else KCPP_DEFAULT_MAX_REQUEST_MB
-        ) * MIB,
+        kcpp_max_request_bytes=_as_int(request_mb, "maxrequestsize") * MIB,
         kcpp_genlimit=max(0, _as_int(getattr(args, "genlimit", 0) or 0, "genlimit")),
     )
 

@@ -38,12 +38,8 @@ LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 def configure_logging(level: str = "INFO") -> None:
     """Log to stderr with koboldcpp-like timestamps (once; keeps existing handlers)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
+    logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    logging.getLogger().setLevel(level.upper())
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
