@@ -135,9 +135,7 @@ def koboldcpp_found_line(
     context 4096, chat template yes, vision no; declaring chat (seed, ...), text"``;
     the template is ``unknown`` before koboldcpp 1.79, which does not say."""
     model = info.model_name.removeprefix("koboldcpp/")
-    template = (
-        "unknown" if info.chat_template is None else "yes" if info.chat_template else "none"
-    )
+    template = {None: "unknown", "": "none"}.get(info.chat_template, "yes")
     route = "" if caps.chat else f", no chat route (koboldcpp {since(CHAT_ROUTE_SINCE)} added it)"
     declared: list[str] = []
     if caps.chat:

@@ -241,8 +241,8 @@ class _Run:
         args, stop_event = self.args, self.stop_event
         while True:
             try:
-                backend = KoboldClient(args.kcpp_url, args.kcpp_password)
-                backend.deadlines = self.deadlines  # its reads end by a stop's deadline
+                # Its reads end by a stop's deadline.
+                backend = hosting.kcpp_client(settings_from_flags(args), self.deadlines)
                 info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
                 settings, caps = settings_from_info(args, info)
             except ConfigError as exc:
