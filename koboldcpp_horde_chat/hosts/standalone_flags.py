@@ -73,9 +73,8 @@ class FlagParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose mistakes are one line on stderr (exit code 2), not
     argparse's usage dump."""
 
-    def __init__(self, *args: object, subcommands: Iterable[str] = (), **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.subcommands = tuple(subcommands)
+    #: The subcommands a near miss of one is hinted at (``build_parser``).
+    subcommands: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
@@ -93,7 +92,6 @@ class FlagParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The standalone worker's flags."""
     p = FlagParser(
-        subcommands=SUBCOMMANDS,
         prog="koboldcpp-horde-chat",
         description=(
             "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"
@@ -107,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.subcommands = SUBCOMMANDS
     add = p.add_argument
     # The key, the name, and where koboldcpp and the Horde are.
     add("--version", action="version", version=f"%(prog)s {__version__}")
