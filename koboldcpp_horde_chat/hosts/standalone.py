@@ -119,7 +119,6 @@ def settings_from_info(
     """The flags and koboldcpp's report as settings and capabilities (chat only when
     its version has the chat route). ConfigError for no model loaded, or
     ``--chat-only`` with a koboldcpp too old for chat."""
-    flags = settings_from_flags(args)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
     chat = has_chat_route(info.version)
@@ -133,7 +132,7 @@ def settings_from_info(
     for warning in model_id_warnings(model_id):
         log.warning("%s", warning)
     settings = replace(
-        flags,
+        settings_from_flags(args),
         model_id=model_id,
         backend_max_context_length=info.max_context_length,
         backend_model_name=info.model_name,
