@@ -244,12 +244,10 @@ class _Run:
                 backend = hosting.kcpp_client(settings_from_flags(args), self.deadlines)
                 info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
                 settings, caps = settings_from_info(args, info)
-            except ConfigError as exc:
-                if stop_event.is_set():
-                    log.info("%s", exc)
-                    return 0
-                log.error("%s", exc)
-                return 2
+            except ConfigError as exc:  # said as an error, unless a stop cut the wait short
+                stopped = stop_event.is_set()
+                log.log(logging.INFO if stopped else logging.ERROR, "%s", exc)
+                return 0 if stopped else 2
             state = hosting.new_state(settings, self.recovery, self.deadlines, stop_event)
             if self.states:
                 state.carry_over(self.states[0])
