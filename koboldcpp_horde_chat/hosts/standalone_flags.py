@@ -122,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="koboldcpp's --password (or the KCPP_PASSWORD environment variable)")
     add("--horde-url", help="the Horde's URL (default: the AI_HORDE_URL environment variable, "
         f"else {DEFAULT_HORDE_URL})")
-    # What the worker declares to the Horde.
+    _add_serving_flags(p)
+    return p
+
+
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """What the worker declares to the Horde, and how it runs."""
+    add = p.add_argument
     add("--hordemodelname", default="",
         help="your AI Horde display model name (default: the name koboldcpp reports)")
     add("--hordegenlen", type=int, default=0,
@@ -157,7 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper() or "INFO",
         choices=LOG_LEVELS, type=str.upper,
         help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)")
-    return p
 
 
 def parse_withhold(text: str) -> frozenset[str]:
