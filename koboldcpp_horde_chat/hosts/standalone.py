@@ -257,23 +257,21 @@ class _Run:
             manners = StandaloneManners(
                 backend, check_busy=args.parallelrequests <= 1, identity=BackendIdentity.of(info)
             )
-            code = self._serve(settings, caps, state, manners)
+            code = self._serve(state, caps, manners)
             if manners.changed is None or stop_event.is_set():
                 return code
             log.warning("%s: reading it again to declare what it serves now", manners.changed)
 
     def _serve(
-        self,
-        settings: WorkerSettings,
-        caps: BackendCapabilities,
-        state: WorkerState,
-        manners: StandaloneManners,
+        self, state: WorkerState, caps: BackendCapabilities, manners: StandaloneManners
     ) -> int:
+        """Run a pop loop per ``--parallelrequests`` slot for ``state``'s settings until
+        all end; the highest exit code."""
         codes: list[int] = []
 
         def serve(worker_id: int) -> None:
             codes.append(hosting.run_worker(
-                settings, manners=manners, caps=caps, worker_id=worker_id, state=state
+                state.settings, manners=manners, caps=caps, worker_id=worker_id, state=state
             ))
 
         threads = [
