@@ -16,24 +16,6 @@ DEFAULT_HORDE_URL = "https://aihorde.net"
 DEFAULT_KCPP_URL = "http://127.0.0.1:5001"
 MIB = 1024 * 1024
 
-#: The longest worker name the Horde stores (its worker table's ``db.String(100)``),
-#: once stripped.
-WORKER_NAME_MAX_CHARS = 100
-
-
-def worker_name_problem(name: str) -> str | None:
-    """Why the Horde would refuse ``name`` (blank, or too long once stripped), or None."""
-    stripped = name.strip()
-    if not stripped:
-        return "a worker name is required (not empty or only spaces)"
-    if len(stripped) > WORKER_NAME_MAX_CHARS:
-        return (
-            f"the name is {len(stripped)} characters long; the Horde takes at most "
-            f"{WORKER_NAME_MAX_CHARS}"
-        )
-    return None
-
-
 def kcpp_reserved_tokens(context: int) -> int:
     """Tokens koboldcpp keeps for the prompt when it cuts a ``max_length`` (``koboldcpp.py``
     L2173), e.g. 819 for a 4096-token context, 200 for 1000."""
@@ -122,10 +104,8 @@ class WorkerSettings:
         """``--hordegenlen``, lowered to what koboldcpp generates whole in the declared
         context (a larger budget leaves no room for a prompt) and to its
         ``--genlimit``; at least 1."""
-        declared = min(self.max_length, kcpp_max_uncut_length(self.max_context_length))
-        if self.kcpp_genlimit > 0:
-            declared = min(declared, self.kcpp_genlimit)
-        return max(1, declared)
+        ctx = self.max_context_length
+        return max(1, kcpp_effective_max_length(self.max_length, ctx, ctx, self.kcpp_genlimit))
 
     def max_length_warning(self) -> str | None:
         """One start-up warning line when ``--hordegenlen`` was lowered, else None."""

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import BRIDGE_AGENT
 from ..errors import ConfigError
 from ..horde.client import HordeClient
 from ..horde.declaration import BackendCapabilities, chat_features
@@ -25,7 +24,7 @@ from ..koboldcpp.manners import LocalManners
 from ..koboldcpp.versions import CHAT_ROUTE_SINCE, since
 from ..service.loop import Worker
 from ..service.recovery import Recovery
-from ..settings import WorkerSettings, worker_name_problem
+from ..settings import WorkerSettings
 from ..state.journal import Journal, check_directory, reason
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_path
 from ..state.shared import WorkerState
@@ -38,13 +37,23 @@ log = logging.getLogger("koboldcpp_horde_chat.hosting")
 WORKER_NAME_ENV = "HORDE_WORKER_NAME"
 
 
+#: The longest worker name the Horde stores (its worker table's ``db.String(100)``),
+#: once stripped.
+WORKER_NAME_MAX_CHARS = 100
+
+
 def check_worker_name(name: str, source: str) -> str:
     """``name`` stripped, as the Horde stores it; ConfigError naming ``source`` when
-    the Horde would refuse it."""
-    problem = worker_name_problem(name)
-    if problem:
-        raise ConfigError(f"{source}: {problem}")
-    return name.strip()
+    the Horde would refuse it (blank, or too long once stripped)."""
+    stripped = name.strip()
+    if not stripped:
+        raise ConfigError(f"{source}: a worker name is required (not empty or only spaces)")
+    if len(stripped) > WORKER_NAME_MAX_CHARS:
+        raise ConfigError(
+            f"{source}: the name is {len(stripped)} characters long; the Horde takes at "
+            f"most {WORKER_NAME_MAX_CHARS}"
+        )
+    return stripped
 
 
 def worker_name_from(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
@@ -126,9 +135,7 @@ def koboldcpp_found_line(
     context 4096, chat template yes, vision no; declaring chat (seed, ...), text"``;
     the template is ``unknown`` before koboldcpp 1.79, which does not say."""
     model = info.model_name.removeprefix("koboldcpp/")
-    template = (
-        "unknown" if info.chat_template is None else "yes" if info.chat_template else "none"
-    )
+    template = {None: "unknown", "": "none"}.get(info.chat_template, "yes")
     route = "" if caps.chat else f", no chat route (koboldcpp {since(CHAT_ROUTE_SINCE)} added it)"
     declared: list[str] = []
     if caps.chat:
@@ -164,16 +171,28 @@ def say_koboldcpp_found(
         )
 
 
-def open_journal(
-    worker_name: str,
+def start_recovery(
+    settings: WorkerSettings,
     journal_directory: Path,
+    stop_event: threading.Event,
+    deadlines: CallDeadlines | None = None,
     *,
     journal_setting: str = JOURNAL_DIR_ENV,
-) -> Journal | None:
-    """The worker's job journal, locked by this process; None, after one WARNING
-    naming ``journal_setting``, when it cannot be kept in ``journal_directory``.
-    ConfigError when another process serves the same worker name."""
-    journal = Journal(journal_path(worker_name, journal_directory))
+    abort_kcpp: bool = False,
+) -> Recovery | None:
+    """Open the worker's journal, locked by this process, and start ending the jobs
+    an earlier run left unfinished, on a thread of its own; it needs the Horde,
+    the key, the name and the model only (the settings' ``model_id``: the ``model_id``
+    of a chat fault whose entry has none). The journal is the recovery's ``journal``.
+
+    None, after one WARNING naming ``journal_setting``, when the journal cannot be
+    kept in ``journal_directory``; ConfigError when another process serves the
+    same worker name. ``abort_kcpp``: abort the orphaned generations on the
+    settings' koboldcpp (not inside koboldcpp, whose restart ended them).
+    ``deadlines``: at a stop, the recovery's calls end by them and unanswered
+    jobs stay in the journal (None: a stop keeps them at once).
+    """
+    journal = Journal(journal_path(settings.worker_name, journal_directory))
     try:
         holder = journal.lock()
     except OSError as exc:
@@ -188,100 +207,34 @@ def open_journal(
         return None
     if holder is not None:
         raise ConfigError(
-            f"another worker named {worker_name!r} runs on this machine"
+            f"another worker named {settings.worker_name!r} runs on this machine"
             + (f" (process {holder})" if holder else "")
             + ": the Horde sees one worker per name; stop that one, or give this one "
             "another --hordeworkername"
         )
-    return journal
-
-
-def start_recovery(
-    worker_name: str,
-    journal_directory: Path,
-    *,
-    journal_setting: str = JOURNAL_DIR_ENV,
-    horde_url: str,
-    api_key: str,
-    model_id_default: str,
-    stop_event: threading.Event,
-    kcpp: tuple[str, str] | None = None,
-    connect_timeout_s: float = 10.0,
-    deadlines: CallDeadlines | None = None,
-) -> Recovery | None:
-    """Open the worker's journal (:func:`open_journal`: None without one) and start
-    ending the jobs an earlier run left unfinished, on a thread of its own; it
-    needs the Horde and the key only. The journal is the recovery's ``journal``.
-
-    ``model_id_default``: the ``model_id`` of a chat fault whose entry has none.
-    ``kcpp``: ``(url, password)`` of the koboldcpp whose orphaned generations to
-    abort (None inside koboldcpp, whose restart ended them). ``deadlines``: at a
-    stop, the recovery's calls end by them and unanswered jobs stay in the
-    journal (None: a stop keeps them at once).
-    """
-    journal = open_journal(worker_name, journal_directory, journal_setting=journal_setting)
-    if journal is None:
-        return None
-    journal.serve(horde_url)  # its jobs record this Horde; another Horde's are left alone
-
-    def horde() -> HordeClient:
-        return HordeClient(
-            horde_url, api_key, bridge_agent=BRIDGE_AGENT, deadlines=deadlines,
-            connect_timeout_s=connect_timeout_s,
-        )
-
-    backend_factory = None
-    if kcpp is not None:
-        url, password = kcpp
-
-        def backend_factory() -> KoboldClient:
-            client = KoboldClient(url, password, connect_timeout_s=connect_timeout_s)
-            client.deadlines = deadlines
-            return client
-
+    journal.serve(settings.horde_url)  # its jobs record this Horde; another Horde's are left alone
     return Recovery(
         journal,
-        horde_factory=horde,
-        backend_factory=backend_factory,
-        model_id_default=model_id_default,
+        horde_factory=lambda: horde_client(settings, deadlines),
+        backend_factory=(lambda: kcpp_client(settings, deadlines)) if abort_kcpp else None,
+        model_id_default=settings.model_id,
         stop_event=stop_event,
         deadlines=deadlines,
     )
 
 
-def open_state(
+def new_state(
     settings: WorkerSettings,
-    journal_directory: Path,
-    *,
-    journal_setting: str = JOURNAL_DIR_ENV,
-    recovery: Recovery | None = None,
+    recovery: Recovery | None,
+    deadlines: CallDeadlines,
+    stop_event: threading.Event | None = None,
 ) -> WorkerState:
-    """A worker's shared state inside koboldcpp, with its journal and the recovery
-    under way (the loops wait for it before their first pop).
-
-    ``recovery``: started before the model loaded, the state takes its journal
-    and stop event; None: started here, aborting nothing on koboldcpp (its
-    restart ended every earlier generation). Without a journal (one WARNING)
-    the state has none. ConfigError when another process serves the same
-    worker name.
-    """
-    stop_event = recovery.stop_event if recovery is not None else threading.Event()
-    deadlines = CallDeadlines()
-    if recovery is None:
-        recovery = start_recovery(
-            settings.worker_name,
-            journal_directory,
-            journal_setting=journal_setting,
-            horde_url=settings.horde_url,
-            api_key=settings.api_key,
-            model_id_default=settings.model_id,
-            stop_event=stop_event,
-            connect_timeout_s=settings.connect_timeout_s,
-            deadlines=deadlines,
-        )
+    """A worker's shared state with the recovery under way (the loops wait for it
+    before their first pop): its journal and its stop event. Without a recovery
+    the state has no journal, and ``stop_event`` (None: a new one)."""
     state = WorkerState(
         settings,
-        stop_event=stop_event,
+        stop_event=recovery.stop_event if recovery is not None else stop_event,
         journal=recovery.journal if recovery is not None else None,
         call_deadlines=deadlines,
     )
@@ -324,16 +277,14 @@ def kcpp_client(
 def run_worker(
     settings: WorkerSettings,
     *,
-    stop_event: threading.Event | None = None,
+    state: WorkerState,
     manners: LocalManners | None = None,
     caps: BackendCapabilities | None = None,
     worker_id: int = 1,
-    state: WorkerState | None = None,
 ) -> int:
-    """Build one thread's clients and run one pop loop until stopped; the exit code
-    (3, after one ERROR line, when the Horde refuses the key before any pop)."""
-    if state is None:
-        state = WorkerState(settings, stop_event=stop_event)
+    """Build one thread's clients and run one pop loop of ``state``'s worker until
+    stopped; the exit code (3, after one ERROR line, when the Horde refuses the
+    key before any pop)."""
     deadlines = state.call_deadlines
     refused = check_api_key(
         settings.horde_url, settings.api_key, deadlines=deadlines,

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError
 from ..horde.declaration import INACTIVE_MODEL_NAME, model_id_warnings
+from ..inflight import CallDeadlines
 from ..koboldcpp.api import BackendInfo
 from ..koboldcpp.manners import NoManners
 from ..service.recovery import Recovery
@@ -28,7 +29,7 @@ from ..settings import DEFAULT_HORDE_URL, MIB, WorkerSettings
 from ..state.journal_paths import journal_dir
 from ..state.shared import WorkerState
 from . import hosting
-from .hosting import capabilities, check_limits, check_worker_name, open_state, serving_line
+from .hosting import capabilities, check_limits, check_worker_name, serving_line
 from .standalone_flags import HORDE_URL_ENV, HORDE_URL_FLAG, resolve_url
 
 log = logging.getLogger("koboldcpp_horde_chat.kcpp_hook")
@@ -107,24 +108,21 @@ def settings_from_kcpp(
         _as_int(getattr(args, "hordegenlen", 0) or 0, "--hordegenlen"),
         _as_int(getattr(args, "hordemaxctx", 0) or 0, "--hordemaxctx"),
     )
-    horde_max_ctx = _as_int(getattr(kcpp, "maxhordectx", 0), "maxhordectx")
-    vision = bool(getattr(args, "mmproj", "")) and bool(getattr(kcpp, "has_vision_support", False))
-    request_mb = getattr(args, "maxrequestsize", None)  # koboldcpp.py L6424-6425
+    # koboldcpp.py L6424-6425
+    request_mb = getattr(args, "maxrequestsize", None) or KCPP_DEFAULT_MAX_REQUEST_MB
     return WorkerSettings(
         api_key=api_key,
         worker_name=worker_name,
         model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+        horde_max_context_length=max(0, _as_int(getattr(kcpp, "maxhordectx", 0), "maxhordectx")),
         backend_max_context_length=_as_int(getattr(kcpp, "maxctx", 0), "maxctx"),
-        horde_max_context_length=max(0, horde_max_ctx),
         max_length=_as_int(getattr(kcpp, "maxhordelen", 1024), "maxhordelen"),
         horde_url=_horde_url(environ),
         kcpp_url=kcpp_url(kcpp, args),
         kcpp_password=str(getattr(kcpp, "password", "") or ""),
-        vision=vision,
+        vision=bool(getattr(args, "mmproj", "") and getattr(kcpp, "has_vision_support", False)),
         threads=max(1, _as_int(parallel_batching_threads, "parallel_batching_threads")),
-        kcpp_max_request_bytes=(
-            _as_int(request_mb, "maxrequestsize") if request_mb else KCPP_DEFAULT_MAX_REQUEST_MB
-        ) * MIB,
+        kcpp_max_request_bytes=_as_int(request_mb, "maxrequestsize") * MIB,
         kcpp_genlimit=max(0, _as_int(getattr(args, "genlimit", 0) or 0, "genlimit")),
     )
 
@@ -187,15 +185,20 @@ def shared_state(settings: WorkerSettings) -> WorkerState:
 
     The first thread opens the journal and starts the recovery, unless
     :func:`start_recovery` did already; nothing is aborted on koboldcpp, whose
-    restart ended every earlier generation.
+    restart ended every earlier generation. Without a journal (one WARNING) the
+    state has none; ConfigError when another process serves the same worker name.
     """
     key = (settings.worker_name, settings.horde_url, settings.model_id)
     with _SHARED_LOCK:
         state = _SHARED.get(key)
         if state is None:
-            recovery = _EARLY.pop((settings.worker_name, settings.horde_url), None)
-            state = open_state(settings, journal_dir(), recovery=recovery)
-            _SHARED[key] = state
+            deadlines = CallDeadlines()
+            recovery = _EARLY.pop(key[:2], None)  # started before the model loaded
+            if recovery is None:
+                recovery = hosting.start_recovery(
+                    settings, journal_dir(), threading.Event(), deadlines
+                )
+            state = _SHARED[key] = hosting.new_state(settings, recovery, deadlines)
         return state
 
 
@@ -210,28 +213,24 @@ def start_recovery(kcpp: types.ModuleType, args: object) -> bool:
     """
     try:
         configure_logging(debug=getattr(args, "debugmode", 0) == 1, kcpp=kcpp)
-        api_key = str(getattr(args, "hordekey", "") or "")
         name = str(getattr(args, "hordeworkername", "") or "")
-        worker_name = check_worker_name(name, "--hordeworkername")
-        horde_url = _horde_url(None)
-        if not api_key:
+        early = WorkerSettings(  # what the recovery needs, before the model loads
+            api_key=str(getattr(args, "hordekey", "") or ""),
+            worker_name=check_worker_name(name, "--hordeworkername"),
+            model_id=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
+            backend_max_context_length=0,
+            horde_url=_horde_url(None),
+        )
+        key = (early.worker_name, early.horde_url)
+        if not early.api_key:
             return False
         with _SHARED_LOCK:
-            if (worker_name, horde_url) in _EARLY or any(
-                key[:2] == (worker_name, horde_url) for key in _SHARED
-            ):
+            if key in _EARLY or any(shared[:2] == key for shared in _SHARED):
                 return False
-            recovery = hosting.start_recovery(
-                worker_name,
-                journal_dir(),
-                horde_url=horde_url,
-                api_key=api_key,
-                model_id_default=str(getattr(kcpp, "friendlymodelname", INACTIVE_MODEL_NAME)),
-                stop_event=threading.Event(),
-            )
+            recovery = hosting.start_recovery(early, journal_dir(), threading.Event())
             if recovery is None:
                 return False
-            _EARLY[(worker_name, horde_url)] = recovery
+            _EARLY[key] = recovery
         return True
     except ConfigError as exc:
         log.error("the jobs in hand at the last stop are not recovered yet: %s", exc)
@@ -338,11 +337,7 @@ def run_horde_worker(
         return
     try:
         code = hosting.run_worker(
-            settings,
-            manners=manners,
-            caps=caps,
-            worker_id=worker_id,
-            state=state,
+            settings, manners=manners, caps=caps, worker_id=worker_id, state=state
         )
     except Exception:
         log.exception("worker %d: stopped by an unexpected error", worker_id)

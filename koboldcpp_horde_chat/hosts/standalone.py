@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -25,14 +26,7 @@ from ..service.recovery import Recovery
 from ..settings import MIB, WorkerSettings
 from ..state.journal_paths import JOURNAL_DIR_ENV, journal_dir
 from ..state.shared import WorkerState
-from .hosting import (
-    capabilities,
-    check_journal_dir,
-    run_worker,
-    say_koboldcpp_found,
-    serving_line,
-    start_recovery,
-)
+from . import hosting
 from .key_check import check_api_key
 from .standalone_flags import LOG_LEVELS, build_parser, check_flags, parse_withhold
 
@@ -44,12 +38,8 @@ LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 def configure_logging(level: str = "INFO") -> None:
     """Log to stderr with koboldcpp-like timestamps (once; keeps existing handlers)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
+    logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    logging.getLogger().setLevel(level.upper())
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
@@ -101,13 +91,34 @@ def read_koboldcpp(
                 raise ConfigError("stopped while waiting for koboldcpp") from None
 
 
+def settings_from_flags(args: argparse.Namespace) -> WorkerSettings:
+    """The checked flags as settings, before koboldcpp is read (what the recovery needs):
+    no context, and the model ``--hordemodelname`` names."""
+    return WorkerSettings(
+        api_key=args.hordekey,
+        worker_name=args.hordeworkername,
+        model_id=standalone_model_id("", args.hordemodelname),
+        backend_max_context_length=0,
+        horde_max_context_length=args.hordemaxctx,
+        max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
+        horde_url=args.horde_url,
+        kcpp_url=args.kcpp_url,
+        kcpp_password=args.kcpp_password,
+        prompt_jobs=not args.chat_only,
+        chat_withhold=parse_withhold(args.chat_withhold),
+        trusted=args.trusted,
+        threads=args.parallelrequests,
+        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
+        kcpp_genlimit=args.kcpp_genlimit,
+    )
+
+
 def settings_from_info(
     args: argparse.Namespace, info: BackendInfo
 ) -> tuple[WorkerSettings, BackendCapabilities]:
     """The flags and koboldcpp's report as settings and capabilities (chat only when
     its version has the chat route). ConfigError for no model loaded, or
     ``--chat-only`` with a koboldcpp too old for chat."""
-    withhold = parse_withhold(args.chat_withhold)
     if info.model_name in ("", "inactive"):
         raise ConfigError(f"koboldcpp at {args.kcpp_url} has no text model loaded")
     chat = at_least(info.version, CHAT_ROUTE_SINCE)  # an unreadable version: the first job tells
@@ -120,26 +131,14 @@ def settings_from_info(
     model_id = standalone_model_id(info.model_name, args.hordemodelname)
     for warning in model_id_warnings(model_id):
         log.warning("%s", warning)
-    settings = WorkerSettings(
-        api_key=args.hordekey,
-        worker_name=args.hordeworkername,
+    settings = replace(
+        settings_from_flags(args),
         model_id=model_id,
         backend_max_context_length=info.max_context_length,
         backend_model_name=info.model_name,
-        horde_max_context_length=args.hordemaxctx,
-        max_length=args.hordegenlen if args.hordegenlen > 0 else 1024,
-        horde_url=args.horde_url,
-        kcpp_url=args.kcpp_url,
-        kcpp_password=args.kcpp_password,
         vision=info.vision,
-        prompt_jobs=not args.chat_only,
-        chat_withhold=withhold,
-        trusted=args.trusted,
-        threads=args.parallelrequests,
-        kcpp_max_request_bytes=args.kcpp_max_request_mb * MIB,
-        kcpp_genlimit=args.kcpp_genlimit,
     )
-    return settings, capabilities(settings, chat=chat)
+    return settings, hosting.capabilities(settings, chat=chat)
 
 
 def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = None) -> int:
@@ -160,7 +159,15 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
     # The key after the flags, before the journal, the recovery and the wait for
     # koboldcpp: a wrong one is said now, not at the first pop.
     try:
-        directory = _check_flags_and_journal_dir(args)
+        check_flags(args)
+        # A journal directory the operator named (--journal-dir or the variable) must
+        # keep the journal (else exit 2); the default one only turns crash recovery off,
+        # saying so (hosting.start_recovery).
+        directory = Path(args.journal_dir).expanduser() if args.journal_dir else journal_dir()
+        if args.journal_dir:
+            hosting.check_journal_dir(directory, "--journal-dir")
+        elif os.environ.get(JOURNAL_DIR_ENV, "").strip():
+            hosting.check_journal_dir(directory, JOURNAL_DIR_ENV)
         refused = check_api_key(args.horde_url, args.hordekey, deadlines=run.deadlines)
         if refused is not None:
             log.error("%s", refused)
@@ -168,16 +175,9 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
         # The jobs an earlier run left in hand go first, as soon as the Horde answers:
         # their leases run while koboldcpp loads or restarts, so the recovery does
         # not wait for it (the pop loops wait for the recovery).
-        run.recovery = start_recovery(
-            args.hordeworkername,
-            directory,
-            journal_setting="--journal-dir",
-            horde_url=args.horde_url,
-            api_key=args.hordekey,
-            model_id_default=standalone_model_id("", args.hordemodelname),
-            stop_event=run.stop_event,
-            kcpp=(args.kcpp_url, args.kcpp_password),
-            deadlines=run.deadlines,
+        run.recovery = hosting.start_recovery(
+            settings_from_flags(args), directory, run.stop_event, run.deadlines,
+            journal_setting="--journal-dir", abort_kcpp=True,
         )
     except ConfigError as exc:
         log.error("%s", exc)
@@ -191,21 +191,6 @@ def run_standalone(argv: Sequence[str], *, stop_event: threading.Event | None = 
             if not run.forced:
                 run.recovery.finish(args.stop_grace)
             run.recovery.journal.unlock()
-
-
-def _check_flags_and_journal_dir(args: argparse.Namespace) -> Path:
-    """Check the flags; the journal's directory. A directory the operator named
-    (``--journal-dir`` or the variable) must keep the journal (else ConfigError,
-    exit 2); the default one only turns crash recovery off, saying so
-    (``hosting.open_journal``)."""
-    check_flags(args)
-    if args.journal_dir:
-        directory = Path(args.journal_dir).expanduser()
-        check_journal_dir(directory, "--journal-dir")
-        return directory
-    if os.environ.get(JOURNAL_DIR_ENV, "").strip():
-        check_journal_dir(journal_dir(), JOURNAL_DIR_ENV)
-    return journal_dir()
 
 
 class _Run:
@@ -255,51 +240,39 @@ class _Run:
         args, stop_event = self.args, self.stop_event
         while True:
             try:
-                backend = KoboldClient(args.kcpp_url, args.kcpp_password)
-                backend.deadlines = self.deadlines  # its reads end by a stop's deadline
+                # Its reads end by a stop's deadline.
+                backend = hosting.kcpp_client(settings_from_flags(args), self.deadlines)
                 info = read_koboldcpp(args, backend, wait_s=args.kcpp_wait, stop_event=stop_event)
                 settings, caps = settings_from_info(args, info)
-            except ConfigError as exc:
-                if stop_event.is_set():
-                    log.info("%s", exc)
-                    return 0
-                log.error("%s", exc)
-                return 2
-            state = WorkerState(
-                settings,
-                stop_event=stop_event,
-                journal=self.recovery.journal if self.recovery is not None else None,
-                call_deadlines=self.deadlines,
-            )
-            state.recovery = self.recovery
+            except ConfigError as exc:  # said as an error, unless a stop cut the wait short
+                stopped = stop_event.is_set()
+                log.log(logging.INFO if stopped else logging.ERROR, "%s", exc)
+                return 0 if stopped else 2
+            state = hosting.new_state(settings, self.recovery, self.deadlines, stop_event)
             if self.states:
                 state.carry_over(self.states[0])
             self.states[:] = [state]
-            log.info("%s", serving_line(settings, chat=caps.chat))
-            say_koboldcpp_found(info, settings, caps)
+            log.info("%s", hosting.serving_line(settings, chat=caps.chat))
+            hosting.say_koboldcpp_found(info, settings, caps)
             manners = StandaloneManners(
-                backend,
-                check_busy=args.parallelrequests <= 1,
-                identity=BackendIdentity.of(info),
+                backend, check_busy=args.parallelrequests <= 1, identity=BackendIdentity.of(info)
             )
-            code = self._serve(settings, caps, state, manners)
+            code = self._serve(state, caps, manners)
             if manners.changed is None or stop_event.is_set():
                 return code
             log.warning("%s: reading it again to declare what it serves now", manners.changed)
 
     def _serve(
-        self,
-        settings: WorkerSettings,
-        caps: BackendCapabilities,
-        state: WorkerState,
-        manners: StandaloneManners,
+        self, state: WorkerState, caps: BackendCapabilities, manners: StandaloneManners
     ) -> int:
+        """Run a pop loop per ``--parallelrequests`` slot for ``state``'s settings until
+        all end; the highest exit code."""
         codes: list[int] = []
 
         def serve(worker_id: int) -> None:
-            codes.append(
-                run_worker(settings, manners=manners, caps=caps, worker_id=worker_id, state=state)
-            )
+            codes.append(hosting.run_worker(
+                state.settings, manners=manners, caps=caps, worker_id=worker_id, state=state
+            ))
 
         threads = [
             threading.Thread(target=serve, args=(n,), name=f"horde-worker-{n}", daemon=True)

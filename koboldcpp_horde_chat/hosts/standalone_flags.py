@@ -33,14 +33,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "KCPP_HORDE_LOG_LEVEL"
 #: Features and guarantees an operator may withhold with --chat-withhold.
 WITHHOLDABLE = (
-    "seed",
-    "presence_penalty",
-    "tools",
-    "json_object",
-    "json_schema",
-    "reasoning_effort",
-    "vision",
-    "prompt_overflow_refused",
+    "seed", "presence_penalty", "tools", "json_object", "json_schema", "reasoning_effort",
+    "vision", "prompt_overflow_refused",
 )
 
 
@@ -79,9 +73,8 @@ class FlagParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose mistakes are one line on stderr (exit code 2), not
     argparse's usage dump."""
 
-    def __init__(self, *args: object, subcommands: Iterable[str] = (), **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.subcommands = tuple(subcommands)
+    #: The subcommands a near miss of one is hinted at (``build_parser``).
+    subcommands: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
@@ -99,7 +92,6 @@ class FlagParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The standalone worker's flags."""
     p = FlagParser(
-        subcommands=SUBCOMMANDS,
         prog="koboldcpp-horde-chat",
         description=(
             "Serve AI Horde chat and text jobs with the model of a running koboldcpp.\n"
@@ -113,139 +105,64 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_where_flags(p)
-    _add_declaration_flags(p)
-    _add_run_flags(p)
+    p.subcommands = SUBCOMMANDS
+    add = p.add_argument
+    # The key, the name, and where koboldcpp and the Horde are.
+    add("--version", action="version", version=f"%(prog)s {__version__}")
+    add("--hordekey", default=os.environ.get("AI_HORDE_API_KEY", ""),
+        help="your AI Horde API key (or the AI_HORDE_API_KEY environment variable)")
+    add("--hordeworkername",
+        help="your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)")
+    add("--kcpp-url", help="koboldcpp's URL (default: the KCPP_URL environment variable, else "
+        f"{DEFAULT_KCPP_URL})")
+    add("--kcpp-wait", type=float, metavar="SECONDS",
+        help="how long to wait at start-up for koboldcpp to answer, then exit with code 2 "
+        "(default: wait as long as it takes, logging every 30 s)")
+    add("--kcpp-password", default=os.environ.get("KCPP_PASSWORD", ""),
+        help="koboldcpp's --password (or the KCPP_PASSWORD environment variable)")
+    add("--horde-url", help="the Horde's URL (default: the AI_HORDE_URL environment variable, "
+        f"else {DEFAULT_HORDE_URL})")
+    _add_serving_flags(p)
     return p
 
 
-def _add_where_flags(p: argparse.ArgumentParser) -> None:
-    """The key, the name, and where koboldcpp and the Horde are."""
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument(
-        "--hordekey",
-        default=os.environ.get("AI_HORDE_API_KEY", ""),
-        help="your AI Horde API key (or the AI_HORDE_API_KEY environment variable)",
-    )
-    p.add_argument(
-        "--hordeworkername",
-        default=None,
-        help="your AI Horde worker name, 1 to 100 characters (or HORDE_WORKER_NAME)",
-    )
-    p.add_argument(
-        "--kcpp-url",
-        default=None,
-        help=f"koboldcpp's URL (default: the KCPP_URL environment variable, else "
-        f"{DEFAULT_KCPP_URL})",
-    )
-    p.add_argument(
-        "--kcpp-wait",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="how long to wait at start-up for koboldcpp to answer, then exit with code 2 "
-        "(default: wait as long as it takes, logging every 30 s)",
-    )
-    p.add_argument(
-        "--kcpp-password",
-        default=os.environ.get("KCPP_PASSWORD", ""),
-        help="koboldcpp's --password (or the KCPP_PASSWORD environment variable)",
-    )
-    p.add_argument(
-        "--horde-url",
-        default=None,
-        help=f"the Horde's URL (default: the AI_HORDE_URL environment variable, else "
-        f"{DEFAULT_HORDE_URL})",
-    )
-
-
-def _add_declaration_flags(p: argparse.ArgumentParser) -> None:
-    """What the worker declares to the Horde."""
-    p.add_argument(
-        "--hordemodelname",
-        default="",
-        help="your AI Horde display model name (default: the name koboldcpp reports)",
-    )
-    p.add_argument(
-        "--hordegenlen",
-        type=int,
-        default=0,
-        help="the most tokens your worker will generate for one job (0 or unset: 1024)",
-    )
-    p.add_argument(
-        "--hordemaxctx",
-        type=int,
-        default=0,
-        help="the largest context your worker accepts; 0 matches koboldcpp's context",
-    )
-    p.add_argument(
-        "--kcpp-max-request-mb",
-        type=int,
-        default=32,
-        metavar="MB",
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """What the worker declares to the Horde, and how it runs."""
+    add = p.add_argument
+    add("--hordemodelname", default="",
+        help="your AI Horde display model name (default: the name koboldcpp reports)")
+    add("--hordegenlen", type=int, default=0,
+        help="the most tokens your worker will generate for one job (0 or unset: 1024)")
+    add("--hordemaxctx", type=int, default=0,
+        help="the largest context your worker accepts; 0 matches koboldcpp's context")
+    add("--kcpp-max-request-mb", type=int, default=32, metavar="MB",
         help="koboldcpp's --maxrequestsize (default 32): a chat job whose request to "
-        "koboldcpp would be larger is faulted without sending it",
-    )
-    p.add_argument(
-        "--kcpp-genlimit",
-        type=int,
-        default=0,
-        metavar="TOKENS",
+        "koboldcpp would be larger is faulted without sending it")
+    add("--kcpp-genlimit", type=int, default=0, metavar="TOKENS",
         help="koboldcpp's --genlimit, when it was started with one (koboldcpp does not "
         "report it): the worker then declares and generates at most that many tokens "
-        "(default 0: none)",
-    )
-    p.add_argument(
-        "--chat-only",
-        action="store_true",
+        "(default 0: none)")
+    add("--chat-only", action="store_true",
         help="serve chat jobs only (pop with prompt_jobs false; a Horde without the chat "
-        "routes ignores it and sends text jobs, which are then served)",
-    )
-    p.add_argument(
-        "--chat-withhold",
-        default="",
-        metavar="NAMES",
+        "routes ignores it and sends text jobs, which are then served)")
+    add("--chat-withhold", default="", metavar="NAMES",
         help="comma-separated chat features or guarantees not to declare, from: "
-        + ", ".join(WITHHOLDABLE),
-    )
-    p.add_argument(
-        "--trusted",
-        action="store_true",
-        help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)",
-    )
-
-
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--parallelrequests",
-        type=int,
-        default=1,
-        metavar="N",
+        + ", ".join(WITHHOLDABLE))
+    add("--trusted", action="store_true",
+        help="this worker is trusted by the Horde (streamed jobs may then run up to 600 s)")
+    # How it runs.
+    add("--parallelrequests", type=int, default=1, metavar="N",
         help="serve N jobs at once, as koboldcpp's flag of that name does (start koboldcpp "
-        "with the same --parallelrequests so it batches them; default 1)",
-    )
-    p.add_argument(
-        "--stop-grace",
-        type=float,
-        default=DEFAULT_STOP_GRACE_S,
-        metavar="SECONDS",
+        "with the same --parallelrequests so it batches them; default 1)")
+    add("--stop-grace", type=float, default=DEFAULT_STOP_GRACE_S, metavar="SECONDS",
         help="after Ctrl-C or SIGTERM, how long a job in hand may take to finish before it "
-        f"is aborted and faulted (default {DEFAULT_STOP_GRACE_S:g}, under docker stop's 10 s)",
-    )
-    p.add_argument(
-        "--journal-dir",
-        default=None,
-        metavar="DIR",
+        f"is aborted and faulted (default {DEFAULT_STOP_GRACE_S:g}, under docker stop's 10 s)")
+    add("--journal-dir", metavar="DIR",
         help="where the journal of jobs in hand is kept, so a restart after a crash faults "
-        f"them at once (default: ${JOURNAL_DIR_ENV}, else {default_state_dir()})",
-    )
-    p.add_argument(
-        "--log-level",
-        default=os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper() or "INFO",
-        choices=LOG_LEVELS,
-        type=str.upper,
-        help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)",
-    )
+        f"them at once (default: ${JOURNAL_DIR_ENV}, else {default_state_dir()})")
+    add("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper() or "INFO",
+        choices=LOG_LEVELS, type=str.upper,
+        help=f"log level (default: ${LOG_LEVEL_ENV}, else INFO)")
 
 
 def parse_withhold(text: str) -> frozenset[str]:

@@ -39,6 +39,7 @@ from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp
 from koboldcpp_horde_chat.horde.declaration import BackendCapabilities
 from koboldcpp_horde_chat.hosts.hosting import run_worker
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 
 from ..unit.test_images import gif, jpeg, png, webp
 from .conftest import API_KEY
@@ -93,7 +94,7 @@ def start_base64_worker(horde: DevHorde, kcpp: ScriptedKoboldcpp) -> Iterator[Ca
         stop = threading.Event()
         caps = BackendCapabilities(vision=True, image_url=False)
         thread = threading.Thread(
-            target=run_worker, args=(settings,), kwargs={"stop_event": stop, "caps": caps}, daemon=True
+            target=run_worker, args=(settings,), kwargs={"state": WorkerState(settings, stop_event=stop), "caps": caps}, daemon=True
         )
         thread.start()
         threads.append((thread, stop))
@@ -586,7 +587,7 @@ def test_a_chat_request_koboldcpp_would_refuse_as_too_big_is_faulted_without_sen
     thread = threading.Thread(
         target=run_worker,
         args=(settings,),
-        kwargs={"stop_event": stop, "caps": BackendCapabilities(vision=True, image_url=True)},
+        kwargs={"state": WorkerState(settings, stop_event=stop), "caps": BackendCapabilities(vision=True, image_url=True)},
         daemon=True,
     )
     thread.start()

@@ -43,6 +43,7 @@ from koboldcpp_horde_chat.hosts import inside_kcpp as kcpp_hook
 from koboldcpp_horde_chat.hosts.hosting import run_worker
 from koboldcpp_horde_chat.koboldcpp.client import KoboldClient
 from koboldcpp_horde_chat.settings import WorkerSettings
+from koboldcpp_horde_chat.state.shared import WorkerState
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH_DIR = ROOT / "patches"
@@ -408,7 +409,7 @@ def test_a_real_koboldcpp_with_a_projector_decodes_each_image_job(
     stop = threading.Event()
     caps = BackendCapabilities(vision=True, image_url=transport == "url")
     thread = threading.Thread(
-        target=run_worker, args=(settings,), kwargs={"stop_event": stop, "caps": caps}, daemon=True
+        target=run_worker, args=(settings,), kwargs={"state": WorkerState(settings, stop_event=stop), "caps": caps}, daemon=True
     )
     thread.start()
     try:

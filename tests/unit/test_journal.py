@@ -17,6 +17,7 @@ import pytest
 
 from koboldcpp_horde_chat.errors import BackendError, ConfigError, HordeRefusal, HordeUnavailable
 from koboldcpp_horde_chat.hosts import hosting
+from koboldcpp_horde_chat.inflight import CallDeadlines
 from koboldcpp_horde_chat.service.recovery import RecoveryResult, recover
 from koboldcpp_horde_chat.settings import WorkerSettings
 from koboldcpp_horde_chat.state import journal as journal_mod
@@ -856,7 +857,9 @@ def test_the_host_runs_without_a_journal_when_its_directory_cannot_be_used(
         api_key="k", worker_name="w", model_id="m", backend_max_context_length=4096,
         horde_url="http://127.0.0.1:9", kcpp_url="http://127.0.0.1:9",
     )  # fmt: skip
-    state = hosting.open_state(settings, Path("/proc/nope"), journal_setting="--journal-dir")
+    stop = threading.Event()
+    recovery = hosting.start_recovery(settings, Path("/proc/nope"), stop, journal_setting="--journal-dir")
+    state = hosting.new_state(settings, recovery, CallDeadlines(), stop)
     assert state.journal is None
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         (
