@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -199,9 +199,6 @@ class CallDeadlines:
         """Seconds left for a call of ``kind`` (0 or less: past), None: no deadline."""
         at = self.ends_at(kind)
         return None if at is None else at - self._clock.monotonic()
-
-    def running(self, kind: str, call: Call) -> AbstractContextManager[None]:
-        return self.until(kind, call.hang_up)
 
     @contextmanager
     def until(self, kind: str, hang_up: Callable[[], object]) -> Iterator[None]:

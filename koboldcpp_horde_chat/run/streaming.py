@@ -64,17 +64,11 @@ class _StreamedGeneration:
     def __init__(
         self, ports: Ports, job: ChatJob, ctx: JobContext, body: bytes | bytearray
     ) -> None:
-        self.ports = ports
-        self.job = job
-        self.ctx = ctx
-        self.body = body
+        self.ports, self.ctx, self.body = ports, ctx, body
         lease = ctx.lease
         self.poster = ProgressPoster(
-            job.id,
-            max_length=job.max_length,
-            lease=lease,
-            base_lease_s=lease.deadline - lease.popped_at,
-            lease_cap_s=ports.settings.lease_cap_s,
+            job.id, max_length=job.max_length, lease=lease,
+            base_lease_s=lease.deadline - lease.popped_at, lease_cap_s=ports.settings.lease_cap_s,
         )
         #: The lease end last journaled (monotonic seconds).
         self.journaled_deadline = lease.deadline
@@ -86,10 +80,9 @@ class _StreamedGeneration:
         lease = ctx.lease
         decoder = SSEDecoder()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
-        reader = threading.Thread(
+        threading.Thread(
             target=self._pump, args=(chunks,), name=f"kcpp-stream-{ctx.id}", daemon=True
-        )
-        reader.start()
+        ).start()
         try:
             ended = False
             while not ended:
@@ -139,7 +132,8 @@ class _StreamedGeneration:
                 raise item
             raise BackendError(f"stream failed: {item!r}")
         for event in decoder.close() if item is None else decoder.feed(item):
-            self._feed(event.data)
+            delta = accumulator.feed_event(event.data)
+            self.poster.add(delta.content, delta.reasoning)
             if accumulator.done or accumulator.error is not None:
                 break
         if accumulator.error is not None:
@@ -184,11 +178,6 @@ class _StreamedGeneration:
             self.journaled_deadline = deadline
             self.ctx.record_lease()
 
-    def _feed(self, data: str) -> None:
-        delta = self.accumulator.feed_event(data)
-        if delta.content or delta.reasoning:
-            self.poster.add(delta.content, delta.reasoning)
-
     def _post_due(self) -> None:
         """Send the post that is due, if any (raises JobEnded when generation must stop)."""
         body = self.poster.due(self.ports.clock.monotonic())
@@ -216,9 +205,8 @@ class _StreamedGeneration:
                 action = poster.on_response(200, answer, clock.monotonic())
             except (HordeRefusal, HordeUnavailable) as exc:
                 if isinstance(exc, HordeRefusal) or exc.status == 429 or exc.status >= 500:
-                    action = poster.on_response(
-                        exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
-                    )
+                    answered = exc.body or {"rc": exc.rc}
+                    action = poster.on_response(exc.status, answered, clock.monotonic())
                 else:
                     log.info(
                         "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"],
