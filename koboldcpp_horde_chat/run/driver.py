@@ -144,8 +144,7 @@ class JobDriver:
             # meet. Faulted now, the request goes to another worker at once;
             # left to expire, it would wait out the lease first, and the Horde
             # counts either as an aborted job (abort(), then wp.n += 1).
-            fault = JobFault("popped after the stop's signal: not generated")
-            return Served(job=job, fault=fault)
+            return Served(job=job, fault=JobFault("popped after the stop's signal: not generated"))
         return Served(job=job)
 
     def prepare(self, ctx: JobContext, served: Served, changed: str | None) -> Served:
@@ -204,9 +203,30 @@ class JobDriver:
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
 
     def check_speed(self, outcome: Outcome, seconds: float) -> None:
-        """After the reply went (here or beside the next job), ``seconds`` after the pop."""
-        if seconds > 0:
-            self._check_suspicion(reply_tokens(outcome.body) / seconds)
+        """After the reply went (here or beside the next job), ``seconds`` after the
+        pop. Once, for the first job faster than the Horde allows an untrusted
+        owner's worker: warn when the owner is not trusted (the start's key check
+        said, or one ``find_user``)."""
+        tokens_per_s = reply_tokens(outcome.body) / seconds if seconds > 0 else 0.0
+        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
+            return
+        with self.state.lock:
+            if self.state.owner_checked:
+                return
+            self.state.owner_checked = True
+            trusted = self.state.owner_trusted
+        if trusted is None:  # the start's key check did not say it
+            horde = self.ports.horde
+            if not isinstance(horde, FindsUser):
+                return
+            try:
+                user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
+            except HordeError as exc:
+                log.debug("whether the key's owner is trusted is not known: %s", exc)
+                return
+            trusted = user.get("trusted") is not False
+        if not trusted:
+            log.warning("%s", suspicion_line(tokens_per_s))
 
     def _held_back(self, ctx: JobContext) -> Served | None:
         """Release a job of a request faulted here twice lately without a submit: its
@@ -232,32 +252,6 @@ class JobDriver:
         ctx.end(Move.NO_SUBMIT)
         self.state.release(ctx)
         return Served(done=True, backend_failed=backend_failed)
-
-    def _check_suspicion(self, tokens_per_s: float) -> None:
-        """Once, for the first job faster than the Horde allows an untrusted owner's
-        worker: warn when the owner is not trusted (the start's key check said, or
-        one ``find_user``)."""
-        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
-            return
-        with self.state.lock:
-            if self.state.owner_checked:
-                return
-            self.state.owner_checked = True
-            trusted = self.state.owner_trusted
-        if trusted is not None:  # the start's key check said it
-            if not trusted:
-                log.warning("%s", suspicion_line(tokens_per_s))
-            return
-        horde = self.ports.horde
-        if not isinstance(horde, FindsUser):
-            return
-        try:
-            user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
-        except HordeError as exc:
-            log.debug("whether the key's owner is trusted is not known: %s", exc)
-            return
-        if user.get("trusted") is False:
-            log.warning("%s", suspicion_line(tokens_per_s))
 
     @contextmanager
     def serving(self, ctx: JobContext) -> Iterator[None]:

@@ -172,11 +172,8 @@ class SubmitPipeline:
     def _timeout(self) -> float:
         """A submit's read timeout, seconds: ``submit_timeout_s``, but no later
         than the submits' stop deadline (``inflight.CallDeadlines``) when stopping."""
-        timeout = self.settings.submit_timeout_s
-        left = self.state.call_deadlines.left("submit")
-        if left is not None:
-            timeout = min(timeout, max(STOP_SUBMIT_MIN_TIMEOUT_S, left))
-        return timeout
+        timeout, left = self.settings.submit_timeout_s, self.state.call_deadlines.left("submit")
+        return timeout if left is None else min(timeout, max(STOP_SUBMIT_MIN_TIMEOUT_S, left))
 
     def _attempt(
         self, ctx: JobContext, body: dict[str, Any], *, fault: bool, timeout: float | None = None

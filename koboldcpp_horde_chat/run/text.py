@@ -11,6 +11,7 @@ context would change what the model reads.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendError, JobFault, ReplyError
@@ -25,13 +26,13 @@ from ..translate.submits import text_submit
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
+@dataclass
 class TextRun:
     """Serve one text job: :meth:`received`, then :meth:`generate`."""
 
-    def __init__(self, ports: Ports, job: TextJob, ctx: JobContext) -> None:
-        self.ports = ports
-        self.job = job
-        self.ctx = ctx
+    ports: Ports
+    job: TextJob
+    ctx: JobContext
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget."""
@@ -51,9 +52,7 @@ class TextRun:
         try:
             body = kcpp.with_busy_retry(
                 lambda timeout: kcpp.backend.generate(
-                    text_request_body(job, genkey=genkey),
-                    timeout_s=timeout,
-                    cancel=ctx.abandoned,
+                    text_request_body(job, genkey=genkey), timeout_s=timeout, cancel=ctx.abandoned
                 ),
                 ctx,
             )

@@ -94,9 +94,8 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
         if not isinstance(function, dict):
             raise ReplyError(f"tool_calls[{i}].function is not an object", feature="tools")
         name = function.get("name")
-        if isinstance(name, str):
-            name = strip_nul(name)
-        if not isinstance(name, str) or not name:
+        name = strip_nul(name) if isinstance(name, str) else ""
+        if not name:
             raise ReplyError(f"tool_calls[{i}].function.name is missing", feature="tools")
         arguments = function.get("arguments")
         if arguments is None:
@@ -125,15 +124,6 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
             {"id": final_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
     return result
-
-
-def _count_ok(value: int | None, name: str) -> bool:
-    if value is None:
-        return False
-    if 0 <= value <= TOKEN_COUNT_MAX:
-        return True
-    log.warning("leaving out %s=%d: outside 0..%d", name, value, TOKEN_COUNT_MAX)
-    return False
 
 
 def chat_submit(
@@ -177,12 +167,13 @@ def chat_submit(
     native = strip_nul(reply.native_finish_reason or "")
     if native:
         body["native_finish_reason"] = native[:NATIVE_FINISH_REASON_MAX_CHARS]
-    if _count_ok(reply.prompt_tokens, "prompt_tokens"):
-        body["prompt_tokens"] = reply.prompt_tokens
-    if _count_ok(reply.completion_tokens, "completion_tokens"):
-        body["completion_tokens"] = reply.completion_tokens
-    body["model_id"] = model_id
-    body["state"] = "ok"
+    for key in ("prompt_tokens", "completion_tokens"):
+        count = getattr(reply, key)
+        if count is not None and 0 <= count <= TOKEN_COUNT_MAX:
+            body[key] = count
+        elif count is not None:
+            log.warning("leaving out %s=%d: outside 0..%d", key, count, TOKEN_COUNT_MAX)
+    body.update(model_id=model_id, state="ok")
     return body
 
 
