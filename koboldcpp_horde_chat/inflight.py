@@ -177,10 +177,9 @@ class CallDeadlines:
             if self._ends:
                 return
             self._ends = dict(ends)
+            now = self._clock.monotonic()
             timers = [
-                self._clock.timer(
-                    at - self._clock.monotonic(), partial(self._cut, at), name="stop-cut"
-                )
+                self._clock.timer(at - now, partial(self._cut, at), name="stop-cut")
                 for at in sorted(set(ends.values()))
             ]
         for timer in timers:

@@ -173,11 +173,9 @@ class ChatRun:
         sent_context = kcpp_context_keeping_budget(
             job.max_length, job.max_context_length, kcpp_context
         )
-        backend_body = encode_json(
-            chat_request_body(
-                job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
-            )
-        )
+        backend_body = encode_json(chat_request_body(
+            job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
+        ))
         limit = settings.kcpp_max_request_bytes
         if len(backend_body) > limit:
             # koboldcpp would answer 500 "Payload is too big" (its --maxrequestsize).

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HordeError, JobEnded, JobFault
@@ -67,26 +67,17 @@ class Served:
         return self.done or self.outcome is not None or self.fault is not None
 
 
+@dataclass(eq=False)
 class JobDriver:
     """Takes each job a pop loop pops in hand, serves it and settles it."""
 
-    def __init__(
-        self,
-        ports: Ports,
-        caps: BackendCapabilities,
-        state: WorkerState,
-        pipeline: SubmitPipeline,
-        meter: JobMeter,
-        worker_id: int = 1,
-    ) -> None:
-        self.ports = ports
-        self.settings = ports.settings
-        self.caps = caps
-        self.state = state
-        self.pipeline = pipeline
-        self.meter = meter
-        self.worker_id = worker_id
-        self.steps = Steps()
+    ports: Ports
+    caps: BackendCapabilities
+    state: WorkerState
+    pipeline: SubmitPipeline
+    meter: JobMeter
+    worker_id: int = 1
+    steps: Steps = field(default_factory=Steps, init=False)
 
     def take_in_hand(
         self, body: dict[str, Any], popped: PopAnswer, popped_at: float, *,
@@ -97,7 +88,7 @@ class JobDriver:
         leaves it for the next start to fault); None without a usable job id."""
         if popped.id is None:
             return None
-        settings = self.settings
+        settings = self.ports.settings
         declared = body.get("chat_features")
         ctx = JobContext(
             id=popped.id,
@@ -134,7 +125,7 @@ class JobDriver:
             return Served(fault=JobFault("malformed payload"))
         ctx.begin()
         if isinstance(job, ChatJob) and self.state.first_chat_job():
-            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
+            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.ports.settings))
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
         except JobFault as abandoned:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HordeRefusal, HordeUnavailable, JobFault
@@ -49,6 +49,7 @@ class _Submit:
     attempts: int = 0
 
 
+@dataclass(eq=False)
 class SubmitPipeline:
     """Sends terminal actions for one pop loop, on ``state``'s clock.
 
@@ -58,23 +59,14 @@ class SubmitPipeline:
     ``retry_horde`` (None: on the caller's), while the loop pops nothing.
     """
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        horde: HordeAPI,
-        state: WorkerState,
-        *,
-        stop: StopSignal,
-        retry_horde: Callable[[], HordeAPI] | None = None,
-    ) -> None:
-        self.settings = settings
-        self.horde = horde
-        self.state = state
-        self.stop = stop
-        self.retry_horde = retry_horde
-        #: Replies sent beside the loop's next job: their pipeline, and the last one's thread.
-        self._beside: SubmitPipeline | None = None
-        self._beside_thread: threading.Thread | None = None
+    settings: WorkerSettings
+    horde: HordeAPI
+    state: WorkerState
+    stop: StopSignal
+    retry_horde: Callable[[], HordeAPI] | None = None
+    #: Replies sent beside the loop's next job: their pipeline, and the last one's thread.
+    _beside: SubmitPipeline | None = field(default=None, init=False)
+    _beside_thread: threading.Thread | None = field(default=None, init=False)
 
     def _now(self) -> float:
         return self.state.clock.monotonic()

@@ -224,9 +224,7 @@ class ChatStreamAccumulator:
 
 
 def _error_text(chunk: dict[str, Any]) -> str:
-    value = chunk.get("error")
-    if value is None:
-        value = chunk.get("detail")
+    value = chunk["error"] if chunk.get("error") is not None else chunk.get("detail")
     if isinstance(value, dict):
         texts = [value.get(key) for key in ("message", "msg", "error", "type")]
         value = next((text for text in texts if isinstance(text, str) and text), value)
