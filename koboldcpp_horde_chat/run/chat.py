@@ -62,10 +62,7 @@ class ChatRun:
         job = self.job
         log.info(
             "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s",
-            job.id,
-            job.max_length,
-            job.max_context_length,
-            job.stream_progress,
+            job.id, job.max_length, job.max_context_length, job.stream_progress,
         )
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
 
@@ -75,7 +72,14 @@ class ChatRun:
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
-        self._check_budget()
+        # The Horde validates budgets within chat_limits (seed step 2): a larger
+        # one is not ours to generate, and not a prompt overflow either.
+        declared = self.ports.settings.declared_max_length
+        if self.job.max_length > declared:
+            raise JobFault(
+                f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
+                f"{declared}"
+            )
         self._check_fit(messages)
         self.messages = messages
 
@@ -122,16 +126,6 @@ class ChatRun:
             # Given up (the stop's deadline) or one fetch failed: the ones still
             # under way end now, not by their budget (their threads hold the exit).
             downloads.hang_up()
-
-    def _check_budget(self) -> None:
-        """The Horde validates budgets within chat_limits (seed step 2): a larger
-        one is not ours to generate, and not a prompt overflow either."""
-        declared = self.ports.settings.declared_max_length
-        if self.job.max_length > declared:
-            raise JobFault(
-                f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
-                f"{declared}"
-            )
 
     def _check_fit(self, messages: list[dict[str, Any]]) -> None:
         """Seed step 3: count the JSON of messages, tools and response_format; never render."""

@@ -91,19 +91,13 @@ class JobDriver:
         settings = self.ports.settings
         declared = body.get("chat_features")
         ctx = JobContext(
-            id=popped.id,
-            kind="chat" if popped.chat else "text",
+            id=popped.id, kind="chat" if popped.chat else "text",
             lease=Lease(popped_at, popped_at + min(popped.ttl_s, settings.lease_cap_s)),
-            started=popped_at,
-            model_id=str(body.get("model_id") or settings.model_id),
+            started=popped_at, model_id=str(body.get("model_id") or settings.model_id),
             declared_features=tuple(map(str, declared)) if isinstance(declared, list) else (),
-            worker_id=self.worker_id,
-            popped_in_stop=self.state.stop_deadline is not None,
-            pop_wait_s=pop_wait_s,
-            stop_generation=self.ports.koboldcpp.stop_generation,
-            journal=self.ports.journal,
-            clock=self.ports.clock,
-            steps=self.steps,
+            worker_id=self.worker_id, popped_in_stop=self.state.stop_deadline is not None,
+            pop_wait_s=pop_wait_s, stop_generation=self.ports.koboldcpp.stop_generation,
+            journal=self.ports.journal, clock=self.ports.clock, steps=self.steps,
             request=request_digest(popped.raw),
         )
         self.state.hold(ctx)
@@ -234,9 +228,7 @@ class JobDriver:
         log.warning(
             "job=%s kind=%s not served: its request was faulted here twice lately and "
             "came back; left to expire (one aborted job), so the Horde marks it faulted "
-            "instead of handing it back again",
-            ctx.id,
-            ctx.kind,
+            "instead of handing it back again", ctx.id, ctx.kind,
         )
         self.state.record_expired(now, ctx.kind)
         self.state.record_dropped()

@@ -232,8 +232,7 @@ class _StreamedGeneration:
             if action is ProgressAction.STOP_POSTING:
                 log.info(
                     "job=%s progress posts stopped (%s); the job goes on to its submit",
-                    self.ctx.id,
-                    poster.stop_reason or "the Horde said so",
+                    self.ctx.id, poster.stop_reason or "the Horde said so",
                 )
             return
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import HordeRefusal, HordeUnavailable, JobFault
@@ -96,10 +96,7 @@ class SubmitPipeline:
         unexpected error faults the job."""
         if self._beside is None:
             assert self.retry_horde is not None
-            self._beside = SubmitPipeline(
-                self.settings, self.retry_horde(), self.state, stop=self.stop,
-                retry_horde=self.retry_horde,
-            )
+            self._beside = replace(self, horde=self.retry_horde())
         if self._beside_thread is not None:
             self._beside_thread.join()
         sender = self._beside

@@ -39,9 +39,7 @@ class TextRun:
         job = self.job
         log.info(
             "job=%s kind=text received: %s tokens, %s context",
-            job.id,
-            job.payload.get("max_length", "?"),
-            job.payload.get("max_context_length", "?"),
+            job.id, job.payload.get("max_length", "?"), job.payload.get("max_context_length", "?"),
         )
 
     def generate(self, genkey: str) -> Outcome:
