@@ -88,16 +88,14 @@ class _StreamedGeneration:
             while not ended:
                 now = clock.monotonic()
                 self._journal_lease()
-                if ctx.abandoned.is_set():
+                if ctx.abandoned.is_set() or lease.remaining(now) <= SUBMIT_MARGIN_S:
                     self._close_and_abort()
-                    ctx.check_abandoned()
-                if lease.remaining(now) <= SUBMIT_MARGIN_S:
-                    self._close_and_abort()
+                    ctx.check_abandoned()  # given up: its fault, else the lease's
                     raise JobFault("the lease ran out while streaming")
                 try:
                     item = chunks.get(timeout=POLL_S)
                 except queue.Empty:
-                    self._post_due()
+                    self._post(poster.due(clock.monotonic()))
                     continue
                 ended = self._take(item, decoder)
                 # What koboldcpp sent while the last post was answered goes into the
@@ -106,7 +104,7 @@ class _StreamedGeneration:
                 while not ended and not chunks.empty():
                     ended = self._take(chunks.get_nowait(), decoder)
                 if not ended:
-                    self._post_due()
+                    self._post(poster.due(clock.monotonic()))
             if accumulator.native_finish_reason is None:
                 raise ReplyError(
                     "the stream ended without a finish reason"
@@ -114,10 +112,8 @@ class _StreamedGeneration:
                 )
             tail = accumulator.flush()
             poster.add(tail.content, tail.reasoning)
-            final = poster.pending_final(clock.monotonic())
-            if final is not None:
-                self._post(final)
-                self._journal_lease()  # the lease the last post extended
+            self._post(poster.pending_final(clock.monotonic()))
+            self._journal_lease()  # the lease the last post extended
             return accumulator.result()
         finally:
             self.slot.close()
@@ -178,20 +174,14 @@ class _StreamedGeneration:
             self.journaled_deadline = deadline
             self.ctx.record_lease()
 
-    def _post_due(self) -> None:
-        """Send the post that is due, if any (raises JobEnded when generation must stop)."""
-        body = self.poster.due(self.ports.clock.monotonic())
-        if body is not None:
-            self._post(body)
-
-    def _post(self, body: dict[str, Any]) -> None:
-        """Post one progress body, retrying as ``ProgressPoster`` says (a lost
+    def _post(self, body: dict[str, Any] | None) -> None:
+        """Post one progress body (None: none due), retrying as ``ProgressPoster`` says (a lost
         answer with the identical body) until the lease nears its end; nothing
         once the job is given up. Raises JobEnded (the generation aborted) when
         the job was cancelled or ended by the Horde."""
         ports, poster, lease = self.ports, self.poster, self.ctx.lease
         clock = ports.clock
-        while True:
+        while body is not None:
             if self.ctx.abandoned.is_set():
                 return  # given up (the stop's deadline): no more posts, no retries
             room = lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S

@@ -203,10 +203,9 @@ class ChatStreamAccumulator:
                 starts = item.get("id") is not None or not self._tool_calls
                 index = max(self._tool_calls, default=-1) + (1 if starts else 0)
             call = self._tool_calls.setdefault(index, _ToolCall())
-            if call.id is None and isinstance(item.get("id"), str):
-                call.id = item["id"]
-            if call.type is None and isinstance(item.get("type"), str):
-                call.type = item["type"]
+            for key in ("id", "type"):
+                if getattr(call, key) is None and isinstance(item.get(key), str):
+                    setattr(call, key, item[key])
             function = item.get("function")
             if function is None:
                 continue

@@ -98,10 +98,8 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
         if not name:
             raise ReplyError(f"tool_calls[{i}].function.name is missing", feature="tools")
         arguments = function.get("arguments")
-        if arguments is None:
-            arguments = "{}"
-        elif not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            arguments = "{}" if arguments is None else json.dumps(arguments, ensure_ascii=False)
         arguments = strip_nul_json(arguments)
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
