@@ -129,8 +129,7 @@ class ChatRun:
 
     def _check_fit(self, messages: list[dict[str, Any]]) -> None:
         """Seed step 3: count the JSON of messages, tools and response_format; never render."""
-        job = self.job
-        payload = job.payload
+        job, payload = self.job, self.job.payload
         prompt = fit.fit_prompt(messages, payload.get("tools"), payload.get("response_format"))
         # The fault that follows a failure must still land within the lease.
         timeout = self._prepare_timeout(PREPARE_MAX_S)

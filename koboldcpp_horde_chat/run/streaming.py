@@ -215,10 +215,8 @@ class _StreamedGeneration:
             if action is ProgressAction.STOP_GENERATING:
                 log.info("job=%s cancelled or ended by the Horde: not submitted", self.ctx.id)
                 self._close_and_abort()
-                raise JobEnded(
-                    "cancelled or ended by the Horde",
-                    counted=poster.stopped_generating != "cancelled",
-                )
+                counted = poster.stopped_generating != "cancelled"
+                raise JobEnded("cancelled or ended by the Horde", counted=counted)
             if action is ProgressAction.STOP_POSTING:
                 log.info(
                     "job=%s progress posts stopped (%s); the job goes on to its submit",

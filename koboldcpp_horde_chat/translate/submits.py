@@ -148,11 +148,7 @@ def chat_submit(
         None if reply.content is None else strip_nul(reply.content),
         None if reply.reasoning_content is None else strip_nul(reply.reasoning_content),
     )
-    content: str | None = split.content
-    if calls and not (content or "").strip():
-        content = None
-    elif content is None:
-        content = ""
+    content = None if calls and not (split.content or "").strip() else split.content or ""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if split.reasoning:
         reasoning = utf8_prefix(split.reasoning, REASONING_MAX_BYTES)
