@@ -158,10 +158,7 @@ class _StreamedGeneration:
             stream = self._open_stream()
             if not self.slot.attach(stream):
                 return
-            while True:
-                chunk = stream.read_chunk()
-                if not chunk:
-                    break
+            while chunk := stream.read_chunk():
                 out.put(chunk)
         except BaseException as exc:  # handed to the job thread, which decides
             out.put(exc)
