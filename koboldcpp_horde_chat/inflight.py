@@ -128,10 +128,8 @@ class TrackingAdapter(requests.adapters.HTTPAdapter):
         self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
     ) -> None:
         super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {
-            "http": TrackedHTTPPool,
-            "https": TrackedHTTPSPool,
-        }
+        pools = {"http": TrackedHTTPPool, "https": TrackedHTTPSPool}
+        self.poolmanager.pool_classes_by_scheme = pools
 
 
 #: The kind that names the stop's deadline itself.

@@ -139,10 +139,8 @@ def chat_submit(
     """
     calls = normalise_tool_calls(reply.tool_calls)
     finish_reason = map_finish_reason(
-        reply.native_finish_reason,
-        has_tool_calls=bool(calls),
-        completion_tokens=reply.completion_tokens,
-        max_length=max_length,
+        reply.native_finish_reason, has_tool_calls=bool(calls),
+        completion_tokens=reply.completion_tokens, max_length=max_length,
     )
     split = split_reasoning(
         None if reply.content is None else strip_nul(reply.content),
