@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -128,10 +128,8 @@ class TrackingAdapter(requests.adapters.HTTPAdapter):
         self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
     ) -> None:
         super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {
-            "http": TrackedHTTPPool,
-            "https": TrackedHTTPSPool,
-        }
+        pools = {"http": TrackedHTTPPool, "https": TrackedHTTPSPool}
+        self.poolmanager.pool_classes_by_scheme = pools
 
 
 #: The kind that names the stop's deadline itself.
@@ -177,10 +175,9 @@ class CallDeadlines:
             if self._ends:
                 return
             self._ends = dict(ends)
+            now = self._clock.monotonic()
             timers = [
-                self._clock.timer(
-                    at - self._clock.monotonic(), partial(self._cut, at), name="stop-cut"
-                )
+                self._clock.timer(at - now, partial(self._cut, at), name="stop-cut")
                 for at in sorted(set(ends.values()))
             ]
         for timer in timers:
@@ -199,9 +196,6 @@ class CallDeadlines:
         """Seconds left for a call of ``kind`` (0 or less: past), None: no deadline."""
         at = self.ends_at(kind)
         return None if at is None else at - self._clock.monotonic()
-
-    def running(self, kind: str, call: Call) -> AbstractContextManager[None]:
-        return self.until(kind, call.hang_up)
 
     @contextmanager
     def until(self, kind: str, hang_up: Callable[[], object]) -> Iterator[None]:

@@ -177,7 +177,8 @@ class HordeClient:
             start = time.monotonic()
             call = self._call
             cut_at_stop = (
-                nullcontext() if self._deadlines is None else self._deadlines.running(kind, call)
+                nullcontext() if self._deadlines is None
+                else self._deadlines.until(kind, call.hang_up)
             )
             with call.running(), cut_at_stop:
                 try:

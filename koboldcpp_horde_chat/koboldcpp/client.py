@@ -246,7 +246,7 @@ class KoboldClient:
                 raise BackendError(f"{method} {path}: not sent, the worker's stop deadline passed")
             timeout_s = min(timeout_s, left)
         call = Call()
-        with call.running(), deadlines.running("kcpp", call):
+        with call.running(), deadlines.until("kcpp", call.hang_up):
             try:
                 return self._call_once(method, path, body, timeout_s)
             except BackendError as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..errors import BackendError, FetchError, JobFault, PayloadError, ReplyError
@@ -44,34 +46,23 @@ PREPARE_MAX_S = 60.0
 ABORT_CHECK_TIMEOUT_S = 2.0
 
 
+@dataclass
 class ChatRun:
     """Serve one chat job: :meth:`prepare`, then :meth:`generate`."""
 
-    def __init__(
-        self,
-        ports: Ports,
-        caps: BackendCapabilities,
-        state: WorkerState,
-        job: ChatJob,
-        ctx: JobContext,
-    ) -> None:
-        self.ports = ports
-        self.caps = caps
-        self.state = state
-        self.job = job
-        self.ctx = ctx
-        self.settings = ports.settings
-        self.messages: list[dict[str, Any]] = []
+    ports: Ports
+    caps: BackendCapabilities
+    state: WorkerState
+    job: ChatJob
+    ctx: JobContext
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget and whether it streams."""
         job = self.job
         log.info(
             "job=%s kind=chat received: max_length=%d max_context_length=%d stream=%s",
-            job.id,
-            job.max_length,
-            job.max_context_length,
-            job.stream_progress,
+            job.id, job.max_length, job.max_context_length, job.stream_progress,
         )
         log.debug("job=%s payload keys: %s", job.id, payload_keys(job.payload))
 
@@ -81,7 +72,14 @@ class ChatRun:
         messages = self._messages()
         if fit.count_images(messages):
             messages = self._images(messages)
-        self._check_budget()
+        # The Horde validates budgets within chat_limits (seed step 2): a larger
+        # one is not ours to generate, and not a prompt overflow either.
+        declared = self.ports.settings.declared_max_length
+        if self.job.max_length > declared:
+            raise JobFault(
+                f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
+                f"{declared}"
+            )
         self._check_fit(messages)
         self.messages = messages
 
@@ -98,11 +96,10 @@ class ChatRun:
         assert job.messages_url is not None
         url, timeout = job.messages_url, self._prepare_timeout(MESSAGES_FETCH_MAX_S)
         try:
-            raw = self.ctx.until_given_up(
-                lambda: fetch_messages(
-                    url, timeout_s=timeout, max_bytes=self.settings.messages_max_bytes
-                ),
-            )
+            raw = self.ctx.until_given_up(partial(
+                fetch_messages, url, timeout_s=timeout,
+                max_bytes=self.ports.settings.messages_max_bytes,
+            ))
         except FetchError as exc:
             raise JobFault(f"messages_url fetch failed: {exc}") from None
         try:
@@ -119,11 +116,9 @@ class ChatRun:
         plan = images.plan_images(messages)
         downloads = Downloads()
         try:
-            fetched = (
-                self.ctx.until_given_up(lambda: _fetch_images(plan, timeout, downloads))
-                if plan.to_fetch
-                else {}
-            )
+            fetched = {}
+            if plan.to_fetch:
+                fetched = self.ctx.until_given_up(partial(_fetch_images, plan, timeout, downloads))
             return images.finish_images(messages, plan, fetched)
         except FetchError as exc:
             raise JobFault(f"image unusable: {exc}") from None
@@ -132,32 +127,18 @@ class ChatRun:
             # under way end now, not by their budget (their threads hold the exit).
             downloads.hang_up()
 
-    def _check_budget(self) -> None:
-        """The Horde validates budgets within chat_limits (seed step 2): a larger
-        one is not ours to generate, and not a prompt overflow either."""
-        declared = self.settings.declared_max_length
-        if self.job.max_length > declared:
-            raise JobFault(
-                f"max_length {self.job.max_length} is above the declared chat_limits.max_length "
-                f"{declared}"
-            )
-
     def _check_fit(self, messages: list[dict[str, Any]]) -> None:
         """Seed step 3: count the JSON of messages, tools and response_format; never render."""
-        job = self.job
-        prompt = fit.fit_prompt(
-            messages, job.payload.get("tools"), job.payload.get("response_format")
-        )
+        job, payload = self.job, self.job.payload
+        prompt = fit.fit_prompt(messages, payload.get("tools"), payload.get("response_format"))
         # The fault that follows a failure must still land within the lease.
         timeout = self._prepare_timeout(PREPARE_MAX_S)
         backend = self.ports.koboldcpp.backend
         try:
-            counted = self.ctx.until_given_up(
-                lambda: backend.tokencount(prompt, timeout_s=timeout)
-            )
+            counted = self.ctx.until_given_up(lambda: backend.tokencount(prompt, timeout_s=timeout))
         except BackendError as exc:
             raise JobFault(f"tokencount failed: {exc}", backend_failed=True) from None
-        limit = min(job.max_context_length, self.settings.max_context_length)
+        limit = min(job.max_context_length, self.ports.settings.max_context_length)
         result = fit.check_fit(
             counted, messages, max_length=job.max_length, max_context_length=limit
         )
@@ -179,18 +160,16 @@ class ChatRun:
             JobEnded: the client cancelled it or the Horde ended it.
         """
         job, ctx, ports = self.job, self.ctx, self.ports
-        kcpp = ports.koboldcpp
+        kcpp, settings = ports.koboldcpp, ports.settings
         stream = job.stream_progress and not job.has_tools
-        kcpp_context = self.settings.backend_max_context_length
+        kcpp_context = settings.backend_max_context_length
         sent_context = kcpp_context_keeping_budget(
             job.max_length, job.max_context_length, kcpp_context
         )
-        backend_body = encode_json(
-            chat_request_body(
-                job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
-            )
-        )
-        limit = self.settings.kcpp_max_request_bytes
+        backend_body = encode_json(chat_request_body(
+            job, self.messages, genkey=genkey, stream=stream, max_context_length=sent_context
+        ))
+        limit = settings.kcpp_max_request_bytes
         if len(backend_body) > limit:
             # koboldcpp would answer 500 "Payload is too big" (its --maxrequestsize).
             raise JobFault(
@@ -217,7 +196,7 @@ class ChatRun:
             # (settings.kcpp_effective_max_length): "length" means the budget it
             # really used ran out.
             budget = kcpp_effective_max_length(
-                job.max_length, sent_context, kcpp_context, self.settings.kcpp_genlimit
+                job.max_length, sent_context, kcpp_context, settings.kcpp_genlimit
             )
             self._check_not_aborted(backend_reply, budget)
             submit_body = chat_submit(job.id, ctx.model_id, backend_reply, max_length=budget)
@@ -234,11 +213,10 @@ class ChatRun:
                 self.state.record_feature_failure([feature], ports.clock.monotonic())
                 raise JobFault(f"generation failed: {exc}", feature=feature) from None
             raise JobFault(f"generation failed: {exc}", backend_failed=True) from None
-        message = submit_body.get("message", {})
+        calls = len(submit_body["message"].get("tool_calls", []))
         detail = (
-            f"finish={submit_body.get('finish_reason')} "
-            f"tokens={submit_body.get('completion_tokens', '?')} "
-            f"calls={len(message.get('tool_calls') or [])}"
+            f"finish={submit_body['finish_reason']} "
+            f"tokens={submit_body.get('completion_tokens', '?')} calls={calls}"
         )
         return Outcome(submit_body, detail, (ctx, job.payload, self.state))
 
@@ -246,7 +224,7 @@ class ChatRun:
         """JobFault for a generation aborted on koboldcpp (its stop button), which
         says ``"length"`` as for a stop sequence: perf's ``stop_reason`` tells
         them apart (one loop only: with several, perf may be another's)."""
-        if self.settings.threads > 1 or not needs_stop_reason(
+        if self.ports.settings.threads > 1 or not needs_stop_reason(
             backend_reply.native_finish_reason, backend_reply.completion_tokens, budget
         ):
             return
@@ -266,19 +244,14 @@ def _fetch_images(
 ) -> dict[tuple[int, int], bytes]:
     """Fetch ``plan.to_fetch`` in parallel: the bytes by ``(message, part)``.
     FetchError when one failed (the queued ones are then cancelled)."""
-    fetched: dict[tuple[int, int], bytes] = {}
     workers = min(IMAGE_FETCH_THREADS, len(plan.to_fetch))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
     try:
         futures = {
-            (i, j): pool.submit(
-                fetch_image, url, timeout_s=timeout_s, max_bytes=images.MAX_IMAGE_BYTES,
-                downloads=downloads,
-            )
+            (i, j): pool.submit(fetch_image, url, timeout_s=timeout_s,
+                                max_bytes=images.MAX_IMAGE_BYTES, downloads=downloads)
             for i, j, url in plan.to_fetch
         }
-        for key, future in futures.items():
-            fetched[key] = future.result()
+        return {key: future.result() for key, future in futures.items()}
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    return fetched

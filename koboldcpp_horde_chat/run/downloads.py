@@ -26,7 +26,6 @@ from typing import Any, Final
 from urllib.parse import urljoin, urlsplit
 
 import requests
-import requests.auth
 
 from .. import __version__, netfail
 from ..errors import FetchError
@@ -47,17 +46,12 @@ USER_AGENT: Final = f"koboldcpp-horde-chat/{__version__}"
 _CREDENTIAL_HEADERS: Final = ("apikey", "authorization", "cookie", "x-api-key")
 
 
-class _NoCredentials(requests.auth.AuthBase):
-    """Removes credential headers (an auth object also keeps ``requests`` from
-    adding ``.netrc`` or URL-embedded credentials)."""
-
-    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
-        for name in _CREDENTIAL_HEADERS:
-            r.headers.pop(name, None)
-        return r
-
-
-_NO_CREDENTIALS: Final = _NoCredentials()
+def _no_credentials(r: requests.PreparedRequest) -> requests.PreparedRequest:
+    """The request's ``auth``: removes credential headers (an auth given also keeps
+    ``requests`` from adding ``.netrc`` or URL-embedded credentials)."""
+    for name in _CREDENTIAL_HEADERS:
+        r.headers.pop(name, None)
+    return r
 
 
 def _url_problem(url: str) -> str | None:
@@ -132,22 +126,15 @@ def _fetch(
         for hop in range(MAX_REDIRECTS + 1):
             problem = _url_problem(current)
             if problem is not None:
-                if current == url:
-                    raise failed(problem)
-                raise FetchError(
-                    f"{what} {redact_url(url)}: redirected to {redact_url(current)}: {problem}"
-                )
+                via = "" if current == url else f"redirected to {redact_url(current)}: "
+                raise FetchError(f"{what} {redact_url(url)}: {via}{problem}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise failed(f"no answer in {timeout_s:g} s")
             try:
                 response = sess.get(
-                    current,
-                    headers=headers,
-                    auth=_NO_CREDENTIALS,
-                    stream=True,
-                    allow_redirects=False,
-                    timeout=(remaining, remaining),
+                    current, headers=headers, auth=_no_credentials, stream=True,
+                    allow_redirects=False, timeout=(remaining, remaining),
                 )
             except requests.exceptions.Timeout:
                 raise failed(f"no answer in {timeout_s:g} s") from None
@@ -190,10 +177,7 @@ def _fetch(
 
 
 def fetch_messages(
-    url: str,
-    *,
-    timeout_s: float,
-    max_bytes: int = MESSAGES_MAX_BYTES,
+    url: str, *, timeout_s: float, max_bytes: int = MESSAGES_MAX_BYTES,
     session: requests.Session | None = None,
 ) -> list[Any]:
     """The JSON array an offloaded ``messages_url`` serves (its elements not
@@ -225,11 +209,7 @@ def fetch_messages(
 
 
 def fetch_image(
-    url: str,
-    *,
-    timeout_s: float,
-    max_bytes: int,
-    session: requests.Session | None = None,
+    url: str, *, timeout_s: float, max_bytes: int, session: requests.Session | None = None,
     downloads: Downloads | None = None,
 ) -> bytes:
     """An image URL's bytes, non-empty (its media type is for the caller to take

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HordeError, JobEnded, JobFault
@@ -67,26 +67,17 @@ class Served:
         return self.done or self.outcome is not None or self.fault is not None
 
 
+@dataclass(eq=False)
 class JobDriver:
     """Takes each job a pop loop pops in hand, serves it and settles it."""
 
-    def __init__(
-        self,
-        ports: Ports,
-        caps: BackendCapabilities,
-        state: WorkerState,
-        pipeline: SubmitPipeline,
-        meter: JobMeter,
-        worker_id: int = 1,
-    ) -> None:
-        self.ports = ports
-        self.settings = ports.settings
-        self.caps = caps
-        self.state = state
-        self.pipeline = pipeline
-        self.meter = meter
-        self.worker_id = worker_id
-        self.steps = Steps()
+    ports: Ports
+    caps: BackendCapabilities
+    state: WorkerState
+    pipeline: SubmitPipeline
+    meter: JobMeter
+    worker_id: int = 1
+    steps: Steps = field(default_factory=Steps, init=False)
 
     def take_in_hand(
         self, body: dict[str, Any], popped: PopAnswer, popped_at: float, *,
@@ -97,22 +88,16 @@ class JobDriver:
         leaves it for the next start to fault); None without a usable job id."""
         if popped.id is None:
             return None
-        settings = self.settings
+        settings = self.ports.settings
         declared = body.get("chat_features")
         ctx = JobContext(
-            id=popped.id,
-            kind="chat" if popped.chat else "text",
+            id=popped.id, kind="chat" if popped.chat else "text",
             lease=Lease(popped_at, popped_at + min(popped.ttl_s, settings.lease_cap_s)),
-            started=popped_at,
-            model_id=str(body.get("model_id") or settings.model_id),
+            started=popped_at, model_id=str(body.get("model_id") or settings.model_id),
             declared_features=tuple(map(str, declared)) if isinstance(declared, list) else (),
-            worker_id=self.worker_id,
-            popped_in_stop=self.state.stop_deadline is not None,
-            pop_wait_s=pop_wait_s,
-            stop_generation=self.ports.koboldcpp.stop_generation,
-            journal=self.ports.journal,
-            clock=self.ports.clock,
-            steps=self.steps,
+            worker_id=self.worker_id, popped_in_stop=self.state.stop_deadline is not None,
+            pop_wait_s=pop_wait_s, stop_generation=self.ports.koboldcpp.stop_generation,
+            journal=self.ports.journal, clock=self.ports.clock, steps=self.steps,
             request=request_digest(popped.raw),
         )
         self.state.hold(ctx)
@@ -134,7 +119,7 @@ class JobDriver:
             return Served(fault=JobFault("malformed payload"))
         ctx.begin()
         if isinstance(job, ChatJob) and self.state.first_chat_job():
-            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.settings))
+            log.info("worker %d: %s", self.worker_id, first_chat_job_line(self.ports.settings))
         try:
             ctx.check_abandoned()  # given up already: popped after the stop's deadline
         except JobFault as abandoned:
@@ -144,8 +129,7 @@ class JobDriver:
             # meet. Faulted now, the request goes to another worker at once;
             # left to expire, it would wait out the lease first, and the Horde
             # counts either as an aborted job (abort(), then wp.n += 1).
-            fault = JobFault("popped after the stop's signal: not generated")
-            return Served(job=job, fault=fault)
+            return Served(job=job, fault=JobFault("popped after the stop's signal: not generated"))
         return Served(job=job)
 
     def prepare(self, ctx: JobContext, served: Served, changed: str | None) -> Served:
@@ -204,9 +188,30 @@ class JobDriver:
         self.pipeline.reply(ctx, outcome.body, detail=outcome.detail, on_refused=outcome.on_refused)
 
     def check_speed(self, outcome: Outcome, seconds: float) -> None:
-        """After the reply went (here or beside the next job), ``seconds`` after the pop."""
-        if seconds > 0:
-            self._check_suspicion(reply_tokens(outcome.body) / seconds)
+        """After the reply went (here or beside the next job), ``seconds`` after the
+        pop. Once, for the first job faster than the Horde allows an untrusted
+        owner's worker: warn when the owner is not trusted (the start's key check
+        said, or one ``find_user``)."""
+        tokens_per_s = reply_tokens(outcome.body) / seconds if seconds > 0 else 0.0
+        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
+            return
+        with self.state.lock:
+            if self.state.owner_checked:
+                return
+            self.state.owner_checked = True
+            trusted = self.state.owner_trusted
+        if trusted is None:  # the start's key check did not say it
+            horde = self.ports.horde
+            if not isinstance(horde, FindsUser):
+                return
+            try:
+                user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
+            except HordeError as exc:
+                log.debug("whether the key's owner is trusted is not known: %s", exc)
+                return
+            trusted = user.get("trusted") is not False
+        if not trusted:
+            log.warning("%s", suspicion_line(tokens_per_s))
 
     def _held_back(self, ctx: JobContext) -> Served | None:
         """Release a job of a request faulted here twice lately without a submit: its
@@ -223,41 +228,13 @@ class JobDriver:
         log.warning(
             "job=%s kind=%s not served: its request was faulted here twice lately and "
             "came back; left to expire (one aborted job), so the Horde marks it faulted "
-            "instead of handing it back again",
-            ctx.id,
-            ctx.kind,
+            "instead of handing it back again", ctx.id, ctx.kind,
         )
         self.state.record_expired(now, ctx.kind)
         self.state.record_dropped()
         ctx.end(Move.NO_SUBMIT)
         self.state.release(ctx)
         return Served(done=True, backend_failed=backend_failed)
-
-    def _check_suspicion(self, tokens_per_s: float) -> None:
-        """Once, for the first job faster than the Horde allows an untrusted owner's
-        worker: warn when the owner is not trusted (the start's key check said, or
-        one ``find_user``)."""
-        if tokens_per_s <= SUSPICION_TOKENS_PER_S:
-            return
-        with self.state.lock:
-            if self.state.owner_checked:
-                return
-            self.state.owner_checked = True
-            trusted = self.state.owner_trusted
-        if trusted is not None:  # the start's key check said it
-            if not trusted:
-                log.warning("%s", suspicion_line(tokens_per_s))
-            return
-        horde = self.ports.horde
-        if not isinstance(horde, FindsUser):
-            return
-        try:
-            user = horde.find_user(timeout_s=FIND_USER_TIMEOUT_S)
-        except HordeError as exc:
-            log.debug("whether the key's owner is trusted is not known: %s", exc)
-            return
-        if user.get("trusted") is False:
-            log.warning("%s", suspicion_line(tokens_per_s))
 
     @contextmanager
     def serving(self, ctx: JobContext) -> Iterator[None]:

@@ -64,16 +64,10 @@ class _StreamedGeneration:
     def __init__(
         self, ports: Ports, job: ChatJob, ctx: JobContext, body: bytes | bytearray
     ) -> None:
-        self.ports = ports
-        self.job = job
-        self.ctx = ctx
-        self.body = body
+        self.ports, self.ctx, self.body = ports, ctx, body
         lease = ctx.lease
         self.poster = ProgressPoster(
-            job.id,
-            max_length=job.max_length,
-            lease=lease,
-            lease_cap_s=ports.settings.lease_cap_s,
+            job.id, max_length=job.max_length, lease=lease, lease_cap_s=ports.settings.lease_cap_s,
         )
         #: The lease end last journaled (monotonic seconds).
         self.journaled_deadline = lease.deadline
@@ -85,25 +79,22 @@ class _StreamedGeneration:
         lease = ctx.lease
         decoder = SSEDecoder()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue()
-        reader = threading.Thread(
+        threading.Thread(
             target=self._pump, args=(chunks,), name=f"kcpp-stream-{ctx.id}", daemon=True
-        )
-        reader.start()
+        ).start()
         try:
             ended = False
             while not ended:
                 now = clock.monotonic()
                 self._journal_lease()
-                if ctx.abandoned.is_set():
+                if ctx.abandoned.is_set() or lease.remaining(now) <= SUBMIT_MARGIN_S:
                     self._close_and_abort()
-                    ctx.check_abandoned()
-                if lease.remaining(now) <= SUBMIT_MARGIN_S:
-                    self._close_and_abort()
+                    ctx.check_abandoned()  # given up: its fault, else the lease's
                     raise JobFault("the lease ran out while streaming")
                 try:
                     item = chunks.get(timeout=POLL_S)
                 except queue.Empty:
-                    self._post_due()
+                    self._post(poster.due(clock.monotonic()))
                     continue
                 ended = self._take(item, decoder)
                 # What koboldcpp sent while the last post was answered goes into the
@@ -112,7 +103,7 @@ class _StreamedGeneration:
                 while not ended and not chunks.empty():
                     ended = self._take(chunks.get_nowait(), decoder)
                 if not ended:
-                    self._post_due()
+                    self._post(poster.due(clock.monotonic()))
             if accumulator.native_finish_reason is None:
                 raise ReplyError(
                     "the stream ended without a finish reason"
@@ -120,10 +111,8 @@ class _StreamedGeneration:
                 )
             tail = accumulator.flush()
             poster.add(tail.content, tail.reasoning)
-            final = poster.pending_final(clock.monotonic())
-            if final is not None:
-                self._post(final)
-                self._journal_lease()  # the lease the last post extended
+            self._post(poster.pending_final(clock.monotonic()))
+            self._journal_lease()  # the lease the last post extended
             return accumulator.result()
         finally:
             self.slot.close()
@@ -138,7 +127,8 @@ class _StreamedGeneration:
                 raise item
             raise BackendError(f"stream failed: {item!r}")
         for event in decoder.close() if item is None else decoder.feed(item):
-            self._feed(event.data)
+            delta = accumulator.feed_event(event.data)
+            self.poster.add(delta.content, delta.reasoning)
             if accumulator.done or accumulator.error is not None:
                 break
         if accumulator.error is not None:
@@ -167,10 +157,7 @@ class _StreamedGeneration:
             stream = self._open_stream()
             if not self.slot.attach(stream):
                 return
-            while True:
-                chunk = stream.read_chunk()
-                if not chunk:
-                    break
+            while chunk := stream.read_chunk():
                 out.put(chunk)
         except BaseException as exc:  # handed to the job thread, which decides
             out.put(exc)
@@ -183,25 +170,14 @@ class _StreamedGeneration:
             self.journaled_deadline = deadline
             self.ctx.record_lease()
 
-    def _feed(self, data: str) -> None:
-        delta = self.accumulator.feed_event(data)
-        if delta.content or delta.reasoning:
-            self.poster.add(delta.content, delta.reasoning)
-
-    def _post_due(self) -> None:
-        """Send the post that is due, if any (raises JobEnded when generation must stop)."""
-        body = self.poster.due(self.ports.clock.monotonic())
-        if body is not None:
-            self._post(body)
-
-    def _post(self, body: dict[str, Any]) -> None:
-        """Post one progress body, retrying as ``ProgressPoster`` says (a lost
+    def _post(self, body: dict[str, Any] | None) -> None:
+        """Post one progress body (None: none due), retrying as ``ProgressPoster`` says (a lost
         answer with the identical body) until the lease nears its end; nothing
         once the job is given up. Raises JobEnded (the generation aborted) when
         the job was cancelled or ended by the Horde."""
         ports, poster, lease = self.ports, self.poster, self.ctx.lease
         clock = ports.clock
-        while True:
+        while body is not None:
             if self.ctx.abandoned.is_set():
                 return  # given up (the stop's deadline): no more posts, no retries
             room = lease.remaining(clock.monotonic()) - SUBMIT_MARGIN_S
@@ -215,9 +191,8 @@ class _StreamedGeneration:
                 action = poster.on_response(200, answer, clock.monotonic())
             except (HordeRefusal, HordeUnavailable) as exc:
                 if isinstance(exc, HordeRefusal) or exc.status == 429 or exc.status >= 500:
-                    action = poster.on_response(
-                        exc.status, exc.body or {"rc": exc.rc}, clock.monotonic()
-                    )
+                    answered = exc.body or {"rc": exc.rc}
+                    action = poster.on_response(exc.status, answered, clock.monotonic())
                 else:
                     log.info(
                         "job=%s progress seq %s: answer lost (%s)", self.ctx.id, body["seq"],
@@ -236,15 +211,12 @@ class _StreamedGeneration:
             if action is ProgressAction.STOP_GENERATING:
                 log.info("job=%s cancelled or ended by the Horde: not submitted", self.ctx.id)
                 self._close_and_abort()
-                raise JobEnded(
-                    "cancelled or ended by the Horde",
-                    counted=poster.stopped_generating != "cancelled",
-                )
+                counted = poster.stopped_generating != "cancelled"
+                raise JobEnded("cancelled or ended by the Horde", counted=counted)
             if action is ProgressAction.STOP_POSTING:
                 log.info(
                     "job=%s progress posts stopped (%s); the job goes on to its submit",
-                    self.ctx.id,
-                    poster.stop_reason or "the Horde said so",
+                    self.ctx.id, poster.stop_reason or "the Horde said so",
                 )
             return
 

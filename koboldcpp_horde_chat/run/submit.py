@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import HordeRefusal, JobFault
@@ -50,6 +50,7 @@ class _Submit:
     attempts: int = 0
 
 
+@dataclass(eq=False)
 class SubmitPipeline:
     """Sends terminal actions for one pop loop, on ``state``'s clock.
 
@@ -59,23 +60,14 @@ class SubmitPipeline:
     ``retry_horde`` (None: on the caller's), while the loop pops nothing.
     """
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        horde: HordeAPI,
-        state: WorkerState,
-        *,
-        stop: StopSignal,
-        retry_horde: Callable[[], HordeAPI] | None = None,
-    ) -> None:
-        self.settings = settings
-        self.horde = horde
-        self.state = state
-        self.stop = stop
-        self.retry_horde = retry_horde
-        #: Replies sent beside the loop's next job: their pipeline, and the last one's thread.
-        self._beside: SubmitPipeline | None = None
-        self._beside_thread: threading.Thread | None = None
+    settings: WorkerSettings
+    horde: HordeAPI
+    state: WorkerState
+    stop: StopSignal
+    retry_horde: Callable[[], HordeAPI] | None = None
+    #: Replies sent beside the loop's next job: their pipeline, and the last one's thread.
+    _beside: SubmitPipeline | None = field(default=None, init=False)
+    _beside_thread: threading.Thread | None = field(default=None, init=False)
 
     def _now(self) -> float:
         return self.state.clock.monotonic()
@@ -105,10 +97,7 @@ class SubmitPipeline:
         unexpected error faults the job."""
         if self._beside is None:
             assert self.retry_horde is not None
-            self._beside = SubmitPipeline(
-                self.settings, self.retry_horde(), self.state, stop=self.stop,
-                retry_horde=self.retry_horde,
-            )
+            self._beside = replace(self, horde=self.retry_horde())
         if self._beside_thread is not None:
             self._beside_thread.join()
         sender = self._beside
@@ -173,11 +162,8 @@ class SubmitPipeline:
     def _timeout(self) -> float:
         """A submit's read timeout, seconds: ``submit_timeout_s``, but no later
         than the submits' stop deadline (``inflight.CallDeadlines``) when stopping."""
-        timeout = self.settings.submit_timeout_s
-        left = self.state.call_deadlines.left("submit")
-        if left is not None:
-            timeout = min(timeout, max(STOP_SUBMIT_MIN_TIMEOUT_S, left))
-        return timeout
+        timeout, left = self.settings.submit_timeout_s, self.state.call_deadlines.left("submit")
+        return timeout if left is None else min(timeout, max(STOP_SUBMIT_MIN_TIMEOUT_S, left))
 
     def _attempt(
         self, ctx: JobContext, body: dict[str, Any], *, fault: bool, timeout: float | None = None

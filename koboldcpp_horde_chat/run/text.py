@@ -11,6 +11,7 @@ context would change what the model reads.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendError, JobFault, ReplyError
@@ -25,22 +26,20 @@ from ..translate.submits import text_submit
 log = logging.getLogger("koboldcpp_horde_chat.text_run")
 
 
+@dataclass
 class TextRun:
     """Serve one text job: :meth:`received`, then :meth:`generate`."""
 
-    def __init__(self, ports: Ports, job: TextJob, ctx: JobContext) -> None:
-        self.ports = ports
-        self.job = job
-        self.ctx = ctx
+    ports: Ports
+    job: TextJob
+    ctx: JobContext
 
     def received(self) -> None:
         """Say in one line that the job is served, with its budget."""
         job = self.job
         log.info(
             "job=%s kind=text received: %s tokens, %s context",
-            job.id,
-            job.payload.get("max_length", "?"),
-            job.payload.get("max_context_length", "?"),
+            job.id, job.payload.get("max_length", "?"), job.payload.get("max_context_length", "?"),
         )
 
     def generate(self, genkey: str) -> Outcome:
@@ -51,9 +50,7 @@ class TextRun:
         try:
             body = kcpp.with_busy_retry(
                 lambda timeout: kcpp.backend.generate(
-                    text_request_body(job, genkey=genkey),
-                    timeout_s=timeout,
-                    cancel=ctx.abandoned,
+                    text_request_body(job, genkey=genkey), timeout_s=timeout, cancel=ctx.abandoned
                 ),
                 ctx,
             )

@@ -95,11 +95,12 @@ class ChatStreamAccumulator:
             return self._fail(f"koboldcpp reported an error: {_error_text(chunk)}")
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            self._usage(usage)
+            for key in ("prompt_tokens", "completion_tokens"):
+                value = usage.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    setattr(self, key, value)
         choices = chunk.get("choices")
-        if choices is None:
-            return _EMPTY
-        if not isinstance(choices, list):
+        if choices is not None and not isinstance(choices, list):
             return self._fail("chunk choices is not a list")
         if not choices:
             return _EMPTY
@@ -110,10 +111,10 @@ class ChatStreamAccumulator:
         if isinstance(finish, str):
             self.native_finish_reason = finish
         delta = choice.get("delta")
-        if delta is None:
-            return _EMPTY
-        if not isinstance(delta, dict):
+        if delta is not None and not isinstance(delta, dict):
             return self._fail("chunk delta is not an object")
+        if not delta:
+            return _EMPTY
         tool_calls = delta.get("tool_calls")
         if tool_calls is not None:
             problem = self._add_tool_calls(tool_calls)
@@ -165,50 +166,29 @@ class ChatStreamAccumulator:
         content: str | None = "".join(self._content)
         if not content and not self._saw_content and calls:
             content = None
-        reasoning = "".join(self._reasoning)
         return BackendReply(
-            content=content,
-            reasoning_content=reasoning or None,
-            tool_calls=calls,
-            native_finish_reason=self.native_finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
+            content=content, reasoning_content="".join(self._reasoning) or None,
+            tool_calls=calls, native_finish_reason=self.native_finish_reason,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
         )
 
     def _emit(self, content: str, reasoning: str) -> StreamDelta:
-        if reasoning:
-            reasoning = self._trim_reasoning(reasoning)
-        if not content and not reasoning:
-            return _EMPTY
-        if content:
-            self._content.append(content)
-        if reasoning:
-            self._reasoning.append(reasoning)
-        return StreamDelta(content, reasoning)
-
-    def _trim_reasoning(self, text: str) -> str:
-        """The part of new reasoning releasable now: the whole reasoning's leading
-        whitespace dropped, a trailing run held back until more reasoning follows."""
+        # Reasoning releasable now: the whole reasoning's leading whitespace
+        # dropped, a trailing run held back until more reasoning follows.
         if not self._reasoning_started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._reasoning_started = True
-        text = self._reasoning_held + text
-        released = text.rstrip()
-        self._reasoning_held = text[len(released) :]
-        return released
+            reasoning = reasoning.lstrip()
+            self._reasoning_started = bool(reasoning)
+        text = self._reasoning_held + reasoning
+        reasoning = text.rstrip()
+        self._reasoning_held = text[len(reasoning) :]
+        self._content.append(content)
+        self._reasoning.append(reasoning)
+        return StreamDelta(content, reasoning)
 
     def _fail(self, problem: str) -> StreamDelta:
         log.warning("chat stream failed: %s", problem)
         self.error = problem
         return _EMPTY
-
-    def _usage(self, usage: dict[str, Any]) -> None:
-        for key in ("prompt_tokens", "completion_tokens"):
-            value = usage.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                setattr(self, key, value)
 
     def _add_tool_calls(self, raw: object) -> str | None:
         if not isinstance(raw, list):
@@ -220,15 +200,12 @@ class ChatStreamAccumulator:
             if not isinstance(index, int) or isinstance(index, bool):
                 # No index: a fragment with an id starts a call, one without
                 # continues the latest call.
-                if item.get("id") is not None or not self._tool_calls:
-                    index = max(self._tool_calls, default=-1) + 1
-                else:
-                    index = max(self._tool_calls)
+                starts = item.get("id") is not None or not self._tool_calls
+                index = max(self._tool_calls, default=-1) + (1 if starts else 0)
             call = self._tool_calls.setdefault(index, _ToolCall())
-            if call.id is None and isinstance(item.get("id"), str):
-                call.id = item["id"]
-            if call.type is None and isinstance(item.get("type"), str):
-                call.type = item["type"]
+            for key in ("id", "type"):
+                if getattr(call, key) is None and isinstance(item.get(key), str):
+                    setattr(call, key, item[key])
             function = item.get("function")
             if function is None:
                 continue
@@ -246,9 +223,7 @@ class ChatStreamAccumulator:
 
 
 def _error_text(chunk: dict[str, Any]) -> str:
-    value = chunk.get("error")
-    if value is None:
-        value = chunk.get("detail")
+    value = chunk["error"] if chunk.get("error") is not None else chunk.get("detail")
     if isinstance(value, dict):
         texts = [value.get(key) for key in ("message", "msg", "error", "type")]
         value = next((text for text in texts if isinstance(text, str) and text), value)

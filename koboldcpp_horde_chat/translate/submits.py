@@ -94,15 +94,12 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
         if not isinstance(function, dict):
             raise ReplyError(f"tool_calls[{i}].function is not an object", feature="tools")
         name = function.get("name")
-        if isinstance(name, str):
-            name = strip_nul(name)
-        if not isinstance(name, str) or not name:
+        name = strip_nul(name) if isinstance(name, str) else ""
+        if not name:
             raise ReplyError(f"tool_calls[{i}].function.name is missing", feature="tools")
         arguments = function.get("arguments")
-        if arguments is None:
-            arguments = "{}"
-        elif not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            arguments = "{}" if arguments is None else json.dumps(arguments, ensure_ascii=False)
         arguments = strip_nul_json(arguments)
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
@@ -127,15 +124,6 @@ def normalise_tool_calls(raw: object) -> list[dict[str, Any]]:
     return result
 
 
-def _count_ok(value: int | None, name: str) -> bool:
-    if value is None:
-        return False
-    if 0 <= value <= TOKEN_COUNT_MAX:
-        return True
-    log.warning("leaving out %s=%d: outside 0..%d", name, value, TOKEN_COUNT_MAX)
-    return False
-
-
 def chat_submit(
     job_id: str, model_id: str, reply: BackendReply, *, max_length: int
 ) -> dict[str, Any]:
@@ -151,20 +139,14 @@ def chat_submit(
     """
     calls = normalise_tool_calls(reply.tool_calls)
     finish_reason = map_finish_reason(
-        reply.native_finish_reason,
-        has_tool_calls=bool(calls),
-        completion_tokens=reply.completion_tokens,
-        max_length=max_length,
+        reply.native_finish_reason, has_tool_calls=bool(calls),
+        completion_tokens=reply.completion_tokens, max_length=max_length,
     )
     split = split_reasoning(
         None if reply.content is None else strip_nul(reply.content),
         None if reply.reasoning_content is None else strip_nul(reply.reasoning_content),
     )
-    content: str | None = split.content
-    if calls and not (content or "").strip():
-        content = None
-    elif content is None:
-        content = ""
+    content = None if calls and not (split.content or "").strip() else split.content or ""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if split.reasoning:
         reasoning = utf8_prefix(split.reasoning, REASONING_MAX_BYTES)
@@ -177,12 +159,13 @@ def chat_submit(
     native = strip_nul(reply.native_finish_reason or "")
     if native:
         body["native_finish_reason"] = native[:NATIVE_FINISH_REASON_MAX_CHARS]
-    if _count_ok(reply.prompt_tokens, "prompt_tokens"):
-        body["prompt_tokens"] = reply.prompt_tokens
-    if _count_ok(reply.completion_tokens, "completion_tokens"):
-        body["completion_tokens"] = reply.completion_tokens
-    body["model_id"] = model_id
-    body["state"] = "ok"
+    for key in ("prompt_tokens", "completion_tokens"):
+        count = getattr(reply, key)
+        if count is not None and 0 <= count <= TOKEN_COUNT_MAX:
+            body[key] = count
+        elif count is not None:
+            log.warning("leaving out %s=%d: outside 0..%d", key, count, TOKEN_COUNT_MAX)
+    body.update(model_id=model_id, state="ok")
     return body
 
 

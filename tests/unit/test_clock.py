@@ -123,7 +123,7 @@ def test_the_calls_deadlines_hang_up_a_call_when_the_given_clock_reaches_them() 
 
     call = Hung()
     deadlines.set({"submit": 501.5})
-    with deadlines.running("submit", call):  # type: ignore[arg-type]
+    with deadlines.until("submit", call.hang_up):
         clock.advance(1.0)
         assert call.hung == 0
         clock.advance(0.5)
