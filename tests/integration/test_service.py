@@ -299,18 +299,13 @@ def test_faults_before_koboldcpp_came_back_changed_still_count_toward_withdrawin
     context still counts the faults from before (and its totals go on), or a
     koboldcpp crashing and coming back changed could take it into maintenance.
     Here chat is withdrawn at 2 faults (15 in the product)."""
-    import functools
     import logging
 
     from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp as Kcpp
-    from koboldcpp_horde_chat.state import shared as state_module
-    from koboldcpp_horde_chat.state.guard import MaintenanceGuard
+    from koboldcpp_horde_chat.state import guard as guard_module
 
-    monkeypatch.setattr(
-        state_module,
-        "MaintenanceGuard",
-        functools.partial(MaintenanceGuard, withdraw_at=2, restore_below=1),
-    )
+    monkeypatch.setattr(guard_module, "WITHDRAW_CHAT_AT", 2)
+    monkeypatch.setattr(guard_module, "RESTORE_CHAT_BELOW", 1)
     caplog.set_level(logging.INFO)
     first = Kcpp(max_context_length=4096).start()
     second = Kcpp(max_context_length=2048, port=first.port)
@@ -352,17 +347,12 @@ def test_faults_of_an_earlier_run_still_count_toward_withdrawing_chat(
     the worker each time: the Horde still counts the aborted jobs of the hour, so the
     next run must too (kept beside the journal), or chat is never withdrawn before
     maintenance. Here chat is withdrawn at 2 faults (15 in the product)."""
-    import functools
     import logging
 
-    from koboldcpp_horde_chat.state import shared as state_module
-    from koboldcpp_horde_chat.state.guard import MaintenanceGuard
+    from koboldcpp_horde_chat.state import guard as guard_module
 
-    monkeypatch.setattr(
-        state_module,
-        "MaintenanceGuard",
-        functools.partial(MaintenanceGuard, withdraw_at=2, restore_below=1),
-    )
+    monkeypatch.setattr(guard_module, "WITHDRAW_CHAT_AT", 2)
+    monkeypatch.setattr(guard_module, "RESTORE_CHAT_BELOW", 1)
     caplog.set_level(logging.INFO)
     journal = str(tmp_path / "state")
 
