@@ -332,10 +332,6 @@ class Recovery:
                     close()
             self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def finish(self, grace_s: float) -> bool:
         """The host exits (before the journal is released): stop the recovery,
         its deadline ``grace_s`` from now unless set, and wait for it until the

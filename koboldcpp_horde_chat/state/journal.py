@@ -150,7 +150,7 @@ class Journal:
 
     # -- reading ------------------------------------------------------------------
 
-    def entries(self) -> list[JournalEntry]:
+    def load(self) -> list[JournalEntry]:
         """What is recorded now, in the order recorded; the file an earlier
         process left is read first, once.
 
@@ -161,8 +161,6 @@ class Journal:
         """
         with self._read_first():
             return list(self._entries.values())
-
-    load = entries
 
     @contextlib.contextmanager
     def _read_first(self) -> Iterator[None]:
@@ -244,11 +242,6 @@ class Journal:
         False when the job is not recorded."""
         return self._change(job_id, terminal="reply_sent", reply=dict(body))
 
-    def mark_fault_sent(self, job_id: str) -> bool:
-        """Mark a job's fault as sent, before it is sent: a restart sends it
-        nothing more. False when the job is not recorded."""
-        return self._change(job_id, terminal="fault_sent", reply=None)
-
     def mark_not_taken(self, job_id: str) -> bool:
         """The fault just sent is known not to have reached the Horde: back to
         ``none``. False when the job is not recorded."""
@@ -321,7 +314,7 @@ def send_terminal(
     sent before it goes (a restart never sends a second one), and back when it
     surely did not reach the Horde (it may be sent again)."""
     if fault and journal is not None:
-        journal.mark_fault_sent(job_id)
+        journal._change(job_id, terminal="fault_sent", reply=None)
     try:
         answer: Answered = horde.submit(body, timeout_s=timeout_s)
     except (HordeRefusal, HordeUnavailable) as exc:

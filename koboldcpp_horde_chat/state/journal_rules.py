@@ -30,9 +30,6 @@ REPLY_STATES: Final = frozenset({"reply_kept", "reply_sent"})
 #: (the pop's round trip included: the lease began before its answer was read).
 FAULT_MARGIN_S: Final = 5.0
 
-#: HTTP statuses that say the Horde did not take a submit (rate limit, unavailable).
-NOT_TAKEN_STATUSES: Final = frozenset({429, 503})
-
 
 @dataclass(frozen=True)
 class ClockMark:
@@ -116,13 +113,6 @@ def fault_ages_shift(then: ClockMark | None, now: ClockMark) -> float:
     """Seconds to add to an earlier run's fault times to read them on this run's
     wall clock, taking the least time passed (each fault as recent as it can be)."""
     return 0.0 if then is None else (now.wall - then.wall) - elapsed_bounds(then, now)[0]
-
-
-def known_not_taken(status: int, sent: bool | None) -> bool:
-    """True when a failed submit surely did not reach the Horde: the connection
-    was refused (``sent`` False), or 429 or 503. After any other failure it may
-    have been taken."""
-    return sent is False or status in NOT_TAKEN_STATUSES
 
 
 def next_start_plan(terminal: str | None) -> str:

@@ -6,6 +6,7 @@ name."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,8 @@ class SkipContext:
         lengths = {k: int(d.get("max_length") or 0) for k, d in declared.items()}
         contexts = {k: int(d.get("max_context_length") or 0) for k, d in declared.items()}
         models = body.get("models")
-        return cls(
-            max_length=lengths, max_context_length=contexts,
-            models=tuple(map(str, models)) if isinstance(models, list) else (),
-            lowered={k: v for k, v in lowered.items() if k in lengths},
-        )
+        return cls(lengths, contexts, tuple(map(str, models)) if isinstance(models, list) else (),
+                   {k: v for k, v in lowered.items() if k in lengths})
 
 
 def _declared_words(name: str, values: Mapping[str, int], lowered: Mapping[str, str]) -> str:
@@ -106,7 +104,7 @@ class SkippedReporter:
     :data:`SKIPPED_EVERY_S`; a pop that skipped nothing forgets what was said."""
 
     def __init__(self) -> None:
-        self._said_at: float | None = None
+        self._said_at = -math.inf
         self._said: frozenset[str] | None = None
 
     def line(self, skipped: object, now: float, context: SkipContext | None = None) -> str | None:
@@ -115,12 +113,8 @@ class SkippedReporter:
         if line is None:
             self._said = None
             return None
-        reasons = frozenset(name for name, _ in _counts(skipped)) | (
-            {repr(context)} if context is not None else set()
-        )
-        if reasons == self._said or (
-            self._said_at is not None and now - self._said_at < SKIPPED_EVERY_S
-        ):
+        reasons = frozenset(name for name, _ in _counts(skipped)) | {repr(context)}
+        if reasons == self._said or now - self._said_at < SKIPPED_EVERY_S:
             return None
         self._said_at, self._said = now, reasons
         return line

@@ -136,11 +136,9 @@ def moderator_lines(messages: object, seen: set[str]) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        about = [
-            f"{word} {_one_line(str(message[name]), 60)}"
-            for name, word in (("origin", "origin"), ("expiry", "expires"))
-            if message.get(name) not in (None, "")
-        ]
+        about = [f"{word} {_one_line(str(message[name]), 60)}"
+                 for name, word in (("origin", "origin"), ("expiry", "expires"))
+                 if message.get(name) not in (None, "")]
         said = f" ({', '.join(about)})" if about else ""
         lines.append(f"message from the Horde{said}: {_one_line(text, MESSAGE_MAX_CHARS)}")
     return lines
@@ -165,10 +163,8 @@ def summary_line(stats: WorkerStats, uptime_s: float) -> str:
     rate = f" ({kudos / (uptime_s / 3600.0):.0f} kudos/h)" if uptime_s >= 600 else ""
     seconds = int(max(0.0, uptime_s))
     uptime = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-    return (
-        f"{stats.jobs} jobs, {kudos:.0f} kudos{rate}, {stats.faults} faults, "
-        f"{stats.dropped} dropped, uptime {uptime}"
-    )
+    return (f"{stats.jobs} jobs, {kudos:.0f} kudos{rate}, {stats.faults} faults, "
+            f"{stats.dropped} dropped, uptime {uptime}")
 
 
 def earnings_line(stats: WorkerStats, elapsed_s: float) -> str:
@@ -179,19 +175,16 @@ def earnings_line(stats: WorkerStats, elapsed_s: float) -> str:
     cost = kudos / jobs if jobs > 0 else 0.0
     seconds = int(max(0.0, elapsed_s))
     time_text = f"{seconds // 3600:03d}h:{seconds // 60 % 60:02d}m:{seconds % 60:02d}s"
-    return (
-        f"[Total:{kudos:.0f} kudos, Time:{time_text}, Jobs:{jobs}, "
-        f"EarnRate:{kudos / hours:.2f} kudos/hr, JobRate:{jobs / hours:.2f} jobs/hr, "
-        f"JobCost:{cost:.2f} kudos/job] Faults:{stats.faults}"
-    )
+    return (f"[Total:{kudos:.0f} kudos, Time:{time_text}, Jobs:{jobs}, "
+            f"EarnRate:{kudos / hours:.2f} kudos/hr, JobRate:{jobs / hours:.2f} jobs/hr, "
+            f"JobCost:{cost:.2f} kudos/job] Faults:{stats.faults}")
 
 
 def first_chat_job_line(settings: WorkerSettings) -> str:
     """The line for the worker's first chat job (the start line promised chat
     only once the Horde sends it)."""
-    return "the Horde sends chat jobs: serving chat jobs" + (
-        " and text jobs" if settings.prompt_jobs else ""
-    )
+    also = " and text jobs" if settings.prompt_jobs else ""
+    return f"the Horde sends chat jobs: serving chat jobs{also}"
 
 
 def _one_line(text: str, limit: int) -> str:
@@ -277,19 +270,16 @@ def aborted_count(count: int, limit: int) -> str:
     return f"aborted {count} in the Horde's hour (maintenance above {limit})"
 
 
-def abort_limit_line(
-    *, count: int, in_hand: int, limit: int, resume_wall: float, wait_s: float
-) -> str:
+def abort_limit_line(*, count: int, in_hand: int, limit: int, resume_wall: float,
+                     wait_s: float) -> str:
     """``"aborted 19 in the Horde's hour (maintenance above 20): not popping, to
     stay out of maintenance; popping again at 14:05:12 (in 58 min) unless more
     are counted"``; ``resume_wall`` is epoch seconds, shown in local time."""
     held = f", {in_hand} job{'s' if in_hand != 1 else ''} in hand" if in_hand else ""
     at = time.strftime("%H:%M:%S", time.localtime(resume_wall))
     minutes = max(1, round(wait_s / 60.0))
-    return (
-        f"{aborted_count(count, limit)}{held}: not popping, to stay out of maintenance; "
-        f"popping again at {at} (in {minutes} min) unless more are counted"
-    )
+    return (f"{aborted_count(count, limit)}{held}: not popping, to stay out of maintenance; "
+            f"popping again at {at} (in {minutes} min) unless more are counted")
 
 
 #: Tokens/s above which the Horde suspects an untrusted owner's text worker
@@ -302,10 +292,8 @@ SUSPICIONS_TO_PAUSE = 5
 def suspicion_line(tokens_per_s: float) -> str:
     """The line when koboldcpp served a job faster than the Horde allows an
     untrusted owner's worker."""
-    return (
-        f"koboldcpp served a job at {tokens_per_s:.0f} tokens/s, above the "
-        f"{SUSPICION_TOKENS_PER_S} tokens/s the Horde allows a worker of an untrusted "
-        f"owner: each such job adds a suspicion, and at {SUSPICIONS_TO_PAUSE} the Horde "
-        "pauses this worker and sends it fake jobs whose rewards are never credited "
-        "(a trusted owner's worker is never suspected)"
-    )
+    return (f"koboldcpp served a job at {tokens_per_s:.0f} tokens/s, above the "
+            f"{SUSPICION_TOKENS_PER_S} tokens/s the Horde allows a worker of an untrusted "
+            f"owner: each such job adds a suspicion, and at {SUSPICIONS_TO_PAUSE} the Horde "
+            "pauses this worker and sends it fake jobs whose rewards are never credited "
+            "(a trusted owner's worker is never suspected)")

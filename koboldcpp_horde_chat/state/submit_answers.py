@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Final
 
 from ..errors import HordeRefusal, HordeUnavailable, JobFault
 from ..horde.codes import (
@@ -22,10 +22,11 @@ from ..horde.codes import (
 )
 from ..jsonbody import finite_number
 from ..translate.submits import FAULT_REPLY_REFUSED
-from .journal_rules import known_not_taken
 
 #: What the Horde client gives for a submit: the accepted JSON body, or its error.
 Answered = dict[str, Any] | HordeRefusal | HordeUnavailable
+#: HTTP statuses that say the Horde did not take a submit (rate limit, unavailable).
+NOT_TAKEN_STATUSES: Final = frozenset({429, 503})
 
 
 class Answer(Enum):
@@ -77,7 +78,9 @@ def read_answer(answer: Answered, *, fault: bool) -> Reading:
         kudos = None if fault else finite_number(answer.get("reward"))
         return Reading(Answer.ACCEPTED, kudos=kudos or 0.0)
     if isinstance(answer, HordeUnavailable):
-        not_taken = fault and known_not_taken(answer.status, answer.sent)
+        # Surely not taken: the connection was refused, or 429 or 503; after any
+        # other failure it may have been.
+        not_taken = fault and (answer.sent is False or answer.status in NOT_TAKEN_STATUSES)
         kind = Answer.LOST if fault and not not_taken else Answer.RETRY
         return Reading(kind, answer, not_taken=not_taken)
     if is_key_refusal(answer):

@@ -181,7 +181,7 @@ def test_released_jobs_leave_the_journal_only_when_settled(tmp_path: Any) -> Non
     left.end(Move.ABANDON)
     state.release(done)
     state.release(left)
-    assert [e.job_id for e in journal.entries()] == ["abandoned"]
+    assert [e.job_id for e in journal.load()] == ["abandoned"]
     assert state.jobs_in_hand() == []
 
 
@@ -278,7 +278,7 @@ def test_a_job_popped_beside_the_submit_is_journaled_on_the_pops_own_thread(
     body = worker.state.pop_body(worker.caps)
     job = worker.driver.take_in_hand(body, read_pop(tools_pop("j9")), clock())
     assert job is not None and job.phase is Phase.JOURNALED
-    (entry,) = journal.entries()
+    (entry,) = journal.load()
     assert entry.job_id == "j9" and entry.genkey == job.genkey
     assert job.genkey.startswith("HORDEREQ_")  # made at the pop's answer, journaled with it
     assert worker.state.jobs_in_hand() == [job]

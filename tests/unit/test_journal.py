@@ -218,7 +218,7 @@ def test_add_returns_with_the_entry_on_disk(tmp_path: Path) -> None:
     assert [j["job_id"] for j in on_disk(path)["jobs"]] == ["job-1", "job-t"]
     journal.remove("job-1")
     assert on_disk(path)["jobs"] == [text_entry().to_json()]
-    assert journal.entries() == [text_entry()]
+    assert journal.load() == [text_entry()]
 
 
 def test_an_add_on_a_jobs_path_is_a_plain_write_that_a_killed_process_leaves_whole(
@@ -255,7 +255,7 @@ def test_adding_the_same_job_again_replaces_its_entry(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "jobs.json")
     journal.add(chat_entry(genkey=""))
     journal.add(chat_entry(lease_left_s=600.0))
-    assert journal.entries() == [chat_entry(lease_left_s=600.0)]
+    assert journal.load() == [chat_entry(lease_left_s=600.0)]
     assert len(on_disk(journal.path)["jobs"]) == 1
 
 
@@ -328,7 +328,7 @@ def test_two_threads_adding_and_removing_leave_a_consistent_file(tmp_path: Path)
         t.join(60)
     assert errors == []
     expected = {f"{p}-{i}" for p in ("a", "b") for i in range(60) if i % 3 == 0}
-    assert {e.job_id for e in journal.entries()} == expected
+    assert {e.job_id for e in journal.load()} == expected
     assert {e.job_id for e in Journal(path).load()} == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.json"]
 
@@ -476,7 +476,7 @@ def test_a_state_dir_that_is_a_file_is_a_write_failure_not_a_crash(
     blocker.write_text("a file where the directory should be")
     journal = Journal(blocker / "jobs.json")
     journal.add(chat_entry())
-    assert journal.entries() == [chat_entry()]
+    assert journal.load() == [chat_entry()]
     lines = journal_lines(caplog)
     assert len(lines) == 1 and "a file is in the way of its directory" in lines[0]
 

@@ -18,7 +18,6 @@ from koboldcpp_horde_chat.state.journal_rules import (
     ClockMark,
     elapsed_bounds,
     fault_ages_shift,
-    known_not_taken,
     plan,
 )
 
@@ -92,17 +91,6 @@ def test_what_a_restart_sends_by_terminal_action_state(terminal: str, left: floa
     now = ClockMark(T0, BOOT, 1000.0)
     extra = {"reply": REPLY} if terminal.startswith("reply") else {}
     assert plan(entry(left, terminal, **extra), THEN, now).action == action
-
-
-@pytest.mark.parametrize(
-    ("status", "sent", "not_taken"),
-    [(0, False, True), (429, True, True), (503, True, True),
-     (0, None, False), (502, True, False), (504, True, False), (500, True, False)],
-)  # fmt: skip
-def test_only_a_refused_connection_429_or_503_is_known_not_to_have_reached_the_horde(
-    status: int, sent: bool | None, not_taken: bool
-) -> None:
-    assert known_not_taken(status, sent) is not_taken
 
 
 marks = st.builds(

@@ -226,7 +226,7 @@ def test_the_recoverys_pauses_and_waits_run_on_the_clock_it_is_given(tmp_path: P
         waiter = threading.Thread(target=lambda: outcome.append(recovery.wait(timeout_s=5.0)))
         waiter.start()
         time.sleep(0.5)  # more than the pause's slices: the clock has not moved
-        assert len(horde.bodies) == 1 and not recovery.done
+        assert len(horde.bodies) == 1 and recovery.result is None
         clock.advance(5.0)  # the wait's 5 s have passed on the recovery's clock
         waiter.join(2.0)
         assert outcome == [False] and len(horde.bodies) == 1

@@ -228,3 +228,15 @@ def test_the_recoverys_line_for_a_fault_sent_before_the_restart_keeps_its_words(
         f"job={JOB} kind=chat: its fault was sent before the restart; nothing more sent "
         "(a second fault would re-open the request again)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("status", "sent", "not_taken"),
+    [(0, False, True), (429, True, True), (503, True, True),
+     (0, None, False), (502, True, False), (504, True, False), (500, True, False)],
+)  # fmt: skip
+def test_only_a_refused_connection_429_or_503_is_known_not_to_have_reached_the_horde(
+    status: int, sent: bool | None, not_taken: bool
+) -> None:
+    unanswered = HordeUnavailable("submit: no answer", status=status, sent=sent)
+    assert read_answer(unanswered, fault=True).not_taken is not_taken

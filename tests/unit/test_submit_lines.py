@@ -128,7 +128,7 @@ def test_a_reply_given_up_at_the_stop_says_the_next_start_sends_it_again(
     ctx.abandoned.set()  # the stop's deadline came
     with caplog.at_level(logging.DEBUG, logger="koboldcpp_horde_chat"):
         sender.reply(ctx, reply_body(), detail="stop, 2 tokens")
-    (entry,) = journal.entries()
+    (entry,) = journal.load()
     assert entry.terminal in REPLY_STATES and entry.reply == reply_body()
     (line,) = job_lines(caplog, logging.ERROR)
     assert line == (
@@ -148,7 +148,7 @@ def test_a_fault_given_up_at_the_stop_says_the_next_start_faults_it(
     ctx.abandoned.set()
     with caplog.at_level(logging.DEBUG, logger="koboldcpp_horde_chat"):
         sender.fault(ctx, JobFault("koboldcpp failed"))
-    assert journal.entries()[0].terminal == "none"
+    assert journal.load()[0].terminal == "none"
     (line,) = job_lines(caplog, logging.ERROR)
     assert line.endswith(
         "and the worker is stopping: left to the next start, which faults it while its lease runs"
