@@ -226,7 +226,7 @@ class NextPop:
         if early is not None:
             early[0].wait(early[1])
             with loop.state.lock:
-                due = loop.state.lease_fit.recheck_due(loop.clock.monotonic())
+                due = loop.state.lease_fit.recheck_due(loop.clock.monotonic(), take=False)
                 if due or loop.gate.failing_kinds() or loop.state.failure_streak.failing:
                     return None
         deadline = loop.clock.monotonic() + OWN_TAIL_S

@@ -123,14 +123,15 @@ class LeaseFit:
         size = self._failed_size[kind] or self._lowering_size[kind]
         return size or (PROBE_PROMPT_TOKENS, min(PROBE_MAX_LENGTH, self.cap))
 
-    def recheck_due(self, now: float) -> list[str]:
+    def recheck_due(self, now: float, *, take: bool = True) -> list[str]:
         """The kinds below their caps due a re-measure at ``now``; each is named
-        once until a measurement schedules it anew."""
+        once until a measurement schedules it anew (``take`` False: only look)."""
         due = []
         for kind in KINDS:
             at = self._recheck_at[kind]
             if self._below_caps(kind) and at is not None and at <= now:
-                self._recheck_at[kind] = None
+                if take:
+                    self._recheck_at[kind] = None
                 due.append(kind)
         return due
 

@@ -533,3 +533,17 @@ def test_the_first_chat_job_is_said_once_as_the_start_line_promised(
     assert said == ["worker 1: the Horde sends chat jobs: serving chat jobs and text jobs"]
     lines = messages_logged(caplog)
     assert lines.index(said[0]) < next(i for i, m in enumerate(lines) if m.startswith("job=c1"))
+
+
+def test_a_pop_during_a_generation_held_back_by_a_due_remeasure_leaves_it_for_the_gate() -> None:
+    """The pop sent during a generation never goes while a re-measure of koboldcpp
+    is due; holding back must not use the re-measure up, or the gate would never
+    send it and the lowered limits would stay until restart."""
+    from koboldcpp_horde_chat.state.lease_fit import RECHECK_AFTER_S
+
+    worker, _, clock, _ = build([])
+    fit = worker.state.lease_fit
+    fit.ran_out("text", max_length=100, seconds=150.0, now=clock.monotonic())
+    clock.advance(RECHECK_AFTER_S)
+    assert worker.next_pop.prepare((threading.Event(), 0.0)) is None
+    assert fit.recheck_due(clock.monotonic()) == ["text"]
