@@ -538,7 +538,7 @@ def test_the_first_chat_job_is_said_once_as_the_start_line_promised(
 def test_a_pop_during_a_generation_held_back_by_a_due_remeasure_leaves_it_for_the_gate() -> None:
     """The pop sent during a generation never goes while a re-measure of koboldcpp
     is due; holding back must not use the re-measure up, or the gate would never
-    send it and the lowered limits would stay until restart."""
+    send it and the lowered limits would stay a whole cool-off longer."""
     from koboldcpp_horde_chat.state.lease_fit import RECHECK_AFTER_S
 
     worker, _, clock, _ = build([])
