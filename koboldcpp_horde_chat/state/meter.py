@@ -166,8 +166,10 @@ def record_generated(
             state.probe_plan.job_succeeded(kind)
     for change in changes:
         log.warning("%s", change.line())
-    if restored:
-        log.info("%s", kind_restored_line(kind))
+    if restored and kind == "chat":
+        log.info("koboldcpp generates chat completions again: declaring chat again")
+    elif restored:
+        log.info("koboldcpp generates text again: popping for text jobs again")
 
 
 def prompt_s_per_token(figures: PerfFigures | None) -> float | None:
@@ -192,9 +194,3 @@ def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
         f"{kind} generations failed {limit} times in a row: {action}; probing "
         f"koboldcpp with {probe} the size of the failed job until one succeeds"
     )
-
-
-def kind_restored_line(kind: str) -> str:
-    if kind == "chat":
-        return "koboldcpp generates chat completions again: declaring chat again"
-    return "koboldcpp generates text again: popping for text jobs again"
