@@ -101,15 +101,6 @@ def image_transports(caps: BackendCapabilities) -> list[str]:
     return [name for name, on in offered if on]
 
 
-def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
-    """``chat_limits`` (tokens; seed "Chat limits")."""
-    return {
-        "max_context_length": settings.max_context_length,
-        "max_length": settings.declared_max_length,
-        "tools_max_temperature": TOOLS_MAX_TEMPERATURE,
-    }
-
-
 def chat_declaration(
     settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset()
 ) -> dict[str, Any]:
@@ -119,7 +110,11 @@ def chat_declaration(
     body: dict[str, Any] = {
         "chat_jobs": True,
         "chat_features": features,
-        "chat_limits": chat_limits(settings),
+        "chat_limits": {  # tokens; seed "Chat limits"
+            "max_context_length": settings.max_context_length,
+            "max_length": settings.declared_max_length,
+            "tools_max_temperature": TOOLS_MAX_TEMPERATURE,
+        },
         "model_id": settings.model_id,
         "image_transports": image_transports(replace(caps, vision="vision" in features)),
     }

@@ -14,7 +14,6 @@ from koboldcpp_horde_chat.horde.declaration import (
     BackendCapabilities,
     chat_declaration,
     chat_features,
-    chat_limits,
     image_transports,
     model_id_warnings,
     pop_body,
@@ -125,7 +124,8 @@ def test_image_transports(caps: BackendCapabilities, expected: list[str]) -> Non
 
 
 def test_chat_limits_are_the_workers_limits_and_koboldcpps_tool_clamp() -> None:
-    assert chat_limits(settings(horde_max_context_length=2048)) == {
+    declaration = chat_declaration(settings(horde_max_context_length=2048), BackendCapabilities())
+    assert declaration["chat_limits"] == {
         "max_context_length": 2048,
         "max_length": 512,
         "tools_max_temperature": 1.0,
