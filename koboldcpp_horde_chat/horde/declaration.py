@@ -101,33 +101,6 @@ def image_transports(caps: BackendCapabilities) -> list[str]:
     return [name for name, on in offered if on]
 
 
-def chat_limits(settings: WorkerSettings) -> dict[str, Any]:
-    """``chat_limits`` (tokens; seed "Chat limits")."""
-    return {
-        "max_context_length": settings.max_context_length,
-        "max_length": settings.declared_max_length,
-        "tools_max_temperature": TOOLS_MAX_TEMPERATURE,
-    }
-
-
-def chat_declaration(
-    settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset()
-) -> dict[str, Any]:
-    """The chat fields of a pop body. ``withhold`` adds to ``WorkerSettings.chat_withhold``;
-    withholding ``vision`` drops the image transports too."""
-    features = chat_features(caps, frozenset(withhold) | settings.chat_withhold)
-    body: dict[str, Any] = {
-        "chat_jobs": True,
-        "chat_features": features,
-        "chat_limits": chat_limits(settings),
-        "model_id": settings.model_id,
-        "image_transports": image_transports(replace(caps, vision="vision" in features)),
-    }
-    if settings.prompt_jobs is False:
-        body["prompt_jobs"] = False
-    return body
-
-
 def pop_body(
     settings: WorkerSettings, caps: BackendCapabilities, *, withhold: Iterable[str] = frozenset(),
     chat_jobs: bool = True, prompt_jobs: bool = True,
@@ -140,7 +113,9 @@ def pop_body(
     ``limits`` per kind (``"text"``, ``"chat"``): ``(max_length,
     max_context_length)`` lowered to fit a job in its lease (None: not lowered),
     declared instead of ``settings``' but never above them. ``prompt_jobs`` False
-    with chat sends ``"prompt_jobs": false``: chat jobs only.
+    (or ``WorkerSettings.prompt_jobs``) with chat sends ``"prompt_jobs": false``: chat
+    jobs only. ``withhold`` adds to ``WorkerSettings.chat_withhold``; withholding
+    ``vision`` drops the image transports too.
     """
     fit = limits or {}
     body: dict[str, Any] = {
@@ -154,9 +129,20 @@ def pop_body(
     if settings.threads > 1:
         body["threads"] = settings.threads
     if chat_jobs and caps.chat:
-        body.update(chat_declaration(settings, caps, withhold=withhold))
+        features = chat_features(caps, frozenset(withhold) | settings.chat_withhold)
+        body.update({
+            "chat_jobs": True,
+            "chat_features": features,
+            "chat_limits": {  # seed "Chat limits"
+                "max_context_length": settings.max_context_length,
+                "max_length": settings.declared_max_length,
+                "tools_max_temperature": TOOLS_MAX_TEMPERATURE,
+            },
+            "model_id": settings.model_id,
+            "image_transports": image_transports(replace(caps, vision="vision" in features)),
+        })
         body["chat_limits"].update(_lowered(settings, fit.get("chat")))
-        if not prompt_jobs:
+        if not (prompt_jobs and settings.prompt_jobs):
             body["prompt_jobs"] = False
     return body
 

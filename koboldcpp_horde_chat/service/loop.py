@@ -108,7 +108,7 @@ class Worker:
         if self.worker_id == 1:
             self.meter.read_speed()
         with self.state.lock:
-            self.state.slots.append(self)
+            self.state.slots.append(self.driver)
         try:
             while not self.stopping():
                 self._pass()
@@ -120,7 +120,7 @@ class Worker:
             self.state.flush_journal()
         finally:
             with self.state.lock:
-                self.state.slots.remove(self)
+                self.state.slots.remove(self.driver)
         self._say(f"stopped ({self.state.summary(self.clock.time())})")
         return self.state.exit_code
 
@@ -289,8 +289,4 @@ class Worker:
         else:
             log.debug("%s", again)
         self.stop_event.wait(wait_s)
-
-    def fault_job_now(self) -> None:
-        """Fault the jobs this loop holds with one quick submit each (the process exits now)."""
-        self.driver.fault_jobs_now()
 

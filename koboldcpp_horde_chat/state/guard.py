@@ -42,27 +42,6 @@ FEATURE_COOL_OFF_MAX_S: Final = 24 * HOUR_S
 Transition = Literal["withdraw", "restore"]
 
 
-class SlidingWindow:
-    """Times of events within the last ``window_s`` seconds, at most ``maxlen``
-    kept (the oldest forgotten first)."""
-
-    def __init__(self, window_s: float = HOUR_S, *, maxlen: int = 256) -> None:
-        self.window_s = float(window_s)
-        self._times: deque[float] = deque(maxlen=maxlen)
-
-    def add(self, now: float) -> None:
-        self._times.append(now)
-
-    def count(self, now: float) -> int:
-        """Events in ``(now - window_s, now]``; forgets the older ones."""
-        while self._times and now - self._times[0] >= self.window_s:
-            self._times.popleft()
-        return len(self._times)
-
-    def clear(self) -> None:
-        self._times.clear()
-
-
 class MaintenanceGuard:
     """Counts the jobs the Horde counts as aborted over ``COUNT_WINDOW_S``:
     withdraw chat at ``WITHDRAW_CHAT_AT``, declare it again below
@@ -209,7 +188,7 @@ class RefusalGuard:
     withdrawal up to ``FEATURE_COOL_OFF_MAX_S``."""
 
     def __init__(self) -> None:
-        self._windows: dict[str, SlidingWindow] = {}
+        self._refused: dict[str, deque[float]] = {}  # per name: its last refusals' times
         self._until: dict[str, float] = {}
         self._times: dict[str, int] = {}
         self.withdrawn: frozenset[str] = frozenset()
@@ -220,13 +199,11 @@ class RefusalGuard:
         for name in dict.fromkeys(names):
             if name in self.withdrawn:
                 continue
-            window = self._windows.setdefault(
-                name, SlidingWindow(HOUR_S, maxlen=REFUSALS_TO_WITHDRAW + 1)
-            )
-            window.add(now)
-            if window.count(now) >= REFUSALS_TO_WITHDRAW:
+            refused = self._refused.setdefault(name, deque(maxlen=REFUSALS_TO_WITHDRAW))
+            refused.append(now)
+            if self.count(name, now) >= REFUSALS_TO_WITHDRAW:
                 newly.append(name)
-                window.clear()
+                refused.clear()
                 times = self._times.get(name, 0)
                 self._times[name] = times + 1
                 cool_off = min(FEATURE_COOL_OFF_S * 2**min(times, 32), FEATURE_COOL_OFF_MAX_S)
@@ -247,6 +224,5 @@ class RefusalGuard:
         return due
 
     def count(self, name: str, now: float) -> int:
-        """Refusals of ``name`` within the window (0 once withdrawn)."""
-        window = self._windows.get(name)
-        return 0 if window is None else window.count(now)
+        """Refusals of ``name`` within the last hour (0 once withdrawn)."""
+        return sum(now - at < HOUR_S for at in self._refused.get(name, ()))

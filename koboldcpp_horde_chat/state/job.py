@@ -18,7 +18,7 @@ from ..horde.codes import CHAT_SUBMIT_NONCONFORMANT
 from ..horde.pop import Lease
 from .guard import refused_reply_features
 from .journal import GENKEY_PREFIX, Journal, JournalEntry
-from .life import ENDED, Move, Phase, may, next_phase
+from .life import ENDED, MOVES, Move, Phase, next_phase
 from .submit_answers import refused_reply_fault
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class JobContext:
     def end(self, move: Move) -> bool:
         """End the job with ``move`` when allowed now; False when not (already ended)."""
         with self._lock:
-            if not may(self.phase, move):
+            if self.phase not in MOVES[move][1]:
                 return False
             self._to_phase(next_phase(self.phase, move))
             return True

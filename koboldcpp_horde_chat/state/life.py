@@ -77,7 +77,3 @@ def next_phase(phase: Phase, move: Move) -> Phase:
     if phase not in sources:
         raise IllegalMove(f"{move.value} is not allowed in phase {phase.value}")
     return target
-
-
-def may(phase: Phase, move: Move) -> bool:
-    return phase in MOVES[move][1]

@@ -143,10 +143,22 @@ class JobMeter:
             return [k for k in self.state.kinds_to_pop() if k != kind]
 
     def _say(self, kind: str, changes: list[LengthChange], others: list[str] | None) -> None:
+        """The fit's ``changes``; ``others``: the kinds still popped, ``kind`` withdrawn."""
         for change in changes:
             log.warning("%s", change.line())
-        if others is not None:
-            log.warning("%s", kind_withdrawn_line(kind, self.state.failure_streak.limit, others))
+        if others is None:
+            return
+        if not others:
+            action = "not popping (no other kind to serve)"
+        elif kind == "chat":
+            action = "popping without the chat declaration (text jobs continue)"
+        else:
+            action = "popping for chat jobs only (prompt_jobs false)"
+        log.warning(
+            "%s generations failed %d times in a row: %s; probing koboldcpp with %s the size "
+            "of the failed job until one succeeds", kind, self.state.failure_streak.limit, action,
+            "a chat completion" if kind == "chat" else "a text generation",
+        )
 
 
 def record_generated(
@@ -166,8 +178,10 @@ def record_generated(
             state.probe_plan.job_succeeded(kind)
     for change in changes:
         log.warning("%s", change.line())
-    if restored:
-        log.info("%s", kind_restored_line(kind))
+    if restored and kind == "chat":
+        log.info("koboldcpp generates chat completions again: declaring chat again")
+    elif restored:
+        log.info("koboldcpp generates text again: popping for text jobs again")
 
 
 def prompt_s_per_token(figures: PerfFigures | None) -> float | None:
@@ -176,25 +190,3 @@ def prompt_s_per_token(figures: PerfFigures | None) -> float | None:
     if figures is None or figures.prompt_tokens < 16 or not figures.process_s > 0:
         return None
     return figures.process_s / figures.prompt_tokens
-
-
-def kind_withdrawn_line(kind: str, limit: int, others: list[str]) -> str:
-    """The line when ``kind`` failed ``limit`` times in a row; ``others`` are
-    the kinds still popped for."""
-    if not others:
-        action = "not popping (no other kind to serve)"
-    elif kind == "chat":
-        action = "popping without the chat declaration (text jobs continue)"
-    else:
-        action = "popping for chat jobs only (prompt_jobs false)"
-    probe = "a chat completion" if kind == "chat" else "a text generation"
-    return (
-        f"{kind} generations failed {limit} times in a row: {action}; probing "
-        f"koboldcpp with {probe} the size of the failed job until one succeeds"
-    )
-
-
-def kind_restored_line(kind: str) -> str:
-    if kind == "chat":
-        return "koboldcpp generates chat completions again: declaring chat again"
-    return "koboldcpp generates text again: popping for text jobs again"

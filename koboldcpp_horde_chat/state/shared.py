@@ -44,9 +44,9 @@ class StartupRecovery(Protocol):
 
 
 class Slot(Protocol):
-    """A pop loop, for a forced exit."""
+    """A pop loop's job driver (``run.driver.JobDriver``), for a forced exit."""
 
-    def fault_job_now(self) -> None:
+    def fault_jobs_now(self) -> None:
         """Fault the loop's jobs at once (the process is exiting)."""
 
 
@@ -196,7 +196,7 @@ class WorkerState(Declaring):
             if self._watchdog is not None:
                 self._watchdog.cancel()
         for slot in slots:
-            slot.fault_job_now()
+            slot.fault_jobs_now()
 
     # ------------------------------------------------------------ jobs in hand
 

@@ -12,9 +12,7 @@ from koboldcpp_horde_chat.horde.declaration import (
     FEATURE_TABLE,
     TOOLS_MAX_TEMPERATURE,
     BackendCapabilities,
-    chat_declaration,
     chat_features,
-    chat_limits,
     image_transports,
     model_id_warnings,
     pop_body,
@@ -125,7 +123,8 @@ def test_image_transports(caps: BackendCapabilities, expected: list[str]) -> Non
 
 
 def test_chat_limits_are_the_workers_limits_and_koboldcpps_tool_clamp() -> None:
-    assert chat_limits(settings(horde_max_context_length=2048)) == {
+    declaration = pop_body(settings(horde_max_context_length=2048), BackendCapabilities())
+    assert declaration["chat_limits"] == {
         "max_context_length": 2048,
         "max_length": 512,
         "tools_max_temperature": 1.0,
@@ -134,7 +133,9 @@ def test_chat_limits_are_the_workers_limits_and_koboldcpps_tool_clamp() -> None:
 
 
 def test_the_declaration_has_the_seeds_five_fields() -> None:
-    declaration = chat_declaration(settings(), BackendCapabilities())
+    body = pop_body(settings(), BackendCapabilities())
+    text_fields = pop_body(settings(), BackendCapabilities(), chat_jobs=False)
+    declaration = {k: v for k, v in body.items() if k not in text_fields}
     assert declaration == {
         "chat_jobs": True,
         "chat_features": EMBEDDED_FEATURES,
@@ -145,13 +146,13 @@ def test_the_declaration_has_the_seeds_five_fields() -> None:
 
 
 def test_prompt_jobs_false_is_sent_only_for_a_chat_only_worker() -> None:
-    assert "prompt_jobs" not in chat_declaration(settings(), BackendCapabilities())
-    only_chat = chat_declaration(settings(prompt_jobs=False), BackendCapabilities())
+    assert "prompt_jobs" not in pop_body(settings(), BackendCapabilities())
+    only_chat = pop_body(settings(prompt_jobs=False), BackendCapabilities())
     assert only_chat["prompt_jobs"] is False
 
 
 def test_operator_withholding_from_settings_and_argument_combine() -> None:
-    declaration = chat_declaration(
+    declaration = pop_body(
         settings(chat_withhold=frozenset({"seed"})),
         BackendCapabilities(),
         withhold={"prompt_overflow_refused"},
@@ -163,13 +164,13 @@ def test_operator_withholding_from_settings_and_argument_combine() -> None:
 
 def test_withholding_vision_also_drops_the_image_transports() -> None:
     caps = BackendCapabilities(vision=True, image_url=True)
-    declaration = chat_declaration(settings(), caps, withhold={"vision"})
+    declaration = pop_body(settings(), caps, withhold={"vision"})
     assert "vision" not in declaration["chat_features"]
     assert declaration["image_transports"] == ["messages_url"]
 
 
 def test_a_vision_declaration_carries_base64() -> None:
-    declaration = chat_declaration(settings(), BackendCapabilities(vision=True))
+    declaration = pop_body(settings(), BackendCapabilities(vision=True))
     assert "vision" in declaration["chat_features"]
     assert declaration["image_transports"] == ["messages_url", "base64"]
 

@@ -15,11 +15,11 @@ from koboldcpp_horde_chat.state.guard import (
     FEATURE_COOL_OFF_MAX_S,
     HORDE_FAULT_LIMIT_PER_HOUR,
     HOUR_S,
+    REFUSALS_TO_WITHDRAW,
     STOP_POPPING_AT,
     FailureStreak,
     MaintenanceGuard,
     RefusalGuard,
-    SlidingWindow,
     refusal_features,
     refused_reply_features,
 )
@@ -44,27 +44,6 @@ def test_guard_is_pure() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             imported.add(node.module.split(".")[0])
     assert imported <= {"__future__", "collections", "typing"}, imported
-
-
-# --- SlidingWindow -------------------------------------------------------------------
-
-
-def test_a_window_counts_only_the_last_hour() -> None:
-    w = SlidingWindow(3600.0)
-    for t in (0.0, 100.0, 3599.0):
-        w.add(t)
-    assert w.count(3599.0) == 3
-    assert w.count(3600.0) == 2  # the event at 0 is exactly an hour old: gone
-    assert w.count(3700.0) == 1
-    assert w.count(7199.0) == 0
-
-
-def test_a_window_never_holds_more_than_maxlen() -> None:
-    w = SlidingWindow(3600.0, maxlen=5)
-    for t in range(1000):
-        w.add(float(t))
-    assert w.count(1000.0) == 5
-    assert len(w._times) == 5
 
 
 # --- MaintenanceGuard ----------------------------------------------------------------
@@ -288,6 +267,24 @@ def test_a_refusal_is_attributed_to_what_the_request_used(
 
 
 # --- RefusalGuard --------------------------------------------------------------------
+
+
+def test_refusals_count_only_the_last_hour() -> None:
+    g = RefusalGuard()
+    for t in (0.0, 3599.0):
+        g.record(["tools"], t)
+    assert g.count("tools", 3599.0) == 2
+    assert g.count("tools", 3600.0) == 1  # the refusal at 0 is exactly an hour old: gone
+    assert g.count("tools", 7199.0) == 0
+
+
+def test_the_refusal_guard_keeps_at_most_a_withdrawal_of_times_per_name() -> None:
+    g = RefusalGuard()
+    for t in range(1000):
+        g.record(["tools"], t * 3600.0)  # one an hour: never withdrawn
+    assert g.count("tools", 999 * 3600.0) == 1
+    assert len(g._refused["tools"]) == REFUSALS_TO_WITHDRAW
+    assert not g.withdrawn
 
 
 def test_the_third_refusal_within_an_hour_withdraws_the_name_once() -> None:

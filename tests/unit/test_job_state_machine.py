@@ -485,7 +485,7 @@ class JobLife(RuleBasedStateMachine):
                 pop_horde=ahead,
                 retry_horde=self.desk.make,
             )
-            state.slots.append(worker)
+            state.slots.append(worker.driver)
             self.workers.append(worker)
             self.ahead.append(ahead)
 
