@@ -103,8 +103,7 @@ class KoboldClient:
             raise BackendError(
                 "/api/extra/true_max_context_length: no positive integer value", status=200
             )
-        protected = version.get("protected") is True
-        if protected:
+        if version.get("protected") is True:
             if model_name == PROTECTED_MODEL_NAME:
                 raise BackendUnauthorized(
                     f"koboldcpp is password protected and the password is {self._password_state} "
@@ -118,8 +117,6 @@ class KoboldClient:
             max_context_length=max_ctx,
             vision=version.get("vision") is True,
             version=release,
-            protected=protected,
-            jinja=version.get("jinja") is True,
             # An unreadable version is asked too (it costs one GET).
             chat_template=self.chat_template(timeout_s=timeout_s)
             if at_least(release, PROPS_SINCE) else None,
