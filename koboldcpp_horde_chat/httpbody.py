@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import time
 import zlib
 from typing import Any, Final
@@ -16,6 +17,7 @@ import urllib3.exceptions
 
 from . import netfail
 from .errors import FetchError
+from .inflight import TrackingAdapter
 
 CHUNK_BYTES: Final = 64 * 1024  # raw bytes asked for per read
 
@@ -30,6 +32,19 @@ def redact_url(url: str) -> str:
     netloc = f"[{host}]" if ":" in host else host
     netloc += "" if port is None else f":{port}"
     return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+def tracked_session() -> requests.Session:
+    """A session whose calls in flight can be hung up, reading nothing from the
+    environment per call (the CA bundle once, here) and never ``.netrc``."""
+    session = requests.Session()
+    session.trust_env = False
+    env = os.environ
+    session.verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or True
+    adapter = TrackingAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
 
 
 # --- bounded, decoding body reader --------------------------------------------

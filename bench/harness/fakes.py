@@ -523,7 +523,7 @@ class FakeBackend:
     def info(self, *, timeout_s: float = 10.0) -> BackendInfo:
         return BackendInfo(
             model_name="koboldcpp/fake", max_context_length=4096, vision=False,
-            version="1.116.1", protected=False, jinja=False,
+            version="1.116.1",
         )
 
     def perf(self, *, timeout_s: float = 10.0) -> dict[str, Any]:

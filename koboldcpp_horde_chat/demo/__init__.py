@@ -10,8 +10,6 @@ in a temporary directory, never in the user's state directory.
 
 from __future__ import annotations
 
-from .cases import DemoCase, demo_cases
-from .command import OPENING, build_parser, main
-from .verdict import Verdict, judge
+from .command import main
 
-__all__ = ["OPENING", "DemoCase", "Verdict", "build_parser", "demo_cases", "judge", "main"]
+__all__ = ["main"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import email.utils
 import json
 import logging
-import os
 import threading
 import time
 from contextlib import nullcontext
@@ -26,8 +25,8 @@ import urllib3.exceptions
 
 from .. import __version__, netfail
 from ..errors import ConfigError, FetchError, HordeRefusal, HordeUnavailable
-from ..httpbody import read_body, redact_url
-from ..inflight import Call, CallDeadlines, TrackingAdapter
+from ..httpbody import read_body, redact_url, tracked_session
+from ..inflight import Call, CallDeadlines
 from ..settings import MIB
 from .watch import HordeWatch
 
@@ -104,15 +103,9 @@ class HordeClient:
                                 "unencrypted", self._base_url)
         self._api_key, self._connect_timeout_s = api_key, connect_timeout_s
         self._deadlines, self._watch, self._call = deadlines, watch, Call()
-        self._session = session = requests.Session()
+        self._session = tracked_session()  # a call in flight can be hung up at a stop
         # What requests would read from the environment on every call, read once.
-        session.proxies.update(requests.utils.get_environ_proxies(self._base_url))
-        env = os.environ
-        session.verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or True
-        session.trust_env = False  # also: no .netrc credentials, ever
-        adapter = TrackingAdapter()  # a call in flight can be hung up at a stop
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
+        self._session.proxies.update(requests.utils.get_environ_proxies(self._base_url))
         self._headers = {
             "apikey": api_key, "Client-Agent": CLIENT_AGENT, "User-Agent": bridge_agent,
             "Content-Type": "application/json", "Accept": "application/json",

@@ -138,10 +138,6 @@ class ProgressPoster:
         return self._in_flight.body(self.job_id)
 
     @property
-    def in_flight(self) -> dict[str, Any] | None:
-        return None if self._in_flight is None else self._in_flight.body(self.job_id)
-
-    @property
     def posted_content(self) -> str:
         return "".join(post.content for post in self._history)
 

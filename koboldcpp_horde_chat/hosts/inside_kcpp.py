@@ -298,8 +298,6 @@ def found_info(kcpp: types.ModuleType, settings: WorkerSettings) -> BackendInfo:
         max_context_length=settings.backend_max_context_length,
         vision=settings.vision,
         version=str(getattr(kcpp, "KcppVersion", "") or ""),
-        protected=bool(settings.kcpp_password),
-        jinja=bool(getattr(getattr(kcpp, "args", None), "jinja", False)),
         chat_template=template if isinstance(template, str) else None,
     )
 

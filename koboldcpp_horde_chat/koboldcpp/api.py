@@ -21,8 +21,6 @@ class BackendInfo:
     max_context_length: int
     vision: bool
     version: str
-    protected: bool
-    jinja: bool
     chat_template: str | None = None
 
 

@@ -14,18 +14,16 @@ close and :meth:`KoboldClient.hang_up` may come from any thread.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any
 
 import requests
-import requests.adapters
 import urllib3.exceptions
 
 from ..errors import BackendBusy, BackendError, BackendUnauthorized, FetchError
-from ..httpbody import read_body
-from ..inflight import Call, CallDeadlines, TrackingAdapter, in_generation
+from ..httpbody import read_body, tracked_session
+from ..inflight import Call, CallDeadlines, in_generation
 from ..jsonbody import encode_json
 from .api import BackendInfo, Body
 from .connection import BackendStream, InFlight, describe_failure, error_detail, mask
@@ -63,19 +61,8 @@ class KoboldClient:
         self._password = password
         self.connect_timeout_s = connect_timeout_s
         self.max_body_bytes = max_body_bytes
-        if session is None:
-            session = requests.Session()
-            # requests would otherwise re-read proxies, .netrc and the CA bundle from
-            # the environment on every call (about 0.3 ms each); koboldcpp is local.
-            session.trust_env = False
-            session.verify = (
-                os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-            )
-            # Generation requests can then be hung up from another thread (hang_up).
-            adapter = TrackingAdapter()
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        self._session = session
+        # No proxy (koboldcpp is local); generation requests can be hung up (hang_up).
+        self._session = tracked_session() if session is None else session
         self._in_flight = InFlight()
         # The stop's deadlines (kind "kcpp"), once bound.
         self.deadlines: CallDeadlines | None = None
@@ -116,8 +103,7 @@ class KoboldClient:
             raise BackendError(
                 "/api/extra/true_max_context_length: no positive integer value", status=200
             )
-        protected = version.get("protected") is True
-        if protected:
+        if version.get("protected") is True:
             if model_name == PROTECTED_MODEL_NAME:
                 raise BackendUnauthorized(
                     f"koboldcpp is password protected and the password is {self._password_state} "
@@ -131,8 +117,6 @@ class KoboldClient:
             max_context_length=max_ctx,
             vision=version.get("vision") is True,
             version=release,
-            protected=protected,
-            jinja=version.get("jinja") is True,
             # An unreadable version is asked too (it costs one GET).
             chat_template=self.chat_template(timeout_s=timeout_s)
             if at_least(release, PROPS_SINCE) else None,

@@ -5,11 +5,8 @@ the tokens of the JSON of the conversation are counted instead, plus allowances.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
-
-log = logging.getLogger("koboldcpp_horde_chat.fit")
 
 BASE_TOKENS = 32
 PER_MESSAGE_TOKENS = 16

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from koboldcpp_horde_chat import demo
 from koboldcpp_horde_chat.demo import cases, command, main, verdict
+from koboldcpp_horde_chat.demo.verdict import Verdict, judge
 from koboldcpp_horde_chat.devkit import kcpp as kcpp_module
 from koboldcpp_horde_chat.devkit.kcpp import ScriptedKoboldcpp, ScriptedReply
 from koboldcpp_horde_chat.run import chat as chat_run
@@ -28,7 +28,7 @@ from koboldcpp_horde_chat.state.journal_paths import JOURNAL_DIR_ENV
 def after_opening(out: str) -> list[str]:
     """The demo's lines after its three-line opening and the blank line below it."""
     lines = out.splitlines()
-    assert tuple(lines[:3]) == demo.OPENING and lines[3] == "", lines[:4]
+    assert tuple(lines[:3]) == command.OPENING and lines[3] == "", lines[:4]
     return lines[4:]
 
 
@@ -39,15 +39,15 @@ def case_line(out: str, name: str) -> str:
     return found[0]
 
 
-def only(*names: str) -> Callable[..., list[demo.DemoCase]]:
+def only(*names: str) -> Callable[..., list[cases.DemoCase]]:
     """``demo_cases`` cut to the cases named, for a quick run."""
-    every_case = demo.demo_cases
+    every_case = cases.demo_cases
     return lambda *a, **kw: [c for c in every_case(*a, **kw) if c.name in names]
 
 
 def test_the_opening_says_what_a_horde_a_job_and_a_fault_are() -> None:
-    assert len(demo.OPENING) == 3
-    horde, job, fault = demo.OPENING
+    assert len(command.OPENING) == 3
+    horde, job, fault = command.OPENING
     assert "AI Horde: the queue where clients leave requests and workers take them" in horde
     assert "Each request becomes a job" in job
     assert "faults, telling the Horde why" in fault
@@ -319,7 +319,7 @@ def test_a_bad_kcpp_url_is_named_by_its_variable(
 
 
 def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
-    case = demo.DemoCase("tool call", "chat", {})
+    case = cases.DemoCase("tool call", "chat", {})
     status = {
         "done": True,
         "finish_reason": "tool_calls",
@@ -335,13 +335,13 @@ def test_results_show_null_and_cut_pieces_with_an_ellipsis() -> None:
     assert "content=null" in line and "'None'" not in line
     assert f"reasoning='{'r' * 39}\u2026'" in line
     assert f"arrived in 2 progress posts: ['short', '{'p' * 23}\u2026']" in line
-    text = demo.DemoCase("text job", "text", {})
+    text = cases.DemoCase("text job", "text", {})
     assert verdict._describe(text, {"generation": "g" * 60}) == f"generation='{'g' * 60}'"
     assert verdict._describe(text, {"generation": "g" * 61}) == f"generation='{'g' * 59}\u2026'"
 
 
 def test_every_demo_flag_has_help_text() -> None:
-    parser = demo.build_parser()
+    parser = command.build_parser()
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert {a.dest for a in flags} == {"kcpp_url", "scripted", "kcpp_password", "timeout", "log_level"}
     for action in flags:
@@ -399,16 +399,16 @@ DONE = {"done": True, "faulted": False, "message": {"role": "assistant", "conten
 def test_the_verdict_names_what_the_worker_did_wrong(
     ledger: list[dict[str, Any]], status: dict[str, Any], problem: str
 ) -> None:
-    case = demo.DemoCase("plain chat", "chat", {"messages": [], "stream": True})
-    verdict = demo.judge(case, status, ledger, {"job-1": "koboldcpp/m"}, finished=True)
+    case = cases.DemoCase("plain chat", "chat", {"messages": [], "stream": True})
+    verdict = judge(case, status, ledger, {"job-1": "koboldcpp/m"}, finished=True)
     assert not verdict.worker_ok and not verdict.passed(scripted=False)
     assert problem in verdict.problems, verdict.problems
 
 
 def test_a_reply_submitted_once_in_the_seeds_shape_is_the_worker_doing_right() -> None:
-    case = demo.DemoCase("plain chat", "chat", {"messages": []}, cases._hope_reply)
-    verdict = demo.judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
-    assert verdict == demo.Verdict(True, "submitted", [], [])
+    case = cases.DemoCase("plain chat", "chat", {"messages": []}, cases._hope_reply)
+    verdict = judge(case, DONE, [ledger_entry("submitted", SUBMIT)], {"job-1": "koboldcpp/m"}, finished=True)
+    assert verdict == Verdict(True, "submitted", [], [])
 
 
 # --- Ctrl-C ------------------------------------------------------------------------------

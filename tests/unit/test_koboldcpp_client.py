@@ -123,8 +123,6 @@ def test_info_reads_name_context_and_capabilities(mocked: Any) -> None:
         max_context_length=8192,
         vision=True,
         version="1.116.1",
-        protected=False,
-        jinja=True,
     )
     # an open instance is not probed with a tokencount
     assert not any(c.request.url.endswith("/tokencount") for c in mocked.calls)
@@ -135,7 +133,7 @@ def test_info_tolerates_an_old_version_answer_without_the_newer_keys(mocked: Any
     mocked.add(responses.GET, f"{BASE}/api/extra/true_max_context_length", json={"value": 2048})
     mocked.add(responses.GET, f"{BASE}/api/extra/version", json={"result": "KoboldCpp"})
     info = KoboldClient(BASE).info()
-    assert (info.vision, info.version, info.protected, info.jinja) == (False, "", False, False)
+    assert (info.vision, info.version) == (False, "")
 
 
 def test_info_on_a_protected_instance_without_password_is_unauthorized(mocked: Any) -> None:
@@ -170,8 +168,7 @@ def test_info_with_the_right_password_checks_it_with_an_empty_tokencount(mocked:
         json={"value": 1, "ids": [2], "prompt": ""},
         match=[matchers.header_matcher({"Authorization": f"Bearer {PASSWORD}"})],
     )
-    info = KoboldClient(BASE, PASSWORD).info()
-    assert info.protected is True
+    KoboldClient(BASE, PASSWORD).info()
     count_calls = [c for c in mocked.calls if c.request.url.endswith("/api/extra/tokencount")]
     assert [sent_json(c) for c in count_calls] == [{"prompt": ""}]
 

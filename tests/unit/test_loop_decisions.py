@@ -849,7 +849,7 @@ def test_a_koboldcpp_restarted_with_another_model_stops_the_loops() -> None:
 
     def info(name: str, ctx: int) -> BackendInfo:
         return BackendInfo(model_name=name, max_context_length=ctx, vision=False,
-                           version="1.116.1", protected=False, jinja=False)
+                           version="1.116.1")
 
     down = BackendError("GET /api/extra/perf connection failed (refused)")
     backend = InfoPerfBackend(

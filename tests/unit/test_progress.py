@@ -44,7 +44,7 @@ def test_the_first_post_goes_as_soon_as_text_exists_with_seq_1() -> None:
     p = poster()
     p.add("Blue", "")
     assert p.due(T0) == {"id": "job-1", "seq": 1, "delta": {"content": "Blue"}}
-    assert p.in_flight == {"id": "job-1", "seq": 1, "delta": {"content": "Blue"}}
+    assert p.retry_body() == {"id": "job-1", "seq": 1, "delta": {"content": "Blue"}}
 
 
 def test_reasoning_is_posted_beside_an_empty_content_until_the_answer_starts() -> None:
@@ -209,7 +209,8 @@ def test_definitive_refusals_stop_posting_but_not_generating(status: int, rc: st
     assert p.on_response(status, refusal(rc), T0 + 0.1) is A.STOP_POSTING
     assert not p.posting
     assert p.stopped_generating is None
-    assert p.in_flight is None
+    with pytest.raises(RuntimeError):
+        p.retry_body()
     p.add("more", "")
     assert p.due(T0 + 5) is None
     assert p.pending_final() is None
