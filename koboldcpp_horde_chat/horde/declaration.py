@@ -7,14 +7,11 @@ including the names deliberately not declared.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..settings import WorkerSettings
-
-log = logging.getLogger("koboldcpp_horde_chat.declaration")
 
 #: koboldcpp clamps the temperature of a tool request to 1.0 (1.116.1 ``koboldcpp.py`` L4414).
 TOOLS_MAX_TEMPERATURE = 1.0

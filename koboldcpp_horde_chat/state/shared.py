@@ -137,7 +137,8 @@ class WorkerState(Declaring):
         # The earlier faults (epoch seconds) on the monotonic clock of this window.
         now, wall = self.clock.monotonic(), self.clock.time()
         with self.lock:
-            restored, self._faults_restored = self._faults_restored, True
+            restored = self._faults_restored
+            self._faults_restored = True
             if not restored and self.journal is not None:
                 for at in self.journal.recent_faults(wall):
                     self.maintenance_guard.record_fault(now - (wall - at))
@@ -148,7 +149,8 @@ class WorkerState(Declaring):
     def stop_for_key(self, exc: HordeRefusal, line: str | None = None) -> None:
         """The API key or worker name is not the owner's: say so once, stop, exit 3."""
         with self.lock:
-            first, self._key_refused = not self._key_refused, True
+            first = not self._key_refused
+            self._key_refused = True
             self.exit_code = 3
         if first:
             log.error("%s; stopping", line or (
@@ -294,7 +296,8 @@ class WorkerState(Declaring):
     def first_chat_job(self) -> bool:
         """True the first time a chat job is popped (by any loop)."""
         with self.lock:
-            first, self.chat_job_seen = not self.chat_job_seen, True
+            first = not self.chat_job_seen
+            self.chat_job_seen = True
         return first
 
     def periodic_summary(self, now: float, wall: float) -> str | None:
