@@ -242,6 +242,11 @@ class Journal:
         False when the job is not recorded."""
         return self._change(job_id, terminal="reply_sent", reply=dict(body))
 
+    def mark_fault_sent(self, job_id: str) -> bool:
+        """Mark a job's fault as sent, before it goes: a restart sends it nothing
+        more. False when the job is not recorded."""
+        return self._change(job_id, terminal="fault_sent", reply=None)
+
     def mark_not_taken(self, job_id: str) -> bool:
         """The fault just sent is known not to have reached the Horde: back to
         ``none``. False when the job is not recorded."""
@@ -314,7 +319,7 @@ def send_terminal(
     sent before it goes (a restart never sends a second one), and back when it
     surely did not reach the Horde (it may be sent again)."""
     if fault and journal is not None:
-        journal._change(job_id, terminal="fault_sent", reply=None)
+        journal.mark_fault_sent(job_id)
     try:
         answer: Answered = horde.submit(body, timeout_s=timeout_s)
     except (HordeRefusal, HordeUnavailable) as exc:
