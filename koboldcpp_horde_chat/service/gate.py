@@ -21,8 +21,8 @@ from ..inflight import STOP_KIND
 from ..koboldcpp.answers import parse_chat_completion, text_generation
 from ..koboldcpp.manners import OWN_TAIL_S
 from ..state.journal import GENKEY_PREFIX
-from ..state.lease_figures import PerfFigures, budget_s, tokens_of_text
-from ..state.meter import prompt_s_per_token, record_generated
+from ..state.lease_figures import MIN_PROCESS_SAMPLE, PerfFigures, budget_s, tokens_of_text
+from ..state.meter import record_generated
 from ..state.ports import abort_quietly
 from ..state.probes import ALL
 from ..state.shared import HORDE_FAULT_LIMIT_PER_HOUR
@@ -219,8 +219,8 @@ class PopGate:
                     speed = figures.tokens / figures.eval_s
                 elif tokens >= REMEASURE_MIN_TOKENS and seconds > 0:
                     speed = tokens / seconds
-                process_s = prompt_s_per_token(figures)
-                if process_s is None and prompt_tokens >= 16 and seconds > 0:
+                process_s = figures.prompt_s_per_token() if figures is not None else None
+                if process_s is None and prompt_tokens >= MIN_PROCESS_SAMPLE and seconds > 0:
                     # No figures: all its time on the prompt (an upper bound).
                     process_s = seconds / prompt_tokens
             now = self.clock.monotonic()

@@ -29,6 +29,8 @@ STEP: Final = 16
 CONTEXT_STEP: Final = 64
 MIN_PROMPT_TOKENS: Final = 256
 """The fitted context leaves at least this many prompt tokens beside ``max_length``."""
+MIN_PROCESS_SAMPLE: Final = 16
+"""A shorter prompt, tokens, says too little about processing."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,13 @@ class PerfFigures:
     tokens: int
     eval_s: float
     generations: int
+
+    def prompt_s_per_token(self) -> float | None:
+        """Seconds koboldcpp took per prompt token, when these figures measured a
+        prompt of at least :data:`MIN_PROCESS_SAMPLE` tokens; else None."""
+        if self.prompt_tokens < MIN_PROCESS_SAMPLE or not self.process_s > 0:
+            return None
+        return self.process_s / self.prompt_tokens
 
 
 def tokens_of_text(text: str) -> int:

@@ -34,8 +34,6 @@ from .lease_figures import (
 )
 
 KINDS: Final = ("text", "chat")
-MIN_PROCESS_SAMPLE: Final = 16
-"""A shorter prompt, tokens, says too little about processing."""
 LONG_PROMPT_TOKENS: Final = 1024
 HANG_SHARE: Final = 0.5
 RAISE_FACTOR: Final = 1.25
@@ -173,7 +171,7 @@ class LeaseFit:
         if seconds <= 0 or tokens < 0:
             return []
         measured = False
-        if figures and figures.prompt_tokens >= MIN_PROCESS_SAMPLE and figures.process_s > 0:
+        if figures and figures.prompt_s_per_token() is not None:
             self._process[kind].append((figures.prompt_tokens, figures.process_s))
             measured = True
         if figures is not None and figures.eval_s > 0 and figures.tokens > 0:

@@ -81,7 +81,7 @@ class JobMeter:
             log.debug("koboldcpp's perf figures could not be read")
             return
         figures = perf_figures(perf)
-        process_s = prompt_s_per_token(figures)
+        process_s = figures.prompt_s_per_token() if figures is not None else None
         with self.state.lock:
             changes = self.state.lease_fit.seed(perf_speed(perf), self.clock(), process_s=process_s)
         for change in changes:
@@ -182,11 +182,3 @@ def record_generated(
         log.info("koboldcpp generates chat completions again: declaring chat again")
     elif restored:
         log.info("koboldcpp generates text again: popping for text jobs again")
-
-
-def prompt_s_per_token(figures: PerfFigures | None) -> float | None:
-    """Seconds koboldcpp took per prompt token in ``figures``, when they measured
-    a prompt of at least 16 tokens."""
-    if figures is None or figures.prompt_tokens < 16 or not figures.process_s > 0:
-        return None
-    return figures.process_s / figures.prompt_tokens
