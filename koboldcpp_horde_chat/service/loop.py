@@ -289,4 +289,3 @@ class Worker:
         else:
             log.debug("%s", again)
         self.stop_event.wait(wait_s)
-

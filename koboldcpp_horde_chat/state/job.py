@@ -208,7 +208,6 @@ class JobContext:
             raise JobFault(self.abandon_why or "the job was given up")
 
 
-
 @dataclass(frozen=True)
 class Outcome:
     """What a job run returns: the submit body, a short ``detail`` for the accepted

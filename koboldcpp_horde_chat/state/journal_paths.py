@@ -55,5 +55,3 @@ def journal_path(worker_name: str, state_dir: Path) -> Path:
     slug = _UNSAFE.sub("_", worker_name).strip("_-")[:SLUG_MAX_CHARS].strip("_-") or "worker"
     digest = hashlib.sha256(worker_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return state_dir / f"jobs-{slug}-{digest}.json"
-
-
